@@ -1,0 +1,388 @@
+"""GPU kernels for nanoPD, written in Triton, each with a plain-torch twin.
+
+Three jobs:
+  store_kv         write this step's new K/V rows into the paged cache
+  paged_attention  attention for a mixed batch (decodes and prefill chunks) whose
+                   K/V live in non-contiguous cache blocks; split-K for long decodes
+  copy_rows        move whole cache blocks: copy-on-write (copy_blocks) and the
+                   gather/scatter used to ship a request's blocks between devices
+
+Each public function runs the Triton kernel on CUDA tensors, and also on CPU tensors
+when TRITON_INTERPRET=1 (that is how CI tests the kernels themselves). Otherwise, on
+CPU, it runs the `*_torch` twin, which has the same signature and semantics.
+
+Cache layout (see kv_cache.py): one layer's K (or V) is a strided view
+[num_blocks, num_kv_heads, block_size, head_dim]. A token's slot is
+block_id * block_size + offset; slot -1 marks padding.
+"""
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or INTERPRET
+
+
+# ----------------------------------------------------------------------------- store_kv
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_ch, stride_cs,   # cache strides: block, head, slot-in-block (K and V views share them)
+    NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TOKENS_PER_PROGRAM: tl.constexpr,
+):
+    # Each program writes TOKENS_PER_PROGRAM tokens x all kv heads x head_dim.
+    tok = tl.program_id(0) * TOKENS_PER_PROGRAM + tl.arange(0, TOKENS_PER_PROGRAM)
+    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
+    valid = slot >= 0
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    h = tl.arange(0, HEADS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    src_k = tok[:, None, None] * stride_kt + h[None, :, None] * stride_kh + d[None, None, :]
+    src_v = tok[:, None, None] * stride_vt + h[None, :, None] * stride_vh + d[None, None, :]
+    dst = (block[:, None, None] * stride_cb + h[None, :, None] * stride_ch
+           + offset[:, None, None] * stride_cs + d[None, None, :])
+    mask = valid[:, None, None] & (h < NUM_KV_HEADS)[None, :, None]
+    tl.store(k_cache_ptr + dst, tl.load(k_ptr + src_k, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + dst, tl.load(v_ptr + src_v, mask=mask), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k, v [num_tokens, num_kv_heads, head_dim] into the cache views
+    [num_blocks, num_kv_heads, block_size, head_dim] at slot_mapping [num_tokens] (-1: skip)."""
+    if not _use_triton(k):
+        return store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1
+    assert k_cache.stride() == v_cache.stride()
+    _check_pow2(head_dim=head_dim)
+    tokens_per_program = 4
+    grid = (triton.cdiv(num_tokens, tokens_per_program),)
+    _store_kv_kernel[grid](
+        k, v, k_cache, v_cache, slot_mapping, num_tokens,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[2],
+        TOKENS_PER_PROGRAM=tokens_per_program,
+    )
+
+
+def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    block, offset = slots // k_cache.shape[2], slots % k_cache.shape[2]
+    k_cache[block, :, offset] = k[valid]   # index dims first: [n, num_kv_heads, head_dim]
+    v_cache[block, :, offset] = v[valid]
+
+
+# ----------------------------------------------------------------------------- paged attention
+#
+# The batch is a list of sequences; sequence s has q_len[s] new tokens (1 for a decode,
+# a chunk for a prefill) at positions ctx_len[s] .. ctx_len[s] + q_len[s] - 1, and its
+# K/V for all ctx_len + q_len positions are already in the cache (store_kv ran first).
+# New tokens attend causally: the token at position p sees keys 0..p.
+#
+# One program owns one tile of queries of one sequence and one kv head: BLOCK_Q tokens
+# x the G query heads that share that kv head (grouped-query attention), flattened to
+# BLOCK_M = BLOCK_Q * G_PAD rows. Packing a GQA group into the rows makes every K/V tile
+# serve G heads at once, and gives decode (1 token) enough rows for tl.dot.
+# The third grid axis also splits the key range into NUM_SPLITS parts (split-K, "flash
+# decoding"); each part writes a partial result and its log-sum-exp, merged afterwards.
+
+
+@triton.jit
+def _attn_tile(q, acc, m, l, k_base, v_base, table_ptr, tile_lo, tile_hi, q_pos, kv_len,
+               stride_cb, stride_cs, qk_scale,
+               MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # Online softmax over key tiles [tile_lo, tile_hi), in base 2 (qk_scale folds in log2 e).
+    n = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, HEAD_DIM)
+    for tile in range(tile_lo, tile_hi):
+        key = tile * BLOCK_N + n
+        if MASKED:   # only the tiles that cross the causal diagonal or the end of the keys
+            block = tl.load(table_ptr + key // BLOCK_SIZE, mask=key < kv_len, other=0).to(tl.int64)
+            offs = block[:, None] * stride_cb + (key % BLOCK_SIZE)[:, None] * stride_cs + d[None, :]
+            k = tl.load(k_base + offs, mask=(key < kv_len)[:, None], other=0.0)
+            v = tl.load(v_base + offs, mask=(key < kv_len)[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            s = tl.where((key[None, :] <= q_pos[:, None]) & (key[None, :] < kv_len), s, float("-inf"))
+        else:
+            block = tl.load(table_ptr + key // BLOCK_SIZE).to(tl.int64)
+            offs = block[:, None] * stride_cb + (key % BLOCK_SIZE)[:, None] * stride_cs + d[None, :]
+            k = tl.load(k_base + offs)
+            v = tl.load(v_base + offs)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        # Scale inside the exponent (one fused multiply-add) rather than scaling s first.
+        m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+    return acc, m, l
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    table_ptr, cu_q_ptr, ctx_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_ch, stride_cs, stride_table,
+    qk_scale, num_q_heads,
+    G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    q_tile = tl.num_programs(1) - 1 - tl.program_id(1)   # causal: heaviest tiles first
+    kv_head = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:   # grid is sized for the longest chunk; others exit here
+        return
+    ctx_len = tl.load(ctx_ptr + seq)
+    kv_len = ctx_len + q_len
+
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    row = tl.arange(0, BLOCK_M)
+    tok = q_tile * BLOCK_Q + row // G_PAD          # token index inside this sequence's chunk
+    head = kv_head * G + row % G_PAD               # query head
+    row_ok = (tok < q_len) & (row % G_PAD < G)
+    q_pos = ctx_len + tok                          # absolute position: sees keys <= q_pos
+    d = tl.arange(0, HEAD_DIM)
+    q_offs = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0)
+
+    # Key tiles this program covers: this split's share of the tiles up to the last
+    # query's position. Tiles wholly before the first query's position need no mask.
+    last_pos = ctx_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len) - 1
+    num_tiles = tl.cdiv(last_pos + 1, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    lo = split * tiles_per_split
+    hi = tl.minimum(lo + tiles_per_split, num_tiles)
+    first_masked = tl.minimum((ctx_len + q_tile * BLOCK_Q + 1) // BLOCK_N, hi)
+
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)   # finite: a row may see no key in a split
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table = table_ptr + seq * stride_table
+    k_base = k_cache_ptr + kv_head * stride_ch
+    v_base = v_cache_ptr + kv_head * stride_ch
+    acc, m, l = _attn_tile(q, acc, m, l, k_base, v_base, table, lo, first_masked, q_pos, kv_len,
+                           stride_cb, stride_cs, qk_scale, False, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
+                           DOT_PRECISION)
+    acc, m, l = _attn_tile(q, acc, m, l, k_base, v_base, table, tl.maximum(lo, first_masked), hi,
+                           q_pos, kv_len, stride_cb, stride_cs, qk_scale, True, BLOCK_N, BLOCK_SIZE,
+                           HEAD_DIM, DOT_PRECISION)
+
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+    token = q_start + tok
+    if NUM_SPLITS == 1:
+        o_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:   # partials: [num_tokens, num_q_heads, NUM_SPLITS, (HEAD_DIM)] in fp32
+        part = (token * num_q_heads + head) * NUM_SPLITS + split
+        lse = tl.where(l == 0.0, float("-inf"), m + tl.log2(l))
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=row_ok[:, None])
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_q_heads,
+                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+    # One program per (token, query head): weight each split by exp2(lse - max lse).
+    token, head = tl.program_id(0), tl.program_id(1)
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    part = (token * num_q_heads + head) * NUM_SPLITS + s
+    lse = tl.load(part_lse_ptr + part, mask=s < NUM_SPLITS, other=float("-inf"))
+    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=(s < NUM_SPLITS)[:, None],
+                other=0.0)
+    w = tl.exp2(lse - tl.max(lse, 0))
+    out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+@dataclass
+class AttentionConfig:
+    block_m: int      # query rows per program (tokens x padded GQA group)
+    block_n: int      # keys per inner-loop tile
+    num_warps: int
+    num_stages: int
+
+
+def attention_config(max_q_len: int, head_dim: int, on_gpu: bool) -> AttentionConfig:
+    """Tile shapes: decode needs only the 16 rows tl.dot wants and is memory bound;
+    prefill is compute bound and wants big tiles. Small tiles under the interpreter."""
+    if not on_gpu:
+        return AttentionConfig(16, 16, 4, 1)
+    if max_q_len == 1:
+        return AttentionConfig(16, 64, 4, 2)
+    return AttentionConfig(128 if head_dim <= 128 else 64, 64, 4, 3)
+
+
+def _num_sm(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4   # the interpreter: a few programs are enough to exercise split-K
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_q_len: int, max_kv_len: int,
+                      device: torch.device, block_n: int = 64) -> int:
+    """Split-K for decode only: enough programs for ~2 waves, each with >= 2 key tiles."""
+    if max_q_len > 1:
+        return 1
+    programs = num_seqs * num_kv_heads
+    want = triton.cdiv(2 * _num_sm(device), programs)
+    return max(1, min(want, triton.cdiv(max_kv_len, 2 * block_n), 64))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, cu_q_lens: torch.Tensor, ctx_lens: torch.Tensor,
+                    max_q_len: int, scale: float, num_splits: int = 1,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of this step's queries over the paged cache.
+
+    q            [num_tokens, num_q_heads, head_dim], tokens of all sequences back to back
+    k/v_cache    [num_blocks, num_kv_heads, block_size, head_dim] (views of one layer)
+    block_tables [num_seqs, max_blocks] int32; cu_q_lens [num_seqs + 1] int32 (prefix sums
+                 of q_len); ctx_lens [num_seqs] int32 (tokens cached before this step)
+    max_q_len    host int, longest q_len (sizes the grid); num_splits: split-K factor.
+    Returns      [num_tokens, num_q_heads, head_dim]
+    """
+    if not _use_triton(q):
+        return paged_attention_torch(q, k_cache, v_cache, block_tables, cu_q_lens, ctx_lens,
+                                     max_q_len, scale, num_splits, out)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_seqs = block_tables.shape[0]
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    _check_pow2(head_dim=head_dim)
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads do not group evenly over {num_kv_heads} kv heads")
+    g = num_q_heads // num_kv_heads
+    g_pad = triton.next_power_of_2(g)
+    cfg = attention_config(max_q_len, head_dim, q.is_cuda)
+    block_m = max(cfg.block_m, g_pad)
+    block_q = block_m // g_pad
+    out = torch.empty_like(q) if out is None else out
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    grid = (num_seqs, triton.cdiv(max_q_len, block_q), num_kv_heads * num_splits)
+    part_out = part_lse = out   # unused placeholders when not splitting
+    if num_splits > 1:
+        part_out = torch.empty(num_tokens, num_q_heads, num_splits, head_dim, dtype=torch.float32,
+                               device=q.device)
+        part_lse = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32,
+                               device=q.device)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, part_out, part_lse, block_tables, cu_q_lens, ctx_lens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        scale * math.log2(math.e), num_q_heads,
+        G=g, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1), num_q_heads,
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        )
+    return out
+
+
+def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, cu_q_lens: torch.Tensor, ctx_lens: torch.Tensor,
+                          max_q_len: int, scale: float, num_splits: int = 1,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """The twin: gather each sequence's keys from its blocks, then plain masked softmax."""
+    out = torch.empty_like(q) if out is None else out
+    block_size = k_cache.shape[2]
+    g = q.shape[1] // k_cache.shape[1]
+    for s in range(block_tables.shape[0]):
+        q0, q1 = int(cu_q_lens[s]), int(cu_q_lens[s + 1])
+        if q1 == q0:
+            continue
+        kv_len = int(ctx_lens[s]) + q1 - q0
+        pos = torch.arange(kv_len, device=q.device)
+        blocks = block_tables[s, pos // block_size].long()
+        k = k_cache[blocks, :, pos % block_size].float().repeat_interleave(g, 1)   # [kv_len, Hq, D]
+        v = v_cache[blocks, :, pos % block_size].float().repeat_interleave(g, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1].float(), k) * scale
+        q_pos = torch.arange(kv_len - (q1 - q0), kv_len, device=q.device)
+        scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------- block copies
+
+
+@triton.jit
+def _copy_rows_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, row_numel,
+                      CHUNK: tl.constexpr):
+    # Program (pair, chunk) copies CHUNK elements of row src_idx[pair] to row dst_idx[pair].
+    pair, chunk = tl.program_id(0), tl.program_id(1)
+    src_row = tl.load(src_idx_ptr + pair).to(tl.int64)
+    dst_row = tl.load(dst_idx_ptr + pair).to(tl.int64)
+    offs = chunk.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < row_numel
+    x = tl.load(src_ptr + src_row * row_numel + offs, mask=mask)
+    tl.store(dst_ptr + dst_row * row_numel + offs, x, mask=mask)
+
+
+def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor) -> None:
+    """dst[dst_idx[i]] = src[src_idx[i]] for every i, in one launch. src and dst are
+    contiguous with the same row size; a row of the cache is a whole block (all layers,
+    K and V). src may live on another device that this one can reach (P2P)."""
+    if not _use_triton(dst):
+        return copy_rows_torch(src, src_idx, dst, dst_idx)
+    assert src.is_contiguous() and dst.is_contiguous() and src[0].numel() == dst[0].numel()
+    row_numel = dst[0].numel()
+    src_idx, dst_idx = src_idx.contiguous(), dst_idx.contiguous()
+    chunk = 8192 if dst.is_cuda else 1024
+    grid = (len(src_idx), triton.cdiv(row_numel, chunk))
+    if grid[0]:
+        _copy_rows_kernel[grid](src, dst, src_idx, dst_idx, row_numel, CHUNK=chunk, num_warps=8)
+
+
+def copy_rows_torch(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor) -> None:
+    dst[dst_idx.long()] = src[src_idx.long()].to(dst.device)
+
+
+def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
+    """Copy-on-write: for each (src, dst) row of pairs [P, 2], copy block src to block dst
+    (every layer, K and V)."""
+    copy_rows(kv_cache, pairs[:, 0], kv_cache, pairs[:, 1])
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor) -> None:
+    """buffer[i] = kv_cache[block_ids[i]]: a request's blocks into a contiguous buffer."""
+    copy_rows(kv_cache, block_ids, buffer, torch.arange(len(block_ids), device=block_ids.device))
+
+
+def scatter_blocks(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """kv_cache[block_ids[i]] = buffer[i]: the inverse of gather_blocks."""
+    copy_rows(buffer, torch.arange(len(block_ids), device=block_ids.device), kv_cache, block_ids)
+
+
+def _check_pow2(**dims: int) -> None:
+    for name, n in dims.items():
+        if n & (n - 1):
+            raise ValueError(f"{name}={n}: the Triton kernels need a power of two")

@@ -1,0 +1,474 @@
+"""nanoPD's tests: every part against an independent reference.
+
+Kernels against a dense softmax written here and against their torch twins; the block
+manager against invariants it must keep; the model against HF transformers' own Qwen3.
+Without CUDA the Triton kernels run under the interpreter (TRITON_INTERPRET=1 is set
+below, before kernels.py decorates anything), so CI tests the kernels themselves.
+Interpreter arithmetic on bf16 is wrong, so bf16 is tested on the GPU only.
+"""
+
+import os
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+import kernels
+import kv_cache
+from kv_cache import (
+    BlockManager,
+    OutOfBlocks,
+    allocate_kv_cache,
+    blocks_for_memory,
+    kv_bytes_per_block,
+    layer_kv,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def make_paged_batch(q_lens, ctx_lens, num_kv_heads, group, head_dim, block_size, dtype, seed=0):
+    """Random K/V per sequence, scattered into shuffled (non-contiguous) cache blocks.
+    Returns the paged inputs plus the dense per-sequence K/V for the reference."""
+    g = torch.Generator().manual_seed(seed)
+    kv_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    blocks_per_seq = [-(-n // block_size) for n in kv_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn_like(k_cache.float()).to(dtype)
+    max_blocks = max(blocks_per_seq)
+    tables = torch.full((len(q_lens), max_blocks), 10**6, dtype=torch.int32)  # junk past the end
+    dense_k, dense_v, i = [], [], 0
+    for s, n in enumerate(kv_lens):
+        ids = perm[i:i + blocks_per_seq[s]]
+        i += blocks_per_seq[s]
+        tables[s, :len(ids)] = ids
+        k = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+        for p in range(n):
+            k_cache[ids[p // block_size], :, p % block_size] = k[p]
+            v_cache[ids[p // block_size], :, p % block_size] = v[p]
+        dense_k.append(k)
+        dense_v.append(v)
+    q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=g).to(dtype)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
+    dev = lambda t: t.to(DEVICE)
+    return (dev(q), dev(k_cache), dev(v_cache), dev(tables), dev(cu), dev(ctx)), dense_k, dense_v
+
+
+def dense_attention(q, ks, vs, q_lens, scale):
+    """Independent reference: per sequence, per head, softmax(q k^T) v over un-paged K/V,
+    the i-th new token seeing every cached key and new keys up to itself."""
+    outs, start = [], 0
+    for k, v, n in zip(ks, vs, q_lens):
+        qs = q[start:start + n].double().cpu()
+        start += n
+        group = qs.shape[1] // k.shape[1]
+        o = torch.empty_like(qs)
+        for h in range(qs.shape[1]):
+            kh, vh = k[:, h // group].double(), v[:, h // group].double()
+            s = qs[:, h] @ kh.T * scale
+            ctx = k.shape[0] - n
+            allowed = torch.arange(k.shape[0])[None, :] <= ctx + torch.arange(n)[:, None]
+            o[:, h] = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ vh
+        outs.append(o)
+    return torch.cat(outs)
+
+
+# A mixed batch: decodes after long and short contexts, a prefill chunk after a cached
+# prefix, a whole prompt with no context, lengths off the block grid.
+MIXED = {"q_lens": [1, 13, 1, 20, 1], "ctx_lens": [37, 19, 0, 0, 8]}
+ATTN_CASES = [  # (block_size, head_dim, group, num_kv_heads)
+    (16, 64, 1, 2), (8, 128, 3, 2), (16, 128, 4, 1), (8, 64, 8, 1), (16, 64, 3, 1),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size,head_dim,group,num_kv_heads", ATTN_CASES)
+def test_paged_attention_mixed_batch(block_size, head_dim, group, num_kv_heads, dtype):
+    args, ks, vs = make_paged_batch(MIXED["q_lens"], MIXED["ctx_lens"], num_kv_heads, group,
+                                    head_dim, block_size, dtype)
+    scale = head_dim ** -0.5
+    ref = dense_attention(args[0], ks, vs, MIXED["q_lens"], scale)
+    out = kernels.paged_attention(*args, max(MIXED["q_lens"]), scale)
+    twin = kernels.paged_attention_torch(*args, max(MIXED["q_lens"]), scale)
+    assert rel_err(out.cpu(), ref) < TOL[dtype]
+    assert rel_err(twin.cpu(), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_paged_attention_split_k_decode(num_splits, dtype):
+    """Decodes whose keys are split across programs, including splits that get no keys."""
+    q_lens, ctx_lens = [1, 1, 1, 1], [70, 5, 33, 0]
+    args, ks, vs = make_paged_batch(q_lens, ctx_lens, 2, 4, 64, 16, dtype, seed=1)
+    ref = dense_attention(args[0], ks, vs, q_lens, 0.125)
+    out = kernels.paged_attention(*args, 1, 0.125, num_splits=num_splits)
+    assert rel_err(out.cpu(), ref) < TOL[dtype]
+
+
+def test_paged_attention_split_k_prefill():
+    """Split-K also merges correctly when a chunk's rows see different key ranges."""
+    q_lens, ctx_lens = [21, 1], [11, 40]
+    args, ks, vs = make_paged_batch(q_lens, ctx_lens, 1, 2, 64, 8, torch.float32, seed=2)
+    ref = dense_attention(args[0], ks, vs, q_lens, 0.125)
+    out = kernels.paged_attention(*args, 21, 0.125, num_splits=4)
+    assert rel_err(out.cpu(), ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(2, 64, 8), (3, 128, 16)])
+def test_store_kv(num_kv_heads, head_dim, block_size, dtype):
+    g = torch.Generator().manual_seed(3)
+    num_blocks, n = 6, 19
+    k = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    v = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:n].to(torch.int32)
+    slots[[2, 7]] = -1   # padding rows must not be written
+    # Layer 1 of a block-major cache [blocks, layers, 2, heads, block_size, dim]: strided views.
+    cache = torch.randn(num_blocks, 2, 2, num_kv_heads, block_size, head_dim, generator=g).to(dtype)
+    cache = cache.to(DEVICE)
+    expect = cache.clone().cpu()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expect[slot // block_size, 1, 0, :, slot % block_size] = k[t].cpu()
+            expect[slot // block_size, 1, 1, :, slot % block_size] = v[t].cpu()
+    twin = cache.clone()
+    kernels.store_kv(k, v, cache[:, 1, 0], cache[:, 1, 1], slots.to(DEVICE))
+    kernels.store_kv_torch(k, v, twin[:, 1, 0], twin[:, 1, 1], slots.to(DEVICE))
+    assert torch.equal(cache.cpu(), expect)
+    assert torch.equal(twin.cpu(), expect)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_block_copies(dtype):
+    g = torch.Generator().manual_seed(4)
+    cache = torch.randn(9, 2, 2, 2, 8, 64, generator=g).to(dtype).to(DEVICE)
+    expect = cache.clone()
+    pairs = torch.tensor([[0, 5], [3, 7], [3, 8]], dtype=torch.int32, device=DEVICE)
+    for src, dst in pairs.tolist():
+        expect[dst] = cache[src]
+    kernels.copy_blocks(cache, pairs)
+    assert torch.equal(cache, expect)
+
+    ids = torch.tensor([6, 1, 4], dtype=torch.int32, device=DEVICE)
+    buf = torch.empty(3, *cache.shape[1:], dtype=dtype, device=DEVICE)
+    kernels.gather_blocks(cache, ids, buf)
+    assert torch.equal(buf, cache[ids.long()])
+    other = torch.zeros_like(cache)
+    kernels.scatter_blocks(buf, other, ids)
+    assert torch.equal(other[ids.long()], cache[ids.long()])
+    assert other[[0, 2, 3, 5, 7, 8]].abs().sum() == 0   # nothing else written
+
+
+# ============================================================================= block manager
+# ----------------------------------------------------------------------------- the cache tensor
+
+
+def test_layer_kv_views_alias_the_cache():
+    kv = allocate_kv_cache(5, 3, 2, 4, 8, torch.float16, "cpu")
+    assert kv.shape == (5, 3, 2, 2, 4, 8) and not kv.any()
+    k, v = layer_kv(kv, 1)
+    assert k.shape == v.shape == (5, 2, 4, 8)
+    k.fill_(1)
+    v[2, 1, 3, 7] = 5
+    assert (kv[:, 1, 0] == 1).all()
+    assert kv[2, 1, 1, 1, 3, 7] == 5 and kv[:, 1, 1].sum() == 5
+    assert not kv[:, 0].any() and not kv[:, 2].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_block_bytes_match_the_tensor(dtype):
+    num_blocks, shape = 7, {"num_layers": 3, "num_kv_heads": 2, "block_size": 16, "head_dim": 8}
+    kv = allocate_kv_cache(num_blocks, **shape, dtype=dtype, device="cpu")
+    per_block = kv_bytes_per_block(**shape, dtype=dtype)
+    assert per_block * num_blocks == kv.nbytes
+    # Block-major: one block is one contiguous chunk of exactly that size.
+    assert kv[3].is_contiguous() and kv[3].nbytes == per_block
+    assert blocks_for_memory(kv.nbytes + per_block - 1, per_block) == num_blocks
+    assert blocks_for_memory(0, per_block) == 0 and blocks_for_memory(-5, per_block) == 0
+
+
+# ----------------------------------------------------------------------------- small cases
+
+
+def computed(bm, prompt):
+    """Allocate a prompt and pretend the engine computed and cached all of it."""
+    table, num_cached = bm.allocate(prompt)
+    assert bm.append_slots(table, num_cached, len(prompt)) == []
+    bm.cache_computed_blocks(table, prompt, len(prompt))
+    return table
+
+
+def test_fork_shares_blocks_then_copies_the_partial_block_on_write():
+    bm = BlockManager(8, 4, watermark=0)
+    parent = computed(bm, list(range(6)))
+    child = bm.fork(parent)
+    assert child == parent and [bm.blocks[b].ref_count for b in parent] == [2, 2]
+    old = list(parent)
+    copies = bm.append_slots(parent, 6, 7)  # write token 6 into the shared partial block
+    assert copies == [(old[1], parent[1])] and parent[0] == old[0] and parent[1] != old[1]
+    assert bm.blocks[old[1]].ref_count == 1 and bm.blocks[parent[1]].ref_count == 1
+    assert bm.append_slots(child, 6, 7) == []  # the child now owns the old block alone
+    assert child == old
+    # A write that starts a new block copies nothing.
+    grandchild = bm.fork(child)
+    assert bm.append_slots(child, 8, 9) == [] and len(child) == 3
+    for table in (parent, child, grandchild):
+        bm.free(table)
+    assert parent == child == grandchild == [] and bm.num_free_blocks == 8
+
+
+def test_prefix_hit_skips_full_blocks_and_never_the_last_token():
+    bm = BlockManager(16, 4, watermark=0)
+    prompt = list(range(10, 20))
+    first = computed(bm, prompt)
+    assert sum(b.hash is not None for b in bm.blocks) == 2  # only the two full blocks
+    cached_blocks = first[:2]
+    bm.free(first)
+    table, num_cached = bm.allocate(prompt[:8] + [99, 98])
+    assert num_cached == 8 and table[:2] == cached_blocks
+    bm.free(table)
+    assert bm.allocate(prompt[:9])[1] == 8
+    # The whole prompt is cached, but its last token must be recomputed: its block is
+    # not shared, so only the first block hits.
+    table, num_cached = bm.allocate(prompt[:8])
+    assert num_cached == 4 and bm.blocks[table[1]].ref_count == 1
+    assert bm.allocate(prompt[:4])[1] == 0 and bm.allocate([10])[1] == 0
+
+
+def test_blocks_are_cached_only_once_computed():
+    bm = BlockManager(16, 4, watermark=0)
+    prompt = list(range(12))
+    table, _ = bm.allocate(prompt)
+    bm.append_slots(table, 0, 6)  # first chunk of a chunked prefill
+    bm.cache_computed_blocks(table, prompt, 6)
+    assert bm.allocate(prompt)[1] == 4
+    bm.append_slots(table, 6, 12)
+    bm.cache_computed_blocks(table, prompt, 12)
+    assert bm.allocate(prompt)[1] == 8
+
+
+def test_same_prefix_computed_twice_is_deduplicated():
+    bm = BlockManager(16, 4, watermark=0)
+    prompt = list(range(9))
+    first, second = bm.allocate(prompt)[0], bm.allocate(prompt)[0]  # no hits yet
+    bm.cache_computed_blocks(first, prompt, 9)
+    before, free_before = list(second), bm.num_free_blocks
+    bm.cache_computed_blocks(second, prompt, 9)
+    assert second[:2] == first[:2] and second[2] == before[2]
+    assert bm.num_free_blocks == free_before + 2
+
+
+@pytest.mark.parametrize("fake_hash", [lambda prev, tokens: 0,  # every block collides
+                                       lambda prev, tokens: hash(tokens)])  # blind to the prefix
+def test_hash_collision_is_not_a_hit(monkeypatch, fake_hash):
+    monkeypatch.setattr(kv_cache, "hash_block", fake_hash)
+    bm = BlockManager(16, 4, watermark=0)
+    bm.free(computed(bm, [1, 2, 3, 4, 5, 6, 7, 8, 0]))
+    assert bm.allocate([5, 6, 7, 8, 1, 2, 3, 4, 0])[1] == 0  # different tokens, same hash
+    assert bm.allocate([5, 6, 7, 8, 0])[1] == 0  # same tokens, different prefix
+    assert bm.allocate([1, 2, 3, 4, 0])[1] == 4  # a true hit still hits
+
+
+def test_evictable_blocks_are_reused_then_evicted_tail_first():
+    bm = BlockManager(4, 4, watermark=0)
+    prompt = list(range(13))  # 3 full blocks and a partial one
+    bm.free(computed(bm, prompt))
+    assert bm.num_free_blocks == 4 and len(bm.evictable) == 3
+    table, num_cached = bm.allocate(prompt)
+    assert num_cached == 12 and bm.num_free_blocks == 0
+    blocks = list(table)
+    bm.free(table)
+    x, _ = bm.allocate([100, 101])  # takes the truly free block
+    y, _ = bm.allocate([102, 103])  # evicts the least recently used: the prompt's tail
+    assert x == [blocks[3]] and y == [blocks[2]]
+    assert len(bm.cached) == 2 and bm.blocks[blocks[2]].hash is None
+    bm.free(x)
+    bm.free(y)
+    assert bm.allocate(prompt)[1] == 8
+
+
+def test_can_allocate_keeps_the_watermark_for_running_sequences():
+    bm = BlockManager(100, 4, watermark=0.1)
+    assert bm.can_allocate([0] * 360) and not bm.can_allocate([0] * 361)
+    running, _ = bm.allocate([0] * 360)
+    assert not bm.can_allocate([1])
+    assert bm.can_append(running, 360, 400)  # growing may use the watermark
+    assert not bm.can_append(running, 360, 401)
+    with pytest.raises(OutOfBlocks):
+        bm.append_slots(running, 360, 401)
+    assert len(running) == 90  # a refused append leaves the table alone
+    bm.append_slots(running, 360, 400)
+    with pytest.raises(OutOfBlocks):
+        bm.allocate([1])
+
+
+def test_prefix_caching_can_be_disabled():
+    bm = BlockManager(16, 4, watermark=0, enable_prefix_caching=False)
+    prompt = list(range(9))
+    bm.free(computed(bm, prompt))
+    assert bm.allocate(prompt)[1] == 0 and not bm.cached and not bm.evictable
+
+
+# ----------------------------------------------------------------------------- random operations
+
+
+@dataclass
+class Seq:
+    tokens: list[int]
+    table: list[int]
+    num_computed: int
+
+
+def check_invariants(bm, seqs, contents):
+    counts = Counter(b for seq in seqs for b in seq.table)
+    free, evictable = set(bm.free_block_ids), set(bm.evictable)
+    assert len(free) == len(bm.free_block_ids)
+    assert not free & evictable and not (free | evictable) & counts.keys()
+    assert len(free) + len(evictable) + len(counts) == bm.num_blocks
+    assert bm.num_free_blocks == bm.num_blocks - len(counts)
+    for b, block in enumerate(bm.blocks):
+        assert block.ref_count == counts[b]
+    assert evictable <= set(bm.cached.values())
+    for h, b in bm.cached.items():  # a cached block holds exactly its tokens' KV
+        block = bm.blocks[b]
+        assert block.hash == h and len(block.token_ids) == bm.block_size
+        assert [kv[-1] for kv in contents[b]] == list(block.token_ids)
+    for seq in seqs:  # every computed position's KV is in its slot
+        for p in range(seq.num_computed):
+            block, offset = divmod(p, bm.block_size)
+            assert contents[seq.table[block]][offset] == tuple(seq.tokens[:p + 1])
+
+
+def write(bm, seq, end, contents, used):
+    """What the engine does for one step of a sequence: positions [num_computed, end)."""
+    bs, start, before = bm.block_size, seq.num_computed, list(seq.table)
+    copies = bm.append_slots(seq.table, start, end)
+    assert len(seq.table) == max(len(before), -(-end // bs))
+    for i, (old, new) in enumerate(zip(before, seq.table)):
+        if old != new:  # copy-on-write: a fresh block replaces a shared one in the write range
+            assert start // bs <= i < -(-end // bs) and (old, new) in copies
+            assert new not in used and bm.blocks[old].ref_count >= 1
+    assert len(copies) == sum(old != new for old, new in zip(before, seq.table))
+    for src, dst in copies:
+        contents[dst] = list(contents[src])
+    for b in seq.table[len(before):]:
+        assert b not in used
+        contents[b] = [None] * bs
+    for p in range(start, end):
+        block = seq.table[p // bs]
+        assert bm.blocks[block].ref_count == 1  # a shared block is never written in place
+        # The KV at a position depends on every token up to it.
+        contents[block][p % bs] = tuple(seq.tokens[:p + 1])
+    seq.num_computed = end
+    return len(copies)
+
+
+@pytest.mark.parametrize("hash_fn, prefix_caching", [
+    (None, True),
+    (lambda prev, tokens: hash((prev, tokens)) % 3, True),  # many collisions
+    (None, False),
+])
+def test_random_operations_keep_the_invariants(monkeypatch, hash_fn, prefix_caching):
+    if hash_fn is not None:
+        monkeypatch.setattr(kv_cache, "hash_block", hash_fn)
+    rng = random.Random(0)
+    bs, vocab, max_len = 4, 3, 48
+    bm = BlockManager(40, bs, watermark=0.05, enable_prefix_caching=prefix_caching)
+    families = [[rng.randrange(vocab) for _ in range(max_len)] for _ in range(3)]
+    seqs: list[Seq] = []
+    finished: list[list[int]] = []
+    contents: dict[int, list] = {b: [None] * bs for b in range(bm.num_blocks)}
+    stats = Counter()
+
+    def stop(seq):
+        bm.free(seq.table)
+        assert seq.table == []
+        seqs.remove(seq)
+        finished.append(seq.tokens)
+
+    def cache(seq):
+        before = list(seq.table)
+        bm.cache_computed_blocks(seq.table, seq.tokens, seq.num_computed)
+        for i, (old, new) in enumerate(zip(before, seq.table)):
+            if old != new:  # switched to an identical block another sequence cached
+                assert i < seq.num_computed // bs and contents[new] == contents[old]
+                stats["dedup"] += 1
+
+    for _ in range(4000):
+        used = {b for seq in seqs for b in seq.table}
+        op = rng.random()
+        if op < 0.2 or not seqs:  # a new or readmitted (preempted) prompt
+            if finished and rng.random() < 0.3:
+                prompt = list(rng.choice(finished))
+            else:
+                prompt = rng.choice(families)[:rng.randrange(max_len - 8)]
+                prompt += [rng.randrange(vocab) for _ in range(rng.randint(1, 8))]
+            if bm.can_allocate(prompt):
+                table, num_cached = bm.allocate(prompt)
+                assert len(table) == -(-len(prompt) // bs)
+                assert num_cached % bs == 0 and num_cached < len(prompt)
+                for p in range(num_cached):  # a hit holds exactly this prompt's KV
+                    assert contents[table[p // bs]][p % bs] == tuple(prompt[:p + 1])
+                for b in table[num_cached // bs:]:
+                    assert b not in used
+                    contents[b] = [None] * bs
+                seqs.append(Seq(prompt, table, num_cached))
+                assert bm.num_free_blocks >= bm.watermark_blocks
+                stats["hit_blocks"] += num_cached // bs
+        elif op < 0.65:  # one step: a prefill chunk, or decode one token
+            seq = rng.choice(seqs)
+            if seq.num_computed == len(seq.tokens):
+                if len(seq.tokens) >= max_len:
+                    stop(seq)
+                    continue
+                seq.tokens.append(rng.randrange(vocab))
+                end = len(seq.tokens)
+            else:
+                end = rng.randint(seq.num_computed + 1, len(seq.tokens))
+            if bm.can_append(seq.table, seq.num_computed, end):
+                stats["copies"] += write(bm, seq, end, contents, used)
+                if rng.random() < 0.5:  # or later: caching may lag behind computing
+                    cache(seq)
+            else:  # preempt it, as the engine would
+                before = list(seq.table)
+                with pytest.raises(OutOfBlocks):
+                    bm.append_slots(seq.table, seq.num_computed, end)
+                assert seq.table == before
+                stop(seq)
+        elif op < 0.73:  # fork (parallel sampling)
+            seq = rng.choice(seqs)
+            child = Seq(list(seq.tokens), bm.fork(seq.table), seq.num_computed)
+            assert child.table == seq.table
+            seqs.append(child)
+        elif op < 0.85:
+            cache(rng.choice(seqs))
+        else:
+            stop(rng.choice(seqs))
+        check_invariants(bm, seqs, contents)
+
+    while seqs:
+        stop(seqs[-1])
+    check_invariants(bm, seqs, contents)
+    assert bm.num_free_blocks == bm.num_blocks and len(bm.free_block_ids) + len(bm.evictable) == 40
+    assert stats["copies"] > 50
+    if prefix_caching and hash_fn is None:
+        assert stats["hit_blocks"] > 200 and stats["dedup"] > 0
