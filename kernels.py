@@ -227,14 +227,17 @@ class AttentionConfig:
     num_stages: int
 
 
-def attention_config(max_q_len: int, head_dim: int, on_gpu: bool) -> AttentionConfig:
-    """Tile shapes: decode needs only the 16 rows tl.dot wants and is memory bound;
-    prefill is compute bound and wants big tiles. Small tiles under the interpreter."""
+def attention_config(max_q_len: int, head_dim: int, on_gpu: bool, elem_bytes: int = 2) -> AttentionConfig:
+    """Tile shapes (tuned on an H200 with bench.py kernels): decode needs only the 16 rows
+    tl.dot wants and is memory bound; prefill is compute bound and wants big tiles, which
+    in fp32 (tests only) would overflow shared memory. Small tiles under the interpreter."""
     if not on_gpu:
         return AttentionConfig(16, 16, 4, 1)
     if max_q_len == 1:
         return AttentionConfig(16, 64, 4, 2)
-    return AttentionConfig(128 if head_dim <= 128 else 64, 64, 4, 3)
+    if elem_bytes > 2 or head_dim > 128:
+        return AttentionConfig(64, 32, 4, 2)
+    return AttentionConfig(128, 128, 8, 3)
 
 
 def _num_sm(device: torch.device) -> int:
@@ -278,7 +281,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"{num_q_heads} query heads do not group evenly over {num_kv_heads} kv heads")
     g = num_q_heads // num_kv_heads
     g_pad = triton.next_power_of_2(g)
-    cfg = attention_config(max_q_len, head_dim, q.is_cuda)
+    cfg = attention_config(max_q_len, head_dim, q.is_cuda, q.element_size())
     block_m = max(cfg.block_m, g_pad)
     block_q = block_m // g_pad
     out = torch.empty_like(q) if out is None else out

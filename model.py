@@ -1,0 +1,287 @@
+"""Qwen3 for nanoPD: the network, and loading it from an HF checkpoint or a named preset.
+
+A step's tokens from all sequences are concatenated (no batch dimension): input_ids and
+positions are [num_tokens]. Each attention layer writes the step's K/V into the paged cache
+and attends over the whole context through `kernels`; AttentionMetadata says where every
+token lives. The engine builds the metadata, picks each sequence's last hidden state and
+calls `compute_logits`. Module names follow HF's, except that q/k/v and gate/up are fused
+into one matmul each; PACKED maps the checkpoint's names onto them (as in nano-vllm).
+"""
+
+import json
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig, Qwen3Config
+from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+import kernels
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the paged cache and which keys they see."""
+    slot_mapping: torch.Tensor   # [num_tokens] int32: block_id * block_size + offset; -1 = padding
+    block_tables: torch.Tensor   # [num_seqs, max_blocks] int32
+    cu_q_lens: torch.Tensor      # [num_seqs + 1] int32: prefix sums of each sequence's new tokens
+    ctx_lens: torch.Tensor       # [num_seqs] int32: tokens already cached before this step
+    max_q_len: int               # a host int (sizes the kernel grid), so no device sync
+    num_splits: int = 1          # split-K for long decodes: kernels.choose_num_splits
+
+
+# ----------------------------------------------------------------------------- the network
+
+
+def rope_frequencies(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
+    """inv_freq [head_dim // 2] (fp32) and the cos/sin scale. Scaled RoPE types come from HF's
+    own initialisers, so any rope_type the config names works; the length-dependent updates
+    of "dynamic" and "longrope" are not modelled (their frequencies stay at the initial ones)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":   # transformers 5 has no "default" entry in ROPE_INIT_FUNCTIONS
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config)
+        return inv_freq.float(), float(scale)
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return 1.0 / theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim), 1.0
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, heads, head_dim]; cos/sin [num_tokens, 1, head_dim]. HF's rotate_half
+    layout: dimension i pairs with i + head_dim / 2 (not interleaved)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        # Qwen3 normalises each head's q and k before the rotation.
+        q = apply_rope(self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))), cos, sin)
+        k = apply_rope(self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim))), cos, sin)
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        k_cache, v_cache = kv_cache[:, self.layer, 0], kv_cache[:, self.layer, 1]
+        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q_lens, meta.ctx_lens,
+                                    meta.max_q_len, self.scale, num_splits=meta.num_splits)
+        return self.o_proj(o.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3(nn.Module):
+    """kv_cache: [num_blocks, num_layers, 2 (K, V), num_kv_heads, block_size, head_dim]."""
+
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported")
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(self.num_layers))
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        inv_freq, self.rope_scale = rope_frequencies(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        q_size, kv_size = config.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.packed_sizes = {"qkv_proj": [q_size, kv_size, kv_size],
+                             "gate_up_proj": [config.intermediate_size] * 2}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]."""
+        h = self.embed_tokens(input_ids)
+        # cos/sin once per step, shared by all layers; computed like HF (fp32, then cast).
+        freqs = positions.float()[:, None] * self.inv_freq   # [num_tokens, head_dim // 2]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None]   # [num_tokens, 1, head_dim]
+        cos = (angles.cos() * self.rope_scale).to(h.dtype)
+        sin = (angles.sin() * self.rope_scale).to(h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, kv_cache, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, hidden_size] -> logits [n, vocab_size], in the model's dtype."""
+        return self.lm_head(hidden)
+
+
+# ----------------------------------------------------------------------------- loading
+
+QWEN3 = {"vocab_size": 151936, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+         "rms_norm_eps": 1e-6, "max_position_embeddings": 40960, "head_dim": 128,
+         "bos_token_id": 151643, "eos_token_id": 151645}
+PRESETS = {
+    "qwen3-8b": dict(QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False),
+    "qwen3-0.6b": dict(QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    # For CPU runs: vocab = 256 bytes + specials (256 = bos, 257 = eos) + room to spare.
+    "tiny": dict(QWEN3, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+                 tie_word_embeddings=True, bos_token_id=256, eos_token_id=257),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# checkpoint module name -> (our fused module, which shard of its output rows)
+PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def load_config(name_or_path: str) -> PretrainedConfig:
+    """A preset's Qwen3Config, or a checkpoint folder's config.json."""
+    if name_or_path in PRESETS:
+        return Qwen3Config(**PRESETS[name_or_path])
+    folder = Path(name_or_path)
+    if not folder.is_dir():
+        raise ValueError(f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"checkpoint folder {folder} has no config.json")
+    config = AutoConfig.from_pretrained(folder)
+    if config.model_type != "qwen3":
+        raise ValueError(f"{folder}: model_type {config.model_type!r} is not qwen3")
+    return config
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files: those the shard index names, else every *.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files or not all(f.is_file() for f in files):
+        raise ValueError(f"checkpoint folder {folder} has no (or missing) *.safetensors files")
+    return files
+
+
+def _destination(model: Qwen3, params: dict[str, nn.Parameter], hf_name: str) -> tuple[str, torch.Tensor]:
+    """The parameter a checkpoint tensor belongs to, and the rows of it that the tensor fills."""
+    name = hf_name.removeprefix("model.")
+    module, _, leaf = name.rpartition(".")   # "layers.3.self_attn.q_proj", "weight"
+    parent, _, proj = module.rpartition(".")
+    if proj in PACKED:
+        fused, shard = PACKED[proj]
+        name = f"{parent}.{fused}.{leaf}"
+        if name in params:
+            return name, params[name].split(model.packed_sizes[fused])[shard]
+    if name not in params:
+        raise ValueError(f"unexpected weight {hf_name} in the checkpoint")
+    return name, params[name]
+
+
+@torch.no_grad()
+def load_weights(model: Qwen3, files: list[Path]) -> None:
+    """Copy checkpoint tensors, read straight onto the model's device, into its parameters."""
+    params = dict(model.named_parameters())   # a tied lm_head is listed once, as embed_tokens
+    rows_filled = dict.fromkeys(params, 0)     # counts rows, so a missing q/k/v or gate/up shows
+    for file in files:
+        with safe_open(file, framework="pt", device=str(model.device)) as f:
+            for hf_name in f.keys():   # noqa: SIM118 (safe_open is not iterable)
+                if hf_name == "lm_head.weight" and model.config.tie_word_embeddings:
+                    continue
+                name, dst = _destination(model, params, hf_name)
+                tensor = f.get_tensor(hf_name)
+                if tensor.shape != dst.shape:
+                    raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+                dst.copy_(tensor)
+                rows_filled[name] += tensor.shape[0]
+    missing = [name for name, p in params.items() if rows_filled[name] != p.shape[0]]
+    if missing:
+        raise ValueError(f"checkpoint lacks weights for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+
+
+@torch.no_grad()
+def init_random(model: Qwen3, seed: int) -> None:
+    """normal(0, 0.02) matrices, unit norms, zero biases; on the model's device, from seed."""
+    gen = torch.Generator(model.device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if p.dim() > 1:
+            p.normal_(0.0, 0.02, generator=gen)
+        else:
+            p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(name_or_path: str, dtype: torch.dtype | str | None = None,
+               device: str | torch.device | None = None, seed: int = 0) -> Qwen3:
+    """A preset name (random weights from seed) or an HF checkpoint folder -> Qwen3 in eval
+    mode; its config is model.config. Defaults: cuda if available; bf16 there, fp32 on CPU."""
+    config = load_config(name_or_path)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    files = None if name_or_path in PRESETS else checkpoint_files(Path(name_or_path))
+    # Allocate every parameter on the device in its final dtype: no CPU copy, no fp32 detour.
+    with torch.device(device), default_dtype(dtype):
+        model = Qwen3(config)
+    model.requires_grad_(False)
+    if files is None:
+        init_random(model, seed)
+    else:
+        load_weights(model, files)
+    return model.eval()
