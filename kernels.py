@@ -259,7 +259,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_q_len: int, max_kv_l
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, cu_q_lens: torch.Tensor, ctx_lens: torch.Tensor,
                     max_q_len: int, scale: float, num_splits: int = 1,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, num_decodes: int = 0) -> torch.Tensor:
     """Causal attention of this step's queries over the paged cache.
 
     q            [num_tokens, num_q_heads, head_dim], tokens of all sequences back to back
@@ -267,11 +267,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_tables [num_seqs, max_blocks] int32; cu_q_lens [num_seqs + 1] int32 (prefix sums
                  of q_len); ctx_lens [num_seqs] int32 (tokens cached before this step)
     max_q_len    host int, longest q_len (sizes the grid); num_splits: split-K factor.
+    num_decodes  host int: the first num_decodes sequences have q_len 1. In a mixed batch
+                 they get their own launch with decode tiles (16 rows, split-K), rather
+                 than prefill tiles of 128 rows that would be mostly empty.
     Returns      [num_tokens, num_q_heads, head_dim]
     """
+    out = torch.empty_like(q) if out is None else out
+    if 0 < num_decodes < block_tables.shape[0]:
+        d = num_decodes
+        paged_attention(q, k_cache, v_cache, block_tables[:d], cu_q_lens[:d + 1], ctx_lens[:d], 1, scale,
+                        num_splits, out)
+        return paged_attention(q, k_cache, v_cache, block_tables[d:], cu_q_lens[d:], ctx_lens[d:],
+                               max_q_len, scale, 1, out)
     if not _use_triton(q):
         return paged_attention_torch(q, k_cache, v_cache, block_tables, cu_q_lens, ctx_lens,
-                                     max_q_len, scale, num_splits, out)
+                                     max_q_len, scale, num_splits, out, num_decodes)
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs = block_tables.shape[0]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
@@ -284,7 +294,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cfg = attention_config(max_q_len, head_dim, q.is_cuda, q.element_size())
     block_m = max(cfg.block_m, g_pad)
     block_q = block_m // g_pad
-    out = torch.empty_like(q) if out is None else out
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (num_seqs, triton.cdiv(max_q_len, block_q), num_kv_heads * num_splits)
     part_out = part_lse = out   # unused placeholders when not splitting
@@ -313,7 +322,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, cu_q_lens: torch.Tensor, ctx_lens: torch.Tensor,
                           max_q_len: int, scale: float, num_splits: int = 1,
-                          out: torch.Tensor | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None, num_decodes: int = 0) -> torch.Tensor:
     """The twin: gather each sequence's keys from its blocks, then plain masked softmax."""
     out = torch.empty_like(q) if out is None else out
     block_size = k_cache.shape[2]

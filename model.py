@@ -31,7 +31,8 @@ class AttentionMetadata:
     cu_q_lens: torch.Tensor      # [num_seqs + 1] int32: prefix sums of each sequence's new tokens
     ctx_lens: torch.Tensor       # [num_seqs] int32: tokens already cached before this step
     max_q_len: int               # a host int (sizes the kernel grid), so no device sync
-    num_splits: int = 1          # split-K for long decodes: kernels.choose_num_splits
+    num_splits: int = 1          # split-K for the decodes: kernels.choose_num_splits
+    num_decodes: int = 0         # the first num_decodes sequences are decodes (q_len 1)
 
 
 # ----------------------------------------------------------------------------- the network
@@ -80,7 +81,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache[:, self.layer, 0], kv_cache[:, self.layer, 1]
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q_lens, meta.ctx_lens,
-                                    meta.max_q_len, self.scale, num_splits=meta.num_splits)
+                                    meta.max_q_len, self.scale, num_splits=meta.num_splits,
+                                    num_decodes=meta.num_decodes)
         return self.o_proj(o.flatten(1))
 
 

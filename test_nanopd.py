@@ -127,6 +127,16 @@ def test_paged_attention_split_k_decode(num_splits, dtype):
     assert rel_err(out.cpu(), ref) < TOL[dtype]
 
 
+def test_paged_attention_decodes_then_chunks():
+    """A mixed step as the engine lays it out: decodes first (their own split-K launch),
+    then prefill chunks (a second launch writing the same output)."""
+    q_lens, ctx_lens = [1, 1, 13, 20], [45, 3, 19, 0]
+    args, ks, vs = make_paged_batch(q_lens, ctx_lens, 2, 3, 64, 8, torch.float32, seed=5)
+    ref = dense_attention(args[0], ks, vs, q_lens, 0.125)
+    out = kernels.paged_attention(*args, 20, 0.125, num_splits=3, num_decodes=2)
+    assert rel_err(out.cpu(), ref) < TOL[torch.float32]
+
+
 def test_paged_attention_split_k_prefill():
     """Split-K also merges correctly when a chunk's rows see different key ranges."""
     q_lens, ctx_lens = [21, 1], [11, 40]
