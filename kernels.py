@@ -249,7 +249,7 @@ def _num_sm(device: torch.device) -> int:
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_q_len: int, max_kv_len: int,
                       device: torch.device, block_n: int = 64) -> int:
     """Split-K for decode only: enough programs for ~2 waves, each with >= 2 key tiles."""
-    if max_q_len > 1:
+    if max_q_len > 1 or num_seqs == 0:
         return 1
     programs = num_seqs * num_kv_heads
     want = triton.cdiv(2 * _num_sm(device), programs)

@@ -1,90 +1,745 @@
-"""nanoPD's entry point. For now: a greedy generation demo on the paged KV cache.
+"""nanoPD: the single-device engine and the offline API.
 
-    python nanopd.py --prompt "The quick brown fox" --max-tokens 32
+    from nanopd import LLM, SamplingParams
+    outs = LLM("tiny").generate(["Hello"], SamplingParams(max_tokens=32))
 
-It shows how the pieces fit: the BlockManager hands out cache blocks, every step turns
-the sequence into AttentionMetadata (slots, block table, lengths), and the model writes
-its K/V through those slots and attends over the blocks. The continuous-batching engine,
-sampling and the LLM API replace this loop in the next step of the project.
+How a step works (Engine.step):
+  1. Scheduler.schedule picks this step's work under a token budget: running decodes
+     first, then prompt chunks (chunked prefill), then new requests, first come first
+     served. If the KV cache runs out it preempts the newest sequence (its blocks are
+     freed and it is recomputed later, through the prefix cache where possible).
+  2. ModelRunner.run turns the batch into tensors (token ids, positions, slot mapping,
+     block tables, lengths) and runs the model: pure-decode steps replay a CUDA graph
+     captured at start-up for a padded batch size, mixed steps run eagerly.
+  3. Every sequence whose last token was computed gets a new token (sample), or, in beam
+     search, its candidate continuations; requests that hit a stop condition finish.
+
+Parallel sampling (n > 1) prefills the prompt once and forks the sequence; beam search
+forks and frees sequences each step. Both share blocks through the BlockManager's
+copy-on-write.
 """
 
 import argparse
+import bisect
+import itertools
 import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 import kernels
-from kv_cache import BlockManager, allocate_kv_cache
+from kv_cache import BlockManager, allocate_kv_cache, blocks_for_memory, kv_bytes_per_block
 from model import AttentionMetadata, Qwen3, load_model
+
+# ----------------------------------------------------------------------------- requests
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 32
+    temperature: float = 0.0           # 0: greedy
+    top_p: float = 1.0
+    top_k: int = -1                    # -1: no limit
+    seed: int | None = None            # same seed, same tokens, whatever else is in the batch
+    n: int = 1                         # completions per prompt
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None        # also return this many top alternatives per token
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (no limit) or positive, got {self.top_k}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_cached_tokens: int = 0         # prompt tokens found in the prefix cache
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None          # "stop", "length", or None while running
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    metrics: RequestMetrics
+    finished: bool = True
+    error: ValueError | None = None    # set when the request was rejected; outputs is then empty
+
+
+class Status(Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+_seq_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One stream of tokens: a prompt and the completion growing after it."""
+    request: "Request"
+    index: int                          # which completion of its request
+    token_ids: list[int]
+    num_prompt_tokens: int
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))   # arrival order, for FCFS
+    status: Status = Status.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0               # tokens whose K/V are in the cache
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    beam_candidates: list[tuple[int, float]] | None = None   # beam search: (token, logprob)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens to compute before the next token can be chosen (1 for a decode)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    beam_width: int = 0                 # > 0: beam search instead of sampling
+    length_penalty: float = 1.0
+    seqs: list[Sequence] = field(default_factory=list)        # live and finished completions
+    beams_done: list[Sequence] = field(default_factory=list)  # beam search: finished hypotheses
+    forked: bool = False                # n > 1: children are forked after the first token
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status == Status.FINISHED for s in self.seqs)
+
+
+# ----------------------------------------------------------------------------- scheduler
+
+
+@dataclass
+class Batch:
+    """One step's work: each sequence computes its next num_new tokens."""
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)   # copy-on-write block pairs
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()   # ordered by seq_id: first come, first served
+        self.running: list[Sequence] = []          # in admission order; the last is preempted first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        keys = [s.seq_id for s in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, seq.seq_id), seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        batch, budget = Batch(), self.max_num_batched_tokens
+        # Running decodes first (each waits on one token), then unfinished prompt chunks.
+        active = [s for s in self.running if s.num_pending > 0]
+        for seq in sorted(active, key=lambda s: s.num_pending > 1):
+            if budget == 0:
+                break
+            if seq.status != Status.RUNNING:   # preempted to make room for an earlier one
+                continue
+            n = min(seq.num_pending, budget)
+            if not self._make_room(seq, n, batch):
+                continue
+            batch.copies += self.bm.append_slots(seq.block_table, seq.num_computed, seq.num_computed + n)
+            batch.seqs.append(seq)
+            batch.num_new.append(n)
+            budget -= n
+        # Then new (or preempted) sequences, first come first served, while budget and seats remain.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.bm.can_allocate(seq.token_ids):
+                break
+            self.waiting.popleft()
+            seq.block_table, seq.num_computed = self.bm.allocate(seq.token_ids)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            metrics = seq.request.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = time.perf_counter()
+                metrics.num_cached_tokens = seq.num_computed
+            n = min(seq.num_pending, budget)
+            batch.seqs.append(seq)
+            batch.num_new.append(n)
+            budget -= n
+        return batch
+
+    def _make_room(self, seq: Sequence, n: int, batch: Batch) -> bool:
+        """Preempt the newest running sequences not yet in this batch until seq can write
+        n more tokens. False if seq itself had to go."""
+        while not self.bm.can_append(seq.block_table, seq.num_computed, seq.num_computed + n):
+            victim = next(s for s in reversed(self.running) if s not in batch.seqs)
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks; it is recomputed when readmitted (recompute preemption)."""
+        self.bm.free(seq.block_table)
+        seq.num_computed = 0
+        self.running.remove(seq)
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        self.bm.free(seq.block_table)
+        (self.running if seq.status == Status.RUNNING else self.waiting).remove(seq)
+        seq.status = Status.FINISHED
+
+
+# ----------------------------------------------------------------------------- model runner
+
+
+class ModelRunner:
+    """Owns the model and its KV cache; turns a Batch into tensors and logits."""
+
+    def __init__(self, model: Qwen3, cfg: "EngineConfig"):
+        self.model, self.cfg, self.device = model, cfg, model.device
+        self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
+        self.num_blocks = cfg.num_kv_blocks or self._blocks_that_fit()
+        self.kv_cache = allocate_kv_cache(self.num_blocks, model.num_layers, model.num_kv_heads,
+                                          cfg.block_size, model.head_dim, model.dtype, self.device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if self.device.type == "cuda" and not cfg.enforce_eager:
+            self._capture_decode_graphs()
+
+    def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(
+            self.device, non_blocking=True)
+
+    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        ids, positions, slots, tables, cu, ctx = [], [], [], [], [0], []
+        bs = self.cfg.block_size
+        for seq, n in zip(batch.seqs, batch.num_new):
+            start = seq.num_computed
+            ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            tables.append(seq.block_table)
+            cu.append(cu[-1] + n)
+            ctx.append(start)
+        width = max(len(t) for t in tables)
+        tables = [t + [0] * (width - len(t)) for t in tables]
+        num_decodes = next((i for i, n in enumerate(batch.num_new) if n > 1), len(batch.num_new))
+        max_q_len = max(batch.num_new)
+        max_kv_len = max(s.num_computed + n for s, n in zip(batch.seqs, batch.num_new))
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots), block_tables=self._tensor(tables), cu_q_lens=self._tensor(cu),
+            ctx_lens=self._tensor(ctx), max_q_len=max_q_len, num_decodes=num_decodes,
+            num_splits=kernels.choose_num_splits(num_decodes, self.model.num_kv_heads, 1, max_kv_len,
+                                                 self.device))
+        return self._tensor(ids, torch.long), self._tensor(positions, torch.long), meta
+
+    @torch.inference_mode()
+    def run(self, batch: Batch, sample_rows: list[int]) -> torch.Tensor:
+        """Logits [len(sample_rows), vocab] (fp32) of the batch sequences at sample_rows."""
+        if batch.copies:
+            kernels.copy_blocks(self.kv_cache, self._tensor(batch.copies))
+        num_seqs = len(batch.seqs)
+        graph_bs = next((b for b in sorted(self.graphs) if b >= num_seqs), None)
+        if graph_bs is not None and max(batch.num_new) == 1:
+            logits = self._replay(batch, graph_bs)
+            return logits[sample_rows].float()
+        ids, positions, meta = self.prepare(batch)
+        hidden = self.model(ids, positions, self.kv_cache, meta)
+        last = meta.cu_q_lens[1:] - 1   # each sequence's last new token
+        return self.model.compute_logits(hidden[last[self._tensor(sample_rows, torch.long)]]).float()
+
+    # -- CUDA graphs for decode: one per padded batch size, sharing one memory pool
+
+    def _capture_decode_graphs(self) -> None:
+        max_bs = self.cfg.max_num_seqs
+        sizes = [b for b in [1, 2, 4, 8] + list(range(16, max_bs + 16, 16)) if b <= max_bs] or [1]
+        dev, n = self.device, sizes[-1]
+        self.static = {
+            "ids": torch.zeros(n, dtype=torch.long, device=dev), "pos": torch.zeros(n, dtype=torch.long, device=dev),
+            "slots": torch.full((n,), -1, dtype=torch.int32, device=dev),
+            "tables": torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            "cu": torch.arange(n + 1, dtype=torch.int32, device=dev),
+            "ctx": torch.zeros(n, dtype=torch.int32, device=dev)}
+        st, pool = self.static, None
+        for bs in tqdm(sorted(sizes, reverse=True), desc="capturing decode CUDA graphs", leave=False):
+            meta = AttentionMetadata(
+                slot_mapping=st["slots"][:bs], block_tables=st["tables"][:bs], cu_q_lens=st["cu"][:bs + 1],
+                ctx_lens=st["ctx"][:bs], max_q_len=1, num_decodes=bs,
+                num_splits=kernels.choose_num_splits(bs, self.model.num_kv_heads, 1, self.cfg.max_model_len,
+                                                     dev))
+
+            def forward(bs=bs, meta=meta):
+                return self.model.compute_logits(self.model(st["ids"][:bs], st["pos"][:bs], self.kv_cache, meta))
+            forward()   # compile and warm up outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                logits = forward()
+            pool = graph.pool()
+            self.graphs[bs] = (graph, logits)
+        torch.cuda.synchronize()
+
+    def _replay(self, batch: Batch, bs: int) -> torch.Tensor:
+        st, n, bsz = self.static, len(batch.seqs), self.cfg.block_size
+        ids = [s.token_ids[s.num_computed] for s in batch.seqs]
+        pos = [s.num_computed for s in batch.seqs]
+        slots = [s.block_table[p // bsz] * bsz + p % bsz for s, p in zip(batch.seqs, pos)]
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        st["ids"][:n].copy_(self._tensor(ids, torch.long))
+        st["pos"][:n].copy_(self._tensor(pos, torch.long))
+        st["slots"][:bs].fill_(-1)
+        st["slots"][:n].copy_(self._tensor(slots))
+        st["tables"][:n, :width].copy_(self._tensor(tables))
+        st["cu"][n + 1:bs + 1].fill_(n)         # padding sequences have no tokens
+        st["cu"][:n + 1].copy_(torch.arange(n + 1, dtype=torch.int32))
+        st["ctx"][:n].copy_(self._tensor(pos))
+        graph, logits = self.graphs[bs]
+        graph.replay()
+        return logits[:n]
+
+    # -- KV cache sizing
+
+    def _blocks_that_fit(self) -> int:
+        cfg, m = self.cfg, self.model
+        per_block = kv_bytes_per_block(m.num_layers, m.num_kv_heads, cfg.block_size, m.head_dim, m.dtype)
+        if self.device.type != "cuda":   # CPU: a fixed 256 MiB, enough for tests and demos
+            return max(blocks_for_memory(1 << 28, per_block), self.max_blocks_per_seq + 1)
+        # Profile the largest step (a full token budget, and logits for every seat), then
+        # give the cache what is left of gpu_memory_utilization.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        n = cfg.max_num_batched_tokens
+        scratch = allocate_kv_cache(-(-n // cfg.block_size), m.num_layers, m.num_kv_heads, cfg.block_size,
+                                    m.head_dim, m.dtype, self.device)
+        with torch.inference_mode():
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            meta = AttentionMetadata(
+                slot_mapping=torch.arange(n, dtype=torch.int32, device=self.device),
+                block_tables=torch.arange(scratch.shape[0], dtype=torch.int32, device=self.device)[None],
+                cu_q_lens=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+                ctx_lens=torch.zeros(1, dtype=torch.int32, device=self.device), max_q_len=n)
+            hidden = m(ids, ids, scratch, meta)
+            rows = min(cfg.max_num_seqs, n)
+            logits = m.compute_logits(hidden[:1].expand(rows, -1)).float()
+            sample(logits, [SamplingParams(temperature=1.0, top_p=0.9)] * rows, [None] * rows)
+        peak = torch.cuda.max_memory_allocated() - before - scratch.nbytes
+        del scratch, hidden, logits
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        budget = cfg.gpu_memory_utilization * total - (total - free) - peak
+        num = blocks_for_memory(int(budget), per_block)
+        if num < self.max_blocks_per_seq:
+            raise ValueError(f"only {num} KV blocks fit in gpu_memory_utilization="
+                             f"{cfg.gpu_memory_utilization}; one max_model_len sequence needs "
+                             f"{self.max_blocks_per_seq}")
+        return num
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of logits [R, vocab] (fp32). Greedy rows take the argmax; the
+    others draw from softmax(logits / T) restricted by top-k and top-p, through the
+    exponential race argmax(p / E), E ~ Exp(1): seeded rows draw E from their own
+    generator, so their tokens do not depend on the other rows."""
+    greedy = logits.argmax(-1)
+    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if not rows:
+        return greedy
+    dev = logits.device
+    x = logits[rows] / torch.tensor([params[i].temperature for i in rows], device=dev)[:, None]
+    top_k = [params[i].top_k if params[i].top_k > 0 else x.shape[1] for i in rows]
+    top_p = [params[i].top_p for i in rows]
+    if min(top_k) < x.shape[1] or min(top_p) < 1.0:
+        x = apply_top_k_top_p(x, torch.tensor(top_k, device=dev), torch.tensor(top_p, device=dev))
+    noise = torch.empty_like(x).exponential_()
+    for j, i in enumerate(rows):
+        if generators[i] is not None:
+            noise[j].exponential_(generator=generators[i])
+    greedy[rows] = (x.softmax(-1) / noise).argmax(-1)
+    return greedy
+
+
+def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf the logits outside each row's top_k, then outside the smallest set whose
+    probability reaches top_p (the most likely token always stays)."""
+    sorted_x, order = x.sort(-1, descending=True)
+    rank = torch.arange(x.shape[1], device=x.device)
+    sorted_x.masked_fill_(rank[None] >= top_k[:, None], float("-inf"))
+    probs = sorted_x.softmax(-1)
+    sorted_x.masked_fill_(probs.cumsum(-1) - probs > top_p[:, None], float("-inf"))
+    return torch.full_like(x, float("-inf")).scatter_(-1, order, sorted_x)
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+@dataclass
+class EngineConfig:
+    model: str = "tiny"
+    dtype: str | torch.dtype | None = None
+    device: str | None = None
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 256
+    max_model_len: int = 4096
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False        # no CUDA graphs
+    seed: int = 0                      # random weights of presets
 
 
 class ByteTokenizer:
-    """For random-weight presets, which have no tokenizer: UTF-8 bytes are token ids."""
+    """For random-weight presets (and checkpoints without tokenizer files): UTF-8 bytes."""
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], **_) -> str:
         return bytes(i for i in ids if i < 256).decode(errors="replace")
 
 
 def load_tokenizer(model_name: str):
-    if Path(model_name).is_dir():
+    folder = Path(model_name)
+    if folder.is_dir() and any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(model_name)
+        return AutoTokenizer.from_pretrained(folder)
     return ByteTokenizer()
 
 
-@torch.inference_mode()
-def generate(model: Qwen3, prompt_ids: list[int], max_tokens: int, block_size: int = 16):
-    """Greedy decoding of one sequence; yields each new token id."""
-    dev = model.device
-    bm = BlockManager(num_blocks=-(-(len(prompt_ids) + max_tokens) // block_size), block_size=block_size)
-    kv_cache = allocate_kv_cache(bm.num_blocks, model.num_layers, model.num_kv_heads, block_size,
-                                 model.head_dim, model.dtype, dev)
-    tokens = list(prompt_ids)
-    table, num_computed = bm.allocate(tokens)   # nothing cached in a fresh manager: 0
-    while len(tokens) < len(prompt_ids) + max_tokens:
-        new = tokens[num_computed:]   # the whole prompt first, then one token per step
-        bm.append_slots(table, num_computed, len(tokens))
-        positions = list(range(num_computed, len(tokens)))
+class Engine:
+    def __init__(self, cfg: EngineConfig):
+        self.model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
+        config = self.model.config
+        cfg.max_model_len = min(cfg.max_model_len, config.max_position_embeddings)
+        self.cfg = cfg
+        self.tokenizer = load_tokenizer(cfg.model)
+        eos = config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.runner = ModelRunner(self.model, cfg)
+        self.bm = BlockManager(self.runner.num_blocks, cfg.block_size,
+                               enable_prefix_caching=cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.bm, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.num_prefill_tokens = 0   # prompt tokens actually computed (prefix hits excluded)
+        self._request_ids = itertools.count()
 
-        def i32(x):
-            return torch.tensor(x, dtype=torch.int32, device=dev)
+    # -- requests
 
-        meta = AttentionMetadata(
-            slot_mapping=i32([bm.slot(table, p) for p in positions]), block_tables=i32([table]),
-            cu_q_lens=i32([0, len(new)]), ctx_lens=i32([num_computed]), max_q_len=len(new),
-            num_splits=kernels.choose_num_splits(1, model.num_kv_heads, len(new), len(tokens), dev))
-        hidden = model(i32(new).long(), i32(positions).long(), kv_cache, meta)
-        next_id = int(model.compute_logits(hidden[-1:]).argmax(-1))
-        num_computed = len(tokens)
-        tokens.append(next_id)
-        yield next_id
-    bm.free(table)
+    def add_request(self, prompt: str | list[int], params: SamplingParams, beam_width: int = 0,
+                    length_penalty: float = 1.0) -> Request:
+        """Validate and queue a request; a bad one raises ValueError and changes nothing."""
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate(ids, params)
+        req = Request(next(self._request_ids), text, ids, params, RequestMetrics(time.perf_counter()),
+                      beam_width=beam_width, length_penalty=length_penalty)
+        self._add_seq(req, 0, list(ids))
+        return req
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if len(ids) + params.max_tokens > self.cfg.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len ({self.cfg.max_model_len})")
+        need = -(-(len(ids) + params.max_tokens) // self.cfg.block_size)
+        room = self.bm.num_blocks - self.bm.watermark_blocks
+        if need > room:
+            raise ValueError(f"the request needs {need} KV blocks, more than the whole cache holds ({room})")
+
+    def _add_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        seq = Sequence(req, index, token_ids, len(req.prompt_token_ids))
+        if req.params.seed is not None:
+            seq.generator = torch.Generator(self.model.device).manual_seed(req.params.seed + index)
+        req.seqs.append(seq)
+        self.scheduler.add(seq)
+        return seq
+
+    def fork(self, seq: Sequence, index: int) -> Sequence:
+        """A running child sharing every block of seq (copy-on-write)."""
+        child = Sequence(seq.request, index, list(seq.token_ids), seq.num_prompt_tokens,
+                         status=Status.RUNNING, block_table=self.bm.fork(seq.block_table),
+                         num_computed=seq.num_computed, cumulative_logprob=seq.cumulative_logprob,
+                         logprobs=list(seq.logprobs))
+        if seq.request.params.seed is not None:
+            child.generator = torch.Generator(self.model.device).manual_seed(seq.request.params.seed + index)
+        seq.request.seqs.append(child)
+        self.scheduler.running.append(child)
+        return child
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- one step
+
+    def step(self) -> list[Request]:
+        """Run one batch; return the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        for seq, n in zip(batch.seqs, batch.num_new):
+            if seq.num_computed < seq.num_prompt_tokens:
+                self.num_prefill_tokens += min(n, seq.num_prompt_tokens - seq.num_computed)
+        done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if n == s.num_pending]
+        logits = self.runner.run(batch, done)
+        for seq, n in zip(batch.seqs, batch.num_new):
+            seq.num_computed += n
+            self.bm.cache_computed_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+        return self._process([batch.seqs[i] for i in done], logits)
+
+    def _process(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Request]:
+        now, finished = time.perf_counter(), []
+        for seq in seqs:
+            if seq.request.metrics.first_token_time is None:
+                seq.request.metrics.first_token_time = now
+        beams = [i for i, s in enumerate(seqs) if s.request.beam_width]
+        if beams:
+            self._store_beam_candidates([seqs[i] for i in beams], logits[beams])
+        rows = [i for i, s in enumerate(seqs) if not s.request.beam_width]
+        # n > 1: the first token of the prompt's only sequence is drawn n times, one per child.
+        # Fork before any token is appended, so the children start from the prompt.
+        expanded = [(i, j) for i in rows for j in range(self._draws(seqs[i]))]
+        targets = [seqs[i] if j == 0 else self.fork(seqs[i], j) for i, j in expanded]
+        for i in rows:
+            seqs[i].request.forked = True
+        if expanded:
+            row_logits = logits[[i for i, _ in expanded]]
+            tokens = sample(row_logits, [t.request.params for t in targets], [t.generator for t in targets])
+            want_lp = [k for k, t in enumerate(targets) if t.request.params.logprobs is not None]
+            logprobs = torch.log_softmax(row_logits[want_lp], -1) if want_lp else None
+            for k, (seq, token) in enumerate(zip(targets, tokens.tolist())):
+                if seq.request.params.logprobs is not None:
+                    self._record_logprobs(seq, token, logprobs[want_lp.index(k)])
+                seq.token_ids.append(token)
+                self._check_stop(seq)
+        for req in {s.request: None for s in seqs}:
+            if req.beam_width and all(s.beam_candidates is not None for s in req.seqs
+                                      if s.status != Status.FINISHED):
+                self._advance_beams(req)
+            if req.finished and req.metrics.finish_time is None:
+                req.metrics.finish_time = now
+                finished.append(req)
+        return finished
+
+    def _draws(self, seq: Sequence) -> int:
+        return seq.request.params.n if not seq.request.forked else 1
+
+    def _record_logprobs(self, seq: Sequence, token: int, logprobs: torch.Tensor) -> None:
+        k = seq.request.params.logprobs
+        top = logprobs.topk(k) if k else None
+        entry = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
+        entry[token] = logprobs[token].item()
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += entry[token]
+
+    def _check_stop(self, seq: Sequence) -> None:
+        params, token = seq.request.params, seq.token_ids[-1]
+        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= params.max_tokens:
+            seq.finish_reason = "length"
+        else:
+            return
+        self.scheduler.finish(seq)
+
+    # -- beam search: fork the best continuations, free the rest
+
+    def _store_beam_candidates(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        logprobs = torch.log_softmax(logits, -1)
+        top = logprobs.topk(2 * seqs[0].request.beam_width, -1)
+        for seq, tokens, values in zip(seqs, top.indices.tolist(), top.values.tolist()):
+            seq.beam_candidates = list(zip(tokens, values))
+
+    def _advance_beams(self, req: Request) -> None:
+        """Keep the beam_width best continuations of all live beams (as HF's beam search
+        does: candidates ending in EOS become finished hypotheses)."""
+        live = [s for s in req.seqs if s.status != Status.FINISHED]
+        cands = sorted(((s.cumulative_logprob + lp, s, t) for s in live for t, lp in s.beam_candidates),
+                       key=lambda c: -c[0])
+        keep = []
+        for rank, (score, parent, token) in enumerate(cands[:2 * req.beam_width]):
+            if token in self.eos_ids and not req.params.ignore_eos:
+                if rank < req.beam_width:
+                    req.beams_done.append(self._finished_beam(parent, token, score))
+            elif len(keep) < req.beam_width:
+                keep.append((score, parent, token))
+        # A parent chosen more than once is forked; all forks before any token is appended.
+        taken, chosen = set(), []
+        for score, parent, token in keep:
+            chosen.append((parent if parent not in taken else self.fork(parent, len(req.seqs)), score, token))
+            taken.add(parent)
+        for seq, score, token in chosen:
+            seq.token_ids.append(token)
+            seq.cumulative_logprob = score
+            seq.beam_candidates = None
+        for seq in live:
+            if seq not in taken:
+                self.scheduler.finish(seq)   # a dropped beam: its blocks go back
+                req.seqs.remove(seq)
+        out_len = len(req.seqs[0].output_ids) if req.seqs else req.params.max_tokens
+        best_live = max((s.cumulative_logprob for s in req.seqs), default=float("-inf"))
+        enough = len(req.beams_done) >= req.beam_width and best_live <= min(
+            b.cumulative_logprob for b in req.beams_done)
+        if out_len >= req.params.max_tokens or enough:
+            for seq in list(req.seqs):
+                seq.finish_reason = "length"
+                self.scheduler.finish(seq)
+                req.beams_done.append(seq)
+            req.seqs = sorted(req.beams_done, key=lambda s: -self.beam_score(s))[:req.beam_width]
+
+    def _finished_beam(self, parent: Sequence, token: int, score: float) -> Sequence:
+        seq = Sequence(parent.request, -1, parent.token_ids + [token], parent.num_prompt_tokens,
+                       status=Status.FINISHED, cumulative_logprob=score, finish_reason="stop")
+        return seq
+
+    def beam_score(self, seq: Sequence) -> float:
+        return seq.cumulative_logprob / len(seq.output_ids) ** seq.request.length_penalty
+
+    # -- outputs
+
+    def output(self, req: Request) -> RequestOutput:
+        def text(ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        want_lp = req.params.logprobs is not None or req.beam_width > 0
+        outs = [CompletionOutput(i if req.beam_width else s.index, s.output_ids, text(s.output_ids),
+                                 s.finish_reason, s.cumulative_logprob if want_lp else None,
+                                 s.logprobs if req.params.logprobs is not None else None)
+                for i, s in enumerate(sorted(req.seqs, key=lambda s: s.index) if not req.beam_width
+                                      else req.seqs)]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.metrics,
+                             finished=req.finished)
+
+
+# ----------------------------------------------------------------------------- the offline API
+
+
+class LLM:
+    """The offline API: LLM(model, **EngineConfig fields).generate(prompts, params)."""
+
+    def __init__(self, model: str = "tiny", **kwargs):
+        self.engine = Engine(EngineConfig(model=model, **kwargs))
+
+    def generate(self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Outputs in the order of prompts. A prompt that fails validation gets an output with
+        .error set (a ValueError saying why) and no completions; the others still run."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run([(p, params or SamplingParams(), {}) for p in prompts], use_tqdm)
+
+    def beam_search(self, prompts: list[str] | list[list[int]], beam_width: int, max_tokens: int,
+                    ignore_eos: bool = False, length_penalty: float = 1.0,
+                    use_tqdm: bool = True) -> list[RequestOutput]:
+        """Beams best first (score = cumulative logprob / output length ** length_penalty);
+        outputs[j].cumulative_logprob holds each beam's sum of token logprobs."""
+        if beam_width < 1:
+            raise ValueError(f"beam_width must be at least 1, got {beam_width}")
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+        extra = {"beam_width": beam_width, "length_penalty": length_penalty}
+        return self._run([(p, params, extra) for p in prompts], use_tqdm)
+
+    def _run(self, work, use_tqdm: bool) -> list[RequestOutput | None]:
+        engine, outputs, reqs = self.engine, [None] * len(work), {}
+        for i, (prompt, params, extra) in enumerate(work):
+            try:
+                reqs[engine.add_request(prompt, params, **extra).request_id] = i
+            except ValueError as e:
+                ids = prompt if isinstance(prompt, list) else []
+                outputs[i] = RequestOutput(-1, prompt if isinstance(prompt, str) else None, ids, [],
+                                           RequestMetrics(time.perf_counter()), error=e)
+        bar = tqdm(total=len(reqs), desc="generating", disable=not use_tqdm or len(reqs) < 2)
+        while engine.has_unfinished():
+            for req in engine.step():
+                outputs[reqs[req.request_id]] = engine.output(req)
+                bar.update()
+        bar.close()
+        return outputs
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="nanoPD greedy generation demo")
+    p = argparse.ArgumentParser(description="nanoPD: generate text, streaming it as it comes")
     p.add_argument("--model", default="qwen3-8b" if torch.cuda.is_available() else "tiny",
                    help="preset (tiny, qwen3-0.6b, qwen3-8b) or a local HF checkpoint folder")
     p.add_argument("--prompt", default="The quick brown fox")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     args = p.parse_args()
-    model = load_model(args.model, dtype=args.dtype)
-    tokenizer = load_tokenizer(args.model)
-    prompt_ids = tokenizer.encode(args.prompt)
-    if not prompt_ids:
-        raise SystemExit("error: the prompt is empty")
-    print(f"{args.model} on {model.device} ({model.dtype}); prompt: {len(prompt_ids)} tokens")
-    out, start = [], time.perf_counter()
-    for token in generate(model, prompt_ids, args.max_tokens):
-        out.append(token)
-        print(tokenizer.decode([token]), end="", flush=True)
-    elapsed = time.perf_counter() - start
-    print(f"\n{len(out)} tokens in {elapsed:.2f} s ({len(out) / elapsed:.1f} tokens/s, eager, no CUDA graphs)")
+    try:
+        engine = Engine(EngineConfig(model=args.model, dtype=args.dtype))
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed)
+        req = engine.add_request(args.prompt, params)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(f"{args.model} on {engine.model.device} ({engine.model.dtype}), "
+          f"{engine.runner.num_blocks} KV blocks; prompt: {len(req.prompt_token_ids)} tokens")
+    printed, start = "", time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+        text = engine.tokenizer.decode(req.seqs[0].output_ids, skip_special_tokens=True)
+        print(text[len(printed):], end="", flush=True)
+        printed = text
+    n, elapsed = len(req.seqs[0].output_ids), time.perf_counter() - start
+    print(f"\n[{n} tokens in {elapsed:.2f} s: {n / elapsed:.1f} tokens/s]")
 
 
 if __name__ == "__main__":
