@@ -3,12 +3,18 @@
   python bench.py kernels   paged attention, store_kv and block gather on the GPU, each
                             beside a reference measured in the same run (SDPA on a
                             contiguous cache, a plain device copy)
+  python bench.py engine    the single-GPU engine on Qwen3-8B (random weights): decode
+                            step times, prefill ms/token and LLM.generate throughput,
+                            beside the hardware ceilings measured in the same run
 
 Every result is printed as a table and, with --out, written as JSON.
 """
 
 import argparse
 import json
+import statistics
+import time
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -132,15 +138,140 @@ def run_kernels(out: str | None) -> list[dict]:
     return rows
 
 
+# ----------------------------------------------------------------------------- the engine
+
+
+def measure_ceilings() -> dict:
+    """HBM copy bandwidth (4 GiB device copy, bytes read + written) and bf16 matmul rate
+    (8192^3 on random data), the two roofs every engine number is set against."""
+    src = torch.randn(1 << 30, device="cuda")   # 4 GiB of fp32
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * src.nbytes / time_ms(lambda: dst.copy_(src)) / 1e6
+    src = dst = None   # free before the engine sizes its cache
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    tflops = 2 * 8192 ** 3 / time_ms(lambda: a @ b) / 1e9
+    return {"hbm_copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": tflops}
+
+
+def fake_batch(engine, batch_size: int, context: int, num_new: int):
+    """batch_size sequences with `context` tokens already in the cache (random ids; the KV
+    contents do not matter for timing) and num_new tokens to compute."""
+    from nanopd import Batch, Request, RequestMetrics, SamplingParams, Sequence
+    req = Request(-1, None, [], SamplingParams(), RequestMetrics(0.0))
+    seqs = []
+    for _ in range(batch_size):
+        ids = torch.randint(0, engine.model.config.vocab_size, (context + num_new,)).tolist()
+        seq = Sequence(req, 0, ids, len(ids))
+        seq.block_table, _ = engine.bm.allocate(ids)
+        seq.num_computed = context
+        seqs.append(seq)
+    return Batch(seqs, [num_new] * batch_size)
+
+
+def time_step_ms(engine, batch, reps: int = 30) -> float:
+    """Median wall time of ModelRunner.run (host-side batch preparation, graph replay or
+    eager forward, logits), synchronized."""
+    rows = list(range(len(batch.seqs)))
+    times = []
+    for i in range(reps + 3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        engine.runner.run(batch, rows)
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def run_engine(out: str | None, model: str = "qwen3-8b") -> dict:
+    from nanopd import LLM, SamplingParams
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    res.update(measure_ceilings())
+    print(f"ceilings: HBM copy {res['hbm_copy_GBps']:.0f} GB/s, bf16 matmul {res['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
+    t = time.perf_counter()
+    llm = LLM(model, max_num_seqs=1024, max_num_batched_tokens=16384, max_model_len=4096)
+    eng = llm.engine
+    res["startup_s"] = time.perf_counter() - t
+    cfg = eng.model.config
+    params = sum(p.numel() for p in eng.model.parameters())
+    weight_bytes = (params - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)) * 2
+    kv_per_token = 2 * eng.model.num_layers * eng.model.num_kv_heads * eng.model.head_dim * 2
+    flops_per_token = 2 * (params - cfg.vocab_size * cfg.hidden_size)
+    print(f"{model}: {params / 1e9:.2f}B parameters, {weight_bytes / 1e9:.1f} GB read per decode step, "
+          f"{eng.runner.num_blocks} KV blocks, start-up {res['startup_s']:.1f} s")
+    rows = []
+
+    def record(name, fn, ceiling_ms, unit_div=1.0):
+        try:
+            ms = fn()
+            rows.append({"case": name, "ms": ms / unit_div, "ceiling_ms": ceiling_ms / unit_div})
+            print(f"{name:<40} {ms / unit_div:8.4f} ms   ceiling {ceiling_ms / unit_div:8.4f} ms   "
+                  f"ratio {ceiling_ms / ms:.2f}", flush=True)
+        except Exception:  # noqa: BLE001 (print it and go on to the next measurement)
+            traceback.print_exc()
+
+    for b in (1, 64, 256):
+        ctx = 1024
+        bytes_ = weight_bytes + b * ctx * kv_per_token
+        ceiling = max(bytes_ / res["hbm_copy_GBps"] / 1e6, b * flops_per_token / res["bf16_matmul_TFLOPs"] / 1e9)
+
+        def step(b=b, ctx=ctx):
+            batch = fake_batch(eng, b, ctx, 1)
+            try:
+                return time_step_ms(eng, batch)
+            finally:
+                for s in batch.seqs:
+                    eng.bm.free(s.block_table)
+        record(f"decode step, batch {b}, context {ctx}", step, ceiling)
+
+    n = 2048
+    attn_flops = 4 * n * n / 2 * cfg.num_attention_heads * eng.model.head_dim * eng.model.num_layers
+    ceiling = (n * flops_per_token + attn_flops) / res["bf16_matmul_TFLOPs"] / 1e9
+
+    def prefill():
+        batch = fake_batch(eng, 1, 0, n)
+        try:
+            return time_step_ms(eng, batch, reps=10)
+        finally:
+            eng.bm.free(batch.seqs[0].block_table)
+    record(f"prefill {n} tokens (ms per token)", prefill, ceiling, unit_div=n)
+
+    try:   # LLM.generate throughput: 1024 requests, 128 tokens in, 128 out
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, cfg.vocab_size, (128,), generator=g).tolist() for _ in range(1024)]
+        sp = SamplingParams(max_tokens=128, ignore_eos=True)
+        llm.generate(prompts[:64], sp, use_tqdm=False)   # warm-up (kernel compilation)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp)
+        elapsed = time.perf_counter() - t
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        res["generate"] = {"requests": 1024, "output_tokens": tokens, "seconds": elapsed,
+                           "output_tokens_per_s": tokens / elapsed,
+                           "total_tokens_per_s": (tokens + 128 * 1024) / elapsed}
+        print(f"LLM.generate 1024 x (128 in, 128 out): {elapsed:.2f} s, {tokens / elapsed:.0f} output tokens/s, "
+              f"{(tokens + 128 * 1024) / elapsed:.0f} total tokens/s")
+    except Exception:  # noqa: BLE001 (print it and still write what was measured)
+        traceback.print_exc()
+    res["rows"] = rows
+    if out:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["kernels"], help="which benchmark to run")
+    p.add_argument("what", choices=["kernels", "engine"], help="which benchmark to run")
+    p.add_argument("--model", default="qwen3-8b", help="preset or checkpoint folder (engine)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
     if not torch.cuda.is_available():
-        raise SystemExit("bench.py kernels measures GPU kernels: no CUDA device found")
+        raise SystemExit(f"bench.py {args.what} measures the GPU: no CUDA device found")
     if args.what == "kernels":
         run_kernels(args.out)
+    else:
+        run_engine(args.out, args.model)
 
 
 if __name__ == "__main__":

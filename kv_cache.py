@@ -159,6 +159,9 @@ class BlockManager:
         before the step writes: each shared block in the range is replaced in
         `block_table` by a fresh dst, and the other sequences keep src.
         """
+        if end <= len(block_table) * self.block_size and end - start == 1 \
+                and self.blocks[block_table[start // self.block_size]].ref_count == 1:
+            return []   # the common decode step: one slot in a block this table owns alone
         needed = self._blocks_to_write(block_table, start, end)
         if needed > self.num_free_blocks:
             raise OutOfBlocks(f"writing positions [{start}, {end}) needs {needed} blocks, "

@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 import kernels
-from kv_cache import BlockManager, allocate_kv_cache, blocks_for_memory, kv_bytes_per_block
+from kv_cache import BlockManager, OutOfBlocks, allocate_kv_cache, blocks_for_memory, kv_bytes_per_block
 from model import AttentionMetadata, Qwen3, load_model
 
 # ----------------------------------------------------------------------------- requests
@@ -180,16 +180,18 @@ class Scheduler:
     def schedule(self) -> Batch:
         batch, budget = Batch(), self.max_num_batched_tokens
         # Running decodes first (each waits on one token), then unfinished prompt chunks.
-        active = [s for s in self.running if s.num_pending > 0]
-        for seq in sorted(active, key=lambda s: s.num_pending > 1):
+        decodes = [s for s in self.running if s.num_pending == 1]
+        chunks = [s for s in self.running if s.num_pending > 1]
+        for seq in decodes + chunks:
             if budget == 0:
                 break
             if seq.status != Status.RUNNING:   # preempted to make room for an earlier one
                 continue
             n = min(seq.num_pending, budget)
-            if not self._make_room(seq, n, batch):
+            copies = self._append_slots(seq, n, batch)
+            if copies is None:
                 continue
-            batch.copies += self.bm.append_slots(seq.block_table, seq.num_computed, seq.num_computed + n)
+            batch.copies += copies
             batch.seqs.append(seq)
             batch.num_new.append(n)
             budget -= n
@@ -212,15 +214,18 @@ class Scheduler:
             budget -= n
         return batch
 
-    def _make_room(self, seq: Sequence, n: int, batch: Batch) -> bool:
-        """Preempt the newest running sequences not yet in this batch until seq can write
-        n more tokens. False if seq itself had to go."""
-        while not self.bm.can_append(seq.block_table, seq.num_computed, seq.num_computed + n):
-            victim = next(s for s in reversed(self.running) if s not in batch.seqs)
-            self.preempt(victim)
-            if victim is seq:
-                return False
-        return True
+    def _append_slots(self, seq: Sequence, n: int, batch: Batch) -> list[tuple[int, int]] | None:
+        """Room for seq's next n tokens (and its copy-on-write pairs), preempting the newest
+        running sequences not yet in this batch while the cache is full. None if seq itself
+        had to go."""
+        while True:
+            try:
+                return self.bm.append_slots(seq.block_table, seq.num_computed, seq.num_computed + n)
+            except OutOfBlocks:
+                victim = next(s for s in reversed(self.running) if s not in batch.seqs)
+                self.preempt(victim)
+                if victim is seq:
+                    return None
 
     def preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks; it is recomputed when readmitted (recompute preemption)."""
@@ -249,6 +254,7 @@ class ModelRunner:
         self.kv_cache = allocate_kv_cache(self.num_blocks, model.num_layers, model.num_kv_heads,
                                           cfg.block_size, model.head_dim, model.dtype, self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_sizes: list[int] = []
         if self.device.type == "cuda" and not cfg.enforce_eager:
             self._capture_decode_graphs()
 
@@ -285,20 +291,24 @@ class ModelRunner:
         if batch.copies:
             kernels.copy_blocks(self.kv_cache, self._tensor(batch.copies))
         num_seqs = len(batch.seqs)
-        graph_bs = next((b for b in sorted(self.graphs) if b >= num_seqs), None)
+        graph_bs = next((b for b in self.graph_sizes if b >= num_seqs), None)
+        rows = self._tensor(sample_rows, torch.long)
         if graph_bs is not None and max(batch.num_new) == 1:
-            logits = self._replay(batch, graph_bs)
-            return logits[sample_rows].float()
-        ids, positions, meta = self.prepare(batch)
-        hidden = self.model(ids, positions, self.kv_cache, meta)
-        last = meta.cu_q_lens[1:] - 1   # each sequence's last new token
-        return self.model.compute_logits(hidden[last[self._tensor(sample_rows, torch.long)]]).float()
+            hidden = self._replay(batch, graph_bs)   # one token per sequence
+        else:
+            ids, positions, meta = self.prepare(batch)
+            hidden = self.model(ids, positions, self.kv_cache, meta)
+            rows = (meta.cu_q_lens[1:] - 1)[rows]   # each sequence's last new token
+        return self.model.compute_logits(hidden[rows]).float()
 
     # -- CUDA graphs for decode: one per padded batch size, sharing one memory pool
 
     def _capture_decode_graphs(self) -> None:
+        """Graphs of the model body (logits are computed afterwards, for the rows needed)
+        at batch sizes 1, 2, 4, 8, then every 16 up to 256 and every 64 beyond."""
         max_bs = self.cfg.max_num_seqs
-        sizes = [b for b in [1, 2, 4, 8] + list(range(16, max_bs + 16, 16)) if b <= max_bs] or [1]
+        sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(320, max_bs + 64, 64))
+        sizes = [b for b in sizes if b < max_bs] + [max_bs]
         dev, n = self.device, sizes[-1]
         self.static = {
             "ids": torch.zeros(n, dtype=torch.long, device=dev), "pos": torch.zeros(n, dtype=torch.long, device=dev),
@@ -315,13 +325,14 @@ class ModelRunner:
                                                      dev))
 
             def forward(bs=bs, meta=meta):
-                return self.model.compute_logits(self.model(st["ids"][:bs], st["pos"][:bs], self.kv_cache, meta))
+                return self.model(st["ids"][:bs], st["pos"][:bs], self.kv_cache, meta)
             forward()   # compile and warm up outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                logits = forward()
+                hidden = forward()
             pool = graph.pool()
-            self.graphs[bs] = (graph, logits)
+            self.graphs[bs] = (graph, hidden)
+        self.graph_sizes = sorted(self.graphs)
         torch.cuda.synchronize()
 
     def _replay(self, batch: Batch, bs: int) -> torch.Tensor:
@@ -337,11 +348,11 @@ class ModelRunner:
         st["slots"][:n].copy_(self._tensor(slots))
         st["tables"][:n, :width].copy_(self._tensor(tables))
         st["cu"][n + 1:bs + 1].fill_(n)         # padding sequences have no tokens
-        st["cu"][:n + 1].copy_(torch.arange(n + 1, dtype=torch.int32))
+        st["cu"][:n + 1].copy_(self._tensor(list(range(n + 1))))
         st["ctx"][:n].copy_(self._tensor(pos))
-        graph, logits = self.graphs[bs]
+        graph, hidden = self.graphs[bs]
         graph.replay()
-        return logits[:n]
+        return hidden[:n]
 
     # -- KV cache sizing
 
@@ -567,7 +578,10 @@ class Engine:
                     self._record_logprobs(seq, token, logprobs[want_lp.index(k)])
                 seq.token_ids.append(token)
                 self._check_stop(seq)
-        for req in {s.request: None for s in seqs}:
+        # Requests that may have finished: a sequence of theirs stopped, or a beam step ran.
+        touched = {s.request: None for s in seqs if s.status == Status.FINISHED or s.request.beam_width}
+        touched.update({t.request: None for t in targets if t.status == Status.FINISHED})
+        for req in touched:
             if req.beam_width and all(s.beam_candidates is not None for s in req.seqs
                                       if s.status != Status.FINISHED):
                 self._advance_beams(req)
@@ -591,7 +605,7 @@ class Engine:
         params, token = seq.request.params, seq.token_ids[-1]
         if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
             seq.finish_reason = "stop"
-        elif len(seq.output_ids) >= params.max_tokens:
+        elif len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens:
             seq.finish_reason = "length"
         else:
             return
