@@ -1,11 +1,15 @@
 """GPU kernels for nanoPD, written in Triton, each with a plain-torch twin.
 
-Three jobs:
+The jobs:
   store_kv         write this step's new K/V rows into the paged cache
   paged_attention  attention for a mixed batch (decodes and prefill chunks) whose
                    K/V live in non-contiguous cache blocks; split-K for long decodes
   copy_rows        move whole cache blocks: copy-on-write (copy_blocks) and the
                    gather/scatter used to ship a request's blocks between devices
+  rms_norm, qk_norm_rope, silu_mul
+                   the model's elementwise chains, one kernel each instead of the
+                   five to ten small torch ops they take unfused (at batch 1 a decode
+                   step is mostly launches of small kernels otherwise)
 
 Each public function runs the Triton kernel on CUDA tensors, and also on CPU tensors
 when TRITON_INTERPRET=1 (that is how CI tests the kernels themselves). Otherwise, on
@@ -204,10 +208,14 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_q_heads,
+def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, cu_q_ptr, stride_ot, stride_oh, num_q_heads,
                          NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
-    # One program per (token, query head): weight each split by exp2(lse - max lse).
-    token, head = tl.program_id(0), tl.program_id(1)
+    # One program per (sequence, new token, query head): weight each split by exp2(lse - max lse).
+    seq, t, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + seq)
+    if t >= tl.load(cu_q_ptr + seq + 1) - q_start:
+        return
+    token = q_start + t
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
     part = (token * num_q_heads + head) * NUM_SPLITS + s
@@ -312,8 +320,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
-        _merge_splits_kernel[(num_tokens, num_q_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1), num_q_heads,
+        _merge_splits_kernel[(num_seqs, max_q_len, num_q_heads)](
+            part_out, part_lse, out, cu_q_lens, out.stride(0), out.stride(1), num_q_heads,
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
         )
     return out
@@ -398,3 +406,139 @@ def _check_pow2(**dims: int) -> None:
     for name, n in dims.items():
         if n & (n - 1):
             raise ValueError(f"{name}={n}: the Triton kernels need a power of two")
+
+
+# ----------------------------------------------------------------------------- fused elementwise
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
+                     stride_x, stride_r, stride_o, stride_ro,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:   # the residual stream, rounded to the model dtype as an unfused add would
+        x = x + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
+    y = y.to(out_ptr.dtype.element_ty).to(tl.float32)   # HF rounds before the weight
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, n] -> (rms_norm(h) * weight, h) with h = x + residual (or x)."""
+    if not _use_triton(x):
+        return rms_norm_torch(x, weight, eps, residual)
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else x
+    res = residual if residual is not None else x
+    if x.shape[0]:
+        _rms_norm_kernel[(x.shape[0],)](
+            x, res, weight, out, res_out, x.shape[1], eps, x.stride(0), res.stride(0), out.stride(0),
+            res_out.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(x.shape[1]),
+            num_warps=8 if x.shape[1] >= 2048 else 4)
+    return out, res_out
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x if residual is None else x + residual
+    hf = h.float()
+    return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype), h
+
+
+@triton.jit
+def _qk_norm_rope_kernel(qkv_ptr, q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr,
+                         stride_qkv, stride_qt, stride_kt, num_q_heads, eps, rope_scale,
+                         HEAD_DIM: tl.constexpr):
+    # One program per (token, head) over the q heads then the k heads of the fused qkv row:
+    # RMS-normalise the head, scale by its weight, rotate (HF's rotate_half layout).
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HALF)
+    src = qkv_ptr + tok * stride_qkv + head * HEAD_DIM
+    x1 = tl.load(src + d).to(tl.float32)
+    x2 = tl.load(src + HALF + d).to(tl.float32)
+    r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / HEAD_DIM + eps)
+    if head < num_q_heads:
+        w_ptr, dst = qw_ptr, q_ptr + tok * stride_qt + head * HEAD_DIM
+    else:
+        w_ptr, dst = kw_ptr, k_ptr + tok * stride_kt + (head - num_q_heads) * HEAD_DIM
+    x1 = (x1 * r).to(q_ptr.dtype.element_ty).to(tl.float32) * tl.load(w_ptr + d).to(tl.float32)
+    x2 = (x2 * r).to(q_ptr.dtype.element_ty).to(tl.float32) * tl.load(w_ptr + HALF + d).to(tl.float32)
+    angle = tl.load(pos_ptr + tok).to(tl.float32) * tl.load(inv_freq_ptr + d)
+    cos, sin = tl.cos(angle) * rope_scale, tl.sin(angle) * rope_scale
+    tl.store(dst + d, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty))
+    tl.store(dst + HALF + d, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty))
+
+
+def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, positions: torch.Tensor,
+                 inv_freq: torch.Tensor, rope_scale: float, num_q_heads: int, num_kv_heads: int,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the fused projection qkv [T, (Hq + 2 Hkv) * D]: per-head RMSNorm of q and k, then
+    RoPE at positions [T] (inv_freq [D/2] fp32). Returns q [T, Hq, D], k [T, Hkv, D]."""
+    if not _use_triton(qkv):
+        return qk_norm_rope_torch(qkv, q_weight, k_weight, positions, inv_freq, rope_scale, num_q_heads,
+                                  num_kv_heads, eps)
+    head_dim = q_weight.shape[0]
+    _check_pow2(head_dim=head_dim)
+    t = qkv.shape[0]
+    q = torch.empty(t, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if t:
+        _qk_norm_rope_kernel[(t, num_q_heads + num_kv_heads)](
+            qkv, q, k, q_weight, k_weight, positions, inv_freq, qkv.stride(0), q.stride(0), k.stride(0),
+            num_q_heads, eps, rope_scale, HEAD_DIM=head_dim, num_warps=1)
+    return q, k
+
+
+def qk_norm_rope_torch(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                       positions: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float, num_q_heads: int,
+                       num_kv_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    d = q_weight.shape[0]
+    q = qkv[:, :num_q_heads * d].unflatten(-1, (num_q_heads, d))
+    k = qkv[:, num_q_heads * d:(num_q_heads + num_kv_heads) * d].unflatten(-1, (num_kv_heads, d))
+    freqs = positions.float()[:, None] * inv_freq
+    angles = torch.cat((freqs, freqs), -1)[:, None]   # [T, 1, D]
+    cos, sin = (angles.cos() * rope_scale).to(qkv.dtype), (angles.sin() * rope_scale).to(qkv.dtype)
+
+    def norm_rope(x, w):
+        x = rms_norm_torch(x, w, eps)[0]
+        x1, x2 = x.chunk(2, -1)
+        return x * cos + torch.cat((-x2, x1), -1) * sin
+    return norm_rope(q, q_weight), norm_rope(k, k_weight)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2n] = [gate | up] -> silu(gate) * up [T, n] (the SwiGLU MLP's middle)."""
+    if not _use_triton(x):
+        return silu_mul_torch(x)
+    n = x.shape[1] // 2
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    block = 1024
+    if x.shape[0]:
+        _silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block)
+    return out
+
+
+def silu_mul_torch(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, -1)
+    return torch.nn.functional.silu(gate) * up

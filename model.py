@@ -17,7 +17,6 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, Qwen3Config
-from transformers.activations import ACT2FN
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import kernels
@@ -51,11 +50,17 @@ def rope_frequencies(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
     return 1.0 / theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim), 1.0
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, heads, head_dim]; cos/sin [num_tokens, 1, head_dim]. HF's rotate_half
-    layout: dimension i pairs with i + head_dim / 2 (not interleaved)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+class RMSNorm(nn.Module):
+    """RMSNorm through kernels.rms_norm; given the residual stream, it first adds x to it
+    (one fused kernel) and returns both the normalised x and the new residual."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -68,16 +73,18 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        inv_freq, self.rope_scale = rope_frequencies(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # Qwen3 normalises each head's q and k before the rotation.
-        q = apply_rope(self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))), cos, sin)
-        k = apply_rope(self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim))), cos, sin)
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        qkv = self.qkv_proj(x)
+        # Qwen3 normalises each head's q and k, then rotates them: one kernel for both.
+        q, k = kernels.qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, positions, self.inv_freq,
+                                    self.rope_scale, self.num_heads, self.num_kv_heads, self.q_norm.eps)
+        v = qkv[:, self.q_size + self.kv_size:].unflatten(-1, (self.num_kv_heads, self.head_dim))
         k_cache, v_cache = kv_cache[:, self.layer, 0], kv_cache[:, self.layer, 1]
         kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q_lens, meta.ctx_lens,
@@ -91,25 +98,29 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act = ACT2FN[config.hidden_act]
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r}: only silu (SwiGLU) is supported")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer: int):
         super().__init__()
-        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.self_attn = Attention(config, layer)
-        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """h is the previous block's output, not yet added to the residual stream: each norm
+        does that add (x + residual) in the same kernel."""
+        h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, positions, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen3(nn.Module):
@@ -125,12 +136,10 @@ class Qwen3(nn.Module):
         self.head_dim = config.head_dim
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(self.num_layers))
-        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        inv_freq, self.rope_scale = rope_frequencies(config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
         q_size, kv_size = config.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.packed_sizes = {"qkv_proj": [q_size, kv_size, kv_size],
                              "gate_up_proj": [config.intermediate_size] * 2}
@@ -146,15 +155,10 @@ class Qwen3(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        h = self.embed_tokens(input_ids)
-        # cos/sin once per step, shared by all layers; computed like HF (fp32, then cast).
-        freqs = positions.float()[:, None] * self.inv_freq   # [num_tokens, head_dim // 2]
-        angles = torch.cat((freqs, freqs), dim=-1)[:, None]   # [num_tokens, 1, head_dim]
-        cos = (angles.cos() * self.rope_scale).to(h.dtype)
-        sin = (angles.sin() * self.rope_scale).to(h.dtype)
+        h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h = layer(h, cos, sin, kv_cache, meta)
-        return self.norm(h)
+            h, residual = layer(h, residual, positions, kv_cache, meta)
+        return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size], in the model's dtype."""

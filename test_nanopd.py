@@ -191,6 +191,59 @@ def test_block_copies(dtype):
     assert other[[0, 2, 3, 5, 7, 8]].abs().sum() == 0   # nothing else written
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(with_residual, dtype):
+    """The fused (residual add +) RMSNorm against the formula in float64; 96 columns is
+    off the power-of-two grid, so the masking is exercised."""
+    g = torch.Generator().manual_seed(6)
+    x, r = (torch.randn(7, 96, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    w = (torch.rand(96, generator=g) + 0.5).to(dtype).to(DEVICE)
+    out, h = kernels.rms_norm(x, w, 1e-6, r if with_residual else None)
+    ref_h = x.double() + (r.double() if with_residual else 0)
+    ref = ref_h * torch.rsqrt(ref_h.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    twin_out, twin_h = kernels.rms_norm_torch(x, w, 1e-6, r if with_residual else None)
+    for o, hh in ((out, h), (twin_out, twin_h)):
+        assert rel_err(hh.cpu(), ref_h.cpu()) < TOL[dtype]
+        assert rel_err(o.cpu(), ref.cpu()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_qk_norm_rope_matches_hf(dtype):
+    """Per-head q/k RMSNorm then RoPE from the fused qkv row, against HF's Qwen3RMSNorm and
+    apply_rotary_pos_emb (run in float32)."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+    g = torch.Generator().manual_seed(7)
+    t, hq, hkv, d, scale = 5, 6, 2, 64, 1.25
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    qw, kw = torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5
+    positions = torch.tensor([0, 3, 17, 100, 4095])
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    args = (qkv.to(dtype).to(DEVICE), qw.to(dtype).to(DEVICE), kw.to(dtype).to(DEVICE), positions.to(DEVICE),
+            inv_freq.to(DEVICE), scale, hq, hkv, 1e-6)
+    q, k = kernels.qk_norm_rope(*args)
+    twin_q, twin_k = kernels.qk_norm_rope_torch(*args)
+    q_norm, k_norm = Qwen3RMSNorm(d, 1e-6), Qwen3RMSNorm(d, 1e-6)
+    q_norm.weight.data, k_norm.weight.data = qw, kw
+    qkv = qkv.to(dtype).float()   # the same rounded inputs
+    q_ref = q_norm(qkv[:, :hq * d].view(t, hq, d)).transpose(0, 1)[None]   # [1, H, T, D]
+    k_ref = k_norm(qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)).transpose(0, 1)[None]
+    angles = torch.cat([positions[:, None].float() * inv_freq] * 2, -1)[None]
+    q_ref, k_ref = apply_rotary_pos_emb(q_ref, k_ref, angles.cos() * scale, angles.sin() * scale)
+    for qq, kk in ((q, k), (twin_q, twin_k)):
+        assert rel_err(qq.cpu(), q_ref[0].transpose(0, 1).detach()) < TOL[dtype]
+        assert rel_err(kk.cpu(), k_ref[0].transpose(0, 1).detach()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_mul(dtype):
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 2 * 1500, generator=g).to(dtype).to(DEVICE)   # 1500: two column blocks, masked
+    ref = torch.nn.functional.silu(x[:, :1500].double()) * x[:, 1500:].double()
+    assert rel_err(kernels.silu_mul(x).cpu(), ref.cpu()) < TOL[dtype]
+    assert rel_err(kernels.silu_mul_torch(x).cpu(), ref.cpu()) < TOL[dtype]
+
 # ============================================================================= block manager
 # ----------------------------------------------------------------------------- the cache tensor
 
