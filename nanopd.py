@@ -196,9 +196,9 @@ class Scheduler:
             batch.num_new.append(n)
             budget -= n
         # Then new (or preempted) sequences, first come first served, while budget and seats remain.
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if not self.bm.can_allocate(seq.token_ids):
+            if len(self.running) + self._seats(seq) > self.max_num_seqs or not self.bm.can_allocate(seq.token_ids):
                 break
             self.waiting.popleft()
             seq.block_table, seq.num_computed = self.bm.allocate(seq.token_ids)
@@ -213,6 +213,11 @@ class Scheduler:
             batch.num_new.append(n)
             budget -= n
         return batch
+
+    def _seats(self, seq: Sequence) -> int:
+        """Running sequences this one will become: n > 1 and beams fork after the prompt."""
+        req = seq.request
+        return 1 if req.forked or seq.num_prompt_tokens < len(seq.token_ids) else max(req.params.n, req.beam_width)
 
     def _append_slots(self, seq: Sequence, n: int, batch: Batch) -> list[tuple[int, int]] | None:
         """Room for seq's next n tokens (and its copy-on-write pairs), preempting the newest
@@ -491,13 +496,13 @@ class Engine:
         """Validate and queue a request; a bad one raises ValueError and changes nothing."""
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate(ids, params)
+        self._validate(ids, params, beam_width)
         req = Request(next(self._request_ids), text, ids, params, RequestMetrics(time.perf_counter()),
                       beam_width=beam_width, length_penalty=length_penalty)
         self._add_seq(req, 0, list(ids))
         return req
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, ids: list[int], params: SamplingParams, beam_width: int) -> None:
         params.validate()
         vocab = self.model.config.vocab_size
         if not ids:
@@ -508,7 +513,17 @@ class Engine:
         if len(ids) + params.max_tokens > self.cfg.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"max_model_len ({self.cfg.max_model_len})")
-        need = -(-(len(ids) + params.max_tokens) // self.cfg.block_size)
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size ({vocab})")
+        width = max(params.n, beam_width)
+        if width > self.cfg.max_num_seqs:
+            raise ValueError(f"{'beam_width' if beam_width else 'n'}={width} exceeds max_num_seqs "
+                             f"({self.cfg.max_num_seqs})")
+        # Beams advance together, so all of them must fit at once (full prompt blocks are
+        # shared; each beam owns the rest). Samples of n > 1 progress independently: one must fit.
+        bs = self.cfg.block_size
+        shared = len(ids) // bs if beam_width else 0
+        need = shared + (beam_width or 1) * (-(-(len(ids) + params.max_tokens) // bs) - shared)
         room = self.bm.num_blocks - self.bm.watermark_blocks
         if need > room:
             raise ValueError(f"the request needs {need} KV blocks, more than the whole cache holds ({room})")
@@ -611,27 +626,35 @@ class Engine:
             return
         self.scheduler.finish(seq)
 
-    # -- beam search: fork the best continuations, free the rest
+    # -- beam search: fork the best continuations, free the rest (HF's algorithm)
 
     def _store_beam_candidates(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         logprobs = torch.log_softmax(logits, -1)
-        top = logprobs.topk(2 * seqs[0].request.beam_width, -1)
+        top = logprobs.topk(2 * max(s.request.beam_width for s in seqs), -1)
         for seq, tokens, values in zip(seqs, top.indices.tolist(), top.values.tolist()):
-            seq.beam_candidates = list(zip(tokens, values))
+            k = 2 * seq.request.beam_width
+            seq.beam_candidates = list(zip(tokens[:k], values[:k]))
 
     def _advance_beams(self, req: Request) -> None:
-        """Keep the beam_width best continuations of all live beams (as HF's beam search
-        does: candidates ending in EOS become finished hypotheses)."""
-        live = [s for s in req.seqs if s.status != Status.FINISHED]
+        """One beam-search step over all live beams' candidates, as HF's beam search does:
+        of the 2k best continuations (by summed logprob), those among the first k that end
+        (EOS, or max_tokens reached) become finished hypotheses, scored by summed logprob /
+        length ** length_penalty, of which the best k are kept; the best k that do not end
+        go on as the live beams. The search stops when nothing is live or, with k finished,
+        when the best live beam can no longer beat the worst finished one."""
+        k, live = req.beam_width, [s for s in req.seqs if s.status != Status.FINISHED]
+        last_step = len(live[0].output_ids) + 1 >= req.params.max_tokens
         cands = sorted(((s.cumulative_logprob + lp, s, t) for s in live for t, lp in s.beam_candidates),
-                       key=lambda c: -c[0])
+                       key=lambda c: -c[0])[:2 * k]
         keep = []
-        for rank, (score, parent, token) in enumerate(cands[:2 * req.beam_width]):
-            if token in self.eos_ids and not req.params.ignore_eos:
-                if rank < req.beam_width:
-                    req.beams_done.append(self._finished_beam(parent, token, score))
-            elif len(keep) < req.beam_width:
+        for rank, (score, parent, token) in enumerate(cands):
+            is_eos = token in self.eos_ids and not req.params.ignore_eos
+            if is_eos or last_step:
+                if rank < k:
+                    req.beams_done.append(self._finished_beam(parent, token, score, "stop" if is_eos else "length"))
+            elif len(keep) < k:
                 keep.append((score, parent, token))
+        req.beams_done = sorted(req.beams_done, key=lambda b: -self.beam_score(b))[:k]
         # A parent chosen more than once is forked; all forks before any token is appended.
         taken, chosen = set(), []
         for score, parent, token in keep:
@@ -643,23 +666,20 @@ class Engine:
             seq.beam_candidates = None
         for seq in live:
             if seq not in taken:
-                self.scheduler.finish(seq)   # a dropped beam: its blocks go back
-                req.seqs.remove(seq)
-        out_len = len(req.seqs[0].output_ids) if req.seqs else req.params.max_tokens
-        best_live = max((s.cumulative_logprob for s in req.seqs), default=float("-inf"))
-        enough = len(req.beams_done) >= req.beam_width and best_live <= min(
-            b.cumulative_logprob for b in req.beams_done)
-        if out_len >= req.params.max_tokens or enough:
-            for seq in list(req.seqs):
-                seq.finish_reason = "length"
-                self.scheduler.finish(seq)
-                req.beams_done.append(seq)
-            req.seqs = sorted(req.beams_done, key=lambda s: -self.beam_score(s))[:req.beam_width]
+                self._drop_beam(req, seq)
+        best_live = keep[0][0] / (len(live[0].output_ids) + 1) ** req.length_penalty if keep else None
+        if best_live is None or (len(req.beams_done) == k and best_live <= self.beam_score(req.beams_done[-1])):
+            for seq in [s for s in req.seqs if s.status != Status.FINISHED]:
+                self._drop_beam(req, seq)
+            req.seqs = req.beams_done
 
-    def _finished_beam(self, parent: Sequence, token: int, score: float) -> Sequence:
-        seq = Sequence(parent.request, -1, parent.token_ids + [token], parent.num_prompt_tokens,
-                       status=Status.FINISHED, cumulative_logprob=score, finish_reason="stop")
-        return seq
+    def _drop_beam(self, req: Request, seq: Sequence) -> None:
+        self.scheduler.finish(seq)   # its blocks go back (shared ones stay with the other beams)
+        req.seqs.remove(seq)
+
+    def _finished_beam(self, parent: Sequence, token: int, score: float, reason: str) -> Sequence:
+        return Sequence(parent.request, -1, parent.token_ids + [token], parent.num_prompt_tokens,
+                        status=Status.FINISHED, cumulative_logprob=score, finish_reason=reason)
 
     def beam_score(self, seq: Sequence) -> float:
         return seq.cumulative_logprob / len(seq.output_ids) ** seq.request.length_penalty
@@ -750,6 +770,8 @@ def main() -> None:
     while engine.has_unfinished():
         engine.step()
         text = engine.tokenizer.decode(req.seqs[0].output_ids, skip_special_tokens=True)
+        if engine.has_unfinished():   # a trailing U+FFFD may be a character still missing bytes
+            text = text.rstrip("\ufffd")
         print(text[len(printed):], end="", flush=True)
         printed = text
     n, elapsed = len(req.seqs[0].output_ids), time.perf_counter() - start
