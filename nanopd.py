@@ -21,6 +21,7 @@ copy-on-write.
 
 import argparse
 import bisect
+import gc
 import itertools
 import time
 from collections import deque
@@ -322,6 +323,24 @@ class ModelRunner:
             "cu": torch.arange(n + 1, dtype=torch.int32, device=dev),
             "ctx": torch.zeros(n, dtype=torch.int32, device=dev)}
         st, pool = self.static, None
+        # Warm up and capture on one side stream, with the garbage collector off: a
+        # collection mid-capture can free CUDA objects (events of pinned buffers, old
+        # graphs), which invalidates the capture.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.cuda.stream(stream):
+                self._capture_graphs(sizes, st, pool, stream)
+        finally:
+            gc.enable()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph_sizes = sorted(self.graphs)
+        torch.cuda.synchronize()
+
+    def _capture_graphs(self, sizes: list[int], st: dict, pool, stream: torch.cuda.Stream) -> None:
+        dev = self.device
         for bs in tqdm(sorted(sizes, reverse=True), desc="capturing decode CUDA graphs", leave=False):
             meta = AttentionMetadata(
                 slot_mapping=st["slots"][:bs], block_tables=st["tables"][:bs], cu_q_lens=st["cu"][:bs + 1],
@@ -333,12 +352,10 @@ class ModelRunner:
                 return self.model(st["ids"][:bs], st["pos"][:bs], self.kv_cache, meta)
             forward()   # compile and warm up outside the capture
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
+            with torch.cuda.graph(graph, pool, stream=stream, capture_error_mode="thread_local"):
                 hidden = forward()
             pool = graph.pool()
             self.graphs[bs] = (graph, hidden)
-        self.graph_sizes = sorted(self.graphs)
-        torch.cuda.synchronize()
 
     def _replay(self, batch: Batch, bs: int) -> torch.Tensor:
         st, n, bsz = self.static, len(batch.seqs), self.cfg.block_size
