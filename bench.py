@@ -6,6 +6,8 @@
   python bench.py engine    the single-GPU engine on Qwen3-8B (random weights): decode
                             step times, prefill ms/token and LLM.generate throughput,
                             beside the hardware ceilings measured in the same run
+  python bench.py profile   where a batch-1 decode step's GPU time goes, kernel by
+                            kernel (the step run eagerly under torch.profiler)
 
 Every result is printed as a table and, with --out, written as JSON.
 """
@@ -267,9 +269,30 @@ def run_engine(out: str | None, model: str = "qwen3-8b") -> dict:
     return res
 
 
+def run_profile(model: str = "qwen3-8b", batch_size: int = 1, context: int = 1024) -> None:
+    """A decode step run eagerly under torch.profiler: the same kernels the CUDA graph
+    replays, with each one's GPU time, to show where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanopd import LLM
+    llm = LLM(model, max_num_seqs=max(batch_size, 16), max_model_len=4096, enforce_eager=True)
+    eng = llm.engine
+    batch = fake_batch(eng, batch_size, context, 1)
+    rows = list(range(batch_size))
+    for _ in range(3):
+        eng.runner.run(batch, rows)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            eng.runner.run(batch, rows)
+        torch.cuda.synchronize()
+    print(f"{model}, decode batch {batch_size}, context {context}, 5 eager steps:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["kernels", "engine"], help="which benchmark to run")
+    p.add_argument("what", choices=["kernels", "engine", "profile"], help="which benchmark to run")
     p.add_argument("--model", default="qwen3-8b", help="preset or checkpoint folder (engine)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
@@ -277,8 +300,10 @@ def main() -> None:
         raise SystemExit(f"bench.py {args.what} measures the GPU: no CUDA device found")
     if args.what == "kernels":
         run_kernels(args.out)
-    else:
+    elif args.what == "engine":
         run_engine(args.out, args.model)
+    else:
+        run_profile(args.model)
 
 
 if __name__ == "__main__":
