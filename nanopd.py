@@ -604,18 +604,18 @@ class Engine:
             row_logits = logits[[i for i, _ in expanded]]
             tokens = sample(row_logits, [t.request.params for t in targets], [t.generator for t in targets])
             want_lp = [k for k, t in enumerate(targets) if t.request.params.logprobs is not None]
-            logprobs = torch.log_softmax(row_logits[want_lp], -1) if want_lp else None
+            logprobs = dict(zip(want_lp, torch.log_softmax(row_logits[want_lp], -1))) if want_lp else {}
             for k, (seq, token) in enumerate(zip(targets, tokens.tolist())):
-                if seq.request.params.logprobs is not None:
-                    self._record_logprobs(seq, token, logprobs[want_lp.index(k)])
+                if k in logprobs:
+                    self._record_logprobs(seq, token, logprobs[k])
                 seq.token_ids.append(token)
                 self._check_stop(seq)
         # Requests that may have finished: a sequence of theirs stopped, or a beam step ran.
         touched = {s.request: None for s in seqs if s.status == Status.FINISHED or s.request.beam_width}
         touched.update({t.request: None for t in targets if t.status == Status.FINISHED})
         for req in touched:
-            if req.beam_width and all(s.beam_candidates is not None for s in req.seqs
-                                      if s.status != Status.FINISHED):
+            if req.beam_width and not req.finished and all(s.beam_candidates is not None for s in req.seqs
+                                                           if s.status != Status.FINISHED):
                 self._advance_beams(req)
             if req.finished and req.metrics.finish_time is None:
                 req.metrics.finish_time = now
