@@ -64,7 +64,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer: int):
+    def __init__(self, config: PretrainedConfig, layer: int, rope: tuple[torch.Tensor, float]):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -75,7 +75,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        inv_freq, self.rope_scale = rope_frequencies(config)
+        inv_freq, self.rope_scale = rope   # computed once by Qwen3, shared by every layer
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -106,10 +106,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer: int):
+    def __init__(self, config: PretrainedConfig, layer: int, rope: tuple[torch.Tensor, float]):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = Attention(config, layer)
+        self.self_attn = Attention(config, layer, rope)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -135,7 +135,8 @@ class Qwen3(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(self.num_layers))
+        rope = rope_frequencies(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, rope) for i in range(self.num_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:

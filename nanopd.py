@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 import kernels
-from kv_cache import BlockManager, OutOfBlocks, allocate_kv_cache, blocks_for_memory, kv_bytes_per_block
+from kv_cache import BlockManager, OutOfBlocks, allocate_kv_cache, blocks_for_memory, cdiv, kv_bytes_per_block
 from model import AttentionMetadata, Qwen3, load_model
 
 # ----------------------------------------------------------------------------- requests
@@ -172,8 +172,11 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        keys = [s.seq_id for s in self.waiting]
-        self.waiting.insert(bisect.bisect(keys, seq.seq_id), seq)
+        if not self.waiting or self.waiting[-1].seq_id < seq.seq_id:   # a new arrival
+            self.waiting.append(seq)
+        else:   # a preempted sequence goes back to its place in arrival order
+            keys = [s.seq_id for s in self.waiting]
+            self.waiting.insert(bisect.bisect(keys, seq.seq_id), seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -255,7 +258,7 @@ class ModelRunner:
 
     def __init__(self, model: Qwen3, cfg: "EngineConfig"):
         self.model, self.cfg, self.device = model, cfg, model.device
-        self.max_blocks_per_seq = -(-cfg.max_model_len // cfg.block_size)
+        self.max_blocks_per_seq = cdiv(cfg.max_model_len, cfg.block_size)
         self.num_blocks = cfg.num_kv_blocks or self._blocks_that_fit()
         self.kv_cache = allocate_kv_cache(self.num_blocks, model.num_layers, model.num_kv_heads,
                                           cfg.block_size, model.head_dim, model.dtype, self.device)
@@ -358,20 +361,19 @@ class ModelRunner:
             self.graphs[bs] = (graph, hidden)
 
     def _replay(self, batch: Batch, bs: int) -> torch.Tensor:
-        st, n, bsz = self.static, len(batch.seqs), self.cfg.block_size
-        ids = [s.token_ids[s.num_computed] for s in batch.seqs]
-        pos = [s.num_computed for s in batch.seqs]
-        slots = [s.block_table[p // bsz] * bsz + p % bsz for s, p in zip(batch.seqs, pos)]
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
-        st["ids"][:n].copy_(self._tensor(ids, torch.long))
-        st["pos"][:n].copy_(self._tensor(pos, torch.long))
+        """Copy the step's inputs into the graph's static buffers (padding the batch to bs
+        sequences with no tokens and no cache writes), then replay the graph."""
+        st, n = self.static, len(batch.seqs)
+        ids, positions, meta = self.prepare(batch)
+        width = meta.block_tables.shape[1]
+        st["ids"][:n].copy_(ids)
+        st["pos"][:n].copy_(positions)
         st["slots"][:bs].fill_(-1)
-        st["slots"][:n].copy_(self._tensor(slots))
-        st["tables"][:n, :width].copy_(self._tensor(tables))
-        st["cu"][n + 1:bs + 1].fill_(n)         # padding sequences have no tokens
-        st["cu"][:n + 1].copy_(self._tensor(list(range(n + 1))))
-        st["ctx"][:n].copy_(self._tensor(pos))
+        st["slots"][:n].copy_(meta.slot_mapping)
+        st["tables"][:n, :width].copy_(meta.block_tables)
+        st["cu"][:n + 1].copy_(meta.cu_q_lens)
+        st["cu"][n + 1:bs + 1].fill_(n)
+        st["ctx"][:n].copy_(meta.ctx_lens)
         graph, hidden = self.graphs[bs]
         graph.replay()
         return hidden[:n]
@@ -389,7 +391,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         n = cfg.max_num_batched_tokens
-        scratch = allocate_kv_cache(-(-n // cfg.block_size), m.num_layers, m.num_kv_heads, cfg.block_size,
+        scratch = allocate_kv_cache(cdiv(n, cfg.block_size), m.num_layers, m.num_kv_heads, cfg.block_size,
                                     m.head_dim, m.dtype, self.device)
         with torch.inference_mode():
             ids = torch.zeros(n, dtype=torch.long, device=self.device)
@@ -540,15 +542,13 @@ class Engine:
         # shared; each beam owns the rest). Samples of n > 1 progress independently: one must fit.
         bs = self.cfg.block_size
         shared = len(ids) // bs if beam_width else 0
-        need = shared + (beam_width or 1) * (-(-(len(ids) + params.max_tokens) // bs) - shared)
+        need = shared + (beam_width or 1) * (cdiv(len(ids) + params.max_tokens, bs) - shared)
         room = self.bm.num_blocks - self.bm.watermark_blocks
         if need > room:
             raise ValueError(f"the request needs {need} KV blocks, more than the whole cache holds ({room})")
 
     def _add_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
-        seq = Sequence(req, index, token_ids, len(req.prompt_token_ids))
-        if req.params.seed is not None:
-            seq.generator = torch.Generator(self.model.device).manual_seed(req.params.seed + index)
+        seq = Sequence(req, index, token_ids, len(req.prompt_token_ids), generator=self._generator(req, index))
         req.seqs.append(seq)
         self.scheduler.add(seq)
         return seq
@@ -558,12 +558,16 @@ class Engine:
         child = Sequence(seq.request, index, list(seq.token_ids), seq.num_prompt_tokens,
                          status=Status.RUNNING, block_table=self.bm.fork(seq.block_table),
                          num_computed=seq.num_computed, cumulative_logprob=seq.cumulative_logprob,
-                         logprobs=list(seq.logprobs))
-        if seq.request.params.seed is not None:
-            child.generator = torch.Generator(self.model.device).manual_seed(seq.request.params.seed + index)
+                         logprobs=list(seq.logprobs), generator=self._generator(seq.request, index))
         seq.request.seqs.append(child)
         self.scheduler.running.append(child)
         return child
+
+    def _generator(self, req: Request, index: int) -> torch.Generator | None:
+        """Completion `index` of a seeded request draws from its own generator, seeded seed + index."""
+        if req.params.seed is None:
+            return None
+        return torch.Generator(self.model.device).manual_seed(req.params.seed + index)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -554,8 +554,9 @@ VOCAB = 256
 
 
 def hf_checkpoint(path, tie=False, heads=4, kv_heads=2, rope=None, max_shard_size="1GB"):
-    """A random fp32 HF Qwen3 saved to path. Norm weights are randomised too, so a misplaced
-    q_norm/k_norm or RMSNorm shows in the logits."""
+    """A random fp32 HF Qwen3 (no EOS token) saved to path. Norm weights are randomised too, so
+    a misplaced q_norm/k_norm or RMSNorm shows in the logits; weights of std 0.1 give wide
+    argmax margins, so greedy comparisons are stable."""
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32,
                          max_position_embeddings=512, tie_word_embeddings=tie,
@@ -738,21 +739,6 @@ PROMPTS = [prompt(n, seed) for seed, n in enumerate([5, 17, 33, 40])]
 # ----------------------------------------------------------------------------- the reference
 
 
-def make_checkpoint(path: Path) -> Qwen3ForCausalLM:
-    """A random fp32 HF Qwen3 without an EOS token, saved to path. Weights of std 0.1 (and
-    random norms) give wide argmax margins, so greedy comparisons are stable."""
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                         max_position_embeddings=512)
-    torch.manual_seed(0)
-    hf = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.1)
-    hf.save_pretrained(path)
-    return hf
-
-
 def with_eos(src: Path, dst: Path, eos: int) -> str:
     """A copy of checkpoint src whose config names eos as its EOS token."""
     shutil.copytree(src, dst)
@@ -806,7 +792,7 @@ class Reference:
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory) -> Reference:
     path = tmp_path_factory.mktemp("qwen3")
-    return Reference(make_checkpoint(path), path)
+    return Reference(hf_checkpoint(path), path)
 
 
 def make_llm(path, **kwargs) -> LLM:
