@@ -473,6 +473,17 @@ class EngineConfig:
     enforce_eager: bool = False        # no CUDA graphs
     seed: int = 0                      # random weights of presets
 
+    def validate(self) -> None:
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1 (or None to size it), got {self.num_kv_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.device is not None and str(self.device).startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
+
 
 class ByteTokenizer:
     """For random-weight presets (and checkpoints without tokenizer files): UTF-8 bytes."""
@@ -494,6 +505,7 @@ def load_tokenizer(model_name: str):
 
 class Engine:
     def __init__(self, cfg: EngineConfig):
+        cfg.validate()
         self.model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
         config = self.model.config
         cfg.max_model_len = min(cfg.max_model_len, config.max_position_embeddings)

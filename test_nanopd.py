@@ -1220,6 +1220,18 @@ def test_unknown_model_is_a_value_error(name):
         LLM(name, device=DEVICE)
 
 
+BAD_CONFIGS = {"block_size": 0, "max_num_batched_tokens": 0, "max_num_seqs": 0, "max_model_len": 0,
+               "num_kv_blocks": 0, "gpu_memory_utilization": 1.5}
+
+
+@ENGINE
+@pytest.mark.parametrize("name", list(BAD_CONFIGS))
+def test_bad_engine_settings_are_a_value_error(name):
+    """A setting that would make the engine divide by zero or never schedule is refused up front."""
+    with pytest.raises(ValueError, match=name):
+        LLM("tiny", device=DEVICE, **{name: BAD_CONFIGS[name]})
+
+
 @ENGINE
 def test_request_larger_than_the_cache_is_rejected(hf):
     """A request needing more blocks than the whole cache is rejected; one that fits runs."""
