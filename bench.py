@@ -81,23 +81,30 @@ def bench_attention(batch: int, seq_len: int, decode: bool, hq=32, hkv=8, d=128,
                 "ref_rate": work / t_sdpa * 1e3, "ratio": t_sdpa / t_ours, "rel_err": err.item(), "ref": "SDPA"}
 
 
-def bench_store_kv(num_tokens=16384, hkv=8, d=128, block_size=16):
+def bench_store_kv(num_tokens=16384, hq=32, hkv=8, d=128, block_size=16):
+    """One Qwen3-8B prefill step's q/k norm + RoPE + K/V cache write (the fused kernel),
+    beside a plain copy of the same bytes (read qkv, write q, k and v)."""
     dev, dt = "cuda", torch.bfloat16
-    k = torch.randn(num_tokens, hkv, d, device=dev, dtype=dt)
-    v = torch.randn_like(k)
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, device=dev, dtype=dt)
+    qw, kw = torch.rand(d, device=dev, dtype=dt) + 0.5, torch.rand(d, device=dev, dtype=dt) + 0.5
+    positions = torch.arange(num_tokens, device=dev)
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, d, 2, device=dev).float() / d)
     nb = num_tokens // block_size
-    cache = torch.empty(nb, 4, 2, hkv, block_size, d, device=dev, dtype=dt)
+    cache = torch.zeros(nb, 4, 2, hkv, block_size, d, device=dev, dtype=dt)
     slots = torch.randperm(nb, device=dev).repeat_interleave(block_size) * block_size
     slots = (slots + torch.arange(num_tokens, device=dev) % block_size).int()
-    kernels.store_kv(k, v, cache[:, 1, 0], cache[:, 1, 1], slots)
-    ok = torch.equal(cache[slots.long() // block_size, 1, 0, :, slots.long() % block_size], k)
-    src, dst = torch.cat([k, v]), torch.empty(2 * num_tokens, hkv, d, device=dev, dtype=dt)
-    t_ours = time_ms(lambda: kernels.store_kv(k, v, cache[:, 1, 0], cache[:, 1, 1], slots))
-    t_copy = time_ms(lambda: dst.copy_(src))
-    gb = 2 * src.numel() * src.element_size() / 1e9   # read + write
-    return {"case": f"store_kv {num_tokens} tokens", "ours_ms": t_ours, "ref_ms": t_copy, "unit": "GB/s",
-                "ours_rate": gb / t_ours * 1e3, "ref_rate": gb / t_copy * 1e3, "ratio": t_copy / t_ours,
-                "rel_err": 0.0 if ok else float("nan"), "ref": "copy_"}
+    args = (qkv, qw, kw, positions, inv_freq, 1.0, hq, hkv, 1e-6)
+    twin = cache.clone()
+    q_ref = kernels.qk_norm_rope_store_kv_torch(*args, twin[:, 1, 0], twin[:, 1, 1], slots)
+    q = kernels.qk_norm_rope_store_kv(*args, cache[:, 1, 0], cache[:, 1, 1], slots)
+    err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in ((q, q_ref), (cache, twin)))
+    dst = torch.empty_like(qkv)
+    t_ours = time_ms(lambda: kernels.qk_norm_rope_store_kv(*args, cache[:, 1, 0], cache[:, 1, 1], slots))
+    t_copy = time_ms(lambda: dst.copy_(qkv))
+    gb = 2 * qkv.numel() * qkv.element_size() / 1e9   # read + write
+    return {"case": f"qk_norm_rope_store_kv {num_tokens} tok", "ours_ms": t_ours, "ref_ms": t_copy,
+            "unit": "GB/s", "ours_rate": gb / t_ours * 1e3, "ref_rate": gb / t_copy * 1e3,
+            "ratio": t_copy / t_ours, "rel_err": err, "ref": "copy_"}
 
 
 def bench_gather(num_blocks=128, cache_blocks=2048, layers=36, hkv=8, d=128, block_size=16):
@@ -242,11 +249,26 @@ def run_engine(out: str | None, model: str = "qwen3-8b") -> dict:
             eng.bm.free(batch.seqs[0].block_table)
     record(f"prefill {n} tokens (ms per token)", prefill, ceiling, unit_div=n)
 
+    g = torch.Generator().manual_seed(0)
+
+    def random_prompts(count, length):
+        return [torch.randint(0, cfg.vocab_size, (length,), generator=g).tolist() for _ in range(count)]
+
+    def decode_in_generate():
+        """One request decoding with a 1024-token context, as a user sees it: the time between
+        its output tokens, host work (scheduling, sampling, stop checks) included."""
+        out = llm.generate(random_prompts(1, 1024), SamplingParams(max_tokens=129, ignore_eos=True),
+                           use_tqdm=False)[0]
+        return (out.metrics.finish_time - out.metrics.first_token_time) / 128 * 1e3, None
+    ceiling = max((weight_bytes + 1088 * kv_per_token) / res["hbm_copy_GBps"] / 1e6,
+                  flops_per_token / res["bf16_matmul_TFLOPs"] / 1e9)
+    decode_in_generate()   # warm-up
+    record("decode in generate, batch 1, context ~1088", decode_in_generate, ceiling)
+
     try:   # LLM.generate throughput: 1024 requests, 128 tokens in, 128 out
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, cfg.vocab_size, (128,), generator=g).tolist() for _ in range(1024)]
+        prompts = random_prompts(1024, 128)
         sp = SamplingParams(max_tokens=128, ignore_eos=True)
-        llm.generate(prompts[:64], sp, use_tqdm=False)   # warm-up (kernel compilation)
+        llm.generate(random_prompts(64, 128), sp, use_tqdm=False)   # warm-up (kernel compilation)
         torch.cuda.synchronize()
         t = time.perf_counter()
         outs = llm.generate(prompts, sp)

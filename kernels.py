@@ -1,15 +1,15 @@
 """GPU kernels for nanoPD, written in Triton, each with a plain-torch twin.
 
 The jobs:
-  store_kv         write this step's new K/V rows into the paged cache
   paged_attention  attention for a mixed batch (decodes and prefill chunks) whose
                    K/V live in non-contiguous cache blocks; split-K for long decodes
   copy_rows        move whole cache blocks: copy-on-write (copy_blocks) and the
                    gather/scatter used to ship a request's blocks between devices
-  rms_norm, qk_norm_rope, silu_mul
+  rms_norm, qk_norm_rope_store_kv, silu_mul
                    the model's elementwise chains, one kernel each instead of the
                    five to ten small torch ops they take unfused (at batch 1 a decode
-                   step is mostly launches of small kernels otherwise)
+                   step is mostly launches of small kernels otherwise); the q/k one
+                   also writes this step's new K/V rows into the paged cache
 
 Each public function runs the Triton kernel on CUDA tensors, and also on CPU tensors
 when TRITON_INTERPRET=1 (that is how CI tests the kernels themselves). Otherwise, on
@@ -35,69 +35,11 @@ def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or INTERPRET
 
 
-# ----------------------------------------------------------------------------- store_kv
-
-
-@triton.jit
-def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, num_tokens,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_ch, stride_cs,   # cache strides: block, head, slot-in-block (K and V views share them)
-    NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TOKENS_PER_PROGRAM: tl.constexpr,
-):
-    # Each program writes TOKENS_PER_PROGRAM tokens x all kv heads x head_dim.
-    tok = tl.program_id(0) * TOKENS_PER_PROGRAM + tl.arange(0, TOKENS_PER_PROGRAM)
-    slot = tl.load(slot_ptr + tok, mask=tok < num_tokens, other=-1).to(tl.int64)
-    valid = slot >= 0
-    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-    h = tl.arange(0, HEADS_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    src_k = tok[:, None, None] * stride_kt + h[None, :, None] * stride_kh + d[None, None, :]
-    src_v = tok[:, None, None] * stride_vt + h[None, :, None] * stride_vh + d[None, None, :]
-    dst = (block[:, None, None] * stride_cb + h[None, :, None] * stride_ch
-           + offset[:, None, None] * stride_cs + d[None, None, :])
-    mask = valid[:, None, None] & (h < NUM_KV_HEADS)[None, :, None]
-    tl.store(k_cache_ptr + dst, tl.load(k_ptr + src_k, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + dst, tl.load(v_ptr + src_v, mask=mask), mask=mask)
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write k, v [num_tokens, num_kv_heads, head_dim] into the cache views
-    [num_blocks, num_kv_heads, block_size, head_dim] at slot_mapping [num_tokens] (-1: skip)."""
-    if not _use_triton(k):
-        return store_kv_torch(k, v, k_cache, v_cache, slot_mapping)
-    num_tokens, num_kv_heads, head_dim = k.shape
-    assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1
-    assert k_cache.stride() == v_cache.stride()
-    _check_pow2(head_dim=head_dim)
-    tokens_per_program = 4
-    grid = (triton.cdiv(num_tokens, tokens_per_program),)
-    _store_kv_kernel[grid](
-        k, v, k_cache, v_cache, slot_mapping, num_tokens,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[2],
-        TOKENS_PER_PROGRAM=tokens_per_program,
-    )
-
-
-def store_kv_torch(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid].long()
-    block, offset = slots // k_cache.shape[2], slots % k_cache.shape[2]
-    k_cache[block, :, offset] = k[valid]   # index dims first: [n, num_kv_heads, head_dim]
-    v_cache[block, :, offset] = v[valid]
-
-
 # ----------------------------------------------------------------------------- paged attention
 #
 # The batch is a list of sequences; sequence s has q_len[s] new tokens (1 for a decode,
 # a chunk for a prefill) at positions ctx_len[s] .. ctx_len[s] + q_len[s] - 1, and its
-# K/V for all ctx_len + q_len positions are already in the cache (store_kv ran first).
+# K/V for all ctx_len + q_len positions are already in the cache (written by qk_norm_rope_store_kv).
 # New tokens attend causally: the token at position p sees keys 0..p.
 #
 # One program owns one tile of queries of one sequence and one kv head: BLOCK_Q tokens
@@ -243,7 +185,9 @@ def attention_config(max_q_len: int, head_dim: int, on_gpu: bool, elem_bytes: in
         return AttentionConfig(16, 16, 4, 1)
     if max_q_len == 1:
         return AttentionConfig(16, 64, 4, 2)
-    if elem_bytes > 2 or head_dim > 128:
+    if elem_bytes > 2 or head_dim > 128 or max_q_len <= 512:
+        # Also short chunks: with 128-row tiles and 3 stages one program fills an SM and
+        # short sequences leave it waiting on memory (1.7x slower at 128 x 128 tokens).
         return AttentionConfig(64, 32, 4, 2)
     return AttentionConfig(128, 128, 8, 3)
 
@@ -454,57 +398,92 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _qk_norm_rope_kernel(qkv_ptr, q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr,
-                         stride_qkv, stride_qt, stride_kt, num_q_heads, eps, rope_scale,
-                         HEAD_DIM: tl.constexpr):
-    # One program per (token, head) over the q heads then the k heads of the fused qkv row:
-    # RMS-normalise the head, scale by its weight, rotate (HF's rotate_half layout).
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+def _norm_rope_heads(src, mask, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
+    # src: pointers [heads, HEAD_DIM // 2] to the first halves of some heads of one token.
+    # RMS-normalise each head, scale by the weight, rotate (HF's rotate_half layout).
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HALF)
-    src = qkv_ptr + tok * stride_qkv + head * HEAD_DIM
-    x1 = tl.load(src + d).to(tl.float32)
-    x2 = tl.load(src + HALF + d).to(tl.float32)
-    r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / HEAD_DIM + eps)
-    if head < num_q_heads:
-        w_ptr, dst = qw_ptr, q_ptr + tok * stride_qt + head * HEAD_DIM
-    else:
-        w_ptr, dst = kw_ptr, k_ptr + tok * stride_kt + (head - num_q_heads) * HEAD_DIM
-    x1 = (x1 * r).to(q_ptr.dtype.element_ty).to(tl.float32) * tl.load(w_ptr + d).to(tl.float32)
-    x2 = (x2 * r).to(q_ptr.dtype.element_ty).to(tl.float32) * tl.load(w_ptr + HALF + d).to(tl.float32)
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
+    # HF rounds the normalised value to the model dtype before the weight; so do we.
+    x1 = (x1 * r).to(DTYPE).to(tl.float32) * tl.load(w_ptr + d).to(tl.float32)[None, :]
+    x2 = (x2 * r).to(DTYPE).to(tl.float32) * tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
+    return (x1 * cos - x2 * sin).to(DTYPE), (x2 * cos + x1 * sin).to(DTYPE)
+
+
+@triton.jit
+def _qk_norm_rope_store_kv_kernel(
+    qkv_ptr, q_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_qkv, stride_qt, eps, rope_scale,
+    stride_cb, stride_ch, stride_cs,   # cache strides: block, head, slot-in-block (K and V views share them)
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    # One program per token, all its heads at once as 2D tiles [heads, HEAD_DIM // 2]: a
+    # program per (token, head) moves too few bytes to keep the memory system busy.
+    tok = tl.program_id(0).to(tl.int64)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HALF)
     angle = tl.load(pos_ptr + tok).to(tl.float32) * tl.load(inv_freq_ptr + d)
-    cos, sin = tl.cos(angle) * rope_scale, tl.sin(angle) * rope_scale
-    tl.store(dst + d, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty))
-    tl.store(dst + HALF + d, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty))
+    cos, sin = (tl.cos(angle) * rope_scale)[None, :], (tl.sin(angle) * rope_scale)[None, :]
+    row = qkv_ptr + tok * stride_qkv   # [q heads | k heads | v heads] x HEAD_DIM
+    DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+
+    hq = tl.arange(0, HQ_PAD)[:, None]
+    q_mask = hq < NUM_Q_HEADS
+    q1, q2 = _norm_rope_heads(row + hq * HEAD_DIM + d[None, :], q_mask, qw_ptr, cos, sin, eps, HEAD_DIM, DTYPE)
+    dst = q_ptr + tok * stride_qt + hq * HEAD_DIM + d[None, :]
+    tl.store(dst, q1, mask=q_mask)
+    tl.store(dst + HALF, q2, mask=q_mask)
+
+    # K and V go straight to the cache; a padding token (slot -1) writes nothing.
+    slot = tl.load(slot_ptr + tok).to(tl.int64)
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    hkv = tl.arange(0, HKV_PAD)[:, None]
+    kv_mask = (hkv < NUM_KV_HEADS) & (slot >= 0)
+    k1, k2 = _norm_rope_heads(row + (NUM_Q_HEADS + hkv) * HEAD_DIM + d[None, :], kv_mask, kw_ptr, cos, sin,
+                              eps, HEAD_DIM, DTYPE)
+    dst = block * stride_cb + hkv * stride_ch + offset * stride_cs + d[None, :]
+    tl.store(k_cache_ptr + dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(k_cache_ptr + dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+    dv = tl.arange(0, HEAD_DIM)[None, :]   # V is only copied: whole rows
+    v = tl.load(row + (NUM_Q_HEADS + NUM_KV_HEADS + hkv) * HEAD_DIM + dv, mask=kv_mask)
+    tl.store(v_cache_ptr + block * stride_cb + hkv * stride_ch + offset * stride_cs + dv, v, mask=kv_mask)
 
 
-def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, positions: torch.Tensor,
-                 inv_freq: torch.Tensor, rope_scale: float, num_q_heads: int, num_kv_heads: int,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """From the fused projection qkv [T, (Hq + 2 Hkv) * D]: per-head RMSNorm of q and k, then
-    RoPE at positions [T] (inv_freq [D/2] fp32). Returns q [T, Hq, D], k [T, Hkv, D]."""
+def qk_norm_rope_store_kv(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                          positions: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float, num_q_heads: int,
+                          num_kv_heads: int, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          slot_mapping: torch.Tensor) -> torch.Tensor:
+    """From the fused projection qkv [T, (Hq + 2 Hkv) * D]: per-head RMSNorm of q and k, RoPE at
+    positions [T] (inv_freq [D/2] fp32); q is returned [T, Hq, D]; k and v go straight into the
+    paged cache views [num_blocks, Hkv, block_size, D] at slot_mapping [T] (-1: padding, skipped)."""
     if not _use_triton(qkv):
-        return qk_norm_rope_torch(qkv, q_weight, k_weight, positions, inv_freq, rope_scale, num_q_heads,
-                                  num_kv_heads, eps)
+        return qk_norm_rope_store_kv_torch(qkv, q_weight, k_weight, positions, inv_freq, rope_scale,
+                                           num_q_heads, num_kv_heads, eps, k_cache, v_cache, slot_mapping)
     head_dim = q_weight.shape[0]
     _check_pow2(head_dim=head_dim)
+    assert qkv.stride(1) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     t = qkv.shape[0]
     q = torch.empty(t, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty(t, num_kv_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    hq_pad = triton.next_power_of_2(num_q_heads)
     if t:
-        _qk_norm_rope_kernel[(t, num_q_heads + num_kv_heads)](
-            qkv, q, k, q_weight, k_weight, positions, inv_freq, qkv.stride(0), q.stride(0), k.stride(0),
-            num_q_heads, eps, rope_scale, HEAD_DIM=head_dim, num_warps=1)
-    return q, k
+        _qk_norm_rope_store_kv_kernel[(t,)](
+            qkv, q, q_weight, k_weight, positions, inv_freq, k_cache, v_cache, slot_mapping,
+            qkv.stride(0), q.stride(0), eps, rope_scale, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HQ_PAD=hq_pad,
+            HKV_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[2],
+            num_warps=8 if hq_pad * head_dim >= 4096 else 4)
+    return q
 
 
-def qk_norm_rope_torch(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                       positions: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float, num_q_heads: int,
-                       num_kv_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def qk_norm_rope_store_kv_torch(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                                positions: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float,
+                                num_q_heads: int, num_kv_heads: int, eps: float, k_cache: torch.Tensor,
+                                v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     d = q_weight.shape[0]
-    q = qkv[:, :num_q_heads * d].unflatten(-1, (num_q_heads, d))
-    k = qkv[:, num_q_heads * d:(num_q_heads + num_kv_heads) * d].unflatten(-1, (num_kv_heads, d))
+    q, k, v = qkv.unflatten(-1, (-1, d)).split([num_q_heads, num_kv_heads, num_kv_heads], 1)
     freqs = positions.float()[:, None] * inv_freq
     angles = torch.cat((freqs, freqs), -1)[:, None]   # [T, 1, D]
     cos, sin = (angles.cos() * rope_scale).to(qkv.dtype), (angles.sin() * rope_scale).to(qkv.dtype)
@@ -513,7 +492,12 @@ def qk_norm_rope_torch(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torc
         x = rms_norm_torch(x, w, eps)[0]
         x1, x2 = x.chunk(2, -1)
         return x * cos + torch.cat((-x2, x1), -1) * sin
-    return norm_rope(q, q_weight), norm_rope(k, k_weight)
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    block, offset = slots // k_cache.shape[2], slots % k_cache.shape[2]
+    k_cache[block, :, offset] = norm_rope(k, k_weight)[valid]   # index dims first: [n, Hkv, D]
+    v_cache[block, :, offset] = v[valid]
+    return norm_rope(q, q_weight)
 
 
 @triton.jit

@@ -81,12 +81,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        # Qwen3 normalises each head's q and k, then rotates them: one kernel for both.
-        q, k = kernels.qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, positions, self.inv_freq,
-                                    self.rope_scale, self.num_heads, self.num_kv_heads, self.q_norm.eps)
-        v = qkv[:, self.q_size + self.kv_size:].unflatten(-1, (self.num_kv_heads, self.head_dim))
+        # Qwen3 normalises each head's q and k, then rotates them; k and v go straight into
+        # this layer's cache. One kernel for all of it.
         k_cache, v_cache = kv_cache[:, self.layer, 0], kv_cache[:, self.layer, 1]
-        kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = kernels.qk_norm_rope_store_kv(qkv, self.q_norm.weight, self.k_norm.weight, positions, self.inv_freq,
+                                          self.rope_scale, self.num_heads, self.num_kv_heads, self.q_norm.eps,
+                                          k_cache, v_cache, meta.slot_mapping)
         o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q_lens, meta.ctx_lens,
                                     meta.max_q_len, self.scale, num_splits=meta.num_splits,
                                     num_decodes=meta.num_decodes)

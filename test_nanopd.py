@@ -154,30 +154,6 @@ def test_paged_attention_split_k_prefill():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("num_kv_heads,head_dim,block_size", [(2, 64, 8), (3, 128, 16)])
-def test_store_kv(num_kv_heads, head_dim, block_size, dtype):
-    g = torch.Generator().manual_seed(3)
-    num_blocks, n = 6, 19
-    k = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
-    v = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:n].to(torch.int32)
-    slots[[2, 7]] = -1   # padding rows must not be written
-    # Layer 1 of a block-major cache [blocks, layers, 2, heads, block_size, dim]: strided views.
-    cache = torch.randn(num_blocks, 2, 2, num_kv_heads, block_size, head_dim, generator=g).to(dtype)
-    cache = cache.to(DEVICE)
-    expect = cache.clone().cpu()
-    for t, slot in enumerate(slots.tolist()):
-        if slot >= 0:
-            expect[slot // block_size, 1, 0, :, slot % block_size] = k[t].cpu()
-            expect[slot // block_size, 1, 1, :, slot % block_size] = v[t].cpu()
-    twin = cache.clone()
-    kernels.store_kv(k, v, cache[:, 1, 0], cache[:, 1, 1], slots.to(DEVICE))
-    kernels.store_kv_torch(k, v, twin[:, 1, 0], twin[:, 1, 1], slots.to(DEVICE))
-    assert torch.equal(cache.cpu(), expect)
-    assert torch.equal(twin.cpu(), expect)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_block_copies(dtype):
     g = torch.Generator().manual_seed(4)
     cache = torch.randn(9, 2, 2, 2, 8, 64, generator=g).to(dtype).to(DEVICE)
@@ -217,30 +193,46 @@ def test_rms_norm(with_residual, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_qk_norm_rope_matches_hf(dtype):
+@pytest.mark.parametrize("hq,hkv,d,block_size", [(6, 2, 64, 8), (6, 3, 128, 16), (4, 4, 64, 4)])
+def test_qk_norm_rope_store_kv(hq, hkv, d, block_size, dtype):
     """Per-head q/k RMSNorm then RoPE from the fused qkv row, against HF's Qwen3RMSNorm and
-    apply_rotary_pos_emb (run in float32)."""
+    apply_rotary_pos_emb (run in float32); k and v must land at their slots of layer 1 of a
+    block-major cache [blocks, layers, 2, Hkv, block_size, D] (strided views), in shuffled
+    blocks, and nothing else may change: padding slots, other layers, other blocks."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
     g = torch.Generator().manual_seed(7)
-    t, hq, hkv, d, scale = 5, 6, 2, 64, 1.25
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    t, num_blocks, scale = 19, 6, 1.25
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
     qw, kw = torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5
-    positions = torch.tensor([0, 3, 17, 100, 4095])
+    positions = torch.randint(0, 4096, (t,), generator=g)
     inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
-    args = (qkv.to(dtype).to(DEVICE), qw.to(dtype).to(DEVICE), kw.to(dtype).to(DEVICE), positions.to(DEVICE),
-            inv_freq.to(DEVICE), scale, hq, hkv, 1e-6)
-    q, k = kernels.qk_norm_rope(*args)
-    twin_q, twin_k = kernels.qk_norm_rope_torch(*args)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:t].to(torch.int32)
+    slots[[2, 7]] = -1   # padding rows: q still computed, nothing written
+    cache = torch.randn(num_blocks, 3, 2, hkv, block_size, d, generator=g).to(dtype)
+
     q_norm, k_norm = Qwen3RMSNorm(d, 1e-6), Qwen3RMSNorm(d, 1e-6)
-    q_norm.weight.data, k_norm.weight.data = qw, kw
-    qkv = qkv.to(dtype).float()   # the same rounded inputs
-    q_ref = q_norm(qkv[:, :hq * d].view(t, hq, d)).transpose(0, 1)[None]   # [1, H, T, D]
-    k_ref = k_norm(qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)).transpose(0, 1)[None]
+    q_norm.weight.data, k_norm.weight.data = qw.to(dtype).float(), kw.to(dtype).float()
+    x = qkv.float()   # the same rounded inputs
+    q_ref = q_norm(x[:, :hq * d].view(t, hq, d)).transpose(0, 1)[None]   # [1, H, T, D]
+    k_ref = k_norm(x[:, hq * d:(hq + hkv) * d].view(t, hkv, d)).transpose(0, 1)[None]
     angles = torch.cat([positions[:, None].float() * inv_freq] * 2, -1)[None]
     q_ref, k_ref = apply_rotary_pos_emb(q_ref, k_ref, angles.cos() * scale, angles.sin() * scale)
-    for qq, kk in ((q, k), (twin_q, twin_k)):
-        assert rel_err(qq.cpu(), q_ref[0].transpose(0, 1).detach()) < TOL[dtype]
-        assert rel_err(kk.cpu(), k_ref[0].transpose(0, 1).detach()) < TOL[dtype]
+    q_ref, k_ref = q_ref[0].transpose(0, 1).detach(), k_ref[0].transpose(0, 1).detach()   # [T, H, D]
+    valid = slots >= 0
+    blk, off = slots[valid].long() // block_size, slots[valid].long() % block_size
+    expect = cache.clone()
+    expect[blk, 1, 1, :, off] = qkv[valid, (hq + hkv) * d:].view(-1, hkv, d)
+
+    args = (qkv.to(DEVICE), qw.to(dtype).to(DEVICE), kw.to(dtype).to(DEVICE), positions.to(DEVICE),
+            inv_freq.to(DEVICE), scale, hq, hkv, 1e-6)
+    for fn in (kernels.qk_norm_rope_store_kv, kernels.qk_norm_rope_store_kv_torch):
+        out = cache.clone().to(DEVICE)
+        q = fn(*args, out[:, 1, 0], out[:, 1, 1], slots.to(DEVICE)).cpu()
+        out = out.cpu()
+        assert q.shape == (t, hq, d) and rel_err(q, q_ref) < TOL[dtype]
+        assert rel_err(out[blk, 1, 0, :, off], k_ref[valid]) < TOL[dtype]
+        out[blk, 1, 0, :, off] = expect[blk, 1, 0, :, off]   # the K rows checked: all else is exact
+        assert torch.equal(out, expect)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -866,9 +858,9 @@ def test_chunked_prefill_matches_hf(hf, monkeypatch, budget):
     llm = make_llm(hf.path, max_num_batched_tokens=budget)
     step_tokens, run = [], llm.engine.runner.run
 
-    def counting_run(batch, rows):
+    def counting_run(batch, rows, *args):
         step_tokens.append(sum(batch.num_new))
-        return run(batch, rows)
+        return run(batch, rows, *args)
     monkeypatch.setattr(llm.engine.runner, "run", counting_run)
     assert tokens(generate(llm, PROMPTS, max_tokens=12)) == [hf.greedy(p, 12) for p in PROMPTS]
     assert max(step_tokens) == budget
@@ -908,9 +900,9 @@ def test_max_num_seqs_caps_every_step(hf, monkeypatch, n):
     llm = make_llm(hf.path, max_num_seqs=2)
     sizes, run = [], llm.engine.runner.run
 
-    def counting_run(batch, rows):
+    def counting_run(batch, rows, *args):
         sizes.append(len(batch.seqs))
-        return run(batch, rows)
+        return run(batch, rows, *args)
     monkeypatch.setattr(llm.engine.runner, "run", counting_run)
     prompts = PROMPTS + [prompt(9, seed=40)]
     if n == 1:
@@ -1163,6 +1155,29 @@ def test_stop_token_and_max_tokens(hf, llm):
     assert (out.token_ids, out.finish_reason) == (ref[:ref.index(stop) + 1], "stop")
     out = generate(llm, [p], max_tokens=5)[0].outputs[0]
     assert (out.token_ids, out.finish_reason) == (ref[:5], "length")
+
+
+@ENGINE
+def test_steps_overlap_and_a_stop_seen_late_drops_the_extra_token(hf, monkeypatch):
+    """Step N+1 is launched before the host reads step N's tokens: decodes take their input
+    token on the device. A stop token the host sees one step late still ends its output at
+    the stop (HF's greedy tokens up to it); the token sampled after it and its blocks go."""
+    llm = make_llm(hf.path)
+    refs = [hf.greedy(p, 12) for p in PROMPTS]
+    stop = refs[0][4]
+    launched, run = [], llm.engine.runner.run
+
+    def recording_run(batch, rows, prev_tokens=None):
+        launched.append((sum(s.token_ids[-1] == nanopd.PENDING for s in batch.seqs), prev_tokens is not None))
+        return run(batch, rows, prev_tokens)
+    monkeypatch.setattr(llm.engine.runner, "run", recording_run)
+    outs = generate(llm, PROMPTS, max_tokens=12, stop_token_ids=[stop])
+    for out, ref in zip(outs, refs):
+        expect = ref[:ref.index(stop) + 1] if stop in ref else ref
+        assert (out.outputs[0].token_ids, out.outputs[0].finish_reason) == (expect, "stop" if stop in ref else "length")
+    overlapped = [has_prev for pending, has_prev in launched if pending]
+    assert len(overlapped) >= 10 and all(overlapped)
+    assert all_blocks_free(llm) and not llm.engine.scheduler.running
 
 
 @ENGINE
