@@ -11,8 +11,12 @@ How a step works (Engine.step):
   2. ModelRunner.run turns the batch into tensors (token ids, positions, slot mapping,
      block tables, lengths) and runs the model: pure-decode steps replay a CUDA graph
      captured at start-up for a padded batch size, mixed steps run eagerly.
-  3. Every sequence whose last token was computed gets a new token (sample), or, in beam
-     search, its candidate continuations; requests that hit a stop condition finish.
+  3. Every sequence whose last token was computed gets a new token, sampled on the device,
+     or, in beam search, its candidate continuations; requests that hit a stop condition
+     finish.
+  Steps overlap: the host takes step N's tokens (stop checks, outputs) after launching
+  step N+1, which reads them on the device (PENDING ids), so the GPU is not left idle
+  while Python does its bookkeeping. Beam search, which chooses on the host, waits.
 
 Parallel sampling (n > 1) prefills the prompt once and forks the sequence; beam search
 forks and frees sequences each step. Both share blocks through the BlockManager's
@@ -103,6 +107,7 @@ class Status(Enum):
 
 
 _seq_ids = itertools.count()
+PENDING = -1   # a sampled token the host has not received yet
 
 
 @dataclass(eq=False)
@@ -121,6 +126,10 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     beam_candidates: list[tuple[int, float]] | None = None   # beam search: (token, logprob)
+    # While the step that sampled this sequence's last token is still running, that token
+    # is a placeholder (PENDING) on the host, and the next step reads it on the device
+    # from row `pending_row` of that step's sampled tokens.
+    pending_row: int | None = None
 
     @property
     def num_pending(self) -> int:
@@ -128,8 +137,13 @@ class Sequence:
         return len(self.token_ids) - self.num_computed
 
     @property
+    def num_outputs(self) -> int:
+        """Output tokens sampled so far, the one still on its way from the device included."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - (self.pending_row is not None)]
 
 
 @dataclass(eq=False)
@@ -183,8 +197,9 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         batch, budget = Batch(), self.max_num_batched_tokens
-        # Running decodes first (each waits on one token), then unfinished prompt chunks.
-        decodes = [s for s in self.running if s.num_pending == 1]
+        # Running decodes first (each waits on one token), then unfinished prompt chunks. A
+        # sequence whose token in flight is its last (max_tokens) only waits to finish.
+        decodes = [s for s in self.running if s.num_pending == 1 and s.num_outputs < s.request.params.max_tokens]
         chunks = [s for s in self.running if s.num_pending > 1]
         for seq in decodes + chunks:
             if budget == 0:
@@ -271,11 +286,17 @@ class ModelRunner:
         return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(
             self.device, non_blocking=True)
 
-    def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        ids, positions, slots, tables, cu, ctx = [], [], [], [], [0], []
+    def prepare(self, batch: Batch, prev_tokens: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions [num_tokens] and the attention metadata, on the device.
+        A PENDING token id is taken, on the device, from prev_tokens (the sampled tokens of
+        the step still running), so the host never waits for it."""
+        ids, positions, slots, tables, cu, ctx, fills = [], [], [], [], [0], [], []
         bs = self.cfg.block_size
         for seq, n in zip(batch.seqs, batch.num_new):
             start = seq.num_computed
+            if seq.pending_row is not None and start <= len(seq.token_ids) - 1 < start + n:
+                fills.append((len(ids) + len(seq.token_ids) - 1 - start, seq.pending_row))
             ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
@@ -292,20 +313,25 @@ class ModelRunner:
             ctx_lens=self._tensor(ctx), max_q_len=max_q_len, num_decodes=num_decodes,
             num_splits=kernels.choose_num_splits(num_decodes, self.model.num_kv_heads, 1, max_kv_len,
                                                  self.device))
-        return self._tensor(ids, torch.long), self._tensor(positions, torch.long), meta
+        ids = self._tensor(ids, torch.long)
+        if fills:
+            dst, src = self._tensor(fills, torch.long).unbind(1)
+            ids[dst] = prev_tokens[src]
+        return ids, self._tensor(positions, torch.long), meta
 
     @torch.inference_mode()
-    def run(self, batch: Batch, sample_rows: list[int]) -> torch.Tensor:
-        """Logits [len(sample_rows), vocab] (fp32) of the batch sequences at sample_rows."""
+    def run(self, batch: Batch, sample_rows: list[int], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(sample_rows), vocab] (fp32) of the batch sequences at sample_rows.
+        prev_tokens: the running step's sampled tokens, for the PENDING ids (see prepare)."""
         if batch.copies:
             kernels.copy_blocks(self.kv_cache, self._tensor(batch.copies))
         num_seqs = len(batch.seqs)
         graph_bs = next((b for b in self.graph_sizes if b >= num_seqs), None)
         rows = self._tensor(sample_rows, torch.long)
         if graph_bs is not None and max(batch.num_new) == 1:
-            hidden = self._replay(batch, graph_bs)   # one token per sequence
+            hidden = self._replay(batch, graph_bs, prev_tokens)   # one token per sequence
         else:
-            ids, positions, meta = self.prepare(batch)
+            ids, positions, meta = self.prepare(batch, prev_tokens)
             hidden = self.model(ids, positions, self.kv_cache, meta)
             rows = (meta.cu_q_lens[1:] - 1)[rows]   # each sequence's last new token
         return self.model.compute_logits(hidden[rows]).float()
@@ -360,11 +386,11 @@ class ModelRunner:
             pool = graph.pool()
             self.graphs[bs] = (graph, hidden)
 
-    def _replay(self, batch: Batch, bs: int) -> torch.Tensor:
+    def _replay(self, batch: Batch, bs: int, prev_tokens: torch.Tensor | None) -> torch.Tensor:
         """Copy the step's inputs into the graph's static buffers (padding the batch to bs
         sequences with no tokens and no cache writes), then replay the graph."""
         st, n = self.static, len(batch.seqs)
-        ids, positions, meta = self.prepare(batch)
+        ids, positions, meta = self.prepare(batch, prev_tokens)
         width = meta.block_tables.shape[1]
         st["ids"][:n].copy_(ids)
         st["pos"][:n].copy_(positions)
@@ -503,6 +529,19 @@ def load_tokenizer(model_name: str):
     return ByteTokenizer()
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose sampled tokens are still on their way to the host (see Engine.step)."""
+    seqs: list[Sequence]                 # the sequences whose last token this step computed
+    beams: list[Sequence]                # ... those in beam search: the host picks their tokens
+    beam_logits: torch.Tensor | None = None
+    targets: list[tuple[Sequence, int]] = field(default_factory=list)   # per sampled row: where its token goes
+    tokens: torch.Tensor | None = None   # [rows] on the device: the next step's PENDING ids come from here
+    want_logprobs: list[int] = field(default_factory=list)   # rows that report logprobs
+    host: list[torch.Tensor] = field(default_factory=list)   # tokens (and logprobs), copying to the host
+    ready: torch.cuda.Event | None = None
+
+
 class Engine:
     def __init__(self, cfg: EngineConfig):
         cfg.validate()
@@ -518,6 +557,7 @@ class Engine:
                                enable_prefix_caching=cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.bm, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.num_prefill_tokens = 0   # prompt tokens actually computed (prefix hits excluded)
+        self.in_flight: LaunchedStep | None = None   # launched, its tokens not yet taken
         self._request_ids = itertools.count()
 
     # -- requests
@@ -582,53 +622,94 @@ class Engine:
         return torch.Generator(self.model.device).manual_seed(req.params.seed + index)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.in_flight is not None
 
-    # -- one step
+    # -- one step: launch it, then finish the previous one while the device computes
 
     def step(self) -> list[Request]:
-        """Run one batch; return the requests that finished in it."""
+        """Schedule and launch a batch, then finish the step launched before it, whose
+        sampled tokens were copied to the host meanwhile: the host's bookkeeping overlaps
+        the device's work instead of leaving it idle. Returns the requests that finished."""
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
+        launched = self._launch(batch) if batch.seqs else None
+        finished = self._finish(self.in_flight) if self.in_flight else []
+        self.in_flight = launched
+        if launched is not None and launched.beams:   # beam search chooses on the host, now
+            finished += self._finish(launched)
+            self.in_flight = None
+        return finished
+
+    def _launch(self, batch: Batch) -> "LaunchedStep":
+        """Run the model on the batch and sample on the device; each sampled sequence gets a
+        PENDING token, filled in by _finish."""
         for seq, n in zip(batch.seqs, batch.num_new):
             if seq.num_computed < seq.num_prompt_tokens:
                 self.num_prefill_tokens += min(n, seq.num_prompt_tokens - seq.num_computed)
         done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if n == s.num_pending]
-        logits = self.runner.run(batch, done)
+        logits = self.runner.run(batch, done, self.in_flight.tokens if self.in_flight else None)
         for seq, n in zip(batch.seqs, batch.num_new):
             seq.num_computed += n
-            self.bm.cache_computed_blocks(seq.block_table, seq.token_ids, seq.num_computed)
-        return self._process([batch.seqs[i] for i in done], logits)
-
-    def _process(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Request]:
-        now, finished = time.perf_counter(), []
-        for seq in seqs:
-            if seq.request.metrics.first_token_time is None:
-                seq.request.metrics.first_token_time = now
-        beams = [i for i, s in enumerate(seqs) if s.request.beam_width]
-        if beams:
-            self._store_beam_candidates([seqs[i] for i in beams], logits[beams])
+            # A block enters the prefix cache once its tokens are known: never with a PENDING one.
+            known = len(seq.token_ids) - (seq.pending_row is not None)
+            self.bm.cache_computed_blocks(seq.block_table, seq.token_ids, min(seq.num_computed, known))
+        seqs = [batch.seqs[i] for i in done]
+        step = LaunchedStep(seqs, [s for s in seqs if s.request.beam_width])
+        if step.beams:
+            step.beam_logits = logits[[i for i, s in enumerate(seqs) if s.request.beam_width]]
         rows = [i for i, s in enumerate(seqs) if not s.request.beam_width]
-        # n > 1: the first token of the prompt's only sequence is drawn n times, one per child.
-        # Fork before any token is appended, so the children start from the prompt.
+        # n > 1: the prompt's only sequence is forked before its first token, and each child
+        # draws its own first token from the same logits.
         expanded = [(i, j) for i in rows for j in range(self._draws(seqs[i]))]
         targets = [seqs[i] if j == 0 else self.fork(seqs[i], j) for i, j in expanded]
         for i in rows:
             seqs[i].request.forked = True
-        if expanded:
-            row_logits = logits[[i for i, _ in expanded]]
-            tokens = sample(row_logits, [t.request.params for t in targets], [t.generator for t in targets])
-            want_lp = [k for k, t in enumerate(targets) if t.request.params.logprobs is not None]
-            logprobs = dict(zip(want_lp, torch.log_softmax(row_logits[want_lp], -1))) if want_lp else {}
-            for k, (seq, token) in enumerate(zip(targets, tokens.tolist())):
-                if k in logprobs:
-                    self._record_logprobs(seq, token, logprobs[k])
-                seq.token_ids.append(token)
-                self._check_stop(seq)
+        if not targets:
+            return step
+        source_rows = [i for i, _ in expanded]
+        row_logits = logits if source_rows == list(range(len(logits))) else logits[source_rows]
+        step.tokens = sample(row_logits, [t.request.params for t in targets], [t.generator for t in targets])
+        host = [step.tokens]
+        step.want_logprobs = [k for k, t in enumerate(targets) if t.request.params.logprobs is not None]
+        if step.want_logprobs:   # the chosen token's logprob and the top alternatives, on the device
+            lp = torch.log_softmax(row_logits[step.want_logprobs], -1)
+            top = lp.topk(max(1, max(targets[k].request.params.logprobs for k in step.want_logprobs)), -1)
+            host += [lp.gather(1, step.tokens[step.want_logprobs, None])[:, 0], top.values, top.indices]
+        step.host = [t.to("cpu", non_blocking=True) for t in host]
+        if self.model.device.type == "cuda":
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+        for k, seq in enumerate(targets):
+            seq.token_ids.append(PENDING)
+            seq.pending_row = k
+            step.targets.append((seq, len(seq.token_ids) - 1))
+        return step
+
+    def _finish(self, step: "LaunchedStep") -> list[Request]:
+        """Fill a launched step's PENDING tokens, record logprobs, stop sequences, advance
+        beams. Returns the requests that finished."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        now = time.perf_counter()
+        for seq in step.seqs:
+            if seq.request.metrics.first_token_time is None:
+                seq.request.metrics.first_token_time = now
+        tokens, *logprobs = [t.tolist() for t in step.host] or [[]]
+        logprobs = dict(zip(step.want_logprobs, zip(*logprobs)))
+        for k, ((seq, index), token) in enumerate(zip(step.targets, tokens)):
+            if seq.status == Status.FINISHED:   # it stopped one step earlier: this token is void
+                continue
+            seq.token_ids[index] = token
+            if index == len(seq.token_ids) - 1:   # no later step has sampled after it yet
+                seq.pending_row = None
+            if k in logprobs:
+                self._record_logprobs(seq, token, *logprobs[k])
+            self._check_stop(seq, index)
+        if step.beams:
+            self._store_beam_candidates(step.beams, step.beam_logits)
         # Requests that may have finished: a sequence of theirs stopped, or a beam step ran.
-        touched = {s.request: None for s in seqs if s.status == Status.FINISHED or s.request.beam_width}
-        touched.update({t.request: None for t in targets if t.status == Status.FINISHED})
+        touched = {s.request: None for s, _ in step.targets if s.status == Status.FINISHED}
+        touched.update({s.request: None for s in step.beams})
+        finished = []
         for req in touched:
             if req.beam_width and not req.finished and all(s.beam_candidates is not None for s in req.seqs
                                                            if s.status != Status.FINISHED):
@@ -641,22 +722,26 @@ class Engine:
     def _draws(self, seq: Sequence) -> int:
         return seq.request.params.n if not seq.request.forked else 1
 
-    def _record_logprobs(self, seq: Sequence, token: int, logprobs: torch.Tensor) -> None:
+    def _record_logprobs(self, seq: Sequence, token: int, token_logprob: float, top_values: list[float],
+                         top_ids: list[int]) -> None:
         k = seq.request.params.logprobs
-        top = logprobs.topk(k) if k else None
-        entry = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
-        entry[token] = logprobs[token].item()
+        entry = dict(zip(top_ids[:k], top_values[:k]))
+        entry[token] = token_logprob
         seq.logprobs.append(entry)
-        seq.cumulative_logprob += entry[token]
+        seq.cumulative_logprob += token_logprob
 
-    def _check_stop(self, seq: Sequence) -> None:
-        params, token = seq.request.params, seq.token_ids[-1]
+    def _check_stop(self, seq: Sequence, index: int) -> None:
+        """Finish seq if its token at index ends it; a later token, already sampled by the
+        step running now, is dropped."""
+        params, token = seq.request.params, seq.token_ids[index]
         if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
             seq.finish_reason = "stop"
-        elif len(seq.token_ids) - seq.num_prompt_tokens >= params.max_tokens:
+        elif index + 1 - seq.num_prompt_tokens >= params.max_tokens:
             seq.finish_reason = "length"
         else:
             return
+        del seq.token_ids[index + 1:]
+        seq.pending_row = None
         self.scheduler.finish(seq)
 
     # -- beam search: fork the best continuations, free the rest (HF's algorithm)
