@@ -29,6 +29,7 @@ import gc
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -268,6 +269,46 @@ class Scheduler:
 # ----------------------------------------------------------------------------- model runner
 
 
+class PinnedRing:
+    """Pinned host buffers used in turn for asynchronous host <-> device copies.
+
+    Allocating pinned memory, as torch does for every pin_memory=True tensor or
+    non-blocking copy to the host, synchronizes with the device, and that would stall the
+    overlap of steps. A few reused buffers never allocate. A buffer is reused only after
+    its last copy has finished, and 32 copies later: a step makes at most four, and the
+    host reads a step's downloads within two steps."""
+
+    def __init__(self, slots: int = 32):
+        self.buffers = [torch.empty(0, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+        self.copied: list[torch.cuda.Event | None] = [None] * slots
+        self.next = 0
+
+    def _take(self, like: torch.Tensor) -> tuple[int, torch.Tensor]:
+        i, self.next = self.next, (self.next + 1) % len(self.buffers)
+        if self.copied[i] is not None:
+            self.copied[i].synchronize()
+        if self.buffers[i].numel() < like.nbytes:
+            self.buffers[i] = torch.empty(2 * like.nbytes, dtype=torch.uint8, pin_memory=True)
+        return i, self.buffers[i][:like.nbytes].view(like.dtype).view(like.shape)
+
+    def _record(self, i: int) -> None:
+        self.copied[i] = torch.cuda.Event()
+        self.copied[i].record()
+
+    def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        i, pinned = self._take(t)
+        pinned.copy_(t)
+        out = torch.empty_like(t, device=device).copy_(pinned, non_blocking=True)
+        self._record(i)
+        return out
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        i, pinned = self._take(t)
+        pinned.copy_(t, non_blocking=True)
+        self._record(i)
+        return pinned
+
+
 class ModelRunner:
     """Owns the model and its KV cache; turns a Batch into tensors and logits."""
 
@@ -279,12 +320,19 @@ class ModelRunner:
                                           cfg.block_size, model.head_dim, model.dtype, self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_sizes: list[int] = []
+        if self.device.type == "cuda":
+            self.uploads, self.downloads = PinnedRing(), PinnedRing()
         if self.device.type == "cuda" and not cfg.enforce_eager:
             self._capture_decode_graphs()
 
-    def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
-        return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(
-            self.device, non_blocking=True)
+    def upload(self, data: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """A host list as a tensor on the device, without waiting for the device (see PinnedRing)."""
+        t = torch.tensor(data, dtype=dtype)
+        return self.uploads.to_device(t, self.device) if self.device.type == "cuda" else t
+
+    def _upload(self, *lists: list[int]) -> list[torch.Tensor]:
+        """Integer lists -> int32 tensors on the device, all in one copy."""
+        return list(self.upload(list(itertools.chain.from_iterable(lists))).split([len(x) for x in lists]))
 
     def prepare(self, batch: Batch, prev_tokens: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -296,7 +344,7 @@ class ModelRunner:
         for seq, n in zip(batch.seqs, batch.num_new):
             start = seq.num_computed
             if seq.pending_row is not None and start <= len(seq.token_ids) - 1 < start + n:
-                fills.append((len(ids) + len(seq.token_ids) - 1 - start, seq.pending_row))
+                fills += (len(ids) + len(seq.token_ids) - 1 - start, seq.pending_row)
             ids += seq.token_ids[start:start + n]
             positions += range(start, start + n)
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
@@ -304,37 +352,42 @@ class ModelRunner:
             cu.append(cu[-1] + n)
             ctx.append(start)
         width = max(len(t) for t in tables)
-        tables = [t + [0] * (width - len(t)) for t in tables]
+        flat_tables = [b for t in tables for b in itertools.chain(t, itertools.repeat(0, width - len(t)))]
+        ids, positions, slots, cu, ctx, flat_tables, fills = self._upload(
+            ids, positions, slots, cu, ctx, flat_tables, fills)
+        if len(fills):
+            dst, src = fills.view(-1, 2).unbind(1)
+            ids[dst] = prev_tokens[src].to(ids.dtype)
         num_decodes = next((i for i, n in enumerate(batch.num_new) if n > 1), len(batch.num_new))
-        max_q_len = max(batch.num_new)
         max_kv_len = max(s.num_computed + n for s, n in zip(batch.seqs, batch.num_new))
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots), block_tables=self._tensor(tables), cu_q_lens=self._tensor(cu),
-            ctx_lens=self._tensor(ctx), max_q_len=max_q_len, num_decodes=num_decodes,
+            slot_mapping=slots, block_tables=flat_tables.view(len(tables), width), cu_q_lens=cu, ctx_lens=ctx,
+            max_q_len=max(batch.num_new), num_decodes=num_decodes,
             num_splits=kernels.choose_num_splits(num_decodes, self.model.num_kv_heads, 1, max_kv_len,
                                                  self.device))
-        ids = self._tensor(ids, torch.long)
-        if fills:
-            dst, src = self._tensor(fills, torch.long).unbind(1)
-            ids[dst] = prev_tokens[src]
-        return ids, self._tensor(positions, torch.long), meta
+        return ids, positions, meta
 
     @torch.inference_mode()
-    def run(self, batch: Batch, sample_rows: list[int], prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [len(sample_rows), vocab] (fp32) of the batch sequences at sample_rows.
-        prev_tokens: the running step's sampled tokens, for the PENDING ids (see prepare)."""
+    def run(self, batch: Batch, sample_rows: list[int], prev_tokens: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        """Logits [len(sample_rows), vocab], in the model's dtype, of the batch sequences at
+        sample_rows. prev_tokens: the running step's sampled tokens (see prepare)."""
+        pairs, rows = self._upload([b for pair in batch.copies for b in pair], sample_rows)
         if batch.copies:
-            kernels.copy_blocks(self.kv_cache, self._tensor(batch.copies))
+            kernels.copy_blocks(self.kv_cache, pairs.view(-1, 2))
         num_seqs = len(batch.seqs)
         graph_bs = next((b for b in self.graph_sizes if b >= num_seqs), None)
-        rows = self._tensor(sample_rows, torch.long)
         if graph_bs is not None and max(batch.num_new) == 1:
             hidden = self._replay(batch, graph_bs, prev_tokens)   # one token per sequence
         else:
             ids, positions, meta = self.prepare(batch, prev_tokens)
             hidden = self.model(ids, positions, self.kv_cache, meta)
             rows = (meta.cu_q_lens[1:] - 1)[rows]   # each sequence's last new token
-        return self.model.compute_logits(hidden[rows]).float()
+        return self.model.compute_logits(hidden[rows])
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """Start copying t to the host; the result is valid once the device reaches this point."""
+        return self.downloads.to_host(t) if t.is_cuda else t
 
     # -- CUDA graphs for decode: one per padded batch size, sharing one memory pool
 
@@ -428,7 +481,7 @@ class ModelRunner:
                 ctx_lens=torch.zeros(1, dtype=torch.int32, device=self.device), max_q_len=n)
             hidden = m(ids, ids, scratch, meta)
             rows = min(cfg.max_num_seqs, n)
-            logits = m.compute_logits(hidden[:1].expand(rows, -1)).float()
+            logits = m.compute_logits(hidden[:1].expand(rows, -1))
             sample(logits, [SamplingParams(temperature=1.0, top_p=0.9)] * rows, [None] * rows)
         peak = torch.cuda.max_memory_allocated() - before - scratch.nbytes
         del scratch, hidden, logits
@@ -446,27 +499,30 @@ class ModelRunner:
 # ----------------------------------------------------------------------------- sampling
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of logits [R, vocab] (fp32). Greedy rows take the argmax; the
-    others draw from softmax(logits / T) restricted by top-k and top-p, through the
-    exponential race argmax(p / E), E ~ Exp(1): seeded rows draw E from their own
-    generator, so their tokens do not depend on the other rows."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           upload: Callable[[list, torch.dtype], torch.Tensor] | None = None) -> torch.Tensor:
+    """One token per row of logits [R, vocab]. Greedy rows take the argmax; the others draw
+    from softmax(logits / T) restricted by top-k and top-p, through the exponential race
+    argmax(p / E), E ~ Exp(1): seeded rows draw E from their own generator, so their tokens
+    do not depend on the other rows. upload puts host lists on the logits' device
+    (ModelRunner.upload, which never waits for the device)."""
+    upload = upload or (lambda data, dtype: torch.tensor(data, dtype=dtype, device=logits.device))
     greedy = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if p.temperature > 0]
     if not rows:
         return greedy
-    dev = logits.device
-    x = logits[rows] / torch.tensor([params[i].temperature for i in rows], device=dev)[:, None]
-    top_k = [params[i].top_k if params[i].top_k > 0 else x.shape[1] for i in rows]
+    top_k = [params[i].top_k if params[i].top_k > 0 else logits.shape[1] for i in rows]
     top_p = [params[i].top_p for i in rows]
+    knobs = upload([[params[i].temperature, top_p[j], top_k[j]] for j, i in enumerate(rows)], torch.float32)
+    row_ids = upload(rows, torch.int64)
+    x = logits[row_ids].float() / knobs[:, :1]
     if min(top_k) < x.shape[1] or min(top_p) < 1.0:
-        x = apply_top_k_top_p(x, torch.tensor(top_k, device=dev), torch.tensor(top_p, device=dev))
+        x = apply_top_k_top_p(x, knobs[:, 2], knobs[:, 1])
     noise = torch.empty_like(x).exponential_()
     for j, i in enumerate(rows):
         if generators[i] is not None:
             noise[j].exponential_(generator=generators[i])
-    greedy[rows] = (x.softmax(-1) / noise).argmax(-1)
+    greedy[row_ids] = (x.softmax(-1) / noise).argmax(-1)
     return greedy
 
 
@@ -655,7 +711,7 @@ class Engine:
         seqs = [batch.seqs[i] for i in done]
         step = LaunchedStep(seqs, [s for s in seqs if s.request.beam_width])
         if step.beams:
-            step.beam_logits = logits[[i for i, s in enumerate(seqs) if s.request.beam_width]]
+            step.beam_logits = logits[[i for i, s in enumerate(seqs) if s.request.beam_width]].float()
         rows = [i for i, s in enumerate(seqs) if not s.request.beam_width]
         # n > 1: the prompt's only sequence is forked before its first token, and each child
         # draws its own first token from the same logits.
@@ -665,16 +721,19 @@ class Engine:
             seqs[i].request.forked = True
         if not targets:
             return step
+        upload = self.runner.upload
         source_rows = [i for i, _ in expanded]
-        row_logits = logits if source_rows == list(range(len(logits))) else logits[source_rows]
-        step.tokens = sample(row_logits, [t.request.params for t in targets], [t.generator for t in targets])
+        row_logits = logits if source_rows == list(range(len(logits))) else logits[upload(source_rows)]
+        step.tokens = sample(row_logits, [t.request.params for t in targets], [t.generator for t in targets],
+                             upload)
         host = [step.tokens]
         step.want_logprobs = [k for k, t in enumerate(targets) if t.request.params.logprobs is not None]
         if step.want_logprobs:   # the chosen token's logprob and the top alternatives, on the device
-            lp = torch.log_softmax(row_logits[step.want_logprobs], -1)
+            want = upload(step.want_logprobs, torch.int64)
+            lp = torch.log_softmax(row_logits[want].float(), -1)
             top = lp.topk(max(1, max(targets[k].request.params.logprobs for k in step.want_logprobs)), -1)
-            host += [lp.gather(1, step.tokens[step.want_logprobs, None])[:, 0], top.values, top.indices]
-        step.host = [t.to("cpu", non_blocking=True) for t in host]
+            host += [lp.gather(1, step.tokens[want, None])[:, 0], top.values, top.indices]
+        step.host = [self.runner.to_host(t) for t in host]
         if self.model.device.type == "cuda":
             step.ready = torch.cuda.Event()
             step.ready.record()
