@@ -272,7 +272,8 @@ def run_engine(out: str | None, model: str = "qwen3-8b") -> dict:
     try:   # LLM.generate throughput: 1024 requests, 128 tokens in, 128 out
         prompts = random_prompts(1024, 128)
         sp = SamplingParams(max_tokens=128, ignore_eos=True)
-        llm.generate(random_prompts(64, 128), sp, use_tqdm=False)   # warm-up (kernel compilation)
+        # Warm-up: compiles the kernels of every kind of step (prefill, mixed, decode).
+        llm.generate(random_prompts(256, 128), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         torch.cuda.synchronize()
         t = time.perf_counter()
         outs = llm.generate(prompts, sp)

@@ -83,7 +83,11 @@ def _attn_tile(q, acc, m, l, k_base, v_base, table_ptr, tile_lo, tile_hi, q_pos,
     return acc, m, l
 
 
-@triton.jit
+# The metadata pointers are views into one per-step upload (or slices of one, in a mixed
+# batch) and the table width changes every step: specialising on their alignment or
+# value would compile new variants mid-run, stalling the engine for seconds.
+@triton.jit(do_not_specialize=["stride_table"],
+            do_not_specialize_on_alignment=["table_ptr", "cu_q_ptr", "ctx_ptr"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     table_ptr, cu_q_ptr, ctx_ptr,
@@ -149,7 +153,7 @@ def _paged_attention_kernel(
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["cu_q_ptr"])
 def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, cu_q_ptr, stride_ot, stride_oh, num_q_heads,
                          NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
     # One program per (sequence, new token, query head): weight each split by exp2(lse - max lse).
@@ -298,7 +302,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 # ----------------------------------------------------------------------------- block copies
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["src_idx_ptr", "dst_idx_ptr"])
 def _copy_rows_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, row_numel,
                       CHUNK: tl.constexpr):
     # Program (pair, chunk) copies CHUNK elements of row src_idx[pair] to row dst_idx[pair].
@@ -412,7 +416,7 @@ def _norm_rope_heads(src, mask, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr, DT
     return (x1 * cos - x2 * sin).to(DTYPE), (x2 * cos + x1 * sin).to(DTYPE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _qk_norm_rope_store_kv_kernel(
     qkv_ptr, q_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_qkv, stride_qt, eps, rope_scale,
