@@ -1,13 +1,15 @@
 """nanoPD's benchmarks: the evidence behind every number in the README.
 
-  python bench.py kernels   paged attention, store_kv and block gather on the GPU, each
-                            beside a reference measured in the same run (SDPA on a
-                            contiguous cache, a plain device copy)
+  python bench.py kernels   paged attention, the q/k-norm + RoPE + KV-store kernel and
+                            the block gather on the GPU, each beside a reference
+                            measured in the same run (SDPA on a contiguous cache, a
+                            plain device copy)
   python bench.py engine    the single-GPU engine on Qwen3-8B (random weights): decode
-                            step times, prefill ms/token and LLM.generate throughput,
-                            beside the hardware ceilings measured in the same run
-  python bench.py profile   where a batch-1 decode step's GPU time goes, kernel by
-                            kernel (the step run eagerly under torch.profiler)
+                            step times, prefill ms/token, batch-1 decode inside
+                            generate and LLM.generate throughput, beside the hardware
+                            ceilings measured in the same run
+  python bench.py profile   where a decode step's GPU time goes, kernel by kernel (the
+                            step run eagerly under torch.profiler); --batch, --context
 
 Every result is printed as a table and, with --out, written as JSON.
 """
@@ -81,7 +83,7 @@ def bench_attention(batch: int, seq_len: int, decode: bool, hq=32, hkv=8, d=128,
                 "ref_rate": work / t_sdpa * 1e3, "ratio": t_sdpa / t_ours, "rel_err": err.item(), "ref": "SDPA"}
 
 
-def bench_store_kv(num_tokens=16384, hq=32, hkv=8, d=128, block_size=16):
+def bench_rope_store_kv(num_tokens=16384, hq=32, hkv=8, d=128, block_size=16):
     """One Qwen3-8B prefill step's q/k norm + RoPE + K/V cache write (the fused kernel),
     beside a plain copy of the same bytes (read qkv, write q, k and v)."""
     dev, dt = "cuda", torch.bfloat16
@@ -127,7 +129,7 @@ def bench_gather(num_blocks=128, cache_blocks=2048, layers=36, hkv=8, d=128, blo
 def run_kernels(out: str | None) -> list[dict]:
     cases = [lambda: bench_attention(1, 4096, True), lambda: bench_attention(64, 4096, True),
              lambda: bench_attention(256, 2048, True), lambda: bench_attention(1, 2048, False),
-             lambda: bench_attention(1, 8192, False), bench_store_kv, bench_gather]
+             lambda: bench_attention(1, 8192, False), bench_rope_store_kv, bench_gather]
     rows = []
     for case in cases:
         rows.append(case())
@@ -302,7 +304,8 @@ def run_profile(model: str = "qwen3-8b", batch_size: int = 1, context: int = 102
     from torch.profiler import ProfilerActivity, profile
 
     from nanopd import LLM
-    llm = LLM(model, max_num_seqs=max(batch_size, 16), max_model_len=4096, enforce_eager=True)
+    llm = LLM(model, max_num_seqs=max(batch_size, 16), max_model_len=4096, enforce_eager=True,
+              max_num_batched_tokens=max(batch_size, 512))
     eng = llm.engine
     batch = fake_batch(eng, batch_size, context, 1)
     rows = list(range(batch_size))
@@ -322,6 +325,8 @@ def main() -> None:
     p.add_argument("what", choices=["kernels", "engine", "profile"], help="which benchmark to run")
     p.add_argument("--model", default="qwen3-8b", help="preset or checkpoint folder (engine)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--batch", type=int, default=1, help="decode batch size (profile)")
+    p.add_argument("--context", type=int, default=1024, help="tokens of context per sequence (profile)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit(f"bench.py {args.what} measures the GPU: no CUDA device found")
@@ -330,7 +335,7 @@ def main() -> None:
     elif args.what == "engine":
         run_engine(args.out, args.model)
     else:
-        run_profile(args.model)
+        run_profile(args.model, args.batch, args.context)
 
 
 if __name__ == "__main__":
