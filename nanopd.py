@@ -25,21 +25,25 @@ copy-on-write.
 
 import argparse
 import bisect
+import dataclasses
 import gc
 import itertools
+import queue
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import Self
 
 import torch
 from tqdm import tqdm
 
 import kernels
 from kv_cache import BlockManager, OutOfBlocks, allocate_kv_cache, blocks_for_memory, cdiv, kv_bytes_per_block
-from model import AttentionMetadata, Qwen3, load_model
+from model import AttentionMetadata, Qwen3, load_config, load_model
 
 # ----------------------------------------------------------------------------- requests
 
@@ -78,6 +82,16 @@ class RequestMetrics:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_cached_tokens: int = 0         # prompt tokens found in the prefix cache
+    imported_time: float | None = None  # disaggregated: when the decode worker had the KV
+    path: tuple[int, ...] = ()          # the workers that served it (prefill, then decode)
+
+    def phases(self) -> dict[str, float]:
+        """Seconds spent queued, prefilling, transferring the KV and decoding (the path's cost)."""
+        decode_start = self.imported_time or self.first_token_time
+        return {"queued": self.first_scheduled_time - self.arrival_time,
+                "prefill": self.first_token_time - self.first_scheduled_time,
+                "transfer": decode_start - self.first_token_time,
+                "decode": self.finish_time - decode_start}
 
 
 @dataclass
@@ -159,6 +173,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)        # live and finished completions
     beams_done: list[Sequence] = field(default_factory=list)  # beam search: finished hypotheses
     forked: bool = False                # n > 1: children are forked after the first token
+    prefill_only: bool = False          # a prefill worker's: stop after the first token, keep the blocks
 
     @property
     def finished(self) -> bool:
@@ -200,7 +215,8 @@ class Scheduler:
         batch, budget = Batch(), self.max_num_batched_tokens
         # Running decodes first (each waits on one token), then unfinished prompt chunks. A
         # sequence whose token in flight is its last (max_tokens) only waits to finish.
-        decodes = [s for s in self.running if s.num_pending == 1 and s.num_outputs < s.request.params.max_tokens]
+        decodes = [s for s in self.running if s.num_pending == 1 and s.num_outputs < s.request.params.max_tokens
+                   and not (s.request.prefill_only and s.num_outputs)]
         chunks = [s for s in self.running if s.num_pending > 1]
         for seq in decodes + chunks:
             if budget == 0:
@@ -260,8 +276,10 @@ class Scheduler:
         self.num_preemptions += 1
         self.add(seq)
 
-    def finish(self, seq: Sequence) -> None:
-        self.bm.free(seq.block_table)
+    def finish(self, seq: Sequence, free: bool = True) -> None:
+        """Retire seq; free=False keeps its blocks (a prefill worker's, until handed off)."""
+        if free:
+            self.bm.free(seq.block_table)
         (self.running if seq.status == Status.RUNNING else self.waiting).remove(seq)
         seq.status = Status.FINISHED
 
@@ -540,6 +558,33 @@ def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 # ----------------------------------------------------------------------------- the engine
 
 
+def check_request(ids: list[int], params: SamplingParams, beam_width: int, vocab: int, cfg: "EngineConfig",
+                  room_blocks: int) -> None:
+    """Raise a ValueError naming what is wrong with a request; room_blocks is the KV cache's
+    size less its watermark (the most one request may ever hold)."""
+    params.validate()
+    if not ids:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    if len(ids) + params.max_tokens > cfg.max_model_len:
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                         f"max_model_len ({cfg.max_model_len})")
+    if params.logprobs is not None and params.logprobs > vocab:
+        raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size ({vocab})")
+    width = max(params.n, beam_width)
+    if width > cfg.max_num_seqs:
+        raise ValueError(f"{'beam_width' if beam_width else 'n'}={width} exceeds max_num_seqs ({cfg.max_num_seqs})")
+    # Beams advance together, so all of them must fit at once (full prompt blocks are
+    # shared; each beam owns the rest). Samples of n > 1 progress independently: one must fit.
+    bs = cfg.block_size
+    shared = len(ids) // bs if beam_width else 0
+    need = shared + (beam_width or 1) * (cdiv(len(ids) + params.max_tokens, bs) - shared)
+    if need > room_blocks:
+        raise ValueError(f"the request needs {need} KV blocks, more than the whole cache holds ({room_blocks})")
+
+
 @dataclass
 class EngineConfig:
     model: str = "tiny"
@@ -619,41 +664,34 @@ class Engine:
     # -- requests
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, beam_width: int = 0,
-                    length_penalty: float = 1.0) -> Request:
+                    length_penalty: float = 1.0, request_id: int | None = None,
+                    prefill_only: bool = False) -> Request:
         """Validate and queue a request; a bad one raises ValueError and changes nothing."""
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate(ids, params, beam_width)
-        req = Request(next(self._request_ids), text, ids, params, RequestMetrics(time.perf_counter()),
-                      beam_width=beam_width, length_penalty=length_penalty)
+        check_request(ids, params, beam_width, self.model.config.vocab_size, self.cfg,
+                      self.bm.num_blocks - self.bm.watermark_blocks)
+        req = Request(next(self._request_ids) if request_id is None else request_id, text, ids, params,
+                      RequestMetrics(time.perf_counter()), beam_width=beam_width, length_penalty=length_penalty,
+                      prefill_only=prefill_only)
         self._add_seq(req, 0, list(ids))
         return req
 
-    def _validate(self, ids: list[int], params: SamplingParams, beam_width: int) -> None:
-        params.validate()
-        vocab = self.model.config.vocab_size
-        if not ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if len(ids) + params.max_tokens > self.cfg.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len ({self.cfg.max_model_len})")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size ({vocab})")
-        width = max(params.n, beam_width)
-        if width > self.cfg.max_num_seqs:
-            raise ValueError(f"{'beam_width' if beam_width else 'n'}={width} exceeds max_num_seqs "
-                             f"({self.cfg.max_num_seqs})")
-        # Beams advance together, so all of them must fit at once (full prompt blocks are
-        # shared; each beam owns the rest). Samples of n > 1 progress independently: one must fit.
-        bs = self.cfg.block_size
-        shared = len(ids) // bs if beam_width else 0
-        need = shared + (beam_width or 1) * (cdiv(len(ids) + params.max_tokens, bs) - shared)
-        room = self.bm.num_blocks - self.bm.watermark_blocks
-        if need > room:
-            raise ValueError(f"the request needs {need} KV blocks, more than the whole cache holds ({room})")
+    def add_prefilled(self, request_id: int, token_ids: list[int], num_prompt_tokens: int,
+                      params: SamplingParams, block_table: list[int], logprobs: list[dict[int, float]],
+                      cumulative_logprob: float, generator_state: bytes | None) -> Request:
+        """A request whose prompt was prefilled elsewhere (a decode worker's import): its KV for
+        the prompt is already in block_table, and its first token is token_ids[-1]."""
+        req = Request(request_id, None, token_ids[:num_prompt_tokens], params, RequestMetrics(time.perf_counter()),
+                      forked=True)
+        seq = Sequence(req, 0, list(token_ids), num_prompt_tokens, status=Status.RUNNING, block_table=block_table,
+                       num_computed=num_prompt_tokens, cumulative_logprob=cumulative_logprob,
+                       logprobs=list(logprobs), generator=self._generator(req, 0))
+        if generator_state is not None:   # carry on the random stream where the prefill worker left it
+            seq.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
+        req.seqs.append(seq)
+        self.scheduler.running.append(seq)
+        return req
 
     def _add_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(req, index, token_ids, len(req.prompt_token_ids), generator=self._generator(req, index))
@@ -797,11 +835,13 @@ class Engine:
             seq.finish_reason = "stop"
         elif index + 1 - seq.num_prompt_tokens >= params.max_tokens:
             seq.finish_reason = "length"
-        else:
+        elif not seq.request.prefill_only:
             return
         del seq.token_ids[index + 1:]
         seq.pending_row = None
-        self.scheduler.finish(seq)
+        # A prefill worker's request ends after its first token with finish_reason None;
+        # its blocks stay until a decode worker has pulled them (workers.py).
+        self.scheduler.finish(seq, free=seq.finish_reason is not None)
 
     # -- beam search: fork the best continuations, free the rest (HF's algorithm)
 
@@ -876,14 +916,333 @@ class Engine:
                              finished=req.finished)
 
 
+# ----------------------------------------------------------------------------- many devices: the central scheduler
+
+POLICIES = ("collocated", "disaggregated")
+
+
+@dataclass(eq=False)
+class Tracked:
+    """The central scheduler's record of one request."""
+    rid: int
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    beam_width: int = 0
+    length_penalty: float = 1.0
+    worker: int | None = None          # where it runs now (its decode worker once handed off)
+    prefill_worker: int | None = None
+    phase: str = "queued"              # prefill, transfer, decode, done
+    tokens: list[int] = field(default_factory=list)   # streamed so far
+    output: RequestOutput | None = None
+    metrics: RequestMetrics | None = None
+    retried: bool = False
+    samples: list[int] = field(default_factory=list)  # n > 1 split into samples (disaggregated)
+    parent: int | None = None
+
+
+class CentralScheduler:
+    """Serves requests on worker processes (workers.py), one per device, under a policy:
+
+      collocated     every device runs a whole engine; a request goes to the least loaded
+      disaggregated  num_prefill devices prefill, the others decode; a prefilled request's
+                     KV moves to the decode worker with the fewest requests
+
+    A worker that dies: the requests it held (prefilling, decoding, or with KV parked on
+    it for a transfer) start again from their prompt on live workers, once; if no live
+    worker can take them, or they fail a second time, they end with a RuntimeError in
+    RequestOutput.error. Nothing waits on a dead worker. close() (also run at exit and
+    when the object is collected) stops every worker process."""
+
+    def __init__(self, model: str, policy: str, devices: list[str], num_prefill: int = 1,
+                 transport: str = "p2p", startup_timeout_s: float = 600.0, **engine_kwargs):
+        from workers import TRANSPORTS, worker_main
+        if policy not in POLICIES:
+            raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
+        if not devices:
+            raise ValueError("devices is empty")
+        if policy == "disaggregated" and not 0 < num_prefill < len(devices):
+            raise ValueError(f"disaggregated needs 1 <= num_prefill < len(devices), got num_prefill={num_prefill} "
+                             f"with {len(devices)} devices")
+        self.cfg = EngineConfig(model=model, **engine_kwargs)
+        self.cfg.validate()
+        config = load_config(model)
+        self.cfg.max_model_len = min(self.cfg.max_model_len, config.max_position_embeddings)
+        self.vocab_size, self.tokenizer = config.vocab_size, load_tokenizer(model)
+        self.policy, self.devices = policy, list(devices)
+        self.roles = (["collocated"] * len(devices) if policy == "collocated"
+                      else ["prefill"] * num_prefill + ["decode"] * (len(devices) - num_prefill))
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in devices]
+        shares = [ctx.Queue() if role == "decode" else None for role in self.roles]
+        decode_shares = [q for q in shares if q is not None]
+        self.procs = []
+        for i, (role, device) in enumerate(zip(self.roles, devices)):
+            kwargs = dataclasses.asdict(self.cfg) | {"device": device}
+            args = (i, role, kwargs, self.inboxes[i], self.outbox, decode_shares if role == "prefill" else [],
+                    shares[i], self.roles.count("prefill"), transport)
+            self.procs.append(ctx.Process(target=worker_main, args=args, daemon=True, name=f"nanopd-{role}-{i}"))
+        self._close = weakref.finalize(self, _stop_workers, self.procs, self.inboxes)
+        for p in self.procs:
+            p.start()
+        self.active: dict[int, Tracked] = {}
+        self.done: dict[int, Tracked] = {}
+        self.dead: dict[int, str] = {}
+        self.errors: dict[int, str] = {}
+        self.status: dict[int, tuple[int, int, int]] = {}   # worker -> its last (free blocks, blocks, requests)
+        self._rids = itertools.count()
+        self.room = self._wait_ready(startup_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> int:
+        """Block until every worker reports ready; the smallest cache's room in blocks."""
+        rooms, deadline = {}, time.monotonic() + timeout_s
+        with tqdm(total=len(self.procs), desc="starting workers", leave=False) as bar:
+            while len(rooms) < len(self.procs):
+                try:
+                    w, events = self.outbox.get(timeout=0.5)
+                except queue.Empty:
+                    events = []
+                    w = None
+                for event in events:
+                    if event[0] == "ready":
+                        rooms[w] = event[1] - event[2]
+                        bar.update()
+                    elif event[0] == "failed":
+                        self.errors[w] = event[1]
+                failed = [i for i, p in enumerate(self.procs) if not p.is_alive()]
+                if failed or time.monotonic() > deadline:
+                    self.close()
+                    i = failed[0] if failed else None
+                    why = self.errors.get(i, "no traceback") if failed else f"not ready after {timeout_s:.0f} s"
+                    raise RuntimeError(f"worker {i} ({self.devices[i] if failed else '?'}) did not start: {why}")
+        return min(rooms.values())
+
+    def close(self) -> None:
+        self._close()
+
+    # -- requests
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, beam_width: int = 0,
+               length_penalty: float = 1.0) -> int:
+        """Validate (ValueError, as the single engine) and dispatch a request; its id."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        check_request(ids, params, beam_width, self.vocab_size, self.cfg, self.room)
+        t = Tracked(next(self._rids), prompt if isinstance(prompt, str) else None, ids, params, beam_width,
+                    length_penalty, metrics=RequestMetrics(time.perf_counter()))
+        self.active[t.rid] = t
+        if self.policy == "disaggregated" and params.n > 1 and not beam_width:
+            # Samples travel separately; sample j draws from seed + j, as a child does in one engine.
+            for j in range(params.n):
+                seed = None if params.seed is None else params.seed + j
+                sample = Tracked(next(self._rids), t.prompt, ids, dataclasses.replace(params, n=1, seed=seed),
+                                 metrics=RequestMetrics(t.metrics.arrival_time), parent=t.rid)
+                t.samples.append(sample.rid)
+                self.active[sample.rid] = sample
+                self._dispatch(sample)
+        else:
+            self._dispatch(t)
+        return t.rid
+
+    def _live(self, role: str) -> list[int]:
+        return [i for i, r in enumerate(self.roles) if r == role and i not in self.dead]
+
+    def _load(self, w: int) -> int:
+        """Tokens of work a worker holds: prompts still to prefill and outputs still to decode."""
+        load = 0
+        for t in self.active.values():
+            if t.worker == w and t.phase != "done":
+                load += (len(t.prompt_ids) if t.phase == "prefill" else 0)
+                load += 0 if self.roles[w] == "prefill" else t.params.max_tokens - len(t.tokens)
+        return load
+
+    def _dispatch(self, t: Tracked) -> None:
+        from workers import Submit
+        # Beam search runs whole on one worker (its beams fork and die every step).
+        whole = self.policy == "collocated" or t.beam_width > 0
+        live = self._live("collocated" if self.policy == "collocated" else "prefill")
+        if not live or (self.policy == "disaggregated" and not self._live("decode")):
+            return self._fail(t, RuntimeError(f"no live worker can serve it (dead: {self._dead_summary()})"))
+        w = min(live, key=self._load)
+        t.worker = t.prefill_worker = w
+        t.phase = "prefill"
+        self.inboxes[w].put(Submit(t.rid, t.prompt_ids, t.params, prefill_only=not whole,
+                                   beam_width=t.beam_width, length_penalty=t.length_penalty))
+
+    # -- events from the workers
+
+    def poll(self, timeout: float = 0.05) -> list[int]:
+        """Handle what the workers reported; the ids of requests that ended (submit's ids)."""
+        ended, batch = [], []
+        try:
+            batch.append(self.outbox.get(timeout=timeout))
+            while True:
+                batch.append(self.outbox.get_nowait())
+        except queue.Empty:
+            pass
+        for w, events in batch:
+            if w in self.dead:
+                continue
+            for event in events:
+                ended += self._on_event(w, event)
+        for i, p in enumerate(self.procs):
+            if i not in self.dead and not p.is_alive():
+                ended += self._worker_died(i)
+        return ended
+
+    def _on_event(self, w: int, event: tuple) -> list[int]:
+        from workers import Import, Release
+        kind = event[0]
+        if kind == "failed":
+            self.errors[w] = event[1]
+            return []
+        if kind == "status":   # (free KV blocks, all KV blocks, requests held)
+            self.status[w] = event[1:]
+            return []
+        if kind == "tokens":
+            for rid, ids in event[1].items():
+                t = self.active.get(rid)
+                if t is not None and t.worker == w:
+                    t.tokens += ids
+                    t.metrics.first_token_time = t.metrics.first_token_time or event[2]
+            return []
+        t = self.active.get(event[1])
+        if t is None or (kind != "handoff" and t.worker != w and not (kind == "expired" and t.prefill_worker == w)):
+            return []   # a stale report from an attempt that was restarted elsewhere
+        if kind == "handoff":
+            (_, rid, blocks, token_ids, num_prompt, logprobs, cum_lp, gen_state, scheduled, first) = event
+            t.metrics.first_scheduled_time, t.metrics.first_token_time = scheduled, first
+            t.tokens = token_ids[num_prompt:]
+            decoders = self._live("decode")
+            if not decoders:
+                self.inboxes[w].put(Release(rid))
+                return self._fail(t, RuntimeError(f"no live decode worker (dead: {self._dead_summary()})"))
+            d = min(decoders, key=self._load)
+            t.worker, t.phase = d, "transfer"
+            self.inboxes[d].put(Import(rid, w, blocks, token_ids, num_prompt, t.params, logprobs, cum_lp, gen_state))
+        elif kind == "imported":
+            t.phase, t.metrics.imported_time = "decode", event[2]
+            self.inboxes[t.prefill_worker].put(Release(t.rid))
+        elif kind == "done":
+            _, _, output, metrics = event
+            arrival = t.metrics.arrival_time
+            t.metrics = dataclasses.replace(metrics, arrival_time=arrival, imported_time=t.metrics.imported_time,
+                                            first_scheduled_time=t.metrics.first_scheduled_time
+                                            or metrics.first_scheduled_time,
+                                            first_token_time=t.metrics.first_token_time or metrics.first_token_time,
+                                            path=(t.prefill_worker,) + ((w,) if w != t.prefill_worker else ()))
+            t.output = dataclasses.replace(output, request_id=t.rid, prompt=t.prompt, metrics=t.metrics)
+            return self._end(t)
+        elif kind == "expired" and t.phase == "transfer":
+            return self._fail(t, RuntimeError(f"its KV was never pulled from worker {w}"))
+        return []
+
+    def _end(self, t: Tracked) -> list[int]:
+        """Retire t; the ids of top-level requests that are now complete."""
+        t.phase = "done"
+        self.done[t.rid] = self.active.pop(t.rid)
+        if t.parent is None:
+            return [t.rid]
+        parent = self.active[t.parent]
+        samples = [self.done.get(r) for r in parent.samples]
+        if any(s is None for s in samples):
+            return []
+        errors = [s.output.error for s in samples if s.output.error is not None]
+        outs = [dataclasses.replace(s.output.outputs[0], index=j) for j, s in enumerate(samples) if not s.output.error]
+        ms = [s.metrics for s in samples]
+        parent.metrics = dataclasses.replace(ms[0], finish_time=max(m.finish_time or 0.0 for m in ms))
+        parent.output = RequestOutput(parent.rid, parent.prompt, parent.prompt_ids, [] if errors else outs,
+                                      parent.metrics, error=errors[0] if errors else None)
+        return self._end(parent)
+
+    def _fail(self, t: Tracked, error: Exception) -> list[int]:
+        t.metrics.finish_time = time.perf_counter()
+        t.output = RequestOutput(t.rid, t.prompt, t.prompt_ids, [], t.metrics, error=error)
+        return self._end(t)
+
+    def _worker_died(self, w: int) -> list[int]:
+        from workers import Drop, Release
+        why = self.errors.get(w, "").strip().splitlines()[-1:] or [f"exit code {self.procs[w].exitcode}"]
+        self.dead[w] = why[0]
+        ended = []
+        for t in list(self.active.values()):
+            if t.samples or t.phase == "done":
+                continue
+            if t.phase == "transfer" and t.prefill_worker == w and t.worker != w:
+                self.inboxes[t.worker].put(Drop(t.rid))          # its source is gone: discard the copy
+            elif t.phase == "transfer" and t.worker == w and t.prefill_worker not in self.dead:
+                self.inboxes[t.prefill_worker].put(Release(t.rid))   # nobody will pull it now
+            if t.worker == w or (t.phase == "transfer" and t.prefill_worker == w):
+                if t.retried:
+                    ended += self._fail(t, RuntimeError(f"worker {w} ({self.devices[w]}) died: {why[0]}"))
+                else:   # start again from the prompt on a live worker
+                    t.retried, t.tokens, t.worker, t.prefill_worker = True, [], None, None
+                    t.metrics = RequestMetrics(t.metrics.arrival_time)
+                    self._dispatch(t)
+                    ended += [t.rid] if t.phase == "done" else []
+        return ended
+
+    def _dead_summary(self) -> str:
+        return ", ".join(f"worker {w} ({self.devices[w]}): {why}" for w, why in self.dead.items()) or "none"
+
+    def output(self, rid: int) -> RequestOutput:
+        return self.done[rid].output
+
+
+def _stop_workers(procs: list, inboxes: list, timeout_s: float = 10.0) -> None:
+    """Ask every worker to stop, then terminate (and at last kill) the ones that do not."""
+    for q in inboxes:
+        try:
+            q.put(None)
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        if p.pid is not None:
+            p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.pid is not None and p.is_alive():
+            p.terminate()
+            p.join(2)
+            if p.is_alive():
+                p.kill()
+                p.join(2)
+    for q in inboxes:
+        q.cancel_join_thread()
+        q.close()
+
+
 # ----------------------------------------------------------------------------- the offline API
 
 
 class LLM:
-    """The offline API: LLM(model, **EngineConfig fields).generate(prompts, params)."""
+    """The offline API: LLM(model, **EngineConfig fields).generate(prompts, params).
 
-    def __init__(self, model: str = "tiny", **kwargs):
-        self.engine = Engine(EngineConfig(model=model, **kwargs))
+    Without a policy it is one engine in this process. With policy="collocated" or
+    "disaggregated" it serves the same calls on worker processes, one per entry of
+    devices (a CentralScheduler); close() stops them (so does exiting, or `with LLM(...)`)."""
+
+    def __init__(self, model: str = "tiny", policy: str | None = None, devices: list[str] | None = None,
+                 num_prefill: int = 1, transport: str = "p2p", **kwargs):
+        self.engine = self.cluster = None
+        if policy is None:
+            self.engine = Engine(EngineConfig(model=model, **kwargs))
+        else:
+            if devices is None:   # every GPU, or two CPU workers
+                devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu", "cpu"]
+            self.cluster = CentralScheduler(model, policy, devices, num_prefill, transport, **kwargs)
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -905,6 +1264,8 @@ class LLM:
         return self._run([(p, params, extra) for p in prompts], use_tqdm)
 
     def _run(self, work, use_tqdm: bool) -> list[RequestOutput | None]:
+        if self.cluster is not None:
+            return self._run_cluster(work, use_tqdm)
         engine, outputs, reqs = self.engine, [None] * len(work), {}
         for i, (prompt, params, extra) in enumerate(work):
             try:
@@ -919,6 +1280,25 @@ class LLM:
                 outputs[reqs[req.request_id]] = engine.output(req)
                 bar.update()
         bar.close()
+        return outputs
+
+    def _run_cluster(self, work, use_tqdm: bool) -> list[RequestOutput | None]:
+        cluster, outputs, rids = self.cluster, [None] * len(work), {}
+        for i, (prompt, params, extra) in enumerate(work):
+            try:
+                rids[cluster.submit(prompt, params, **extra)] = i
+            except ValueError as e:
+                ids = prompt if isinstance(prompt, list) else []
+                outputs[i] = RequestOutput(-1, prompt if isinstance(prompt, str) else None, ids, [],
+                                           RequestMetrics(time.perf_counter()), error=e)
+        with tqdm(total=len(rids), desc="generating", disable=not use_tqdm or len(rids) < 2) as bar:
+            pending = set(rids)
+            while pending:
+                for rid in cluster.poll():
+                    if rid in pending:
+                        outputs[rids[rid]] = cluster.output(rid)
+                        pending.discard(rid)
+                        bar.update()
         return outputs
 
 

@@ -13,6 +13,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -1326,9 +1327,226 @@ def test_cli_streams_hf_greedy_text(hf):
 @ENGINE
 @pytest.mark.parametrize("args, words", [(["--temperature", "-1"], "temperature"),
                                          (["--model", "no-such-model"], "no-such-model")])
-@ENGINE
 def test_cli_bad_value_is_an_error_message(args, words):
     """A bad flag value exits non-zero with a one-line error naming it, not a traceback."""
     run = cli("--max-tokens", "4", *args)
     assert run.returncode != 0
     assert words in run.stderr.decode() and b"Traceback" not in run.stderr
+
+
+# ============================================================================= workers
+"""Worker tests: the policies on worker processes give HF's greedy tokens; a handoff moves
+the prompt's K/V byte for byte (and HF's K/V); blocks all come back; a killed worker
+ends or retries its requests in bounded time; no process outlives its LLM."""
+
+# Three devices: 1 prefill + 2 decode. On a two-GPU machine two workers share cuda:1.
+WORKER_DEVICES = ["cuda:0", "cuda:1", "cuda:1"] if torch.cuda.device_count() >= 2 else ["cpu"] * 3
+MIXED_PROMPTS = [prompt(n, 60 + i) for i, n in enumerate([3, 9, 30, 41, 17, 24])]
+
+
+@pytest.fixture
+def worker_env(monkeypatch):
+    """Worker processes inherit the environment: on CPU they run the kernels' torch twins."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def make_cluster(hf, policy: str, num_devices: int, **kwargs) -> LLM:
+    kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": 128, "max_num_seqs": 16, "max_num_batched_tokens": 16,
+              **kwargs}
+    return LLM(str(hf.path), policy=policy, devices=WORKER_DEVICES[:num_devices], dtype="float32", **kwargs)
+
+
+def workers_all_free(llm: LLM, timeout_s: float = 20.0) -> bool:
+    """Whether every worker reports all its KV blocks free and no request held (waiting for
+    the last Release to reach the prefill worker)."""
+    cluster, deadline = llm.cluster, time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        cluster.poll(0.05)
+        live = [w for w in range(len(cluster.procs)) if w not in cluster.dead]
+        if all(w in cluster.status and cluster.status[w][0] == cluster.status[w][1] and cluster.status[w][2] == 0
+               for w in live):
+            return True
+    return False
+
+
+@pytest.mark.usefixtures("worker_env")
+@pytest.mark.parametrize("policy, num_devices, transport", [("collocated", 2, "p2p"), ("disaggregated", 2, "p2p"),
+                                                            ("disaggregated", 3, "p2p"), ("disaggregated", 2, "relay")])
+def test_policies_on_worker_processes_give_hf_greedy_tokens(hf, policy, num_devices, transport):
+    """Prompts of 3 to 41 tokens (chunked under a 16-token budget) give HF's greedy tokens on
+    every policy; disaggregated ones go prefill worker -> decode worker, with each phase's
+    time recorded; a bad request fails alone; afterwards every worker's blocks are free."""
+    with make_cluster(hf, policy, num_devices, transport=transport) as llm:
+        outs = generate(llm, MIXED_PROMPTS + [[]], max_tokens=10)
+        assert tokens(outs[:-1]) == [hf.greedy(p, 10) for p in MIXED_PROMPTS]
+        assert isinstance(outs[-1].error, ValueError) and "empty" in str(outs[-1].error)
+        for out in outs[:-1]:
+            phases = out.metrics.phases()
+            assert all(v >= 0 for v in phases.values())
+            if policy == "collocated":
+                assert len(out.metrics.path) == 1 and phases["transfer"] == 0
+            else:
+                assert out.metrics.path[0] == 0 and out.metrics.path[1] >= 1
+        if num_devices == 3:   # both decode workers took requests
+            assert {o.metrics.path[1] for o in outs[:-1]} == {1, 2}
+        assert workers_all_free(llm)
+
+
+@pytest.mark.usefixtures("worker_env")
+def test_disaggregated_sampling_matches_the_single_engine(hf, llm):
+    """Seeded sampling, n > 1 and logprobs across a handoff: the same tokens and logprobs as
+    one engine (the random stream moves with the request)."""
+    params = {"max_tokens": 8, "temperature": 1.0, "seed": 11, "n": 2, "logprobs": 2}
+    ref = generate(llm, PROMPTS[:2], **params)
+    with make_cluster(hf, "disaggregated", 2) as cluster:
+        outs = generate(cluster, PROMPTS[:2], **params)
+    for out, r in zip(outs, ref):
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in r.outputs]
+        for c, rc in zip(out.outputs, r.outputs):
+            assert c.cumulative_logprob == pytest.approx(rc.cumulative_logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("transport", ["p2p", "relay"])
+def test_handoff_moves_the_prompt_kv_byte_for_byte(hf, transport):
+    """In one process, through the workers' own code: a prefill worker parks a request, the
+    decode worker pulls its blocks into different block ids; they are byte-equal to the
+    prefill worker's and hold HF's K/V; the decode worker then continues HF's greedy tokens;
+    the Release frees the prefill worker's blocks."""
+    import queue
+
+    from workers import Import, Release, Submit, Worker
+    out = queue.Queue()
+    pre = Worker(0, "prefill", make_llm(hf.path).engine, queue.Queue(), out, {}, transport)
+    dec_engine = make_llm(hf.path).engine
+    dec = Worker(1, "decode", dec_engine, queue.Queue(), out, {0: pre.engine.runner.kv_cache}, transport)
+    squatter, _ = dec_engine.bm.allocate(prompt(40, seed=71))   # so the decode side's block ids differ
+    ids = prompt(29, seed=70)   # 3 full blocks of 8 and a partial one
+
+    def pump(worker, kind):
+        for _ in range(100):
+            worker.step(wait=False)
+            while not out.empty():
+                for event in out.get()[1]:
+                    if event[0] == kind:
+                        return event
+        raise AssertionError(f"no {kind} event")
+
+    pre.inbox.put(Submit(0, ids, SamplingParams(max_tokens=6), prefill_only=True))
+    _, rid, src_blocks, token_ids, num_prompt, *rest = pump(pre, "handoff")
+    assert token_ids == ids + hf.greedy(ids, 1) and len(src_blocks) == 4
+    assert pre.engine.bm.num_free_blocks == pre.engine.bm.num_blocks - 4   # parked, not freed
+    dec.inbox.put(Import(rid, 0, src_blocks, token_ids, num_prompt, SamplingParams(max_tokens=6), *rest[:3]))
+    pump(dec, "imported")
+    dst_blocks = dec.requests[rid].seqs[0].block_table[:4]
+    assert not set(dst_blocks) & set(src_blocks)
+    src_cache, dst_cache = pre.engine.runner.kv_cache, dec_engine.runner.kv_cache
+    for i, (s, d) in enumerate(zip(src_blocks, dst_blocks)):   # [layers, 2, heads, block_size, dim]
+        filled = min(BLOCK_SIZE, len(ids) - i * BLOCK_SIZE)   # the decode side has since written its first token
+        assert torch.equal(src_cache[s, :, :, :, :filled], dst_cache[d, :, :, :, :filled])
+    for layer, (k, v) in enumerate(hf.kv(ids)):
+        for pos in range(len(ids)):
+            block, offset = dst_blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+            torch.testing.assert_close(dst_cache[block, layer, 0, :, offset], k[:, pos], atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(dst_cache[block, layer, 1, :, offset], v[:, pos], atol=1e-5, rtol=1e-4)
+    pre.inbox.put(Release(rid))
+    pre.step(wait=False)
+    assert pre.engine.bm.num_free_blocks == pre.engine.bm.num_blocks
+    done = pump(dec, "done")
+    assert done[2].outputs[0].token_ids == hf.greedy(ids, 6)
+    dec_engine.bm.free(squatter)
+    assert dec_engine.bm.num_free_blocks == dec_engine.bm.num_blocks
+
+
+@pytest.mark.usefixtures("worker_env")
+@pytest.mark.parametrize("policy, num_devices, victim", [("collocated", 2, 1), ("disaggregated", 3, 1),
+                                                         ("disaggregated", 3, 0)])
+def test_a_killed_worker_ends_or_retries_its_requests(hf, policy, num_devices, victim):
+    """Kill a worker mid-run, while it decodes some requests and others (long prompts) are
+    still being prefilled: every request ends within a bounded time, with HF's greedy
+    tokens (restarted on a live worker) or, when no live worker can serve it (the only
+    prefill worker died), with a RuntimeError naming the dead worker; no process is left."""
+    import signal
+    llm = make_cluster(hf, policy, num_devices, max_model_len=512)
+    cluster = llm.cluster
+    prompts = [prompt(12, seed=80 + i) for i in range(4)] + [prompt(150, seed=90 + i) for i in range(3)]
+    rids = [cluster.submit(p, SamplingParams(max_tokens=300)) for p in prompts[:4]]
+    deadline = time.monotonic() + 60
+    while not any(cluster.active[r].tokens and cluster.active[r].phase == "decode" or policy == "collocated"
+                  and cluster.active[r].tokens and cluster.active[r].worker == victim for r in rids):
+        assert time.monotonic() < deadline, "nothing was decoding"
+        cluster.poll(0.01)
+    rids += [cluster.submit(p, SamplingParams(max_tokens=300)) for p in prompts[4:]]
+    os.kill(cluster.procs[victim].pid, signal.SIGKILL)
+    ended, start = set(), time.monotonic()
+    while len(ended) < len(rids) and time.monotonic() - start < 120:
+        ended |= set(cluster.poll(0.05))
+    assert ended == set(rids), "a request never ended"
+    outs = [cluster.output(r) for r in rids]
+    for o, p in zip(outs, prompts):
+        if o.error is None:
+            assert o.outputs[0].token_ids == hf.greedy(p, 300)
+        else:
+            assert isinstance(o.error, RuntimeError) and f"worker {victim}" in str(o.error)
+    failed = [o for o in outs if o.error is not None]
+    if victim == 0 and policy == "disaggregated":   # the only prefill worker: its queue cannot be served
+        assert all(o.error is not None for o in outs[4:])
+    else:
+        assert not failed
+    llm.close()
+    assert not any(p.is_alive() for p in cluster.procs)
+
+
+SHUTDOWN_SCRIPT = """
+import os, sys, time
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, {here!r})
+from nanopd import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM("tiny", policy="disaggregated", devices=["cpu", "cpu"], num_kv_blocks=64, max_model_len=512)
+    print(" ".join(str(p.pid) for p in llm.cluster.procs), flush=True)
+    if sys.argv[1] == "raise":
+        raise RuntimeError("the caller fails")
+    while True:   # until Ctrl-C
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=400), use_tqdm=False)
+"""
+
+
+@pytest.mark.parametrize("how", ["raise", "ctrl-c"])
+def test_no_worker_outlives_its_caller(tmp_path, how):
+    """A script that dies of an exception, or of Ctrl-C mid-generate, leaves no worker process."""
+    import signal
+    script = tmp_path / "serve.py"
+    script.write_text(SHUTDOWN_SCRIPT.format(here=str(HERE)))
+    proc = subprocess.Popen([sys.executable, str(script), "raise" if how == "raise" else "loop"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2
+    if how == "ctrl-c":
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    assert proc.returncode != 0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in pids)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:   # a zombie is dead too
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("kwargs, words", [({"policy": "round-robin"}, "policy"),
+                                           ({"policy": "disaggregated", "devices": ["cpu"]}, "num_prefill"),
+                                           ({"policy": "disaggregated", "num_prefill": 2}, "num_prefill"),
+                                           ({"policy": "collocated", "transport": "pigeon"}, "transport"),
+                                           ({"policy": "collocated", "devices": []}, "devices")])
+def test_bad_cluster_settings_are_a_value_error(kwargs, words):
+    kwargs = {"devices": ["cpu", "cpu"], **kwargs}
+    with pytest.raises(ValueError, match=words):
+        LLM("tiny", device="cpu", **kwargs)
