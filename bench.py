@@ -11,6 +11,11 @@
   python bench.py profile   where a decode step's GPU time goes, kernel by kernel (the
                             step run eagerly under torch.profiler); --batch, --context
 
+  python bench.py transfer  KV handoff between two GPUs through the worker processes:
+                            bandwidth of the real path (p2p and relay) for 128-, 512-
+                            and 2048-token requests beside a plain device-to-device
+                            copy, and a decode step's time while transfers run
+
 Every result is printed as a table and, with --out, written as JSON.
 """
 
@@ -320,9 +325,95 @@ def run_profile(model: str = "qwen3-8b", batch_size: int = 1, context: int = 102
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
 
 
+# ----------------------------------------------------------------------------- KV transfer
+
+
+def measure_link(src: str, dst: str) -> dict:
+    """Ceilings of the two transports, same run: a 1 GiB copy between the devices, and
+    device -> pinned host -> device (each direction timed alone)."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=src)
+    y = torch.empty_like(x, device=dst)
+    host = torch.empty_like(x, device="cpu").pin_memory()
+    rates = {name: x.nbytes / time_ms(fn) / 1e6 for name, fn in
+             [("p2p_GBps", lambda: y.copy_(x)), ("d2h_GBps", lambda: host.copy_(x)), ("h2d_GBps", lambda: y.copy_(host))]}
+    x = y = host = None
+    torch.cuda.empty_cache()
+    return rates
+
+
+def decode_step_while_pulling(model: str, src: str, dst: str, batch: int = 64, context: int = 1024) -> dict:
+    """A decode step (CUDA-graph replay, batch x context) on dst, timed alone and while a
+    P2PTransport pulls 2048-token requests' blocks from src into the same cache on its own
+    stream, back to back for the whole timed window."""
+    from nanopd import LLM
+    from workers import P2PTransport
+    eng = LLM(model, device=dst, max_num_seqs=batch, num_kv_blocks=batch * (context // 16 + 2) + 256).engine
+    fake = fake_batch(eng, batch, context, 1)
+    eng.runner.run(fake, list(range(batch)))   # leaves the batch in the graph's inputs
+    graph = eng.runner.graphs[next(s for s in eng.runner.graph_sizes if s >= batch)][0]
+    src_cache = torch.empty(128, *eng.runner.kv_cache.shape[1:], dtype=eng.runner.kv_cache.dtype, device=src)
+    dst_blocks, _ = eng.bm.allocate(list(range(2048)))
+    transport = P2PTransport(torch.device(dst))
+
+    def steps_ms(n: int = 60) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n
+
+    steps_ms(10)
+    alone = steps_ms()
+    pulls = [transport.pull(src_cache, list(range(128)), eng.runner.kv_cache, dst_blocks) for _ in range(700)]
+    during = steps_ms()
+    busy = not pulls[-1].done.query()   # the transfers outlasted the timed steps
+    torch.cuda.synchronize()
+    return {"case": f"decode step, batch {batch}, context {context}", "alone_ms": alone, "during_ms": during,
+            "ratio": during / alone, "transfers_outlasted_steps": busy}
+
+
+def run_transfer(out: str | None, model: str = "qwen3-8b", devices: tuple[str, str] = ("cuda:0", "cuda:1")) -> dict:
+    from nanopd import LLM, SamplingParams
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, **measure_link(*devices)}
+    print(f"ceilings: {devices[0]} -> {devices[1]} copy {res['p2p_GBps']:.0f} GB/s; pinned host: "
+          f"{res['d2h_GBps']:.0f} GB/s down, {res['h2d_GBps']:.0f} GB/s up", flush=True)
+    res["overlap"] = decode_step_while_pulling(model, *devices)
+    o = res["overlap"]
+    print(f"{o['case']}: {o['alone_ms']:.3f} ms alone, {o['during_ms']:.3f} ms while pulling "
+          f"({o['ratio']:.3f}x; transfers outlasted the steps: {o['transfers_outlasted_steps']})", flush=True)
+    torch.cuda.empty_cache()
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for transport in ("p2p", "relay"):
+        with LLM(model, policy="disaggregated", devices=list(devices), transport=transport, max_num_seqs=64,
+                 max_num_batched_tokens=4096, max_model_len=4096) as llm:
+            vocab = llm.cluster.vocab_size
+            for length in (128, 512, 2048):
+                outs = []
+                for _ in range(6):   # one at a time: each transfer has the link to itself
+                    ids = torch.randint(0, vocab, (length,), generator=g).tolist()
+                    outs += llm.generate([ids], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+                ms = [o.metrics for o in outs[1:]]   # the first one warms up
+                gbs = statistics.median(m.kv_bytes_moved / m.kv_copy_time / 1e9 for m in ms)
+                handoff = statistics.median(m.phases()["transfer"] for m in ms) * 1e3
+                ceiling = res["p2p_GBps"] if transport == "p2p" else min(res["d2h_GBps"], res["h2d_GBps"])
+                rows.append({"transport": transport, "tokens": length, "MB": ms[0].kv_bytes_moved / 1e6,
+                             "GBps": gbs, "ceiling_GBps": ceiling, "ratio": gbs / ceiling, "handoff_ms": handoff})
+                r = rows[-1]
+                print(f"{transport:<5} {length:5d} tokens ({r['MB']:6.1f} MB): copy {gbs:6.1f} GB/s = {r['ratio']:.2f}"
+                      f" of {ceiling:.0f}; first token -> decode worker has it: {handoff:.2f} ms", flush=True)
+    res["rows"] = rows
+    if out:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["kernels", "engine", "profile"], help="which benchmark to run")
+    p.add_argument("what", choices=["kernels", "engine", "profile", "transfer"], help="which benchmark to run")
     p.add_argument("--model", default="qwen3-8b", help="preset or checkpoint folder (engine)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--batch", type=int, default=1, help="decode batch size (profile)")
@@ -334,6 +425,10 @@ def main() -> None:
         run_kernels(args.out)
     elif args.what == "engine":
         run_engine(args.out, args.model)
+    elif args.what == "transfer":
+        if torch.cuda.device_count() < 2:
+            raise SystemExit("bench.py transfer needs two GPUs")
+        run_transfer(args.out, args.model)
     else:
         run_profile(args.model, args.batch, args.context)
 

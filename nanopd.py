@@ -83,6 +83,8 @@ class RequestMetrics:
     finish_time: float | None = None
     num_cached_tokens: int = 0         # prompt tokens found in the prefix cache
     imported_time: float | None = None  # disaggregated: when the decode worker had the KV
+    kv_bytes_moved: int = 0             # ... how much KV it copied
+    kv_copy_time: float | None = None   # ... and how long the copy itself took (s)
     path: tuple[int, ...] = ()          # the workers that served it (prefill, then decode)
 
     def phases(self) -> dict[str, float]:
@@ -332,6 +334,8 @@ class ModelRunner:
 
     def __init__(self, model: Qwen3, cfg: "EngineConfig"):
         self.model, self.cfg, self.device = model, cfg, model.device
+        if self.device.type == "cuda":   # the streams, graphs and memory queries below mean this device
+            torch.cuda.set_device(self.device)
         self.max_blocks_per_seq = cdiv(cfg.max_model_len, cfg.block_size)
         self.num_blocks = cfg.num_kv_blocks or self._blocks_that_fit()
         self.kv_cache = allocate_kv_cache(self.num_blocks, model.num_layers, model.num_kv_heads,
@@ -1123,17 +1127,17 @@ class CentralScheduler:
             t.worker, t.phase = d, "transfer"
             self.inboxes[d].put(Import(rid, w, blocks, token_ids, num_prompt, t.params, logprobs, cum_lp, gen_state))
         elif kind == "imported":
-            t.phase, t.metrics.imported_time = "decode", event[2]
+            _, _, t.metrics.imported_time, t.metrics.kv_bytes_moved, t.metrics.kv_copy_time = event
+            t.phase = "decode"
             self.inboxes[t.prefill_worker].put(Release(t.rid))
-        elif kind == "done":
-            _, _, output, metrics = event
-            arrival = t.metrics.arrival_time
-            t.metrics = dataclasses.replace(metrics, arrival_time=arrival, imported_time=t.metrics.imported_time,
-                                            first_scheduled_time=t.metrics.first_scheduled_time
-                                            or metrics.first_scheduled_time,
-                                            first_token_time=t.metrics.first_token_time or metrics.first_token_time,
-                                            path=(t.prefill_worker,) + ((w,) if w != t.prefill_worker else ()))
-            t.output = dataclasses.replace(output, request_id=t.rid, prompt=t.prompt, metrics=t.metrics)
+        elif kind == "done":   # the worker's metrics fill in what this process did not see
+            _, _, output, theirs = event
+            m = t.metrics
+            m.first_scheduled_time = m.first_scheduled_time or theirs.first_scheduled_time
+            m.first_token_time = m.first_token_time or theirs.first_token_time
+            m.finish_time, m.num_cached_tokens = theirs.finish_time, theirs.num_cached_tokens
+            m.path = (t.prefill_worker,) + ((w,) if w != t.prefill_worker else ())
+            t.output = dataclasses.replace(output, request_id=t.rid, prompt=t.prompt, metrics=m)
             return self._end(t)
         elif kind == "expired" and t.phase == "transfer":
             return self._fail(t, RuntimeError(f"its KV was never pulled from worker {w}"))

@@ -789,8 +789,8 @@ def hf(tmp_path_factory) -> Reference:
 
 
 def make_llm(path, **kwargs) -> LLM:
-    kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": 256, "max_num_seqs": 16, **kwargs}
-    return LLM(str(path), dtype="float32", device=DEVICE, **kwargs)
+    kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": 256, "max_num_seqs": 16, "device": DEVICE, **kwargs}
+    return LLM(str(path), dtype="float32", **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -1387,17 +1387,18 @@ def test_policies_on_worker_processes_give_hf_greedy_tokens(hf, policy, num_devi
                 assert len(out.metrics.path) == 1 and phases["transfer"] == 0
             else:
                 assert out.metrics.path[0] == 0 and out.metrics.path[1] >= 1
+                assert out.metrics.kv_bytes_moved > 0 and out.metrics.kv_copy_time >= 0
         if num_devices == 3:   # both decode workers took requests
             assert {o.metrics.path[1] for o in outs[:-1]} == {1, 2}
         assert workers_all_free(llm)
 
 
-@pytest.mark.usefixtures("worker_env")
-def test_disaggregated_sampling_matches_the_single_engine(hf, llm):
+@pytest.mark.usefixtures("worker_env", "torch_twins")
+def test_disaggregated_sampling_matches_the_single_engine(hf):
     """Seeded sampling, n > 1 and logprobs across a handoff: the same tokens and logprobs as
-    one engine (the random stream moves with the request)."""
+    one engine on the same kind of device (the random stream moves with the request)."""
     params = {"max_tokens": 8, "temperature": 1.0, "seed": 11, "n": 2, "logprobs": 2}
-    ref = generate(llm, PROMPTS[:2], **params)
+    ref = generate(make_llm(hf.path, device=WORKER_DEVICES[0]), PROMPTS[:2], **params)
     with make_cluster(hf, "disaggregated", 2) as cluster:
         outs = generate(cluster, PROMPTS[:2], **params)
     for out, r in zip(outs, ref):
@@ -1406,6 +1407,7 @@ def test_disaggregated_sampling_matches_the_single_engine(hf, llm):
             assert c.cumulative_logprob == pytest.approx(rc.cumulative_logprob, abs=1e-4)
 
 
+@ENGINE
 @pytest.mark.parametrize("transport", ["p2p", "relay"])
 def test_handoff_moves_the_prompt_kv_byte_for_byte(hf, transport):
     """In one process, through the workers' own code: a prefill worker parks a request, the

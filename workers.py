@@ -90,28 +90,44 @@ def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 
 class Transport:
     """Copies blocks of another worker's KV cache (shared at start-up) into this worker's.
-    pull() only enqueues the copies, on the transport's own stream, and returns an event
-    that completes with them (None when the copy is already done, on CPUs). A transport
-    for workers on different hosts (torch.distributed send/recv of the same runs) would
-    implement the same method."""
+    pull() only enqueues the copies, on the transport's own stream, and returns a Pull
+    whose events complete with them (on CPUs the copy is done on return). A transport for
+    workers on different hosts (torch.distributed send/recv of the same runs) would
+    implement the same copy()."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def pull(self, src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor,
-             dst_blocks: list[int]) -> torch.cuda.Event | None:
+    def pull(self, src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int]) -> "Pull":
+        nbytes = len(dst_blocks) * dst[0].nbytes
         if self.stream is None:
+            start = time.perf_counter()
             self.copy(src, src_blocks, dst, dst_blocks)
-            return None
+            return Pull(nbytes, seconds=time.perf_counter() - start)
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            began, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            began.record(self.stream)
             self.copy(src, src_blocks, dst, dst_blocks)
-            done = torch.cuda.Event()
             done.record(self.stream)
-        return done
+        return Pull(nbytes, began, done)
 
     def copy(self, src, src_blocks, dst, dst_blocks) -> None:
         raise NotImplementedError
+
+
+@dataclass
+class Pull:
+    """A transport's copy in flight: its size and, once done, how long the copy itself took."""
+    nbytes: int
+    began: torch.cuda.Event | None = None
+    done: torch.cuda.Event | None = None
+    seconds: float | None = None
+
+    def ready(self) -> bool:
+        if self.seconds is None and self.done.query():
+            self.seconds = self.began.elapsed_time(self.done) / 1e3
+        return self.seconds is not None
 
 
 class P2PTransport(Transport):
@@ -171,7 +187,7 @@ class Transfer:
     """An Import whose copy is in flight."""
     msg: Import
     block_table: list[int]
-    done: torch.cuda.Event | None
+    pull: Pull
 
 
 class Worker:
@@ -286,16 +302,16 @@ class Worker:
             self.imports.popleft()
             table, cached = eng.bm.allocate(msg.token_ids)   # blocks found in our prefix cache need no copy
             first, last = cached // eng.cfg.block_size, cdiv(msg.num_prompt_tokens, eng.cfg.block_size)
-            done = self.transport.pull(self.peer_caches[msg.src], msg.src_blocks[first:last], eng.runner.kv_cache,
+            pull = self.transport.pull(self.peer_caches[msg.src], msg.src_blocks[first:last], eng.runner.kv_cache,
                                        table[first:last])
-            self.transfers.append(Transfer(msg, table, done))
+            self.transfers.append(Transfer(msg, table, pull))
 
     def _finish_transfers(self) -> None:
         """Requests whose copy has completed join the decode batch; the others keep copying
         while the engine steps."""
         still = []
         for t in self.transfers:
-            if t.done is not None and not t.done.query():
+            if not t.pull.ready():
                 still.append(t)
                 continue
             m = t.msg
@@ -306,7 +322,7 @@ class Worker:
                                             m.logprobs, m.cumulative_logprob, m.generator_state)
             self.requests[m.rid] = req
             self.reported[m.rid] = 1   # the first token was streamed by the prefill worker
-            self.events.append(("imported", m.rid, time.perf_counter()))
+            self.events.append(("imported", m.rid, time.perf_counter(), t.pull.nbytes, t.pull.seconds))
         self.transfers = still
 
     def _drop(self, rid: int) -> None:
