@@ -1441,7 +1441,7 @@ def test_handoff_moves_the_prompt_kv_byte_for_byte(hf, transport):
     pump(dec, "imported")
     dst_blocks = dec.requests[rid].seqs[0].block_table[:4]
     assert not set(dst_blocks) & set(src_blocks)
-    src_cache, dst_cache = pre.engine.runner.kv_cache, dec_engine.runner.kv_cache
+    src_cache, dst_cache = pre.engine.runner.kv_cache.cpu(), dec_engine.runner.kv_cache.cpu()
     for i, (s, d) in enumerate(zip(src_blocks, dst_blocks)):   # [layers, 2, heads, block_size, dim]
         filled = min(BLOCK_SIZE, len(ids) - i * BLOCK_SIZE)   # the decode side has since written its first token
         assert torch.equal(src_cache[s, :, :, :, :filled], dst_cache[d, :, :, :, :filled])

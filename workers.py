@@ -90,7 +90,7 @@ def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 
 class Transport:
     """Copies blocks of another worker's KV cache (shared at start-up) into this worker's.
-    pull() only enqueues the copies, on the transport's own stream, and returns a Pull
+    pull() only enqueues the copies, on streams of the transport's own, and returns a Pull
     whose events complete with them (on CPUs the copy is done on return). A transport for
     workers on different hosts (torch.distributed send/recv of the same runs) would
     implement the same copy()."""
@@ -98,6 +98,7 @@ class Transport:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.source_streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def pull(self, src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int]) -> "Pull":
         nbytes = len(dst_blocks) * dst[0].nbytes
@@ -105,12 +106,22 @@ class Transport:
             start = time.perf_counter()
             self.copy(src, src_blocks, dst, dst_blocks)
             return Pull(nbytes, seconds=time.perf_counter() - start)
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+        # torch runs a copy between devices on the source device's current stream, fenced
+        # by the destination device's current stream: make both ours, so the copies wait on
+        # nothing of the engine's and the engine's steps wait on nothing of theirs.
+        copies = self.copy_stream(src.device)
+        with torch.cuda.stream(self.stream), torch.cuda.stream(copies):
             began, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            began.record(self.stream)
+            began.record(copies)
             self.copy(src, src_blocks, dst, dst_blocks)
-            done.record(self.stream)
+            done.record(copies)
         return Pull(nbytes, began, done)
+
+    def copy_stream(self, src_device: torch.device) -> torch.cuda.Stream:
+        """The stream the copies run on."""
+        if src_device == self.device:
+            return self.stream
+        return self.source_streams.setdefault(src_device, torch.cuda.Stream(src_device))
 
     def copy(self, src, src_blocks, dst, dst_blocks) -> None:
         raise NotImplementedError
@@ -149,7 +160,9 @@ class RelayTransport(Transport):
         self.chunk_blocks = chunk_blocks
         self.buffers: list[torch.Tensor] = []
         self.freed: list[torch.cuda.Event | None] = [None, None]   # a buffer's last upload finished
-        self.src_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def copy_stream(self, src_device: torch.device) -> torch.cuda.Stream:
+        return self.stream   # the uploads; the downloads run on a stream of the source device
 
     def copy(self, src, src_blocks, dst, dst_blocks) -> None:
         if not self.buffers:
@@ -163,7 +176,7 @@ class RelayTransport(Transport):
                 buf.copy_(src[s:s + n])
                 dst[d:d + n].copy_(buf)
                 continue
-            down = self.src_streams.setdefault(src.device, torch.cuda.Stream(src.device))
+            down = self.source_streams.setdefault(src.device, torch.cuda.Stream(src.device))
             if self.freed[k % 2] is not None:
                 down.wait_event(self.freed[k % 2])
             with torch.cuda.stream(down):
@@ -171,7 +184,7 @@ class RelayTransport(Transport):
                 downloaded = torch.cuda.Event()
                 downloaded.record(down)
             self.stream.wait_event(downloaded)
-            dst[d:d + n].copy_(buf, non_blocking=True)   # on self.stream (pull set it current)
+            dst[d:d + n].copy_(buf, non_blocking=True)   # on self.stream (pull made it current)
             self.freed[k % 2] = torch.cuda.Event()
             self.freed[k % 2].record(self.stream)
 
