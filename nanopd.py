@@ -28,7 +28,7 @@ import bisect
 import dataclasses
 import gc
 import itertools
-import queue
+import multiprocessing.connection
 import time
 import weakref
 from collections import deque
@@ -979,19 +979,23 @@ class CentralScheduler:
         self.roles = (["collocated"] * len(devices) if policy == "collocated"
                       else ["prefill"] * num_prefill + ["decode"] * (len(devices) - num_prefill))
         ctx = torch.multiprocessing.get_context("spawn")
-        self.outbox = ctx.Queue()
+        # Reports come back on one pipe per worker: a worker killed in the middle of a
+        # write can break only its own pipe (a queue shared by all would stay locked).
+        pipes = [ctx.Pipe(duplex=False) for _ in devices]
+        self.reports = [reader for reader, _ in pipes]
         self.inboxes = [ctx.Queue() for _ in devices]
         shares = [ctx.Queue() if role == "decode" else None for role in self.roles]
         decode_shares = [q for q in shares if q is not None]
         self.procs = []
         for i, (role, device) in enumerate(zip(self.roles, devices)):
             kwargs = dataclasses.asdict(self.cfg) | {"device": device}
-            args = (i, role, kwargs, self.inboxes[i], self.outbox, decode_shares if role == "prefill" else [],
+            args = (i, role, kwargs, self.inboxes[i], pipes[i][1], decode_shares if role == "prefill" else [],
                     shares[i], self.roles.count("prefill"), transport)
             self.procs.append(ctx.Process(target=worker_main, args=args, daemon=True, name=f"nanopd-{role}-{i}"))
-        self._close = weakref.finalize(self, _stop_workers, self.procs, self.inboxes)
-        for p in self.procs:
+        self._close = weakref.finalize(self, _stop_workers, self.procs, self.inboxes, self.reports)
+        for p, (_, writer) in zip(self.procs, pipes):
             p.start()
+            writer.close()   # the worker holds the only writing end now
         self.active: dict[int, Tracked] = {}
         self.done: dict[int, Tracked] = {}
         self.dead: dict[int, str] = {}
@@ -1005,17 +1009,13 @@ class CentralScheduler:
         rooms, deadline = {}, time.monotonic() + timeout_s
         with tqdm(total=len(self.procs), desc="starting workers", leave=False) as bar:
             while len(rooms) < len(self.procs):
-                try:
-                    w, events = self.outbox.get(timeout=0.5)
-                except queue.Empty:
-                    events = []
-                    w = None
-                for event in events:
-                    if event[0] == "ready":
-                        rooms[w] = event[1] - event[2]
-                        bar.update()
-                    elif event[0] == "failed":
-                        self.errors[w] = event[1]
+                for w, events in self._receive(0.5):
+                    for event in events:
+                        if event[0] == "ready":
+                            rooms[w] = event[1] - event[2]
+                            bar.update()
+                        elif event[0] == "failed":
+                            self.errors[w] = event[1]
                 failed = [i for i, p in enumerate(self.procs) if not p.is_alive()]
                 if failed or time.monotonic() > deadline:
                     self.close()
@@ -1079,14 +1079,8 @@ class CentralScheduler:
 
     def poll(self, timeout: float = 0.05) -> list[int]:
         """Handle what the workers reported; the ids of requests that ended (submit's ids)."""
-        ended, batch = [], []
-        try:
-            batch.append(self.outbox.get(timeout=timeout))
-            while True:
-                batch.append(self.outbox.get_nowait())
-        except queue.Empty:
-            pass
-        for w, events in batch:
+        ended = []
+        for w, events in self._receive(timeout):
             if w in self.dead:
                 continue
             for event in events:
@@ -1095,6 +1089,18 @@ class CentralScheduler:
             if i not in self.dead and not p.is_alive():
                 ended += self._worker_died(i)
         return ended
+
+    def _receive(self, timeout: float) -> list[tuple[int, list[tuple]]]:
+        """Every report waiting on the live workers' pipes, waiting up to timeout for one."""
+        live = [r for i, r in enumerate(self.reports) if i not in self.dead and not r.closed]
+        got = []
+        for reader in multiprocessing.connection.wait(live, timeout):
+            try:
+                while reader.poll():
+                    got.append(reader.recv())
+            except (EOFError, OSError):   # its worker died; the liveness check handles the rest
+                reader.close()
+        return got
 
     def _on_event(self, w: int, event: tuple) -> list[int]:
         from workers import Import, Release
@@ -1195,7 +1201,7 @@ class CentralScheduler:
         return self.done[rid].output
 
 
-def _stop_workers(procs: list, inboxes: list, timeout_s: float = 10.0) -> None:
+def _stop_workers(procs: list, inboxes: list, reports: list, timeout_s: float = 10.0) -> None:
     """Ask every worker to stop, then terminate (and at last kill) the ones that do not."""
     for q in inboxes:
         try:
@@ -1216,6 +1222,8 @@ def _stop_workers(procs: list, inboxes: list, timeout_s: float = 10.0) -> None:
     for q in inboxes:
         q.cancel_join_thread()
         q.close()
+    for reader in reports:
+        reader.close()
 
 
 # ----------------------------------------------------------------------------- the offline API

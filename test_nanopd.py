@@ -1417,7 +1417,10 @@ def test_handoff_moves_the_prompt_kv_byte_for_byte(hf, transport):
     import queue
 
     from workers import Import, Release, Submit, Worker
-    out = queue.Queue()
+
+    class Reports(queue.Queue):   # what a worker's pipe to the central scheduler receives
+        send = queue.Queue.put
+    out = Reports()
     pre = Worker(0, "prefill", make_llm(hf.path).engine, queue.Queue(), out, {}, transport)
     dec_engine = make_llm(hf.path).engine
     dec = Worker(1, "decode", dec_engine, queue.Queue(), out, {0: pre.engine.runner.kv_cache}, transport)

@@ -3,7 +3,7 @@ the transports that move a request's KV blocks from a prefill worker to a decode
 
     central scheduler (nanopd.CentralScheduler)
         | Submit / Import / Release / Drop            ^ events: tokens, done, handoff, imported
-        v  (one inbox queue per worker)               |  (one outbox queue for all)
+        v  (one inbox queue per worker)               |  (one pipe per worker)
     worker 0 (prefill, cuda:0)  ==KV blocks==>  worker 1 (decode, cuda:1)
 
 Control travels as small picklable messages. Tensors cross a queue only at start-up: each
@@ -245,7 +245,7 @@ class Worker:
         if self.events or msgs:
             status = ("status", self.engine.bm.num_free_blocks, self.engine.bm.num_blocks,
                       len(self.requests) + len(self.transfers) + len(self.imports))
-            self.outbox.put((self.index, [*self.events, status]))
+            self.outbox.send((self.index, [*self.events, status]))
             self.events = []
         return True
 
@@ -382,10 +382,10 @@ def worker_main(index: int, role: str, engine_kwargs: dict, inbox, outbox, share
         if device.type == "cuda":   # let our copy engine read the peers' memory directly (P2P)
             for peer_cache in peers.values():
                 peer_cache[:1].to(device)
-        outbox.put((index, [("ready", engine.runner.num_blocks, engine.bm.watermark_blocks)]))
+        outbox.send((index, [("ready", engine.runner.num_blocks, engine.bm.watermark_blocks)]))
         Worker(index, role, engine, inbox, outbox, peers, transport).run()
     except KeyboardInterrupt:
         pass
     except BaseException:  # noqa: BLE001 (report any failure to the central scheduler, then die)
-        outbox.put((index, [("failed", traceback.format_exc())]))
+        outbox.send((index, [("failed", traceback.format_exc())]))
         raise SystemExit(1) from None
