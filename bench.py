@@ -176,7 +176,7 @@ def measure_ceilings() -> dict:
 def fake_batch(engine, batch_size: int, context: int, num_new: int):
     """batch_size sequences with `context` tokens already in the cache (random ids; the KV
     contents do not matter for timing) and num_new tokens to compute."""
-    from nanopd import Batch, Request, RequestMetrics, SamplingParams, Sequence
+    from scheduler import Batch, Request, RequestMetrics, SamplingParams, Sequence
     req = Request(-1, None, [], SamplingParams(), RequestMetrics(0.0))
     seqs = []
     for _ in range(batch_size):

@@ -27,10 +27,12 @@ import pytest
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+import engine as engine_mod
 import kernels
 import kv_cache
 import model as qwen
-import nanopd
+import runner
+import scheduler
 from kv_cache import (
     BlockManager,
     OutOfBlocks,
@@ -808,7 +810,7 @@ def torch_twins(monkeypatch):
 ENGINE = pytest.mark.usefixtures("torch_twins")
 
 
-def generate(llm: LLM, prompts, **params) -> list[nanopd.RequestOutput]:
+def generate(llm: LLM, prompts, **params) -> list[scheduler.RequestOutput]:
     return llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
 
 
@@ -816,7 +818,7 @@ def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def run_engine(engine: nanopd.Engine, requests, max_steps: int = 500) -> list[nanopd.RequestOutput]:
+def run_engine(engine: engine_mod.Engine, requests, max_steps: int = 500) -> list[scheduler.RequestOutput]:
     """Add (prompt, params) requests to the engine and step it until they all finish."""
     reqs = [engine.add_request(p, params) for p, params in requests]
     for _ in range(max_steps):
@@ -1046,7 +1048,7 @@ def test_sample_matches_reference_distribution():
 
     torch.manual_seed(0)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    drawn = nanopd.sample(logits.to(DEVICE).expand(rows, -1).contiguous(), [params] * rows, [None] * rows)
+    drawn = runner.sample(logits.to(DEVICE).expand(rows, -1).contiguous(), [params] * rows, [None] * rows)
     freq = torch.bincount(drawn.cpu(), minlength=len(logits)).double() / rows
     std_err = (expect * (1 - expect) / rows).sqrt()
     assert ((freq - expect).abs() <= 5 * std_err).all(), (freq, expect)
@@ -1064,7 +1066,7 @@ def test_seeded_sample_rows_do_not_depend_on_other_rows():
         gens = [torch.Generator(DEVICE).manual_seed(99)] + [None] * 5
         rows = torch.randn(5, 50, generator=torch.Generator().manual_seed(other)).to(DEVICE)
         batch = torch.cat([logits[None], rows])
-        draws.append([nanopd.sample(batch, params, gens)[0].item() for _ in range(10)])
+        draws.append([runner.sample(batch, params, gens)[0].item() for _ in range(10)])
     assert draws[0] == draws[1] == draws[2]
     assert len(set(draws[0])) > 1   # it did sample
 
@@ -1169,7 +1171,7 @@ def test_steps_overlap_and_a_stop_seen_late_drops_the_extra_token(hf, monkeypatc
     launched, run = [], llm.engine.runner.run
 
     def recording_run(batch, rows, prev_tokens=None):
-        launched.append((sum(s.token_ids[-1] == nanopd.PENDING for s in batch.seqs), prev_tokens is not None))
+        launched.append((sum(s.token_ids[-1] == scheduler.PENDING for s in batch.seqs), prev_tokens is not None))
         return run(batch, rows, prev_tokens)
     monkeypatch.setattr(llm.engine.runner, "run", recording_run)
     outs = generate(llm, PROMPTS, max_tokens=12, stop_token_ids=[stop])

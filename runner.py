@@ -1,0 +1,297 @@
+"""The model runner: one device's model and KV cache, turning a Batch into logits, and
+sampling on the device.
+
+ModelRunner.run builds the step's tensors (token ids, positions, slot mapping, block
+tables, lengths), uploads them in one copy, and runs the model: pure-decode steps replay
+a CUDA graph captured at start-up for a padded batch size, mixed steps run eagerly. A
+token the host has not received yet (PENDING, see engine.py) is read on the device from
+the previous step's sampled tokens.
+"""
+
+import gc
+import itertools
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+import kernels
+from kv_cache import allocate_kv_cache, blocks_for_memory, cdiv, kv_bytes_per_block
+from model import AttentionMetadata, Qwen3
+from scheduler import Batch, SamplingParams
+
+if TYPE_CHECKING:   # engine.py imports this module
+    from engine import EngineConfig
+
+# ----------------------------------------------------------------------------- model runner
+
+
+class PinnedRing:
+    """Pinned host buffers used in turn for asynchronous host <-> device copies.
+
+    Allocating pinned memory, as torch does for every pin_memory=True tensor or
+    non-blocking copy to the host, synchronizes with the device, and that would stall the
+    overlap of steps. A few reused buffers never allocate. A buffer is reused only after
+    its last copy has finished, and 32 copies later: a step makes at most four, and the
+    host reads a step's downloads within two steps."""
+
+    def __init__(self, slots: int = 32):
+        self.buffers = [torch.empty(0, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+        self.copied: list[torch.cuda.Event | None] = [None] * slots
+        self.next = 0
+
+    def _take(self, like: torch.Tensor) -> tuple[int, torch.Tensor]:
+        i, self.next = self.next, (self.next + 1) % len(self.buffers)
+        if self.copied[i] is not None:
+            self.copied[i].synchronize()
+        if self.buffers[i].numel() < like.nbytes:
+            self.buffers[i] = torch.empty(2 * like.nbytes, dtype=torch.uint8, pin_memory=True)
+        return i, self.buffers[i][:like.nbytes].view(like.dtype).view(like.shape)
+
+    def _record(self, i: int) -> None:
+        self.copied[i] = torch.cuda.Event()
+        self.copied[i].record()
+
+    def to_device(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        i, pinned = self._take(t)
+        pinned.copy_(t)
+        out = torch.empty_like(t, device=device).copy_(pinned, non_blocking=True)
+        self._record(i)
+        return out
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        i, pinned = self._take(t)
+        pinned.copy_(t, non_blocking=True)
+        self._record(i)
+        return pinned
+
+
+class ModelRunner:
+    """Owns the model and its KV cache; turns a Batch into tensors and logits."""
+
+    def __init__(self, model: Qwen3, cfg: "EngineConfig"):
+        self.model, self.cfg, self.device = model, cfg, model.device
+        if self.device.type == "cuda":   # the streams, graphs and memory queries below mean this device
+            torch.cuda.set_device(self.device)
+        self.max_blocks_per_seq = cdiv(cfg.max_model_len, cfg.block_size)
+        self.num_blocks = cfg.num_kv_blocks or self._blocks_that_fit()
+        self.kv_cache = allocate_kv_cache(self.num_blocks, model.num_layers, model.num_kv_heads,
+                                          cfg.block_size, model.head_dim, model.dtype, self.device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_sizes: list[int] = []
+        if self.device.type == "cuda":
+            self.uploads, self.downloads = PinnedRing(), PinnedRing()
+        if self.device.type == "cuda" and not cfg.enforce_eager:
+            self._capture_decode_graphs()
+
+    def upload(self, data: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """A host list as a tensor on the device, without waiting for the device (see PinnedRing)."""
+        t = torch.tensor(data, dtype=dtype)
+        return self.uploads.to_device(t, self.device) if self.device.type == "cuda" else t
+
+    def _upload(self, *lists: list[int]) -> list[torch.Tensor]:
+        """Integer lists -> int32 tensors on the device, all in one copy."""
+        return list(self.upload(list(itertools.chain.from_iterable(lists))).split([len(x) for x in lists]))
+
+    def prepare(self, batch: Batch, prev_tokens: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions [num_tokens] and the attention metadata, on the device.
+        A PENDING token id is taken, on the device, from prev_tokens (the sampled tokens of
+        the step still running), so the host never waits for it."""
+        ids, positions, slots, tables, cu, ctx, fills = [], [], [], [], [0], [], []
+        bs = self.cfg.block_size
+        for seq, n in zip(batch.seqs, batch.num_new):
+            start = seq.num_computed
+            if seq.pending_row is not None and start <= len(seq.token_ids) - 1 < start + n:
+                fills += (len(ids) + len(seq.token_ids) - 1 - start, seq.pending_row)
+            ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            tables.append(seq.block_table)
+            cu.append(cu[-1] + n)
+            ctx.append(start)
+        width = max(len(t) for t in tables)
+        flat_tables = [b for t in tables for b in itertools.chain(t, itertools.repeat(0, width - len(t)))]
+        ids, positions, slots, cu, ctx, flat_tables, fills = self._upload(
+            ids, positions, slots, cu, ctx, flat_tables, fills)
+        if len(fills):
+            dst, src = fills.view(-1, 2).unbind(1)
+            ids[dst] = prev_tokens[src].to(ids.dtype)
+        num_decodes = next((i for i, n in enumerate(batch.num_new) if n > 1), len(batch.num_new))
+        max_kv_len = max(s.num_computed + n for s, n in zip(batch.seqs, batch.num_new))
+        meta = AttentionMetadata(
+            slot_mapping=slots, block_tables=flat_tables.view(len(tables), width), cu_q_lens=cu, ctx_lens=ctx,
+            max_q_len=max(batch.num_new), num_decodes=num_decodes,
+            num_splits=kernels.choose_num_splits(num_decodes, self.model.num_kv_heads, 1, max_kv_len,
+                                                 self.device))
+        return ids, positions, meta
+
+    @torch.inference_mode()
+    def run(self, batch: Batch, sample_rows: list[int], prev_tokens: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        """Logits [len(sample_rows), vocab], in the model's dtype, of the batch sequences at
+        sample_rows. prev_tokens: the running step's sampled tokens (see prepare)."""
+        pairs, rows = self._upload([b for pair in batch.copies for b in pair], sample_rows)
+        if batch.copies:
+            kernels.copy_blocks(self.kv_cache, pairs.view(-1, 2))
+        num_seqs = len(batch.seqs)
+        graph_bs = next((b for b in self.graph_sizes if b >= num_seqs), None)
+        if graph_bs is not None and max(batch.num_new) == 1:
+            hidden = self._replay(batch, graph_bs, prev_tokens)   # one token per sequence
+        else:
+            ids, positions, meta = self.prepare(batch, prev_tokens)
+            hidden = self.model(ids, positions, self.kv_cache, meta)
+            rows = (meta.cu_q_lens[1:] - 1)[rows]   # each sequence's last new token
+        return self.model.compute_logits(hidden[rows])
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """Start copying t to the host; the result is valid once the device reaches this point."""
+        return self.downloads.to_host(t) if t.is_cuda else t
+
+    # -- CUDA graphs for decode: one per padded batch size, sharing one memory pool
+
+    def _capture_decode_graphs(self) -> None:
+        """Graphs of the model body (logits are computed afterwards, for the rows needed)
+        at batch sizes 1, 2, 4, 8, then every 16 up to 256 and every 64 beyond."""
+        max_bs = self.cfg.max_num_seqs
+        sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(320, max_bs + 64, 64))
+        sizes = [b for b in sizes if b < max_bs] + [max_bs]
+        dev, n = self.device, sizes[-1]
+        self.static = {
+            "ids": torch.zeros(n, dtype=torch.long, device=dev), "pos": torch.zeros(n, dtype=torch.long, device=dev),
+            "slots": torch.full((n,), -1, dtype=torch.int32, device=dev),
+            "tables": torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            "cu": torch.arange(n + 1, dtype=torch.int32, device=dev),
+            "ctx": torch.zeros(n, dtype=torch.int32, device=dev)}
+        st, pool = self.static, None
+        # Warm up and capture on one side stream, with the garbage collector off: a
+        # collection mid-capture can free CUDA objects (events of pinned buffers, old
+        # graphs), which invalidates the capture.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.cuda.stream(stream):
+                self._capture_graphs(sizes, st, pool, stream)
+        finally:
+            gc.enable()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph_sizes = sorted(self.graphs)
+        torch.cuda.synchronize()
+
+    def _capture_graphs(self, sizes: list[int], st: dict, pool, stream: torch.cuda.Stream) -> None:
+        dev = self.device
+        for bs in tqdm(sorted(sizes, reverse=True), desc="capturing decode CUDA graphs", leave=False):
+            meta = AttentionMetadata(
+                slot_mapping=st["slots"][:bs], block_tables=st["tables"][:bs], cu_q_lens=st["cu"][:bs + 1],
+                ctx_lens=st["ctx"][:bs], max_q_len=1, num_decodes=bs,
+                num_splits=kernels.choose_num_splits(bs, self.model.num_kv_heads, 1, self.cfg.max_model_len,
+                                                     dev))
+
+            def forward(bs=bs, meta=meta):
+                return self.model(st["ids"][:bs], st["pos"][:bs], self.kv_cache, meta)
+            forward()   # compile and warm up outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool, stream=stream, capture_error_mode="thread_local"):
+                hidden = forward()
+            pool = graph.pool()
+            self.graphs[bs] = (graph, hidden)
+
+    def _replay(self, batch: Batch, bs: int, prev_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Copy the step's inputs into the graph's static buffers (padding the batch to bs
+        sequences with no tokens and no cache writes), then replay the graph."""
+        st, n = self.static, len(batch.seqs)
+        ids, positions, meta = self.prepare(batch, prev_tokens)
+        width = meta.block_tables.shape[1]
+        st["ids"][:n].copy_(ids)
+        st["pos"][:n].copy_(positions)
+        st["slots"][:bs].fill_(-1)
+        st["slots"][:n].copy_(meta.slot_mapping)
+        st["tables"][:n, :width].copy_(meta.block_tables)
+        st["cu"][:n + 1].copy_(meta.cu_q_lens)
+        st["cu"][n + 1:bs + 1].fill_(n)
+        st["ctx"][:n].copy_(meta.ctx_lens)
+        graph, hidden = self.graphs[bs]
+        graph.replay()
+        return hidden[:n]
+
+    # -- KV cache sizing
+
+    def _blocks_that_fit(self) -> int:
+        cfg, m = self.cfg, self.model
+        per_block = kv_bytes_per_block(m.num_layers, m.num_kv_heads, cfg.block_size, m.head_dim, m.dtype)
+        if self.device.type != "cuda":   # CPU: a fixed 256 MiB, enough for tests and demos
+            return max(blocks_for_memory(1 << 28, per_block), self.max_blocks_per_seq + 1)
+        # Profile the largest step (a full token budget, and logits for every seat), then
+        # give the cache what is left of gpu_memory_utilization.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        n = cfg.max_num_batched_tokens
+        scratch = allocate_kv_cache(cdiv(n, cfg.block_size), m.num_layers, m.num_kv_heads, cfg.block_size,
+                                    m.head_dim, m.dtype, self.device)
+        with torch.inference_mode():
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            meta = AttentionMetadata(
+                slot_mapping=torch.arange(n, dtype=torch.int32, device=self.device),
+                block_tables=torch.arange(scratch.shape[0], dtype=torch.int32, device=self.device)[None],
+                cu_q_lens=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+                ctx_lens=torch.zeros(1, dtype=torch.int32, device=self.device), max_q_len=n)
+            hidden = m(ids, ids, scratch, meta)
+            rows = min(cfg.max_num_seqs, n)
+            logits = m.compute_logits(hidden[:1].expand(rows, -1))
+            sample(logits, [SamplingParams(temperature=1.0, top_p=0.9)] * rows, [None] * rows)
+        peak = torch.cuda.max_memory_allocated() - before - scratch.nbytes
+        del scratch, hidden, logits
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        budget = cfg.gpu_memory_utilization * total - (total - free) - peak
+        num = blocks_for_memory(int(budget), per_block)
+        if num < self.max_blocks_per_seq:
+            raise ValueError(f"only {num} KV blocks fit in gpu_memory_utilization="
+                             f"{cfg.gpu_memory_utilization}; one max_model_len sequence needs "
+                             f"{self.max_blocks_per_seq}")
+        return num
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           upload: Callable[[list, torch.dtype], torch.Tensor] | None = None) -> torch.Tensor:
+    """One token per row of logits [R, vocab]. Greedy rows take the argmax; the others draw
+    from softmax(logits / T) restricted by top-k and top-p, through the exponential race
+    argmax(p / E), E ~ Exp(1): seeded rows draw E from their own generator, so their tokens
+    do not depend on the other rows. upload puts host lists on the logits' device
+    (ModelRunner.upload, which never waits for the device)."""
+    upload = upload or (lambda data, dtype: torch.tensor(data, dtype=dtype, device=logits.device))
+    greedy = logits.argmax(-1)
+    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if not rows:
+        return greedy
+    top_k = [params[i].top_k if params[i].top_k > 0 else logits.shape[1] for i in rows]
+    top_p = [params[i].top_p for i in rows]
+    knobs = upload([[params[i].temperature, top_p[j], top_k[j]] for j, i in enumerate(rows)], torch.float32)
+    row_ids = upload(rows, torch.int64)
+    x = logits[row_ids].float() / knobs[:, :1]
+    if min(top_k) < x.shape[1] or min(top_p) < 1.0:
+        x = apply_top_k_top_p(x, knobs[:, 2], knobs[:, 1])
+    noise = torch.empty_like(x).exponential_()
+    for j, i in enumerate(rows):
+        if generators[i] is not None:
+            noise[j].exponential_(generator=generators[i])
+    greedy[row_ids] = (x.softmax(-1) / noise).argmax(-1)
+    return greedy
+
+
+def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf the logits outside each row's top_k, then outside the smallest set whose
+    probability reaches top_p (the most likely token always stays)."""
+    sorted_x, order = x.sort(-1, descending=True)
+    rank = torch.arange(x.shape[1], device=x.device)
+    sorted_x.masked_fill_(rank[None] >= top_k[:, None], float("-inf"))
+    probs = sorted_x.softmax(-1)
+    sorted_x.masked_fill_(probs.cumsum(-1) - probs > top_p[:, None], float("-inf"))
+    return torch.full_like(x, float("-inf")).scatter_(-1, order, sorted_x)
