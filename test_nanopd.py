@@ -8,9 +8,11 @@ Interpreter arithmetic on bf16 is wrong, so bf16 is tested on the GPU only.
 """
 
 import json
+import math
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -1557,3 +1559,108 @@ def test_bad_cluster_settings_are_a_value_error(kwargs, words):
     kwargs = {"devices": ["cpu", "cpu"], **kwargs}
     with pytest.raises(ValueError, match=words):
         LLM("tiny", device="cpu", **kwargs)
+
+
+# ============================================================================= router
+"""Router tests: the cost model reduces to DESIGN.md's rule; the output-length predictor's
+posterior converges and its interval covers what it says; the router learns correct
+parameters from synthetic timings after a wrong start, and changes paths with load."""
+
+from router import CostModel, HardwareParams, Observation, OutputLengthPredictor, Router, WorkerLoad
+
+
+def random_params(rng: random.Random) -> HardwareParams:
+    return HardwareParams(alpha=rng.uniform(0.01, 0.2), beta=rng.uniform(3, 40), batch_thresh=rng.uniform(4, 64),
+                          slope=rng.uniform(0.0, 0.5), gamma=rng.uniform(0.001, 0.2),
+                          transfer_rate=rng.uniform(0.0002, 0.05))
+
+
+def test_cost_model_reduces_to_the_design_rule():
+    """Empty queues, equal outputs, the same decode load on both workers: disaggregated is
+    cheaper exactly when gamma / transfer_rate > batch_thresh / load."""
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(2000):
+        p = random_params(rng)
+        cost, load, prompt_len, out = CostModel(p), rng.randint(1, 256), rng.randint(1, 4096), rng.randint(1, 512)
+        w = WorkerLoad(decode_batch=load)
+        col, dis = cost.collocated_ms(prompt_len, out, w), cost.disaggregated_ms(prompt_len, out, WorkerLoad(), w)
+        if abs(p.gamma / p.transfer_rate - p.batch_thresh / load) < 1e-6 * p.gamma / p.transfer_rate:
+            continue   # a tie
+        assert (dis < col) == (p.gamma / p.transfer_rate > p.batch_thresh / load)
+        checked += 1
+    assert checked > 1900
+
+
+def test_output_length_posterior_converges_and_its_interval_covers():
+    """Log-normal output lengths (a different law per prompt-length bucket): the predicted
+    mean approaches each law's mean, and 80% intervals hold about 80% of fresh draws."""
+    gen = torch.Generator().manual_seed(0)
+    laws = {100: (5.0, 0.6), 1000: (3.0, 0.4)}   # prompt length -> (mu, sigma) of log output length
+    pred = OutputLengthPredictor(coverage=0.8)
+    for _ in range(3000):
+        for prompt_len, (mu, sigma) in laws.items():
+            pred.update(prompt_len, round(math.exp(mu + sigma * torch.randn(1, generator=gen).item())))
+    for prompt_len, (mu, sigma) in laws.items():
+        p = pred.predict(prompt_len)
+        assert p.mean == pytest.approx(math.exp(mu + sigma ** 2 / 2), rel=0.05)
+        fresh = [math.exp(mu + sigma * z) for z in torch.randn(4000, generator=gen).tolist()]
+        covered = sum(p.low <= x <= p.high for x in fresh) / len(fresh)
+        assert 0.76 <= covered <= 0.84
+
+
+def synthetic_observation(truth: HardwareParams, rng: random.Random, router: Router | None = None) -> Observation:
+    """A request timed by the true parameters (1% noise), on the path the router picks (or
+    a random one)."""
+    loads = {w: WorkerLoad(rng.randint(0, 4000), rng.randint(0, 128)) for w in (0, 1)}
+    prompt_len, out = rng.randint(16, 2048), rng.randint(16, 512)
+    p, d, predicted = router.route(prompt_len, out, loads) if router else (rng.randint(0, 1), rng.randint(0, 1), None)
+    true = CostModel(truth)
+    noise = lambda: 1 + rng.gauss(0, 0.01)
+    prefill = true.prefill_ms(loads[p].queued_prefill_tokens + prompt_len) * noise()
+    if p == d:
+        transfer = 0.0
+        decode = (out * true.decode_step_ms(loads[p].decode_batch + 1)
+                  + true.interference_ms(prompt_len, loads[p].decode_batch)) * noise()
+    else:
+        transfer = truth.transfer_rate * prompt_len * noise()
+        decode = out * true.decode_step_ms(loads[d].decode_batch + 1) * noise()
+    return Observation(prompt_len, out, p, d, loads[p], loads[d], prefill, transfer, decode, predicted)
+
+
+def test_router_refits_wrong_parameters_online():
+    """Started from parameters wrong by 3x to 10x, the router's error on held-out synthetic
+    requests shrinks as it observes requests it routed itself, and its parameters approach
+    the true ones."""
+    truth = HardwareParams(alpha=0.05, beta=8.0, batch_thresh=32, slope=0.12, gamma=0.03, transfer_rate=0.004)
+    wrong = HardwareParams(alpha=0.15, beta=2.0, batch_thresh=32, slope=0.6, gamma=0.3, transfer_rate=0.04)
+    router, rng = Router(wrong), random.Random(1)
+    held_out = [synthetic_observation(truth, rng) for _ in range(300)]
+
+    def error() -> float:
+        return statistics.median(abs(router.predicted_ms(o) - (o.prefill_ms + o.transfer_ms + o.decode_ms))
+                                 / (o.prefill_ms + o.transfer_ms + o.decode_ms) for o in held_out)
+    errors = [error()]
+    for seen in range(1, 401):
+        router.observe(synthetic_observation(truth, rng, router))
+        if seen in (10, 50, 400):
+            errors.append(error())
+    assert errors[0] > 0.5 and errors[-1] < 0.02
+    assert errors == sorted(errors, reverse=True)
+    for name in ("alpha", "beta", "slope", "gamma", "transfer_rate"):
+        assert getattr(router.cost.p, name) == pytest.approx(getattr(truth, name), rel=0.1), name
+
+
+def test_router_changes_path_with_load():
+    """Idle workers: the prompt stays where it is (collocated). A worker with a big decode
+    batch: a long prompt is prefilled there but decoded on the other worker, or prefilled
+    on the idle one, rather than slowing the batch; short prompts never pay the transfer."""
+    p = HardwareParams(alpha=0.05, beta=8.0, batch_thresh=32, slope=0.12, gamma=0.03, transfer_rate=0.004)
+    router = Router(p)
+    p_, d_, _ = router.route(512, 128, {0: WorkerLoad(), 1: WorkerLoad()})
+    assert p_ == d_
+    busy = {0: WorkerLoad(decode_batch=200), 1: WorkerLoad(decode_batch=200)}
+    p_, d_, _ = router.route(2048, 128, busy)
+    assert p_ != d_   # gamma / rate = 7.5 > batch_thresh / load = 0.16
+    assert router.route(2048, 128, {0: WorkerLoad(decode_batch=1), 1: WorkerLoad(decode_batch=1)})[:2] in [(0, 0),
+                                                                                                          (1, 1)]

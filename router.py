@@ -1,0 +1,234 @@
+"""The adaptive policy's decision: per request, prefill and decode on one worker
+(collocated) or on two (disaggregated), whichever the cost model predicts is faster.
+
+  CostModel               predicted latency of a request on a path, from the hardware's
+                          fitted parameters (profiler.py) and the workers' current load
+  OutputLengthPredictor   an online Bayesian model of how many tokens a request will
+                          generate, given its prompt length
+  Router                  picks the cheapest path, then learns from what each request
+                          really cost: the predictor is updated, and the cost model's
+                          parameters are refitted by recursive least squares
+
+The rule underneath (DESIGN.md): disaggregation adds transfer_rate x L (the prompt's KV
+crossing the link); collocation adds gamma x L x load / batch_thresh (the prompt's
+prefill slowing the load decodes sharing its steps, which cost more once the batch is
+past the knee). Disaggregation wins when gamma / transfer_rate > batch_thresh / load.
+"""
+
+import math
+from dataclasses import dataclass, field
+from statistics import NormalDist
+
+import torch
+
+
+@dataclass
+class HardwareParams:
+    """What profiler.py measures; times in ms."""
+    alpha: float              # prefill, ms per prompt token
+    beta: float               # decode step at batch 1
+    batch_thresh: float       # decode batch where the step starts to grow (the knee)
+    slope: float              # step growth per sequence past the knee
+    gamma: float              # extra decode-step time per prefill token sharing the step
+    transfer_rate: float      # ms per prompt token to move its KV between workers
+    alpha2: float = 0.0       # prefill's quadratic (attention) term, ms per token^2
+
+
+@dataclass
+class WorkerLoad:
+    queued_prefill_tokens: int = 0   # prompt tokens waiting to be prefilled there
+    decode_batch: int = 0            # sequences decoding there
+    free_blocks: int = 1 << 30       # KV blocks it can still hand out
+
+
+# ----------------------------------------------------------------------------- cost model
+
+
+class CostModel:
+    """Predicted end-to-end latency (ms) of one request on a path."""
+
+    def __init__(self, params: HardwareParams):
+        self.p = params
+
+    def prefill_ms(self, tokens: float) -> float:
+        return self.p.alpha * tokens + self.p.alpha2 * tokens ** 2
+
+    def decode_step_ms(self, batch: float) -> float:
+        return self.p.beta + self.p.slope * max(0.0, batch - self.p.batch_thresh)
+
+    def interference_ms(self, prompt_len: int, load: int) -> float:
+        """What the prompt's prefill adds to the load decodes sharing its steps."""
+        return self.p.gamma * prompt_len * load / self.p.batch_thresh
+
+    def collocated_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
+        return (self.prefill_ms(w.queued_prefill_tokens + prompt_len)
+                + self.interference_ms(prompt_len, w.decode_batch)
+                + out_len * self.decode_step_ms(w.decode_batch + 1))
+
+    def disaggregated_ms(self, prompt_len: int, out_len: float, prefill: WorkerLoad, decode: WorkerLoad) -> float:
+        return (self.prefill_ms(prefill.queued_prefill_tokens + prompt_len)
+                + self.p.transfer_rate * prompt_len
+                + out_len * self.decode_step_ms(decode.decode_batch + 1))
+
+
+# ----------------------------------------------------------------------------- output lengths
+
+
+def student_t_quantile(q: float, df: float) -> float:
+    """Quantile of Student's t (Cornish-Fisher expansion around the normal's; close enough
+    for df >= 3, which a prior of 3 pseudo-observations guarantees)."""
+    z = NormalDist().inv_cdf(q)
+    return (z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3))
+
+
+@dataclass
+class NormalGamma:
+    """Conjugate posterior of a normal with unknown mean and precision (of log length)."""
+    mu: float = math.log(128)   # prior: a few hundred tokens, loosely
+    kappa: float = 1.0          # pseudo-observations behind mu
+    a: float = 1.5              # shape: 2a = 3 pseudo-observations behind the variance
+    b: float = 1.5              # rate: prior variance of log length ~ b / a = 1
+
+    def update(self, x: float) -> None:
+        mu = (self.kappa * self.mu + x) / (self.kappa + 1)
+        self.b += self.kappa * (x - self.mu) ** 2 / (2 * (self.kappa + 1))
+        self.mu, self.kappa, self.a = mu, self.kappa + 1, self.a + 0.5
+
+    def predictive(self) -> tuple[float, float, float]:
+        """The posterior predictive of a new x: Student t (location, scale, degrees of freedom)."""
+        return self.mu, math.sqrt(self.b * (self.kappa + 1) / (self.a * self.kappa)), 2 * self.a
+
+
+@dataclass
+class LengthPrediction:
+    mean: float     # expected output tokens
+    low: float      # the interval holding `coverage` of outcomes
+    high: float
+
+
+@dataclass
+class OutputLengthPredictor:
+    """Output length given prompt length: a normal-gamma posterior on log(output tokens)
+    per prompt-length bucket (powers of two), updated with every finished request.
+    A bucket with no data of its own starts from the pooled posterior of all requests."""
+    coverage: float = 0.8
+    pooled: NormalGamma = field(default_factory=NormalGamma)
+    buckets: dict[int, NormalGamma] = field(default_factory=dict)
+    counts: dict[int, int] = field(default_factory=dict)
+
+    @staticmethod
+    def bucket(prompt_len: int) -> int:
+        return max(0, prompt_len - 1).bit_length()
+
+    def update(self, prompt_len: int, output_len: int) -> None:
+        x = math.log(max(1, output_len))
+        k = self.bucket(prompt_len)
+        if k not in self.buckets:   # a new bucket starts from what all requests said so far
+            self.buckets[k] = NormalGamma(self.pooled.mu, min(self.pooled.kappa, 4.0), self.pooled.a, self.pooled.b)
+        self.buckets[k].update(x)
+        self.pooled.update(x)
+
+    def predict(self, prompt_len: int) -> LengthPrediction:
+        loc, scale, df = self.buckets.get(self.bucket(prompt_len), self.pooled).predictive()
+        t = student_t_quantile(0.5 + self.coverage / 2, df)
+        # The mean of exp(x) under a log-normal with the predictive's location and scale.
+        return LengthPrediction(math.exp(loc + scale ** 2 / 2), math.exp(loc - t * scale), math.exp(loc + t * scale))
+
+
+# ----------------------------------------------------------------------------- learning the parameters
+
+
+class RecursiveLeastSquares:
+    """y ~ theta . x, refitted after every observation (with forgetting, so it tracks drift).
+    The prior on theta is the start-up profile, with a standard deviation as large as each
+    parameter (or `floor`, for parameters profiled as 0): a few consistent observations
+    are enough to move it."""
+
+    def __init__(self, theta: list[float], floor: list[float], forget: float = 0.995):
+        self.theta = torch.tensor(theta, dtype=torch.float64)
+        self.P = torch.diag((self.theta.abs() + torch.tensor(floor, dtype=torch.float64)) ** 2)
+        self.forget = forget
+
+    def update(self, x: list[float], y: float) -> None:
+        x = torch.tensor(x, dtype=torch.float64)
+        px = self.P @ x
+        gain = px / (self.forget + x @ px)
+        self.theta = self.theta + gain * (y - x @ self.theta)
+        self.P = (self.P - torch.outer(gain, px)) / self.forget
+
+
+@dataclass
+class Observation:
+    """What one finished request cost, as the central scheduler measured it (ms)."""
+    prompt_len: int
+    output_len: int
+    prefill_worker: int
+    decode_worker: int
+    load_prefill: WorkerLoad      # the loads when it was routed
+    load_decode: WorkerLoad
+    prefill_ms: float             # queued + prefilling
+    transfer_ms: float
+    decode_ms: float
+    predicted_ms: float | None = None   # what route() predicted (with the predicted output length)
+
+
+class Router:
+    """Picks each request's path by predicted cost and refits the cost model online.
+
+    The phases are fitted separately, each linear in its parameters:
+      prefill  = alpha * (queued + L)          (minus the profiled alpha2 * (queued + L)^2)
+      transfer = transfer_rate * L                         (disaggregated only)
+      decode   = O * (beta + slope * excess) + gamma * L * load / batch_thresh   (collocated)
+    where excess = max(0, batch - batch_thresh); batch_thresh and alpha2 stay as profiled."""
+
+    def __init__(self, params: HardwareParams, predictor: OutputLengthPredictor | None = None):
+        self.cost = CostModel(params)
+        self.predictor = predictor or OutputLengthPredictor()
+        p = params
+        self.fit_prefill = RecursiveLeastSquares([p.alpha], [1e-3])
+        self.fit_transfer = RecursiveLeastSquares([p.transfer_rate], [1e-4])
+        self.fit_decode = RecursiveLeastSquares([p.beta, p.slope, p.gamma], [1e-1, 1e-3, 1e-3])
+        self.errors: list[float] = []         # |route()'s prediction - measured| / measured, per request
+        self.model_errors: list[float] = []   # the same with the true output length (the cost model alone)
+
+    def route(self, prompt_len: int, max_tokens: int, loads: dict[int, WorkerLoad],
+              needed_blocks: int = 0) -> tuple[int, int, float]:
+        """(prefill worker, decode worker, predicted ms): the same worker twice is the
+        collocated path. Decode workers without needed_blocks free are passed over while
+        another has them."""
+        out = min(max_tokens, self.predictor.predict(prompt_len).mean)
+        roomy = {w: ld for w, ld in loads.items() if ld.free_blocks >= needed_blocks} or loads
+        best = None
+        for p, lp in loads.items():
+            for d, ld in roomy.items():
+                ms = (self.cost.collocated_ms(prompt_len, out, lp) if p == d
+                      else self.cost.disaggregated_ms(prompt_len, out, lp, ld))
+                if best is None or ms < best[2]:
+                    best = (p, d, ms)
+        return best
+
+    def predicted_ms(self, o: Observation) -> float:
+        if o.prefill_worker == o.decode_worker:
+            return self.cost.collocated_ms(o.prompt_len, o.output_len, o.load_prefill)
+        return self.cost.disaggregated_ms(o.prompt_len, o.output_len, o.load_prefill, o.load_decode)
+
+    def observe(self, o: Observation) -> None:
+        """Learn from a finished request: its error is recorded against the prediction
+        made with its true output length, then the predictor and the parameters move."""
+        measured = max(o.prefill_ms + o.transfer_ms + o.decode_ms, 1e-9)
+        self.model_errors.append(abs(self.predicted_ms(o) - measured) / measured)
+        if o.predicted_ms is not None:
+            self.errors.append(abs(o.predicted_ms - measured) / measured)
+        self.predictor.update(o.prompt_len, o.output_len)
+        p = self.cost.p
+        n = o.load_prefill.queued_prefill_tokens + o.prompt_len
+        self.fit_prefill.update([n], o.prefill_ms - p.alpha2 * n * n)
+        if o.prefill_worker != o.decode_worker:
+            self.fit_transfer.update([o.prompt_len], o.transfer_ms)
+            batch, shared = o.load_decode.decode_batch + 1, 0.0
+        else:
+            batch, shared = o.load_prefill.decode_batch + 1, o.prompt_len * o.load_prefill.decode_batch / p.batch_thresh
+        self.fit_decode.update([o.output_len, o.output_len * max(0.0, batch - p.batch_thresh), shared], o.decode_ms)
+        (p.alpha,), (p.transfer_rate,) = self.fit_prefill.theta.tolist(), self.fit_transfer.theta.tolist()
+        p.beta, p.slope, p.gamma = self.fit_decode.theta.tolist()
