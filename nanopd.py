@@ -24,16 +24,18 @@ import torch
 from tqdm import tqdm
 
 from engine import Engine, EngineConfig, check_request, load_tokenizer
+from kv_cache import cdiv
 from model import load_config
+from router import HardwareParams, Observation, Router, WorkerLoad
 from scheduler import RequestMetrics, RequestOutput, SamplingParams
-from workers import TRANSPORTS, Drop, Import, Release, Submit, worker_main
+from workers import TRANSPORTS, Drop, Import, Measure, Release, Submit, worker_main
 
 __all__ = ["LLM", "CentralScheduler", "RequestMetrics", "RequestOutput", "SamplingParams"]
 
 
 # ----------------------------------------------------------------------------- many devices: the central scheduler
 
-POLICIES = ("collocated", "disaggregated")
+POLICIES = ("collocated", "disaggregated", "adaptive")
 
 
 @dataclass(eq=False)
@@ -54,6 +56,8 @@ class Tracked:
     retried: bool = False
     samples: list[int] = field(default_factory=list)  # n > 1 split into samples (disaggregated)
     parent: int | None = None
+    decode_worker: int | None = None   # adaptive: where the router sends it after prefill
+    routed: tuple | None = None        # adaptive: (prediction ms, load of prefill worker, of decode worker)
 
 
 class CentralScheduler:
@@ -62,6 +66,9 @@ class CentralScheduler:
       collocated     every device runs a whole engine; a request goes to the least loaded
       disaggregated  num_prefill devices prefill, the others decode; a prefilled request's
                      KV moves to the decode worker with the fewest requests
+      adaptive       every device can do both; per request the Router (router.py) picks
+                     the prefill and the decode worker by predicted cost (the same one:
+                     collocated), and learns from what each request really cost
 
     A worker that dies: the requests it held (prefilling, decoding, or with KV parked on
     it for a transfer) start again from their prompt on live workers, once; if no live
@@ -70,7 +77,8 @@ class CentralScheduler:
     when the object is collected) stops every worker process."""
 
     def __init__(self, model: str, policy: str, devices: list[str], num_prefill: int = 1,
-                 transport: str = "p2p", startup_timeout_s: float = 600.0, **engine_kwargs):
+                 transport: str = "p2p", profile: "HardwareParams | bool | None" = None,
+                 startup_timeout_s: float = 600.0, **engine_kwargs):
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
         if transport not in TRANSPORTS:
@@ -85,22 +93,25 @@ class CentralScheduler:
         config = load_config(model)
         self.cfg.max_model_len = min(self.cfg.max_model_len, config.max_position_embeddings)
         self.vocab_size, self.tokenizer = config.vocab_size, load_tokenizer(model)
-        self.policy, self.devices = policy, list(devices)
-        self.roles = (["collocated"] * len(devices) if policy == "collocated"
-                      else ["prefill"] * num_prefill + ["decode"] * (len(devices) - num_prefill))
+        self.policy, self.devices, self.transport = policy, list(devices), transport
+        self.roles = (["prefill"] * num_prefill + ["decode"] * (len(devices) - num_prefill)
+                      if policy == "disaggregated" else ["collocated"] * len(devices))
         ctx = torch.multiprocessing.get_context("spawn")
         # Reports come back on one pipe per worker: a worker killed in the middle of a
         # write can break only its own pipe (a queue shared by all would stay locked).
         pipes = [ctx.Pipe(duplex=False) for _ in devices]
         self.reports = [reader for reader, _ in pipes]
         self.inboxes = [ctx.Queue() for _ in devices]
-        shares = [ctx.Queue() if role == "decode" else None for role in self.roles]
-        decode_shares = [q for q in shares if q is not None]
+        # Whose KV cache each worker reads: decode workers every prefill worker's; under
+        # adaptive, every worker every other's.
+        sources = [[j for j in range(len(devices)) if j != i and (policy == "adaptive" or
+                    (self.roles[i], self.roles[j]) == ("decode", "prefill"))] for i in range(len(devices))]
+        shares = [ctx.Queue() if sources[i] else None for i in range(len(devices))]
         self.procs = []
         for i, (role, device) in enumerate(zip(self.roles, devices)):
             kwargs = dataclasses.asdict(self.cfg) | {"device": device}
-            args = (i, role, kwargs, self.inboxes[i], pipes[i][1], decode_shares if role == "prefill" else [],
-                    shares[i], self.roles.count("prefill"), transport)
+            readers = [shares[j] for j in range(len(devices)) if i in sources[j]]
+            args = (i, role, kwargs, self.inboxes[i], pipes[i][1], readers, shares[i], len(sources[i]), transport)
             self.procs.append(ctx.Process(target=worker_main, args=args, daemon=True, name=f"nanopd-{role}-{i}"))
         self._close = weakref.finalize(self, _stop_workers, self.procs, self.inboxes, self.reports)
         for p, (_, writer) in zip(self.procs, pipes):
@@ -111,8 +122,14 @@ class CentralScheduler:
         self.dead: dict[int, str] = {}
         self.errors: dict[int, str] = {}
         self.status: dict[int, tuple[int, int, int]] = {}   # worker -> its last (free blocks, blocks, requests)
+        self.measured: dict[int, dict] = {}
         self._rids = itertools.count()
         self.room = self._wait_ready(startup_timeout_s)
+        self.router = None
+        if policy == "adaptive" and profile is not False:
+            from profiler import profile_cluster
+            self.profile = profile if isinstance(profile, HardwareParams) else profile_cluster(self).params
+            self.router = Router(dataclasses.replace(self.profile))
 
     def _wait_ready(self, timeout_s: float) -> int:
         """Block until every worker reports ready; the smallest cache's room in blocks."""
@@ -122,7 +139,7 @@ class CentralScheduler:
                 for w, events in self._receive(0.5):
                     for event in events:
                         if event[0] == "ready":
-                            rooms[w] = event[1] - event[2]
+                            rooms[w], self.kv_bytes_per_token = event[1] - event[2], event[3]
                             bar.update()
                         elif event[0] == "failed":
                             self.errors[w] = event[1]
@@ -147,7 +164,7 @@ class CentralScheduler:
         t = Tracked(next(self._rids), prompt if isinstance(prompt, str) else None, ids, params, beam_width,
                     length_penalty, metrics=RequestMetrics(time.perf_counter()))
         self.active[t.rid] = t
-        if self.policy == "disaggregated" and params.n > 1 and not beam_width:
+        if self.policy != "collocated" and params.n > 1 and not beam_width:
             # Samples travel separately; sample j draws from seed + j, as a child does in one engine.
             for j in range(params.n):
                 seed = None if params.seed is None else params.seed + j
@@ -173,16 +190,32 @@ class CentralScheduler:
         return load
 
     def _dispatch(self, t: Tracked) -> None:
-        # Beam search runs whole on one worker (its beams fork and die every step).
-        whole = self.policy == "collocated" or t.beam_width > 0
-        live = self._live("collocated" if self.policy == "collocated" else "prefill")
+        live = self._live("collocated" if self.policy != "disaggregated" else "prefill")
         if not live or (self.policy == "disaggregated" and not self._live("decode")):
             return self._fail(t, RuntimeError(f"no live worker can serve it (dead: {self._dead_summary()})"))
-        w = min(live, key=self._load)
+        if self.router is not None and not t.beam_width:
+            loads = {w: self.worker_load(w) for w in live}
+            blocks = cdiv(len(t.prompt_ids) + t.params.max_tokens, self.cfg.block_size)
+            w, t.decode_worker, predicted = self.router.route(len(t.prompt_ids), t.params.max_tokens, loads, blocks)
+            t.routed = (predicted, loads[w], loads[t.decode_worker])
+        else:
+            w = min(live, key=self._load)
+            # Beam search runs whole on one worker (its beams fork and die every step).
+            t.decode_worker = w if self.policy != "disaggregated" or t.beam_width else None
         t.worker = t.prefill_worker = w
         t.phase = "prefill"
-        self.inboxes[w].put(Submit(t.rid, t.prompt_ids, t.params, prefill_only=not whole,
+        self.inboxes[w].put(Submit(t.rid, t.prompt_ids, t.params, prefill_only=t.decode_worker != w,
                                    beam_width=t.beam_width, length_penalty=t.length_penalty))
+
+    def worker_load(self, w: int) -> WorkerLoad:
+        """What the router weighs: prompt tokens waiting for prefill, sequences decoding, free blocks."""
+        load = WorkerLoad(free_blocks=self.status[w][0] if w in self.status else self.room)
+        for t in self.active.values():
+            if t.worker == w and t.phase == "prefill" and not t.tokens:
+                load.queued_prefill_tokens += len(t.prompt_ids)
+            elif t.worker == w and t.phase != "done":
+                load.decode_batch += 1
+        return load
 
     # -- events from the workers
 
@@ -219,6 +252,9 @@ class CentralScheduler:
         if kind == "status":   # (free KV blocks, all KV blocks, requests held)
             self.status[w] = event[1:]
             return []
+        if kind == "measured":
+            self.measured[w] = event[1]
+            return []
         if kind == "tokens":
             for rid, ids in event[1].items():
                 t = self.active.get(rid)
@@ -233,11 +269,11 @@ class CentralScheduler:
             (_, rid, blocks, token_ids, num_prompt, logprobs, cum_lp, gen_state, scheduled, first) = event
             t.metrics.first_scheduled_time, t.metrics.first_token_time = scheduled, first
             t.tokens = token_ids[num_prompt:]
-            decoders = self._live("decode")
+            decoders = [d for d in self._live("decode" if self.policy == "disaggregated" else "collocated") if d != w]
             if not decoders:
                 self.inboxes[w].put(Release(rid))
                 return self._fail(t, RuntimeError(f"no live decode worker (dead: {self._dead_summary()})"))
-            d = min(decoders, key=self._load)
+            d = t.decode_worker if t.decode_worker in decoders else min(decoders, key=self._load)
             t.worker, t.phase = d, "transfer"
             self.inboxes[d].put(Import(rid, w, blocks, token_ids, num_prompt, t.params, logprobs, cum_lp, gen_state))
         elif kind == "imported":
@@ -252,10 +288,45 @@ class CentralScheduler:
             m.finish_time, m.num_cached_tokens = theirs.finish_time, theirs.num_cached_tokens
             m.path = (t.prefill_worker,) + ((w,) if w != t.prefill_worker else ())
             t.output = dataclasses.replace(output, request_id=t.rid, prompt=t.prompt, metrics=m)
+            if self.router is not None and t.routed is not None:
+                self._teach_router(t, w)
             return self._end(t)
         elif kind == "expired" and t.phase == "transfer":
             return self._fail(t, RuntimeError(f"its KV was never pulled from worker {w}"))
         return []
+
+    def _teach_router(self, t: Tracked, w: int) -> None:
+        """Feed the router what this request's path really cost."""
+        phases, (predicted, load_p, load_d) = t.metrics.phases(), t.routed
+        self.router.observe(Observation(
+            len(t.prompt_ids), len(t.output.outputs[0].token_ids), t.prefill_worker, w, load_p, load_d,
+            (phases["queued"] + phases["prefill"]) * 1e3, phases["transfer"] * 1e3, phases["decode"] * 1e3,
+            predicted))
+
+    # -- for the profiler
+
+    def measure(self, w: int, spec: dict, timeout_s: float = 600.0) -> dict:
+        """Run profiler.measure_engine(**spec) on idle worker w; its timings."""
+        self.measured.pop(w, None)
+        self.inboxes[w].put(Measure(spec))
+        deadline = time.monotonic() + timeout_s
+        while w not in self.measured:
+            self.poll(0.05)
+            if w in self.dead or time.monotonic() > deadline:
+                raise RuntimeError(f"worker {w} did not finish measuring: {self.dead.get(w, 'timed out')}")
+        return self.measured.pop(w)
+
+    def run_on_path(self, prompt_ids: list[int], path: tuple[int, int], max_tokens: int = 2) -> RequestMetrics:
+        """Serve one request on a given (prefill worker, decode worker); its metrics."""
+        t = Tracked(next(self._rids), None, prompt_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                    metrics=RequestMetrics(time.perf_counter()), decode_worker=path[1])
+        self.active[t.rid] = t
+        t.worker = t.prefill_worker = path[0]
+        t.phase = "prefill"
+        self.inboxes[path[0]].put(Submit(t.rid, prompt_ids, t.params, prefill_only=path[0] != path[1]))
+        while t.rid not in self.done:
+            self.poll(0.05)
+        return self.done[t.rid].output.metrics
 
     def _end(self, t: Tracked) -> list[int]:
         """Retire t; the ids of top-level requests that are now complete."""
@@ -344,14 +415,15 @@ class LLM:
     devices (a CentralScheduler); close() stops them (so does exiting, or `with LLM(...)`)."""
 
     def __init__(self, model: str = "tiny", policy: str | None = None, devices: list[str] | None = None,
-                 num_prefill: int = 1, transport: str = "p2p", **kwargs):
+                 num_prefill: int = 1, transport: str = "p2p", profile: "HardwareParams | bool | None" = None,
+                 **kwargs):
         self.engine = self.cluster = None
         if policy is None:
             self.engine = Engine(EngineConfig(model=model, **kwargs))
         else:
             if devices is None:   # every GPU, or two CPU workers
                 devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu", "cpu"]
-            self.cluster = CentralScheduler(model, policy, devices, num_prefill, transport, **kwargs)
+            self.cluster = CentralScheduler(model, policy, devices, num_prefill, transport, profile, **kwargs)
 
     def close(self) -> None:
         if self.cluster is not None:

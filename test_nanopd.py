@@ -7,6 +7,7 @@ below, before kernels.py decorates anything), so CI tests the kernels themselves
 Interpreter arithmetic on bf16 is wrong, so bf16 is tested on the GPU only.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -1664,3 +1665,76 @@ def test_router_changes_path_with_load():
     assert p_ != d_   # gamma / rate = 7.5 > batch_thresh / load = 0.16
     assert router.route(2048, 128, {0: WorkerLoad(decode_batch=1), 1: WorkerLoad(decode_batch=1)})[:2] in [(0, 0),
                                                                                                           (1, 1)]
+
+
+# ----------------------------------------------------------------------------- the adaptive policy and the profiler
+
+import profiler
+
+
+def test_profiler_fits_recover_known_parameters():
+    """The fits recover alpha (and a quadratic term only when the data has one), the knee
+    and slope of a flat-then-linear step time, and gamma, from noisy synthetic timings."""
+    rng = random.Random(2)
+    noisy = lambda x: x * (1 + rng.gauss(0, 0.005))
+    lengths = [256, 512, 1024, 2048, 4096, 8192]
+    a, a2, _ = profiler.fit_prefill(lengths, [noisy(0.02 * n) for n in lengths])
+    assert a == pytest.approx(0.02, rel=0.02) and a2 == 0
+    a, a2, _ = profiler.fit_prefill(lengths, [noisy(0.02 * n + 4e-6 * n * n) for n in lengths])
+    assert a == pytest.approx(0.02, rel=0.1) and a2 == pytest.approx(4e-6, rel=0.1)
+    batches = [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256]
+    beta, knee, slope, _ = profiler.fit_knee(batches, [noisy(5.0 + 0.08 * max(0, b - 64)) for b in batches])
+    assert (beta, knee, slope) == (pytest.approx(5.0, rel=0.02), 64, pytest.approx(0.08, rel=0.05))
+    gamma, _ = profiler.fit_gamma([256, 512, 1024], [noisy(0.03 * c) for c in [256, 512, 1024]])
+    assert gamma == pytest.approx(0.03, rel=0.02)
+
+
+@pytest.mark.usefixtures("worker_env")
+def test_profiler_cli_measures_the_workers_and_caches(tmp_path):
+    """`python profiler.py` on two CPU workers prints every parameter with its fit error and
+    caches the profile: the second start reads it instead of measuring."""
+    env = {**os.environ, "HOME": str(tmp_path), "TRITON_INTERPRET": "0"}
+    runs = [subprocess.run([sys.executable, "profiler.py", "--model", "tiny", "--devices", "cpu", "cpu"], cwd=HERE,
+                           env=env, capture_output=True, timeout=300, check=False) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr.decode()
+        out = run.stdout.decode()
+        assert all(f"| {name} |" in out for name in ("alpha", "beta", "batch_thresh", "gamma", "bandwidth"))
+    assert len(list((tmp_path / ".cache" / "nanopd").glob("profile-*.json"))) == 1
+    assert runs[0].stdout == runs[1].stdout   # the same profile, read back
+
+
+ROUTER_TEST_PARAMS = {
+    # Idle workers: collocated. Any decode batch makes a prompt's interference cost more
+    # than its transfer (gamma / transfer_rate = 100 > batch_thresh / load from load 1).
+    "disaggregates under load": HardwareParams(alpha=0.02, beta=1.0, batch_thresh=2, slope=0.1, gamma=0.5,
+                                               transfer_rate=0.005),
+}
+
+
+@pytest.mark.usefixtures("worker_env")
+def test_adaptive_gives_hf_tokens_on_both_paths_and_learns(hf):
+    """Adaptive on two workers: HF's greedy tokens; with a cost model where load makes
+    disaggregation pay, requests sent to idle workers stay collocated and those sent while
+    others decode cross workers; every finished request updates the output-length
+    predictor and refits the router."""
+    params = dataclasses.replace(ROUTER_TEST_PARAMS["disaggregates under load"])
+    with make_cluster(hf, "adaptive", 2, profile=params) as llm:
+        cluster, router = llm.cluster, llm.cluster.router
+        first = [cluster.submit(p, SamplingParams(max_tokens=60)) for p in MIXED_PROMPTS[:2]]
+        deadline = time.monotonic() + 60
+        while not all(cluster.active[r].tokens for r in first):
+            assert time.monotonic() < deadline
+            cluster.poll(0.01)
+        later = [cluster.submit(p, SamplingParams(max_tokens=10)) for p in MIXED_PROMPTS[2:]]
+        ended = set()
+        while len(ended) < len(first + later):
+            assert time.monotonic() < deadline + 60
+            ended |= set(cluster.poll(0.05))
+        outs = [cluster.output(r) for r in first + later]
+        assert tokens(outs) == [hf.greedy(p, 60) for p in MIXED_PROMPTS[:2]] + [hf.greedy(p, 10)
+                                                                                for p in MIXED_PROMPTS[2:]]
+        assert all(len(o.metrics.path) == 1 for o in outs[:2]) and all(len(o.metrics.path) == 2 for o in outs[2:])
+        assert len(router.errors) == len(MIXED_PROMPTS) == router.predictor.pooled.kappa - 1
+        assert router.cost.p != params
+        assert workers_all_free(llm)

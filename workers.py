@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.multiprocessing as mp
 
+import profiler
+from engine import Engine, EngineConfig
 from kv_cache import cdiv
 
 HANDOFF_TIMEOUT_S = 120.0   # parked blocks are freed after this long without a Release
@@ -61,6 +63,11 @@ class Import:
     logprobs: list = field(default_factory=list)
     cumulative_logprob: float = 0.0
     generator_state: bytes | None = None
+
+
+@dataclass
+class Measure:
+    spec: dict                          # profiler.measure_engine's arguments; the worker must be idle
 
 
 @dataclass
@@ -271,6 +278,8 @@ class Worker:
             self._release(msg.rid)
         elif isinstance(msg, Drop):
             self._drop(msg.rid)
+        elif isinstance(msg, Measure):
+            self.events.append(("measured", profiler.measure_engine(self.engine, **msg.spec)))
 
     # -- prefill side
 
@@ -358,11 +367,12 @@ class Worker:
             self.events.append(("tokens", new, time.perf_counter()))
 
 
-def worker_main(index: int, role: str, engine_kwargs: dict, inbox, outbox, share_queues: list,
-                my_share_queue, num_prefill_peers: int, transport: str) -> None:
-    """Entry point of a worker process (spawned by nanopd.CentralScheduler)."""
+def worker_main(index: int, role: str, engine_kwargs: dict, inbox, outbox, readers: list,
+                my_share_queue, num_sources: int, transport: str) -> None:
+    """Entry point of a worker process (spawned by nanopd.CentralScheduler). readers: the
+    queues of the workers that will pull from this one's cache; num_sources: how many
+    caches this one will pull from, arriving on my_share_queue."""
     try:
-        from nanopd import Engine, EngineConfig  # here, not at the top: nanopd imports this module
         device = torch.device(engine_kwargs["device"])
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -370,19 +380,20 @@ def worker_main(index: int, role: str, engine_kwargs: dict, inbox, outbox, share
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // 4))   # several workers share the cores
         engine = Engine(EngineConfig(**engine_kwargs))
         cache = engine.runner.kv_cache
-        if role == "prefill":   # hand the cache to every decode worker, once
+        if readers:   # hand the cache, once, to every worker that will pull from it
             if not cache.is_cuda:
                 cache.share_memory_()
-            for q in share_queues:
+            for q in readers:
                 q.put((index, cache))
         peers = {}
-        for _ in range(num_prefill_peers if role == "decode" else 0):
+        for _ in range(num_sources):
             src, peer_cache = my_share_queue.get(timeout=600)
             peers[src] = peer_cache
         if device.type == "cuda":   # let our copy engine read the peers' memory directly (P2P)
             for peer_cache in peers.values():
                 peer_cache[:1].to(device)
-        outbox.send((index, [("ready", engine.runner.num_blocks, engine.bm.watermark_blocks)]))
+        outbox.send((index, [("ready", engine.runner.num_blocks, engine.bm.watermark_blocks,
+                              cache[0].nbytes // engine.cfg.block_size)]))
         Worker(index, role, engine, inbox, outbox, peers, transport).run()
     except KeyboardInterrupt:
         pass

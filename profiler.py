@@ -1,0 +1,227 @@
+"""Measures the hardware for the router (router.py), on the workers that will serve.
+
+  alpha         prefill ms per token: prefills of several lengths, least squares, with a
+                quadratic (attention) term when it fits clearly better
+  beta          a decode step at batch 1
+  batch_thresh  the knee of decode step time vs batch: flat, then linear (and its slope)
+  gamma         extra decode-step time per prefill token sharing the step:
+                (t(decode batch + chunk) - t(decode batch alone)) / chunk tokens
+  bandwidth     real handoffs of real requests between the workers: the transport's copy
+                rate, and the handoff's added latency per prompt token (transfer_rate)
+
+    python profiler.py --model qwen3-8b --devices cuda:0 cuda:1
+
+Named profiler.py, not profile.py: that would shadow the standard library's `profile`, and
+then cProfile and torch.compile break. Results are cached as JSON (~/.cache/nanopd), keyed
+by device, model and engine settings, so a second start is instant.
+"""
+
+import argparse
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from router import HardwareParams
+from scheduler import Batch, Request, RequestMetrics, SamplingParams, Sequence
+
+CACHE = Path.home() / ".cache" / "nanopd"
+
+
+@dataclass
+class Profile:
+    params: HardwareParams
+    bandwidth_GBps: float
+    errors: dict[str, float] = field(default_factory=dict)   # each fit's relative RMS error
+    key: dict = field(default_factory=dict)                   # what it was measured on
+    seconds: float = 0.0                                      # how long measuring took
+
+
+# ----------------------------------------------------------------------------- fits
+
+
+def relative_rms(pred: list[float], ys: list[float]) -> float:
+    return (sum(((p - y) / y) ** 2 for p, y in zip(pred, ys)) / len(ys)) ** 0.5
+
+
+def least_squares(columns: list[list[float]], ys: list[float]) -> list[float]:
+    a = torch.tensor(columns, dtype=torch.float64).T
+    return torch.linalg.lstsq(a, torch.tensor(ys, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
+
+
+def fit_prefill(lengths: list[int], ms: list[float]) -> tuple[float, float, float]:
+    """(alpha, alpha2, error) for ms = alpha * L (+ alpha2 * L^2 when that halves the error)."""
+    (alpha,) = least_squares([lengths], ms)
+    err = relative_rms([alpha * n for n in lengths], ms)
+    a1, a2 = least_squares([lengths, [n * n for n in lengths]], ms)
+    err2 = relative_rms([a1 * n + a2 * n * n for n in lengths], ms)
+    return (a1, a2, err2) if a2 > 0 and err2 < err / 2 else (alpha, 0.0, err)
+
+
+def fit_knee(batches: list[int], ms: list[float]) -> tuple[float, float, float, float]:
+    """(beta, batch_thresh, slope, error) for ms = beta + slope * max(0, batch - knee), the
+    knee searched over the measured batch sizes (flat, then linear)."""
+    best = None
+    for knee in batches:
+        excess = [max(0, b - knee) for b in batches]
+        beta, slope = least_squares([[1.0] * len(batches), excess], ms)
+        slope = max(slope, 0.0)
+        err = relative_rms([beta + slope * e for e in excess], ms)
+        if best is None or err < best[3] - 1e-9:
+            best = (beta, float(knee), slope, err)
+    return best
+
+
+def fit_gamma(chunks: list[int], extra_ms: list[float]) -> tuple[float, float]:
+    """(gamma, error): extra step time = gamma * chunk tokens."""
+    (gamma,) = least_squares([chunks], extra_ms)
+    return gamma, relative_rms([gamma * c for c in chunks], [max(e, 1e-9) for e in extra_ms])
+
+
+# ----------------------------------------------------------------------------- measuring an engine
+
+
+def fake_batch(engine, batch_size: int, context: int, num_new: int) -> Batch:
+    """batch_size sequences with `context` tokens already in the cache (random ids; the KV
+    contents do not matter for timing) and num_new tokens to compute."""
+    req = Request(-1, None, [], SamplingParams(), RequestMetrics(0.0))
+    seqs = []
+    for _ in range(batch_size):
+        ids = torch.randint(0, engine.model.config.vocab_size, (context + num_new,)).tolist()
+        seq = Sequence(req, 0, ids, len(ids))
+        seq.block_table, _ = engine.bm.allocate(ids)
+        seq.num_computed = context
+        seqs.append(seq)
+    return Batch(seqs, [num_new] * batch_size)
+
+
+def free_batch(engine, batch: Batch) -> None:
+    for seq in batch.seqs:
+        engine.bm.free(seq.block_table)
+
+
+def time_step_ms(engine, batch: Batch, reps: int = 10) -> float:
+    """Median wall time of one model step (ModelRunner.run: inputs, graph replay or eager
+    forward, logits), synchronised."""
+    sync = torch.cuda.synchronize if engine.model.device.type == "cuda" else (lambda: None)
+    rows, times = list(range(len(batch.seqs))), []
+    for i in range(reps + 2):
+        sync()
+        t = time.perf_counter()
+        engine.runner.run(batch, rows)
+        sync()
+        if i >= 2:
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def measure_engine(engine, lengths: list[int], batches: list[int], chunks: list[int], context: int,
+                   gamma_batch: int, reps: int = 5) -> dict:
+    """Raw timings on an idle engine: prefill per length, decode step per batch size, and a
+    decode batch of gamma_batch alone and with each chunk of prefill."""
+    def timed(make) -> float:
+        batch = make()
+        try:
+            return time_step_ms(engine, batch, reps)
+        finally:
+            free_batch(engine, batch)
+    prefill = [timed(lambda n=n: fake_batch(engine, 1, 0, n)) for n in lengths]
+    decode = [timed(lambda b=b: fake_batch(engine, b, context, 1)) for b in batches]
+    alone = timed(lambda: fake_batch(engine, gamma_batch, context, 1))
+    mixed = []
+    for c in chunks:
+        def with_chunk(c=c) -> Batch:
+            dec, chunk = fake_batch(engine, gamma_batch, context, 1), fake_batch(engine, 1, 0, c)
+            return Batch(dec.seqs + chunk.seqs, dec.num_new + chunk.num_new)
+        mixed.append(timed(with_chunk))
+    return {"lengths": lengths, "prefill_ms": prefill, "batches": batches, "decode_ms": decode,
+            "chunks": chunks, "extra_ms": [m - alone for m in mixed]}
+
+
+def fit(timings: dict, handoffs: list[tuple[int, int, float, float]], kv_bytes_per_token: int) -> Profile:
+    """The parameters from measure_engine's timings and real handoffs (prompt tokens, bytes
+    moved, copy seconds, handoff ms)."""
+    alpha, alpha2, e_prefill = fit_prefill(timings["lengths"], timings["prefill_ms"])
+    beta, knee, slope, e_decode = fit_knee(timings["batches"], timings["decode_ms"])
+    gamma, e_gamma = fit_gamma(timings["chunks"], timings["extra_ms"])
+    if handoffs:
+        bandwidth = statistics.median(b / s / 1e9 for _, b, s, _ in handoffs)
+        rate = statistics.median(ms / n for n, _, _, ms in handoffs)
+    else:   # one device: no handoffs; the rate only matters where there are two
+        bandwidth, rate = float("nan"), float("inf")
+    params = HardwareParams(alpha=alpha, alpha2=alpha2, beta=beta, batch_thresh=max(knee, 1.0), slope=slope,
+                            gamma=max(gamma, 0.0), transfer_rate=rate)
+    return Profile(params, bandwidth, {"prefill": e_prefill, "decode": e_decode, "gamma": e_gamma})
+
+
+# ----------------------------------------------------------------------------- on the live workers
+
+
+GPU_SPEC = {"lengths": [256, 512, 1024, 2048, 4096], "batches": [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256],
+            "chunks": [256, 512, 1024, 2048], "context": 512, "gamma_batch": 32}
+CPU_SPEC = {"lengths": [8, 16, 32, 64], "batches": [1, 2, 4, 8, 16], "chunks": [8, 16, 32], "context": 16,
+            "gamma_batch": 4, "reps": 2}
+
+
+def cache_key(cluster) -> dict:
+    cfg = cluster.cfg
+    name = torch.cuda.get_device_name(cluster.devices[0]) if cluster.devices[0].startswith("cuda") else "cpu"
+    return {"device": name, "devices": len(cluster.devices), "model": cfg.model, "dtype": str(cfg.dtype),
+            "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens, "transport": cluster.transport}
+
+
+def profile_cluster(cluster, use_cache: bool = True) -> Profile:
+    """Measure (or load from the cache) the parameters on a running CentralScheduler: the
+    engine timings on worker 0, and real handoffs from worker 0 to worker 1."""
+    key = cache_key(cluster)
+    path = CACHE / f"profile-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    if use_cache and path.is_file():
+        data = json.loads(path.read_text())
+        return Profile(HardwareParams(**data["params"]), data["bandwidth_GBps"], data["errors"], key, data["seconds"])
+    start = time.perf_counter()
+    spec = GPU_SPEC if cluster.devices[0].startswith("cuda") else CPU_SPEC
+    timings = cluster.measure(0, spec)
+    handoffs = []
+    if len(cluster.devices) > 1:
+        for n in (512, 2048, 512, 2048) if spec is GPU_SPEC else (16, 64, 16, 64):
+            m = cluster.run_on_path(list(range(1, n + 1)), (0, 1))
+            handoffs.append((n, m.kv_bytes_moved, m.kv_copy_time, m.phases()["transfer"] * 1e3))
+    profile = fit(timings, handoffs[2:] or handoffs, cluster.kv_bytes_per_token)
+    profile.key, profile.seconds = key, time.perf_counter() - start
+    CACHE.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(profile), indent=1))
+    return profile
+
+
+def print_profile(profile: Profile) -> None:
+    p = profile.params
+    rows = [("alpha", f"{p.alpha:.5f} ms/token" + (f" + {p.alpha2:.3g} ms/token^2" if p.alpha2 else ""),
+             profile.errors.get("prefill")),
+            ("beta", f"{p.beta:.3f} ms", profile.errors.get("decode")),
+            ("batch_thresh", f"{p.batch_thresh:.0f} sequences (then +{p.slope:.4f} ms per sequence)", None),
+            ("gamma", f"{p.gamma:.5f} ms/token", profile.errors.get("gamma")),
+            ("bandwidth", f"{profile.bandwidth_GBps:.1f} GB/s (handoff {p.transfer_rate:.5f} ms/token)", None)]
+    print("| parameter | value | fit error (relative RMS) |\n| --- | --- | --- |")
+    for name, value, err in rows:
+        print(f"| {name} | {value} | {'' if err is None else f'{err:.1%}'} |")
+    print(f"measured on {profile.key} in {profile.seconds:.1f} s")
+
+
+def main() -> None:
+    from nanopd import LLM
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen3-8b" if torch.cuda.is_available() else "tiny")
+    p.add_argument("--devices", nargs="+", default=None, help="default: every GPU, or two CPU workers")
+    p.add_argument("--no-cache", action="store_true", help="measure again even if a cached profile exists")
+    args = p.parse_args()
+    with LLM(args.model, policy="adaptive", devices=args.devices, profile=False) as llm:
+        print_profile(profile_cluster(llm.cluster, use_cache=not args.no_cache))
+
+
+if __name__ == "__main__":
+    main()
