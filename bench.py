@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import triton.testing
 
 import kernels
+from profiler import fake_batch, time_step_ms
 
 
 def time_ms(fn, graph: bool = False) -> float:
@@ -173,36 +174,6 @@ def measure_ceilings() -> dict:
     return {"hbm_copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": max(rates), "bf16_matmul_TFLOPs_by_std": rates}
 
 
-def fake_batch(engine, batch_size: int, context: int, num_new: int):
-    """batch_size sequences with `context` tokens already in the cache (random ids; the KV
-    contents do not matter for timing) and num_new tokens to compute."""
-    from scheduler import Batch, Request, RequestMetrics, SamplingParams, Sequence
-    req = Request(-1, None, [], SamplingParams(), RequestMetrics(0.0))
-    seqs = []
-    for _ in range(batch_size):
-        ids = torch.randint(0, engine.model.config.vocab_size, (context + num_new,)).tolist()
-        seq = Sequence(req, 0, ids, len(ids))
-        seq.block_table, _ = engine.bm.allocate(ids)
-        seq.num_computed = context
-        seqs.append(seq)
-    return Batch(seqs, [num_new] * batch_size)
-
-
-def time_step_ms(engine, batch, reps: int = 30) -> float:
-    """Median wall time of ModelRunner.run (host-side batch preparation, graph replay or
-    eager forward, logits), synchronized."""
-    rows = list(range(len(batch.seqs)))
-    times = []
-    for i in range(reps + 3):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        engine.runner.run(batch, rows)
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
 def run_engine(out: str | None, model: str = "qwen3-8b") -> dict:
     from nanopd import LLM, SamplingParams
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -240,7 +211,7 @@ def run_engine(out: str | None, model: str = "qwen3-8b") -> dict:
         def step(b=b, ctx=ctx):
             batch = fake_batch(eng, b, ctx, 1)
             try:
-                full = time_step_ms(eng, batch)   # also leaves this batch in the graph's inputs
+                full = time_step_ms(eng, batch, reps=30)   # also leaves this batch in the graph's inputs
                 graph = eng.runner.graphs[next(s for s in eng.runner.graph_sizes if s >= b)][0]
                 return full, triton.testing.do_bench(graph.replay, warmup=20, rep=200, return_mode="median")
             finally:
