@@ -1,409 +1,274 @@
-"""nanoPD's benchmarks: the evidence behind every number in the README.
+"""nanoPD's serving benchmark: the three policies on the same devices, under the same
+generated workload, compared by latency, throughput and goodput.
 
-  python bench.py kernels   paged attention, the q/k-norm + RoPE + KV-store kernel and
-                            the block gather on the GPU, each beside a reference
-                            measured in the same run (SDPA on a contiguous cache, a
-                            plain device copy)
-  python bench.py engine    the single-GPU engine on Qwen3-8B (random weights): decode
-                            step times, prefill ms/token, batch-1 decode inside
-                            generate and LLM.generate throughput, beside the hardware
-                            ceilings measured in the same run
-  python bench.py profile   where a decode step's GPU time goes, kernel by kernel (the
-                            step run eagerly under torch.profiler); --batch, --context
+  python bench.py --policy adaptive                  Poisson arrivals at one rate
+  python bench.py --policy all --mode sweep          every policy over a list of rates
+  python bench.py --policy collocated --mode static  one batch, all requests at once
+  python bench.py kernels | engine | profile | transfer    the micro-benchmarks (microbench.py)
 
-  python bench.py transfer  KV handoff between two GPUs through the worker processes:
-                            bandwidth of the real path (p2p and relay) for 128-, 512-
-                            and 2048-token requests beside a plain device-to-device
-                            copy, and a decode step's time while transfers run
-
-Every result is printed as a table and, with --out, written as JSON.
+With GPUs it serves the qwen3-8b preset (random weights) on every visible GPU; without, the
+tiny preset on two CPU worker processes (about two minutes). Requests ignore EOS, so a
+random-weight model generates each request's intended length. Writes, under --out: a
+results table (printed too), results.json with every request's timings, and PNG plots.
 """
 
 import argparse
 import json
+import math
+import random
 import statistics
+import sys
 import time
-import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-import triton.testing
+from tqdm import tqdm
 
-import kernels
-from profiler import fake_batch, time_step_ms
+# ----------------------------------------------------------------------------- workloads
 
 
-def time_ms(fn, graph: bool = False) -> float:
-    """Median time of fn in ms. graph=True replays a CUDA graph (how decode really runs:
-    launch overhead would otherwise dominate microsecond kernels)."""
-    if graph:
-        return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+def lognormal_int(rng: random.Random, median: float, sigma: float, low: int, high: int) -> int:
+    return int(min(high, max(low, round(rng.lognormvariate(math.log(median), sigma)))))
 
 
-def paged_copy_of(k: torch.Tensor, v: torch.Tensor, block_size: int, num_layers: int = 4):
-    """Scatter contiguous K/V [B, T, Hkv, D] into a block-major cache
-    [blocks, layers, 2, Hkv, block_size, D] at shuffled block ids (layer 1 is used), so the
-    kernel reads strided, non-contiguous blocks as it does in the engine."""
-    b, t, hkv, d = k.shape
-    nb = t // block_size
-    cache = torch.empty(b * nb, num_layers, 2, hkv, block_size, d, dtype=k.dtype, device=k.device)
-    tables = torch.randperm(b * nb, device=k.device).view(b, nb).int()
-    for i in range(b):   # [T, H, D] -> [nb, H, bs, D]
-        cache[tables[i].long(), 1, 0] = k[i].view(nb, block_size, hkv, d).transpose(1, 2)
-        cache[tables[i].long(), 1, 1] = v[i].view(nb, block_size, hkv, d).transpose(1, 2)
-    return cache[:, 1, 0], cache[:, 1, 1], tables
+# prompt and output lengths of one request; CPU runs divide them by 8 (the tiny model)
+WORKLOADS = {
+    "short": lambda rng: (rng.randint(64, 256), rng.randint(32, 256)),
+    "long": lambda rng: (rng.randint(1024, 2048), rng.randint(32, 256)),
+    "mixed": lambda rng: WORKLOADS["short" if rng.random() < 0.5 else "long"](rng),
+    # ShareGPT-like: log-normal prompt (median 256) and output (median 192) lengths.
+    "sharegpt": lambda rng: (lognormal_int(rng, 256, 1.0, 8, 2048), lognormal_int(rng, 192, 0.8, 8, 1024)),
+}
 
 
-def bench_attention(batch: int, seq_len: int, decode: bool, hq=32, hkv=8, d=128, block_size=16):
-    dev, dt = "cuda", torch.bfloat16
-    torch.manual_seed(0)
-    k = torch.randn(batch, seq_len, hkv, d, device=dev, dtype=dt)
-    v = torch.randn(batch, seq_len, hkv, d, device=dev, dtype=dt)
-    q_len = 1 if decode else seq_len
-    q = torch.randn(batch * q_len, hq, d, device=dev, dtype=dt)
-    k_cache, v_cache, tables = paged_copy_of(k, v, block_size)
-    cu = torch.arange(0, batch + 1, device=dev, dtype=torch.int32) * q_len
-    ctx = torch.full((batch,), seq_len - q_len, device=dev, dtype=torch.int32)
-    scale = d ** -0.5
-    splits = kernels.choose_num_splits(batch, hkv, q_len, seq_len, q.device)
-
-    def ours():
-        return kernels.paged_attention(q, k_cache, v_cache, tables, cu, ctx, q_len, scale, splits)
-
-    # SDPA on the same K/V, contiguous: [B, H, T, D]
-    qs = q.view(batch, q_len, hq, d).transpose(1, 2)
-    ks, vs = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
-
-    def sdpa():
-        return F.scaled_dot_product_attention(qs, ks, vs, is_causal=not decode, scale=scale, enable_gqa=True)
-
-    err = (ours().float() - sdpa().transpose(1, 2).reshape(q.shape).float()).norm() / sdpa().float().norm()
-    t_ours, t_sdpa = time_ms(ours, graph=decode), time_ms(sdpa, graph=decode)
-    if decode:   # memory bound: bytes of K and V read
-        work, unit = 2 * batch * seq_len * hkv * d * k.element_size() / 1e9, "GB/s"
-    else:        # compute bound: causal QK^T and PV
-        work, unit = 2 * 2 * batch * seq_len * seq_len * hq * d / 2 / 1e12, "TFLOP/s"
-    name = f"decode B={batch} T={seq_len} (splits {splits})" if decode else f"prefill T={seq_len} causal"
-    return {"case": name, "ours_ms": t_ours, "ref_ms": t_sdpa, "unit": unit, "ours_rate": work / t_ours * 1e3,
-                "ref_rate": work / t_sdpa * 1e3, "ratio": t_sdpa / t_ours, "rel_err": err.item(), "ref": "SDPA"}
+@dataclass
+class Spec:
+    """One request of a run: when it arrives (s after the start) and its lengths."""
+    arrival: float
+    prompt_ids: list[int]
+    max_tokens: int
 
 
-def bench_rope_store_kv(num_tokens=16384, hq=32, hkv=8, d=128, block_size=16):
-    """One Qwen3-8B prefill step's q/k norm + RoPE + K/V cache write (the fused kernel),
-    beside a plain copy of the same bytes (read qkv, write q, k and v)."""
-    dev, dt = "cuda", torch.bfloat16
-    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, device=dev, dtype=dt)
-    qw, kw = torch.rand(d, device=dev, dtype=dt) + 0.5, torch.rand(d, device=dev, dtype=dt) + 0.5
-    positions = torch.arange(num_tokens, device=dev)
-    inv_freq = 1.0 / 1e6 ** (torch.arange(0, d, 2, device=dev).float() / d)
-    nb = num_tokens // block_size
-    cache = torch.zeros(nb, 4, 2, hkv, block_size, d, device=dev, dtype=dt)
-    slots = torch.randperm(nb, device=dev).repeat_interleave(block_size) * block_size
-    slots = (slots + torch.arange(num_tokens, device=dev) % block_size).int()
-    args = (qkv, qw, kw, positions, inv_freq, 1.0, hq, hkv, 1e-6)
-    twin = cache.clone()
-    q_ref = kernels.qk_norm_rope_store_kv_torch(*args, twin[:, 1, 0], twin[:, 1, 1], slots)
-    q = kernels.qk_norm_rope_store_kv(*args, cache[:, 1, 0], cache[:, 1, 1], slots)
-    err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in ((q, q_ref), (cache, twin)))
-    dst = torch.empty_like(qkv)
-    t_ours = time_ms(lambda: kernels.qk_norm_rope_store_kv(*args, cache[:, 1, 0], cache[:, 1, 1], slots))
-    t_copy = time_ms(lambda: dst.copy_(qkv))
-    gb = 2 * qkv.numel() * qkv.element_size() / 1e9   # read + write
-    return {"case": f"qk_norm_rope_store_kv {num_tokens} tok", "ours_ms": t_ours, "ref_ms": t_copy,
-            "unit": "GB/s", "ours_rate": gb / t_ours * 1e3, "ref_rate": gb / t_copy * 1e3,
-            "ratio": t_copy / t_ours, "rel_err": err, "ref": "copy_"}
+def make_requests(workload: str, rate: float, duration: float, count: int, seed: int, vocab: int,
+                  scale: float) -> list[Spec]:
+    """Poisson arrivals at rate per second for duration seconds (rate 0: `count` at once)."""
+    rng, t, specs = random.Random(seed), 0.0, []
+    while (rate > 0 and t < duration) or (rate <= 0 and len(specs) < count):
+        prompt_len, out_len = WORKLOADS[workload](rng)
+        prompt_len, out_len = max(4, int(prompt_len * scale)), max(2, int(out_len * scale))
+        specs.append(Spec(t if rate > 0 else 0.0, [rng.randrange(vocab) for _ in range(prompt_len)], out_len))
+        t += rng.expovariate(rate) if rate > 0 else 0.0
+    return specs
 
 
-def bench_gather(num_blocks=128, cache_blocks=2048, layers=36, hkv=8, d=128, block_size=16):
-    """One 2048-token Qwen3-8B request's blocks (all layers, ~302 MB) into a contiguous buffer."""
-    dev, dt = "cuda", torch.bfloat16
-    cache = torch.randn(cache_blocks, layers, 2, hkv, block_size, d, device=dev, dtype=dt)
-    ids = torch.randperm(cache_blocks, device=dev)[:num_blocks].int()
-    buf = torch.empty(num_blocks, *cache.shape[1:], device=dev, dtype=dt)
-    kernels.gather_blocks(cache, ids, buf)
-    ok = torch.equal(buf, cache[ids.long()])
-    src = cache[:num_blocks]
-    t_ours = time_ms(lambda: kernels.gather_blocks(cache, ids, buf))
-    t_copy = time_ms(lambda: buf.copy_(src))
-    gb = 2 * buf.numel() * buf.element_size() / 1e9
-    return {"case": f"gather {num_blocks} blocks ({gb / 2 * 1e3:.0f} MB)", "ours_ms": t_ours, "ref_ms": t_copy,
-                "unit": "GB/s", "ours_rate": gb / t_ours * 1e3, "ref_rate": gb / t_copy * 1e3,
-                "ratio": t_copy / t_ours, "rel_err": 0.0 if ok else float("nan"), "ref": "copy_"}
+# ----------------------------------------------------------------------------- one run
 
 
-def run_kernels(out: str | None) -> list[dict]:
-    cases = [lambda: bench_attention(1, 4096, True), lambda: bench_attention(64, 4096, True),
-             lambda: bench_attention(256, 2048, True), lambda: bench_attention(1, 2048, False),
-             lambda: bench_attention(1, 8192, False), bench_rope_store_kv, bench_gather]
-    rows = []
-    for case in cases:
-        rows.append(case())
-        torch.cuda.empty_cache()
-        r = rows[-1]
-        print(f"{r['case']:<34} ours {r['ours_ms']:8.4f} ms {r['ours_rate']:8.1f} {r['unit']:<8}"
-              f" {r['ref']} {r['ref_ms']:8.4f} ms {r['ref_rate']:8.1f}  ratio {r['ratio']:.2f}"
-              f"  err {r['rel_err']:.1e}", flush=True)
-    print("\n| case | nanoPD | reference | ours / ref |\n| --- | --- | --- | --- |")
+@dataclass
+class Result:
+    """One request's timings (s) and path."""
+    policy: str
+    rate: float
+    prompt_len: int
+    output_len: int
+    ttft: float
+    tpot: float
+    e2e: float
+    path: list[int]
+    error: str | None = None
+    routed: dict = field(default_factory=dict)   # adaptive: the load it was routed under
+
+
+def serve(llm, policy: str, rate: float, specs: list[Spec], desc: str) -> tuple[list[Result], float]:
+    """Submit specs at their arrival times, wait for all; the results and the run's length."""
+    from nanopd import SamplingParams
+    cluster, pending, results = llm.cluster, {}, []
+    start, i = time.perf_counter(), 0
+    with tqdm(total=len(specs), desc=desc, leave=False) as bar:
+        while i < len(specs) or pending:
+            now = time.perf_counter() - start
+            while i < len(specs) and specs[i].arrival <= now:
+                rid = cluster.submit(specs[i].prompt_ids, SamplingParams(max_tokens=specs[i].max_tokens,
+                                                                         ignore_eos=True))
+                pending[rid] = specs[i]
+                i += 1
+            for rid in cluster.poll(0.002):
+                spec, out, t = pending.pop(rid), cluster.output(rid), cluster.done[rid]
+                m, n = out.metrics, len(out.outputs[0].token_ids) if out.outputs else 0
+                routed = {}
+                if t.routed is not None:
+                    routed = {"predicted_ms": t.routed[0], "decode_batch": t.routed[1].decode_batch,
+                              "queued_prefill": t.routed[1].queued_prefill_tokens}
+                results.append(Result(
+                    policy, rate, len(spec.prompt_ids), n,
+                    ttft=(m.first_token_time or m.finish_time) - m.arrival_time,
+                    tpot=(m.finish_time - m.first_token_time) / max(1, n - 1) if m.first_token_time else 0.0,
+                    e2e=m.finish_time - m.arrival_time, path=list(m.path),
+                    error=None if out.error is None else str(out.error), routed=routed))
+                bar.update()
+    return results, time.perf_counter() - start
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))] if xs else float("nan")
+
+
+def summarize(results: list[Result], seconds: float, ttft_slo: float, tpot_slo: float) -> dict:
+    ok = [r for r in results if r.error is None]
+    row = {"requests": len(results), "failed": len(results) - len(ok),
+           "output_tok_s": sum(r.output_len for r in ok) / seconds,
+           "slo_attainment": sum(r.ttft <= ttft_slo and r.tpot <= tpot_slo for r in ok) / max(1, len(results)),
+           "disaggregated_share": sum(len(r.path) == 2 for r in ok) / max(1, len(ok))}
+    for name in ("ttft", "tpot", "e2e"):
+        for q in (50, 90, 99):
+            row[f"{name}_p{q}"] = percentile([getattr(r, name) for r in ok], q)
+    return row
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\n| policy | rate (req/s) | requests | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
+          "| E2E p50 / p99 (s) | SLO met | disaggregated |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['case']} | {r['ours_ms']:.4f} ms, {r['ours_rate']:.0f} {r['unit']} | {r['ref']} "
-              f"{r['ref_ms']:.4f} ms, {r['ref_rate']:.0f} {r['unit']} | {r['ratio']:.2f}x |")
-    print(f"\ndevice: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    if out:
-        with open(out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-    return rows
+        rate = "static" if r["rate"] <= 0 else f"{r['rate']:g}"
+        print(f"| {r['policy']} | {rate} | {r['requests']} | {r['output_tok_s']:.0f} "
+              f"| {r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} | {r['tpot_p50'] * 1e3:.1f} / {r['tpot_p99'] * 1e3:.1f} "
+              f"| {r['e2e_p50']:.2f} / {r['e2e_p99']:.2f} | {r['slo_attainment']:.0%} "
+              f"| {r['disaggregated_share']:.0%} |")
 
 
-# ----------------------------------------------------------------------------- the engine
+def plot(rows: list[dict], results: list[Result], goodput: dict, out: Path) -> list[str]:
+    """The PNGs a reader would rather look at than read; their file names."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    policies, files = sorted({r["policy"] for r in rows}), []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        files.append(name)
+
+    rates = sorted({r["rate"] for r in rows})
+    if len(rates) > 1:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for p in policies:
+            mine = sorted((r for r in rows if r["policy"] == p), key=lambda r: r["rate"])
+            for key, style in (("e2e_p50", "-o"), ("e2e_p99", "--o")):
+                axes[0].plot([r["rate"] for r in mine], [r[key] for r in mine], style, label=f"{p} {key[4:]}")
+            axes[1].plot([r["rate"] for r in mine], [r["output_tok_s"] for r in mine], "-o", label=p)
+        axes[0].set(xlabel="arrival rate (requests/s)", ylabel="end-to-end latency (s)", yscale="log",
+                    title="latency percentiles vs rate")
+        axes[1].set(xlabel="arrival rate (requests/s)", ylabel="output tokens/s", title="throughput vs rate")
+        for ax in axes:
+            ax.legend(fontsize=8)
+        save(fig, "latency_throughput_vs_rate.png")
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.bar(list(goodput), [goodput[p] for p in goodput])
+        ax.set(ylabel="goodput (requests/s)", title="highest rate with >= 90% inside the SLO")
+        save(fig, "goodput.png")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    top = max(rates)
+    for p in policies:
+        e2e = sorted(r.e2e for r in results if r.policy == p and r.rate == top and r.error is None)
+        ax.plot(e2e, [(i + 1) / len(e2e) for i in range(len(e2e))], label=p)
+    ax.set(xlabel="end-to-end latency (s)", ylabel="fraction of requests", xscale="log",
+           title=f"latency CDF at {'static' if top <= 0 else f'{top:g} req/s'}")
+    ax.legend()
+    save(fig, "latency_cdf.png")
+    routed = [r for r in results if r.routed]
+    if routed:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for two, label in ((False, "collocated"), (True, "disaggregated")):
+            pts = [r for r in routed if (len(r.path) == 2) == two]
+            ax.scatter([r.routed["decode_batch"] for r in pts], [r.prompt_len for r in pts], s=10, label=label)
+        ax.set(xlabel="sequences decoding on the prefill worker when routed", ylabel="prompt tokens",
+               title="the adaptive router's choices over load")
+        ax.legend()
+        save(fig, "router_choices.png")
+    return files
 
 
-def measure_ceilings() -> dict:
-    """HBM copy bandwidth (4 GiB device copy, bytes read + written) and bf16 matmul rate
-    (8192^3), the two roofs every engine number is set against. The matmul is timed on
-    N(0, 1) data and on data the size of the model's weights (N(0, 0.02)), which draws less
-    power and so keeps a higher clock; the faster is the roof."""
-    src = torch.randn(1 << 30, device="cuda")   # 4 GiB of fp32
-    dst = torch.empty_like(src)
-    copy_gbs = 2 * src.nbytes / time_ms(lambda: dst.copy_(src)) / 1e6
-    src = dst = None   # free before the engine sizes its cache
-    rates = []
-    for std in (1.0, 0.02):
-        a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) * std for _ in range(2))
-        rates.append(2 * 8192 ** 3 / time_ms(lambda a=a, b=b: a @ b) / 1e9)
-    return {"hbm_copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": max(rates), "bf16_matmul_TFLOPs_by_std": rates}
-
-
-def run_engine(out: str | None, model: str = "qwen3-8b") -> dict:
-    from nanopd import LLM, SamplingParams
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    res.update(measure_ceilings())
-    print(f"ceilings: HBM copy {res['hbm_copy_GBps']:.0f} GB/s, bf16 matmul {res['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
-    t = time.perf_counter()
-    llm = LLM(model, max_num_seqs=1024, max_num_batched_tokens=16384, max_model_len=4096)
-    eng = llm.engine
-    res["startup_s"] = time.perf_counter() - t
-    cfg = eng.model.config
-    params = sum(p.numel() for p in eng.model.parameters())
-    weight_bytes = (params - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)) * 2
-    kv_per_token = 2 * eng.model.num_layers * eng.model.num_kv_heads * eng.model.head_dim * 2
-    flops_per_token = 2 * (params - cfg.vocab_size * cfg.hidden_size)
-    print(f"{model}: {params / 1e9:.2f}B parameters, {weight_bytes / 1e9:.1f} GB read per decode step, "
-          f"{eng.runner.num_blocks} KV blocks, start-up {res['startup_s']:.1f} s")
-    rows = []
-
-    def record(name, fn, ceiling_ms, unit_div=1.0):
-        try:
-            ms, gpu_ms = fn()
-            rows.append({"case": name, "ms": ms / unit_div, "gpu_ms": gpu_ms and gpu_ms / unit_div,
-                         "ceiling_ms": ceiling_ms / unit_div})
-            gpu = f"(graph replay alone {gpu_ms:.4f} ms)" if gpu_ms else ""
-            print(f"{name:<40} {ms / unit_div:8.4f} ms   ceiling {ceiling_ms / unit_div:8.4f} ms   "
-                  f"ratio {ceiling_ms / ms:.2f} {gpu}", flush=True)
-        except Exception:  # noqa: BLE001 (print it and go on to the next measurement)
-            traceback.print_exc()
-
-    for b in (1, 64, 256):
-        ctx = 1024
-        bytes_ = weight_bytes + b * ctx * kv_per_token
-        ceiling = max(bytes_ / res["hbm_copy_GBps"] / 1e6, b * flops_per_token / res["bf16_matmul_TFLOPs"] / 1e9)
-
-        def step(b=b, ctx=ctx):
-            batch = fake_batch(eng, b, ctx, 1)
-            try:
-                full = time_step_ms(eng, batch, reps=30)   # also leaves this batch in the graph's inputs
-                graph = eng.runner.graphs[next(s for s in eng.runner.graph_sizes if s >= b)][0]
-                return full, triton.testing.do_bench(graph.replay, warmup=20, rep=200, return_mode="median")
-            finally:
-                for s in batch.seqs:
-                    eng.bm.free(s.block_table)
-        record(f"decode step, batch {b}, context {ctx}", step, ceiling)
-
-    n = 2048
-    attn_flops = 4 * n * n / 2 * cfg.num_attention_heads * eng.model.head_dim * eng.model.num_layers
-    ceiling = (n * flops_per_token + attn_flops) / res["bf16_matmul_TFLOPs"] / 1e9
-
-    def prefill():
-        batch = fake_batch(eng, 1, 0, n)
-        try:
-            return time_step_ms(eng, batch, reps=10), None
-        finally:
-            eng.bm.free(batch.seqs[0].block_table)
-    record(f"prefill {n} tokens (ms per token)", prefill, ceiling, unit_div=n)
-
-    g = torch.Generator().manual_seed(0)
-
-    def random_prompts(count, length):
-        return [torch.randint(0, cfg.vocab_size, (length,), generator=g).tolist() for _ in range(count)]
-
-    def decode_in_generate():
-        """One request decoding with a 1024-token context, as a user sees it: the time between
-        its output tokens, host work (scheduling, sampling, stop checks) included."""
-        out = llm.generate(random_prompts(1, 1024), SamplingParams(max_tokens=129, ignore_eos=True),
-                           use_tqdm=False)[0]
-        return (out.metrics.finish_time - out.metrics.first_token_time) / 128 * 1e3, None
-    ceiling = max((weight_bytes + 1088 * kv_per_token) / res["hbm_copy_GBps"] / 1e6,
-                  flops_per_token / res["bf16_matmul_TFLOPs"] / 1e9)
-    decode_in_generate()   # warm-up
-    record("decode in generate, batch 1, context ~1088", decode_in_generate, ceiling)
-
-    try:   # LLM.generate throughput: 1024 requests, 128 tokens in, 128 out
-        prompts = random_prompts(1024, 128)
-        sp = SamplingParams(max_tokens=128, ignore_eos=True)
-        # Warm-up: compiles the kernels of every kind of step (prefill, mixed, decode).
-        llm.generate(random_prompts(256, 128), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        outs = llm.generate(prompts, sp)
-        elapsed = time.perf_counter() - t
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        # Every prompt and output token passes through every weight matrix once: a floor.
-        floor_s = (tokens + 128 * 1024) * flops_per_token / res["bf16_matmul_TFLOPs"] / 1e12
-        res["generate"] = {"requests": 1024, "output_tokens": tokens, "seconds": elapsed,
-                           "output_tokens_per_s": tokens / elapsed,
-                           "total_tokens_per_s": (tokens + 128 * 1024) / elapsed, "matmul_floor_s": floor_s}
-        print(f"LLM.generate 1024 x (128 in, 128 out): {elapsed:.2f} s, {tokens / elapsed:.0f} output tokens/s, "
-              f"{(tokens + 128 * 1024) / elapsed:.0f} total tokens/s; matmul floor {floor_s:.2f} s "
-              f"({tokens / floor_s:.0f} output tokens/s)")
-    except Exception:  # noqa: BLE001 (print it and still write what was measured)
-        traceback.print_exc()
-    res["rows"] = rows
-    if out:
-        with open(out, "w") as f:
-            json.dump(res, f, indent=1)
-    return res
-
-
-def run_profile(model: str = "qwen3-8b", batch_size: int = 1, context: int = 1024) -> None:
-    """A decode step run eagerly under torch.profiler: the same kernels the CUDA graph
-    replays, with each one's GPU time, to show where a step's time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from nanopd import LLM
-    llm = LLM(model, max_num_seqs=max(batch_size, 16), max_model_len=4096, enforce_eager=True,
-              max_num_batched_tokens=max(batch_size, 512))
-    eng = llm.engine
-    batch = fake_batch(eng, batch_size, context, 1)
-    rows = list(range(batch_size))
-    for _ in range(3):
-        eng.runner.run(batch, rows)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            eng.runner.run(batch, rows)
-        torch.cuda.synchronize()
-    print(f"{model}, decode batch {batch_size}, context {context}, 5 eager steps:")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-
-
-# ----------------------------------------------------------------------------- KV transfer
-
-
-def measure_link(src: str, dst: str) -> dict:
-    """Ceilings of the two transports, same run: a 1 GiB copy between the devices, and
-    device -> pinned host -> device (each direction timed alone)."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=src)
-    y = torch.empty_like(x, device=dst)
-    host = torch.empty_like(x, device="cpu").pin_memory()
-    rates = {name: x.nbytes / time_ms(fn) / 1e6 for name, fn in
-             [("p2p_GBps", lambda: y.copy_(x)), ("d2h_GBps", lambda: host.copy_(x)), ("h2d_GBps", lambda: y.copy_(host))]}
-    x = y = host = None
-    torch.cuda.empty_cache()
-    return rates
-
-
-def decode_step_while_pulling(model: str, src: str, dst: str, batch: int = 64, context: int = 1024) -> dict:
-    """A decode step (CUDA-graph replay, batch x context) on dst, timed alone and while a
-    P2PTransport pulls 2048-token requests' blocks from src into the same cache on its own
-    stream, back to back for the whole timed window."""
-    from nanopd import LLM
-    from workers import P2PTransport
-    eng = LLM(model, device=dst, max_num_seqs=batch, num_kv_blocks=batch * (context // 16 + 2) + 256).engine
-    fake = fake_batch(eng, batch, context, 1)
-    eng.runner.run(fake, list(range(batch)))   # leaves the batch in the graph's inputs
-    graph = eng.runner.graphs[next(s for s in eng.runner.graph_sizes if s >= batch)][0]
-    src_cache = torch.empty(128, *eng.runner.kv_cache.shape[1:], dtype=eng.runner.kv_cache.dtype, device=src)
-    dst_blocks, _ = eng.bm.allocate(list(range(2048)))
-    transport = P2PTransport(torch.device(dst))
-
-    def steps_ms(n: int = 60) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / n
-
-    steps_ms(10)
-    alone = steps_ms()
-    # ~2000 x 302 MB: over a second of copying at the link's speed, longer than the timed steps.
-    pulls = [transport.pull(src_cache, list(range(128)), eng.runner.kv_cache, dst_blocks) for _ in range(2000)]
-    started = pulls[0].done.query()
-    during = steps_ms()
-    busy = not pulls[-1].done.query()   # the transfers outlasted the timed steps
-    torch.cuda.synchronize()
-    return {"case": f"decode step, batch {batch}, context {context}", "alone_ms": alone, "during_ms": during,
-            "ratio": during / alone, "transfers_outlasted_steps": busy, "first_pull_done_before_steps": started}
-
-
-def run_transfer(out: str | None, model: str = "qwen3-8b", devices: tuple[str, str] = ("cuda:0", "cuda:1")) -> dict:
-    from nanopd import LLM, SamplingParams
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, **measure_link(*devices)}
-    print(f"ceilings: {devices[0]} -> {devices[1]} copy {res['p2p_GBps']:.0f} GB/s; pinned host: "
-          f"{res['d2h_GBps']:.0f} GB/s down, {res['h2d_GBps']:.0f} GB/s up", flush=True)
-    res["overlap"] = decode_step_while_pulling(model, *devices)
-    o = res["overlap"]
-    print(f"{o['case']}: {o['alone_ms']:.3f} ms alone, {o['during_ms']:.3f} ms while pulling "
-          f"({o['ratio']:.3f}x; transfers outlasted the steps: {o['transfers_outlasted_steps']})", flush=True)
-    torch.cuda.empty_cache()
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for transport in ("p2p", "relay"):
-        with LLM(model, policy="disaggregated", devices=list(devices), transport=transport, max_num_seqs=64,
-                 max_num_batched_tokens=4096, max_model_len=4096) as llm:
-            vocab = llm.cluster.vocab_size
-            for length in (128, 512, 2048):
-                outs = []
-                for _ in range(6):   # one at a time: each transfer has the link to itself
-                    ids = torch.randint(0, vocab, (length,), generator=g).tolist()
-                    outs += llm.generate([ids], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-                ms = [o.metrics for o in outs[1:]]   # the first one warms up
-                gbs = statistics.median(m.kv_bytes_moved / m.kv_copy_time / 1e9 for m in ms)
-                handoff = statistics.median(m.phases()["transfer"] for m in ms) * 1e3
-                ceiling = res["p2p_GBps"] if transport == "p2p" else min(res["d2h_GBps"], res["h2d_GBps"])
-                rows.append({"transport": transport, "tokens": length, "MB": ms[0].kv_bytes_moved / 1e6,
-                             "GBps": gbs, "ceiling_GBps": ceiling, "ratio": gbs / ceiling, "handoff_ms": handoff})
-                r = rows[-1]
-                print(f"{transport:<5} {length:5d} tokens ({r['MB']:6.1f} MB): copy {gbs:6.1f} GB/s = {r['ratio']:.2f}"
-                      f" of {ceiling:.0f}; first token -> decode worker has it: {handoff:.2f} ms", flush=True)
-    res["rows"] = rows
-    if out:
-        with open(out, "w") as f:
-            json.dump(res, f, indent=1)
-    return res
+# ----------------------------------------------------------------------------- main
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("kernels", "engine", "profile", "transfer"):
+        import microbench
+        return microbench.main()
+    gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["kernels", "engine", "profile", "transfer"], help="which benchmark to run")
-    p.add_argument("--model", default="qwen3-8b", help="preset or checkpoint folder (engine)")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--batch", type=int, default=1, help="decode batch size (profile)")
-    p.add_argument("--context", type=int, default=1024, help="tokens of context per sequence (profile)")
+    p.add_argument("--policy", default="adaptive", choices=["collocated", "disaggregated", "adaptive", "all"])
+    p.add_argument("--mode", default="poisson", choices=["static", "poisson", "sweep"])
+    p.add_argument("--workload", default="sharegpt", choices=list(WORKLOADS))
+    p.add_argument("--rate", type=float, default=None, help="requests/s (poisson); default 8 on GPUs, 4 on CPUs")
+    p.add_argument("--rates", type=float, nargs="+", default=None, help="the sweep's rates")
+    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals; default 60 on GPUs, 15 on CPUs")
+    p.add_argument("--num-requests", type=int, default=None, help="static mode; default 512 on GPUs, 64 on CPUs")
+    p.add_argument("--model", default=None, help="default: qwen3-8b on GPUs, tiny on CPUs")
+    p.add_argument("--devices", nargs="+", default=None, help="default: every GPU, or two CPU workers")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttft-slo", type=float, default=None, help="seconds; default 2.0 on GPUs, 0.5 on CPUs")
+    p.add_argument("--tpot-slo", type=float, default=None, help="seconds; default 0.1 on GPUs, 0.05 on CPUs")
+    p.add_argument("--out", default="results", help="folder for results.json and the plots")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit(f"bench.py {args.what} measures the GPU: no CUDA device found")
-    if args.what == "kernels":
-        run_kernels(args.out)
-    elif args.what == "engine":
-        run_engine(args.out, args.model)
-    elif args.what == "transfer":
-        if torch.cuda.device_count() < 2:
-            raise SystemExit("bench.py transfer needs two GPUs")
-        run_transfer(args.out, args.model)
+    from nanopd import LLM
+    model = args.model or ("qwen3-8b" if gpu else "tiny")
+    devices = args.devices or ([f"cuda:{i}" for i in range(torch.cuda.device_count())] if gpu else ["cpu", "cpu"])
+    scale = 1.0 if gpu else 1 / 8
+    ttft_slo, tpot_slo = args.ttft_slo or (2.0 if gpu else 0.5), args.tpot_slo or (0.1 if gpu else 0.05)
+    if args.mode == "sweep":
+        rates = args.rates or ([2, 4, 8, 16, 32] if gpu else [2, 4, 8])
+    elif args.mode == "static":
+        rates = [0.0]
     else:
-        run_profile(args.model, args.batch, args.context)
+        rates = [args.rate or (8.0 if gpu else 4.0)]
+    duration = args.duration or (60.0 if gpu else 15.0)
+    count = args.num_requests or (512 if gpu else 64)
+    policies = ["collocated", "disaggregated", "adaptive"] if args.policy == "all" else [args.policy]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    engine = {"max_num_seqs": 256, "max_num_batched_tokens": 8192 if gpu else 256, "max_model_len": 4096}
+    rows, results, calibration = [], [], {}
+    for policy in policies:
+        with LLM(model, policy=policy, devices=devices, **engine) as llm:
+            vocab = llm.cluster.vocab_size
+            warm = make_requests(args.workload, 0, 0, 8, args.seed + 999, vocab, scale)   # not counted
+            serve(llm, policy, 0.0, warm, f"{policy} warm-up")
+            for rate in rates:
+                specs = make_requests(args.workload, rate, duration, count, args.seed, vocab, scale)
+                got, seconds = serve(llm, policy, rate, specs, f"{policy} @ {'static' if rate <= 0 else rate}")
+                results += got
+                rows.append({"policy": policy, "rate": rate, **summarize(got, seconds, ttft_slo, tpot_slo)})
+            if llm.cluster.router is not None:
+                errs = llm.cluster.router.errors
+                calibration = {"median_rel_error": statistics.median(errs) if errs else float("nan"),
+                               "by_decile": [statistics.median(errs[i * len(errs) // 10:(i + 1) * len(errs) // 10]
+                                                               or [float("nan")]) for i in range(10)]}
+    goodput = {p: max([r["rate"] for r in rows if r["policy"] == p and r["slo_attainment"] >= 0.9], default=0.0)
+               for p in policies}
+    print_table(rows)
+    if len(rates) > 1:
+        print(f"goodput (req/s, >= 90% within TTFT <= {ttft_slo:g} s and TPOT <= {tpot_slo * 1e3:g} ms): "
+              + ", ".join(f"{p} {g:g}" for p, g in goodput.items()))
+    if calibration:
+        print(f"adaptive router: median |predicted - measured| / measured latency "
+              f"{calibration['median_rel_error']:.1%} (by decile of the run: "
+              f"{', '.join(f'{e:.0%}' for e in calibration['by_decile'])})")
+    files = plot(rows, results, goodput, out)
+    meta = {"model": model, "devices": devices, "workload": args.workload, "mode": args.mode, "seed": args.seed,
+            "ttft_slo": ttft_slo, "tpot_slo": tpot_slo, "length_scale": scale,
+            "device_name": torch.cuda.get_device_name() if gpu else "cpu"}
+    (out / "results.json").write_text(json.dumps(
+        {"meta": meta, "summary": rows, "goodput": goodput, "router_calibration": calibration,
+         "requests": [r.__dict__ for r in results]}, indent=1))
+    print(f"wrote {out / 'results.json'} and {', '.join(files)}")
 
 
 if __name__ == "__main__":

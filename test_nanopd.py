@@ -1738,3 +1738,26 @@ def test_adaptive_gives_hf_tokens_on_both_paths_and_learns(hf):
         assert len(router.errors) == len(MIXED_PROMPTS) == router.predictor.pooled.kappa - 1
         assert router.cost.p != params
         assert workers_all_free(llm)
+
+
+# ----------------------------------------------------------------------------- the serving benchmark
+
+
+@pytest.mark.usefixtures("worker_env")
+def test_bench_sweep_smoke(tmp_path):
+    """`python bench.py --policy all --mode sweep` on two CPU workers: every policy serves
+    every request at every rate, and the table, results.json and the plots come out."""
+    env = {**os.environ, "HOME": str(tmp_path), "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, "bench.py", "--policy", "all", "--mode", "sweep", "--rates", "2", "4",
+                          "--duration", "1.5", "--out", str(tmp_path / "out")], cwd=HERE, env=env,
+                         capture_output=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert {(r["policy"], r["rate"]) for r in results["summary"]} == {(p, r) for p in ("collocated", "disaggregated",
+                                                                                      "adaptive") for r in (2, 4)}
+    assert all(r["failed"] == 0 and r["requests"] > 0 for r in results["summary"])
+    assert all(r["error"] is None and r["output_len"] > 0 for r in results["requests"])
+    assert all(len(r["path"]) == 2 for r in results["requests"] if r["policy"] == "disaggregated")
+    for png in ("latency_throughput_vs_rate.png", "goodput.png", "latency_cdf.png", "router_choices.png"):
+        assert (tmp_path / "out" / png).stat().st_size > 1000
+    assert b"| adaptive | 4 |" in run.stdout and b"goodput" in run.stdout

@@ -1,0 +1,411 @@
+"""nanoPD's micro-benchmarks: the parts timed one at a time, each beside a reference or a
+hardware ceiling measured in the same run (bench.py runs them: `python bench.py kernels`).
+
+  python bench.py kernels   paged attention, the q/k-norm + RoPE + KV-store kernel and
+                            the block gather on the GPU, each beside a reference
+                            measured in the same run (SDPA on a contiguous cache, a
+                            plain device copy)
+  python bench.py engine    the single-GPU engine on Qwen3-8B (random weights): decode
+                            step times, prefill ms/token, batch-1 decode inside
+                            generate and LLM.generate throughput, beside the hardware
+                            ceilings measured in the same run
+  python bench.py profile   where a decode step's GPU time goes, kernel by kernel (the
+                            step run eagerly under torch.profiler); --batch, --context
+
+  python bench.py transfer  KV handoff between two GPUs through the worker processes:
+                            bandwidth of the real path (p2p and relay) for 128-, 512-
+                            and 2048-token requests beside a plain device-to-device
+                            copy, and a decode step's time while transfers run
+
+Every result is printed as a table and, with --out, written as JSON.
+"""
+
+import argparse
+import json
+import statistics
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+import kernels
+from profiler import fake_batch, time_step_ms
+
+
+def time_ms(fn, graph: bool = False) -> float:
+    """Median time of fn in ms. graph=True replays a CUDA graph (how decode really runs:
+    launch overhead would otherwise dominate microsecond kernels)."""
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def paged_copy_of(k: torch.Tensor, v: torch.Tensor, block_size: int, num_layers: int = 4):
+    """Scatter contiguous K/V [B, T, Hkv, D] into a block-major cache
+    [blocks, layers, 2, Hkv, block_size, D] at shuffled block ids (layer 1 is used), so the
+    kernel reads strided, non-contiguous blocks as it does in the engine."""
+    b, t, hkv, d = k.shape
+    nb = t // block_size
+    cache = torch.empty(b * nb, num_layers, 2, hkv, block_size, d, dtype=k.dtype, device=k.device)
+    tables = torch.randperm(b * nb, device=k.device).view(b, nb).int()
+    for i in range(b):   # [T, H, D] -> [nb, H, bs, D]
+        cache[tables[i].long(), 1, 0] = k[i].view(nb, block_size, hkv, d).transpose(1, 2)
+        cache[tables[i].long(), 1, 1] = v[i].view(nb, block_size, hkv, d).transpose(1, 2)
+    return cache[:, 1, 0], cache[:, 1, 1], tables
+
+
+def bench_attention(batch: int, seq_len: int, decode: bool, hq=32, hkv=8, d=128, block_size=16):
+    dev, dt = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    k = torch.randn(batch, seq_len, hkv, d, device=dev, dtype=dt)
+    v = torch.randn(batch, seq_len, hkv, d, device=dev, dtype=dt)
+    q_len = 1 if decode else seq_len
+    q = torch.randn(batch * q_len, hq, d, device=dev, dtype=dt)
+    k_cache, v_cache, tables = paged_copy_of(k, v, block_size)
+    cu = torch.arange(0, batch + 1, device=dev, dtype=torch.int32) * q_len
+    ctx = torch.full((batch,), seq_len - q_len, device=dev, dtype=torch.int32)
+    scale = d ** -0.5
+    splits = kernels.choose_num_splits(batch, hkv, q_len, seq_len, q.device)
+
+    def ours():
+        return kernels.paged_attention(q, k_cache, v_cache, tables, cu, ctx, q_len, scale, splits)
+
+    # SDPA on the same K/V, contiguous: [B, H, T, D]
+    qs = q.view(batch, q_len, hq, d).transpose(1, 2)
+    ks, vs = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+
+    def sdpa():
+        return F.scaled_dot_product_attention(qs, ks, vs, is_causal=not decode, scale=scale, enable_gqa=True)
+
+    err = (ours().float() - sdpa().transpose(1, 2).reshape(q.shape).float()).norm() / sdpa().float().norm()
+    t_ours, t_sdpa = time_ms(ours, graph=decode), time_ms(sdpa, graph=decode)
+    if decode:   # memory bound: bytes of K and V read
+        work, unit = 2 * batch * seq_len * hkv * d * k.element_size() / 1e9, "GB/s"
+    else:        # compute bound: causal QK^T and PV
+        work, unit = 2 * 2 * batch * seq_len * seq_len * hq * d / 2 / 1e12, "TFLOP/s"
+    name = f"decode B={batch} T={seq_len} (splits {splits})" if decode else f"prefill T={seq_len} causal"
+    return {"case": name, "ours_ms": t_ours, "ref_ms": t_sdpa, "unit": unit, "ours_rate": work / t_ours * 1e3,
+                "ref_rate": work / t_sdpa * 1e3, "ratio": t_sdpa / t_ours, "rel_err": err.item(), "ref": "SDPA"}
+
+
+def bench_rope_store_kv(num_tokens=16384, hq=32, hkv=8, d=128, block_size=16):
+    """One Qwen3-8B prefill step's q/k norm + RoPE + K/V cache write (the fused kernel),
+    beside a plain copy of the same bytes (read qkv, write q, k and v)."""
+    dev, dt = "cuda", torch.bfloat16
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, device=dev, dtype=dt)
+    qw, kw = torch.rand(d, device=dev, dtype=dt) + 0.5, torch.rand(d, device=dev, dtype=dt) + 0.5
+    positions = torch.arange(num_tokens, device=dev)
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, d, 2, device=dev).float() / d)
+    nb = num_tokens // block_size
+    cache = torch.zeros(nb, 4, 2, hkv, block_size, d, device=dev, dtype=dt)
+    slots = torch.randperm(nb, device=dev).repeat_interleave(block_size) * block_size
+    slots = (slots + torch.arange(num_tokens, device=dev) % block_size).int()
+    args = (qkv, qw, kw, positions, inv_freq, 1.0, hq, hkv, 1e-6)
+    twin = cache.clone()
+    q_ref = kernels.qk_norm_rope_store_kv_torch(*args, twin[:, 1, 0], twin[:, 1, 1], slots)
+    q = kernels.qk_norm_rope_store_kv(*args, cache[:, 1, 0], cache[:, 1, 1], slots)
+    err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in ((q, q_ref), (cache, twin)))
+    dst = torch.empty_like(qkv)
+    t_ours = time_ms(lambda: kernels.qk_norm_rope_store_kv(*args, cache[:, 1, 0], cache[:, 1, 1], slots))
+    t_copy = time_ms(lambda: dst.copy_(qkv))
+    gb = 2 * qkv.numel() * qkv.element_size() / 1e9   # read + write
+    return {"case": f"qk_norm_rope_store_kv {num_tokens} tok", "ours_ms": t_ours, "ref_ms": t_copy,
+            "unit": "GB/s", "ours_rate": gb / t_ours * 1e3, "ref_rate": gb / t_copy * 1e3,
+            "ratio": t_copy / t_ours, "rel_err": err, "ref": "copy_"}
+
+
+def bench_gather(num_blocks=128, cache_blocks=2048, layers=36, hkv=8, d=128, block_size=16):
+    """One 2048-token Qwen3-8B request's blocks (all layers, ~302 MB) into a contiguous buffer."""
+    dev, dt = "cuda", torch.bfloat16
+    cache = torch.randn(cache_blocks, layers, 2, hkv, block_size, d, device=dev, dtype=dt)
+    ids = torch.randperm(cache_blocks, device=dev)[:num_blocks].int()
+    buf = torch.empty(num_blocks, *cache.shape[1:], device=dev, dtype=dt)
+    kernels.gather_blocks(cache, ids, buf)
+    ok = torch.equal(buf, cache[ids.long()])
+    src = cache[:num_blocks]
+    t_ours = time_ms(lambda: kernels.gather_blocks(cache, ids, buf))
+    t_copy = time_ms(lambda: buf.copy_(src))
+    gb = 2 * buf.numel() * buf.element_size() / 1e9
+    return {"case": f"gather {num_blocks} blocks ({gb / 2 * 1e3:.0f} MB)", "ours_ms": t_ours, "ref_ms": t_copy,
+                "unit": "GB/s", "ours_rate": gb / t_ours * 1e3, "ref_rate": gb / t_copy * 1e3,
+                "ratio": t_copy / t_ours, "rel_err": 0.0 if ok else float("nan"), "ref": "copy_"}
+
+
+def run_kernels(out: str | None) -> list[dict]:
+    cases = [lambda: bench_attention(1, 4096, True), lambda: bench_attention(64, 4096, True),
+             lambda: bench_attention(256, 2048, True), lambda: bench_attention(1, 2048, False),
+             lambda: bench_attention(1, 8192, False), bench_rope_store_kv, bench_gather]
+    rows = []
+    for case in cases:
+        rows.append(case())
+        torch.cuda.empty_cache()
+        r = rows[-1]
+        print(f"{r['case']:<34} ours {r['ours_ms']:8.4f} ms {r['ours_rate']:8.1f} {r['unit']:<8}"
+              f" {r['ref']} {r['ref_ms']:8.4f} ms {r['ref_rate']:8.1f}  ratio {r['ratio']:.2f}"
+              f"  err {r['rel_err']:.1e}", flush=True)
+    print("\n| case | nanoPD | reference | ours / ref |\n| --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['case']} | {r['ours_ms']:.4f} ms, {r['ours_rate']:.0f} {r['unit']} | {r['ref']} "
+              f"{r['ref_ms']:.4f} ms, {r['ref_rate']:.0f} {r['unit']} | {r['ratio']:.2f}x |")
+    print(f"\ndevice: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if out:
+        with open(out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    return rows
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+def measure_ceilings() -> dict:
+    """HBM copy bandwidth (4 GiB device copy, bytes read + written) and bf16 matmul rate
+    (8192^3), the two roofs every engine number is set against. The matmul is timed on
+    N(0, 1) data and on data the size of the model's weights (N(0, 0.02)), which draws less
+    power and so keeps a higher clock; the faster is the roof."""
+    src = torch.randn(1 << 30, device="cuda")   # 4 GiB of fp32
+    dst = torch.empty_like(src)
+    copy_gbs = 2 * src.nbytes / time_ms(lambda: dst.copy_(src)) / 1e6
+    src = dst = None   # free before the engine sizes its cache
+    rates = []
+    for std in (1.0, 0.02):
+        a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) * std for _ in range(2))
+        rates.append(2 * 8192 ** 3 / time_ms(lambda a=a, b=b: a @ b) / 1e9)
+    return {"hbm_copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": max(rates), "bf16_matmul_TFLOPs_by_std": rates}
+
+
+def run_engine(out: str | None, model: str = "qwen3-8b") -> dict:
+    from nanopd import LLM, SamplingParams
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    res.update(measure_ceilings())
+    print(f"ceilings: HBM copy {res['hbm_copy_GBps']:.0f} GB/s, bf16 matmul {res['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
+    t = time.perf_counter()
+    llm = LLM(model, max_num_seqs=1024, max_num_batched_tokens=16384, max_model_len=4096)
+    eng = llm.engine
+    res["startup_s"] = time.perf_counter() - t
+    cfg = eng.model.config
+    params = sum(p.numel() for p in eng.model.parameters())
+    weight_bytes = (params - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)) * 2
+    kv_per_token = 2 * eng.model.num_layers * eng.model.num_kv_heads * eng.model.head_dim * 2
+    flops_per_token = 2 * (params - cfg.vocab_size * cfg.hidden_size)
+    print(f"{model}: {params / 1e9:.2f}B parameters, {weight_bytes / 1e9:.1f} GB read per decode step, "
+          f"{eng.runner.num_blocks} KV blocks, start-up {res['startup_s']:.1f} s")
+    rows = []
+
+    def record(name, fn, ceiling_ms, unit_div=1.0):
+        try:
+            ms, gpu_ms = fn()
+            rows.append({"case": name, "ms": ms / unit_div, "gpu_ms": gpu_ms and gpu_ms / unit_div,
+                         "ceiling_ms": ceiling_ms / unit_div})
+            gpu = f"(graph replay alone {gpu_ms:.4f} ms)" if gpu_ms else ""
+            print(f"{name:<40} {ms / unit_div:8.4f} ms   ceiling {ceiling_ms / unit_div:8.4f} ms   "
+                  f"ratio {ceiling_ms / ms:.2f} {gpu}", flush=True)
+        except Exception:  # noqa: BLE001 (print it and go on to the next measurement)
+            traceback.print_exc()
+
+    for b in (1, 64, 256):
+        ctx = 1024
+        bytes_ = weight_bytes + b * ctx * kv_per_token
+        ceiling = max(bytes_ / res["hbm_copy_GBps"] / 1e6, b * flops_per_token / res["bf16_matmul_TFLOPs"] / 1e9)
+
+        def step(b=b, ctx=ctx):
+            batch = fake_batch(eng, b, ctx, 1)
+            try:
+                full = time_step_ms(eng, batch, reps=30)   # also leaves this batch in the graph's inputs
+                graph = eng.runner.graphs[next(s for s in eng.runner.graph_sizes if s >= b)][0]
+                return full, triton.testing.do_bench(graph.replay, warmup=20, rep=200, return_mode="median")
+            finally:
+                for s in batch.seqs:
+                    eng.bm.free(s.block_table)
+        record(f"decode step, batch {b}, context {ctx}", step, ceiling)
+
+    n = 2048
+    attn_flops = 4 * n * n / 2 * cfg.num_attention_heads * eng.model.head_dim * eng.model.num_layers
+    ceiling = (n * flops_per_token + attn_flops) / res["bf16_matmul_TFLOPs"] / 1e9
+
+    def prefill():
+        batch = fake_batch(eng, 1, 0, n)
+        try:
+            return time_step_ms(eng, batch, reps=10), None
+        finally:
+            eng.bm.free(batch.seqs[0].block_table)
+    record(f"prefill {n} tokens (ms per token)", prefill, ceiling, unit_div=n)
+
+    g = torch.Generator().manual_seed(0)
+
+    def random_prompts(count, length):
+        return [torch.randint(0, cfg.vocab_size, (length,), generator=g).tolist() for _ in range(count)]
+
+    def decode_in_generate():
+        """One request decoding with a 1024-token context, as a user sees it: the time between
+        its output tokens, host work (scheduling, sampling, stop checks) included."""
+        out = llm.generate(random_prompts(1, 1024), SamplingParams(max_tokens=129, ignore_eos=True),
+                           use_tqdm=False)[0]
+        return (out.metrics.finish_time - out.metrics.first_token_time) / 128 * 1e3, None
+    ceiling = max((weight_bytes + 1088 * kv_per_token) / res["hbm_copy_GBps"] / 1e6,
+                  flops_per_token / res["bf16_matmul_TFLOPs"] / 1e9)
+    decode_in_generate()   # warm-up
+    record("decode in generate, batch 1, context ~1088", decode_in_generate, ceiling)
+
+    try:   # LLM.generate throughput: 1024 requests, 128 tokens in, 128 out
+        prompts = random_prompts(1024, 128)
+        sp = SamplingParams(max_tokens=128, ignore_eos=True)
+        # Warm-up: compiles the kernels of every kind of step (prefill, mixed, decode).
+        llm.generate(random_prompts(256, 128), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp)
+        elapsed = time.perf_counter() - t
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        # Every prompt and output token passes through every weight matrix once: a floor.
+        floor_s = (tokens + 128 * 1024) * flops_per_token / res["bf16_matmul_TFLOPs"] / 1e12
+        res["generate"] = {"requests": 1024, "output_tokens": tokens, "seconds": elapsed,
+                           "output_tokens_per_s": tokens / elapsed,
+                           "total_tokens_per_s": (tokens + 128 * 1024) / elapsed, "matmul_floor_s": floor_s}
+        print(f"LLM.generate 1024 x (128 in, 128 out): {elapsed:.2f} s, {tokens / elapsed:.0f} output tokens/s, "
+              f"{(tokens + 128 * 1024) / elapsed:.0f} total tokens/s; matmul floor {floor_s:.2f} s "
+              f"({tokens / floor_s:.0f} output tokens/s)")
+    except Exception:  # noqa: BLE001 (print it and still write what was measured)
+        traceback.print_exc()
+    res["rows"] = rows
+    if out:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+def run_profile(model: str = "qwen3-8b", batch_size: int = 1, context: int = 1024) -> None:
+    """A decode step run eagerly under torch.profiler: the same kernels the CUDA graph
+    replays, with each one's GPU time, to show where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanopd import LLM
+    llm = LLM(model, max_num_seqs=max(batch_size, 16), max_model_len=4096, enforce_eager=True,
+              max_num_batched_tokens=max(batch_size, 512))
+    eng = llm.engine
+    batch = fake_batch(eng, batch_size, context, 1)
+    rows = list(range(batch_size))
+    for _ in range(3):
+        eng.runner.run(batch, rows)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            eng.runner.run(batch, rows)
+        torch.cuda.synchronize()
+    print(f"{model}, decode batch {batch_size}, context {context}, 5 eager steps:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+
+
+# ----------------------------------------------------------------------------- KV transfer
+
+
+def measure_link(src: str, dst: str) -> dict:
+    """Ceilings of the two transports, same run: a 1 GiB copy between the devices, and
+    device -> pinned host -> device (each direction timed alone)."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=src)
+    y = torch.empty_like(x, device=dst)
+    host = torch.empty_like(x, device="cpu").pin_memory()
+    rates = {name: x.nbytes / time_ms(fn) / 1e6 for name, fn in
+             [("p2p_GBps", lambda: y.copy_(x)), ("d2h_GBps", lambda: host.copy_(x)), ("h2d_GBps", lambda: y.copy_(host))]}
+    x = y = host = None
+    torch.cuda.empty_cache()
+    return rates
+
+
+def decode_step_while_pulling(model: str, src: str, dst: str, batch: int = 64, context: int = 1024) -> dict:
+    """A decode step (CUDA-graph replay, batch x context) on dst, timed alone and while a
+    P2PTransport pulls 2048-token requests' blocks from src into the same cache on its own
+    stream, back to back for the whole timed window."""
+    from nanopd import LLM
+    from workers import P2PTransport
+    eng = LLM(model, device=dst, max_num_seqs=batch, num_kv_blocks=batch * (context // 16 + 2) + 256).engine
+    fake = fake_batch(eng, batch, context, 1)
+    eng.runner.run(fake, list(range(batch)))   # leaves the batch in the graph's inputs
+    graph = eng.runner.graphs[next(s for s in eng.runner.graph_sizes if s >= batch)][0]
+    src_cache = torch.empty(128, *eng.runner.kv_cache.shape[1:], dtype=eng.runner.kv_cache.dtype, device=src)
+    dst_blocks, _ = eng.bm.allocate(list(range(2048)))
+    transport = P2PTransport(torch.device(dst))
+
+    def steps_ms(n: int = 60) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n
+
+    steps_ms(10)
+    alone = steps_ms()
+    # ~2000 x 302 MB: over a second of copying at the link's speed, longer than the timed steps.
+    pulls = [transport.pull(src_cache, list(range(128)), eng.runner.kv_cache, dst_blocks) for _ in range(2000)]
+    started = pulls[0].done.query()
+    during = steps_ms()
+    busy = not pulls[-1].done.query()   # the transfers outlasted the timed steps
+    torch.cuda.synchronize()
+    return {"case": f"decode step, batch {batch}, context {context}", "alone_ms": alone, "during_ms": during,
+            "ratio": during / alone, "transfers_outlasted_steps": busy, "first_pull_done_before_steps": started}
+
+
+def run_transfer(out: str | None, model: str = "qwen3-8b", devices: tuple[str, str] = ("cuda:0", "cuda:1")) -> dict:
+    from nanopd import LLM, SamplingParams
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, **measure_link(*devices)}
+    print(f"ceilings: {devices[0]} -> {devices[1]} copy {res['p2p_GBps']:.0f} GB/s; pinned host: "
+          f"{res['d2h_GBps']:.0f} GB/s down, {res['h2d_GBps']:.0f} GB/s up", flush=True)
+    res["overlap"] = decode_step_while_pulling(model, *devices)
+    o = res["overlap"]
+    print(f"{o['case']}: {o['alone_ms']:.3f} ms alone, {o['during_ms']:.3f} ms while pulling "
+          f"({o['ratio']:.3f}x; transfers outlasted the steps: {o['transfers_outlasted_steps']})", flush=True)
+    torch.cuda.empty_cache()
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for transport in ("p2p", "relay"):
+        with LLM(model, policy="disaggregated", devices=list(devices), transport=transport, max_num_seqs=64,
+                 max_num_batched_tokens=4096, max_model_len=4096) as llm:
+            vocab = llm.cluster.vocab_size
+            for length in (128, 512, 2048):
+                outs = []
+                for _ in range(6):   # one at a time: each transfer has the link to itself
+                    ids = torch.randint(0, vocab, (length,), generator=g).tolist()
+                    outs += llm.generate([ids], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+                ms = [o.metrics for o in outs[1:]]   # the first one warms up
+                gbs = statistics.median(m.kv_bytes_moved / m.kv_copy_time / 1e9 for m in ms)
+                handoff = statistics.median(m.phases()["transfer"] for m in ms) * 1e3
+                ceiling = res["p2p_GBps"] if transport == "p2p" else min(res["d2h_GBps"], res["h2d_GBps"])
+                rows.append({"transport": transport, "tokens": length, "MB": ms[0].kv_bytes_moved / 1e6,
+                             "GBps": gbs, "ceiling_GBps": ceiling, "ratio": gbs / ceiling, "handoff_ms": handoff})
+                r = rows[-1]
+                print(f"{transport:<5} {length:5d} tokens ({r['MB']:6.1f} MB): copy {gbs:6.1f} GB/s = {r['ratio']:.2f}"
+                      f" of {ceiling:.0f}; first token -> decode worker has it: {handoff:.2f} ms", flush=True)
+    res["rows"] = rows
+    if out:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+MICRO = ("kernels", "engine", "profile", "transfer")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="bench.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=MICRO, help="which micro-benchmark to run")
+    p.add_argument("--model", default="qwen3-8b", help="preset or checkpoint folder (engine)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--batch", type=int, default=1, help="decode batch size (profile)")
+    p.add_argument("--context", type=int, default=1024, help="tokens of context per sequence (profile)")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit(f"bench.py {args.what} measures the GPU: no CUDA device found")
+    if args.what == "kernels":
+        run_kernels(args.out)
+    elif args.what == "engine":
+        run_engine(args.out, args.model)
+    elif args.what == "transfer":
+        if torch.cuda.device_count() < 2:
+            raise SystemExit("bench.py transfer needs two GPUs")
+        run_transfer(args.out, args.model)
+    else:
+        run_profile(args.model, args.batch, args.context)
