@@ -122,7 +122,12 @@ def time_step_ms(engine, batch: Batch, reps: int = 10) -> float:
 def measure_engine(engine, lengths: list[int], batches: list[int], chunks: list[int], context: int,
                    gamma_batch: int, reps: int = 5) -> dict:
     """Raw timings on an idle engine: prefill per length, decode step per batch size, and a
-    decode batch of gamma_batch alone and with each chunk of prefill."""
+    decode batch of gamma_batch alone and with each chunk of prefill. Sizes beyond the
+    engine's token budget or seat limit are left out (it sized its memory for those)."""
+    budget, seats = engine.cfg.max_num_batched_tokens, engine.cfg.max_num_seqs
+    lengths = [n for n in lengths if n <= budget] or [budget // 2, budget]
+    batches = [b for b in batches if b <= seats] or [1, seats]
+    chunks = [c for c in chunks if gamma_batch + c <= budget] or [max(1, (budget - gamma_batch) // 2)]
     def timed(make) -> float:
         batch = make()
         try:
@@ -218,8 +223,12 @@ def main() -> None:
     p.add_argument("--model", default="qwen3-8b" if torch.cuda.is_available() else "tiny")
     p.add_argument("--devices", nargs="+", default=None, help="default: every GPU, or two CPU workers")
     p.add_argument("--no-cache", action="store_true", help="measure again even if a cached profile exists")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="the engine settings to measure (bench.py's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: 8192 on GPUs, 256 on CPUs")
     args = p.parse_args()
-    with LLM(args.model, policy="adaptive", devices=args.devices, profile=False) as llm:
+    budget = args.max_num_batched_tokens or (8192 if torch.cuda.is_available() else 256)
+    with LLM(args.model, policy="adaptive", devices=args.devices, profile=False, max_num_seqs=args.max_num_seqs,
+             max_num_batched_tokens=budget) as llm:
         print_profile(profile_cluster(llm.cluster, use_cache=not args.no_cache))
 
 
