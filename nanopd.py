@@ -26,6 +26,7 @@ from tqdm import tqdm
 from engine import Engine, EngineConfig, check_request, load_tokenizer
 from kv_cache import cdiv
 from model import load_config
+from profiler import profile_cluster
 from router import HardwareParams, Observation, Router, WorkerLoad
 from scheduler import RequestMetrics, RequestOutput, SamplingParams
 from workers import TRANSPORTS, Drop, Import, Measure, Release, Submit, worker_main
@@ -54,7 +55,7 @@ class Tracked:
     output: RequestOutput | None = None
     metrics: RequestMetrics | None = None
     retried: bool = False
-    samples: list[int] = field(default_factory=list)  # n > 1 split into samples (disaggregated)
+    samples: list[int] = field(default_factory=list)  # n > 1 split into samples (not collocated)
     parent: int | None = None
     decode_worker: int | None = None   # adaptive: where the router sends it after prefill
     routed: tuple | None = None        # adaptive: (prediction ms, load of prefill worker, of decode worker)
@@ -127,7 +128,6 @@ class CentralScheduler:
         self.room = self._wait_ready(startup_timeout_s)
         self.router = None
         if policy == "adaptive" and profile is not False:
-            from profiler import profile_cluster
             self.profile = profile if isinstance(profile, HardwareParams) else profile_cluster(self).params
             self.router = Router(dataclasses.replace(self.profile))
 
