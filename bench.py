@@ -202,7 +202,6 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] in ("kernels", "engine", "profile", "transfer"):
         import microbench
         return microbench.main()
-    gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", default="adaptive", choices=["collocated", "disaggregated", "adaptive", "all"])
     p.add_argument("--mode", default="poisson", choices=["static", "poisson", "sweep"])
@@ -219,8 +218,9 @@ def main() -> None:
     p.add_argument("--out", default="results", help="folder for results.json and the plots")
     args = p.parse_args()
     from nanopd import LLM
+    devices = args.devices or [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu", "cpu"]
+    gpu = devices[0].startswith("cuda")
     model = args.model or ("qwen3-8b" if gpu else "tiny")
-    devices = args.devices or ([f"cuda:{i}" for i in range(torch.cuda.device_count())] if gpu else ["cpu", "cpu"])
     scale = 1.0 if gpu else 1 / 8
     ttft_slo, tpot_slo = args.ttft_slo or (2.0 if gpu else 0.5), args.tpot_slo or (0.1 if gpu else 0.05)
     if args.mode == "sweep":

@@ -1749,7 +1749,8 @@ def test_bench_sweep_smoke(tmp_path):
     every request at every rate, and the table, results.json and the plots come out."""
     env = {**os.environ, "HOME": str(tmp_path), "TRITON_INTERPRET": "0"}
     run = subprocess.run([sys.executable, "bench.py", "--policy", "all", "--mode", "sweep", "--rates", "2", "4",
-                          "--duration", "1.5", "--out", str(tmp_path / "out")], cwd=HERE, env=env,
+                          "--duration", "1.5", "--model", "tiny", "--devices", "cpu", "cpu",
+                          "--out", str(tmp_path / "out")], cwd=HERE, env=env,
                          capture_output=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr.decode()[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
