@@ -215,6 +215,7 @@ class CentralScheduler:
                 load.queued_prefill_tokens += len(t.prompt_ids)
             elif t.worker == w and t.phase != "done":
                 load.decode_batch += 1
+                load.context_tokens += len(t.prompt_ids) + len(t.tokens)
         return load
 
     # -- events from the workers

@@ -4,6 +4,8 @@
                 quadratic (attention) term when it fits clearly better
   beta          a decode step at batch 1
   batch_thresh  the knee of decode step time vs batch: flat, then linear (and its slope)
+  kv            decode-step time per token of context in the batch (reading its KV): the
+                same batches at two context lengths
   gamma         extra decode-step time per prefill token sharing the step:
                 (t(decode batch + chunk) - t(decode batch alone)) / chunk tokens
   bandwidth     real handoffs of real requests between the workers: the transport's copy
@@ -120,9 +122,10 @@ def time_step_ms(engine, batch: Batch, reps: int = 10) -> float:
 
 
 def measure_engine(engine, lengths: list[int], batches: list[int], chunks: list[int], context: int,
-                   gamma_batch: int, reps: int = 5) -> dict:
-    """Raw timings on an idle engine: prefill per length, decode step per batch size, and a
-    decode batch of gamma_batch alone and with each chunk of prefill. Sizes beyond the
+                   gamma_batch: int, long_context: int, kv_batches: list[int], reps: int = 5) -> dict:
+    """Raw timings on an idle engine: prefill per length, decode step per batch size (at
+    context and, for kv_batches, at long_context), and a decode batch of gamma_batch alone
+    and with each chunk of prefill. Sizes beyond the
     engine's token budget or seat limit are left out (it sized its memory for those)."""
     budget, seats = engine.cfg.max_num_batched_tokens, engine.cfg.max_num_seqs
     lengths = [n for n in lengths if n <= budget] or [budget // 2, budget]
@@ -136,6 +139,8 @@ def measure_engine(engine, lengths: list[int], batches: list[int], chunks: list[
             free_batch(engine, batch)
     prefill = [timed(lambda n=n: fake_batch(engine, 1, 0, n)) for n in lengths]
     decode = [timed(lambda b=b: fake_batch(engine, b, context, 1)) for b in batches]
+    kv_batches = [b for b in kv_batches if b in batches]
+    long = [timed(lambda b=b: fake_batch(engine, b, long_context, 1)) for b in kv_batches]
     alone = timed(lambda: fake_batch(engine, gamma_batch, context, 1))
     mixed = []
     for c in chunks:
@@ -143,7 +148,8 @@ def measure_engine(engine, lengths: list[int], batches: list[int], chunks: list[
             dec, chunk = fake_batch(engine, gamma_batch, context, 1), fake_batch(engine, 1, 0, c)
             return Batch(dec.seqs + chunk.seqs, dec.num_new + chunk.num_new)
         mixed.append(timed(with_chunk))
-    return {"lengths": lengths, "prefill_ms": prefill, "batches": batches, "decode_ms": decode,
+    return {"lengths": lengths, "prefill_ms": prefill, "batches": batches, "decode_ms": decode, "context": context,
+            "kv_batches": kv_batches, "long_context": long_context, "long_decode_ms": long,
             "chunks": chunks, "extra_ms": [m - alone for m in mixed]}
 
 
@@ -151,7 +157,13 @@ def fit(timings: dict, handoffs: list[tuple[int, int, float, float]], kv_bytes_p
     """The parameters from measure_engine's timings and real handoffs (prompt tokens, bytes
     moved, copy seconds, handoff ms)."""
     alpha, alpha2, e_prefill = fit_prefill(timings["lengths"], timings["prefill_ms"])
-    beta, knee, slope, e_decode = fit_knee(timings["batches"], timings["decode_ms"])
+    # kv: what the longer context adds per token of context; then the knee of what is left.
+    short = dict(zip(timings["batches"], timings["decode_ms"]))
+    extra_context = timings["long_context"] - timings["context"]
+    kv = max(0.0, statistics.median([(t - short[b]) / (b * extra_context)
+                                     for b, t in zip(timings["kv_batches"], timings["long_decode_ms"])] or [0.0]))
+    beta, knee, slope, e_decode = fit_knee(timings["batches"], [t - kv * b * timings["context"]
+                                                                for b, t in zip(timings["batches"], timings["decode_ms"])])
     gamma, e_gamma = fit_gamma(timings["chunks"], timings["extra_ms"])
     if handoffs:
         bandwidth = statistics.median(b / s / 1e9 for _, b, s, _ in handoffs)
@@ -159,7 +171,7 @@ def fit(timings: dict, handoffs: list[tuple[int, int, float, float]], kv_bytes_p
     else:   # one device: no handoffs; the rate only matters where there are two
         bandwidth, rate = float("nan"), float("inf")
     params = HardwareParams(alpha=alpha, alpha2=alpha2, beta=beta, batch_thresh=max(knee, 1.0), slope=slope,
-                            gamma=max(gamma, 0.0), transfer_rate=rate)
+                            gamma=max(gamma, 0.0), transfer_rate=rate, kv=kv)
     return Profile(params, bandwidth, {"prefill": e_prefill, "decode": e_decode, "gamma": e_gamma})
 
 
@@ -167,15 +179,16 @@ def fit(timings: dict, handoffs: list[tuple[int, int, float, float]], kv_bytes_p
 
 
 GPU_SPEC = {"lengths": [256, 512, 1024, 2048, 4096], "batches": [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256],
-            "chunks": [256, 512, 1024, 2048], "context": 512, "gamma_batch": 32}
+            "chunks": [256, 512, 1024, 2048], "context": 512, "gamma_batch": 32, "long_context": 2048,
+            "kv_batches": [16, 64]}
 CPU_SPEC = {"lengths": [8, 16, 32, 64], "batches": [1, 2, 4, 8, 16], "chunks": [8, 16, 32], "context": 16,
-            "gamma_batch": 4, "reps": 2}
+            "gamma_batch": 4, "long_context": 64, "kv_batches": [4, 8], "reps": 2}
 
 
 def cache_key(cluster) -> dict:
     cfg = cluster.cfg
     name = torch.cuda.get_device_name(cluster.devices[0]) if cluster.devices[0].startswith("cuda") else "cpu"
-    return {"device": name, "devices": len(cluster.devices), "model": cfg.model, "dtype": str(cfg.dtype),
+    return {"version": 2, "device": name, "devices": len(cluster.devices), "model": cfg.model, "dtype": str(cfg.dtype),
             "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs,
             "max_num_batched_tokens": cfg.max_num_batched_tokens, "transport": cluster.transport}
 
@@ -209,6 +222,7 @@ def print_profile(profile: Profile) -> None:
              profile.errors.get("prefill")),
             ("beta", f"{p.beta:.3f} ms", profile.errors.get("decode")),
             ("batch_thresh", f"{p.batch_thresh:.0f} sequences (then +{p.slope:.4f} ms per sequence)", None),
+            ("kv", f"{p.kv * 1e3:.4f} ms per 1000 tokens of context in the batch", None),
             ("gamma", f"{p.gamma:.5f} ms/token", profile.errors.get("gamma")),
             ("bandwidth", f"{profile.bandwidth_GBps:.1f} GB/s (handoff {p.transfer_rate:.5f} ms/token)", None)]
     print("| parameter | value | fit error (relative RMS) |\n| --- | --- | --- |")

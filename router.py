@@ -32,12 +32,14 @@ class HardwareParams:
     gamma: float              # extra decode-step time per prefill token sharing the step
     transfer_rate: float      # ms per prompt token to move its KV between workers
     alpha2: float = 0.0       # prefill's quadratic (attention) term, ms per token^2
+    kv: float = 0.0           # decode-step time per token of context in the batch (its KV is read)
 
 
 @dataclass
 class WorkerLoad:
     queued_prefill_tokens: int = 0   # prompt tokens waiting to be prefilled there
     decode_batch: int = 0            # sequences decoding there
+    context_tokens: int = 0          # ... and the tokens of context they hold
     free_blocks: int = 1 << 30       # KV blocks it can still hand out
 
 
@@ -53,8 +55,13 @@ class CostModel:
     def prefill_ms(self, tokens: float) -> float:
         return self.p.alpha * tokens + self.p.alpha2 * tokens ** 2
 
-    def decode_step_ms(self, batch: float) -> float:
-        return self.p.beta + self.p.slope * max(0.0, batch - self.p.batch_thresh)
+    def decode_step_ms(self, batch: float, context: float = 0.0) -> float:
+        """A decode step of batch sequences holding context tokens in all."""
+        return self.p.beta + self.p.slope * max(0.0, batch - self.p.batch_thresh) + self.p.kv * context
+
+    def decode_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
+        """out_len steps on w, whose batch gains this request (its context L to L + out_len)."""
+        return out_len * self.decode_step_ms(w.decode_batch + 1, w.context_tokens + prompt_len + out_len / 2)
 
     def interference_ms(self, prompt_len: int, load: int) -> float:
         """What the prompt's prefill adds to the load decodes sharing its steps."""
@@ -63,12 +70,12 @@ class CostModel:
     def collocated_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
         return (self.prefill_ms(w.queued_prefill_tokens + prompt_len)
                 + self.interference_ms(prompt_len, w.decode_batch)
-                + out_len * self.decode_step_ms(w.decode_batch + 1))
+                + self.decode_ms(prompt_len, out_len, w))
 
     def disaggregated_ms(self, prompt_len: int, out_len: float, prefill: WorkerLoad, decode: WorkerLoad) -> float:
         return (self.prefill_ms(prefill.queued_prefill_tokens + prompt_len)
                 + self.p.transfer_rate * prompt_len
-                + out_len * self.decode_step_ms(decode.decode_batch + 1))
+                + self.decode_ms(prompt_len, out_len, decode))
 
 
 # ----------------------------------------------------------------------------- output lengths
@@ -179,8 +186,9 @@ class Router:
     The phases are fitted separately, each linear in its parameters:
       prefill  = alpha * (queued + L)          (minus the profiled alpha2 * (queued + L)^2)
       transfer = transfer_rate * L                         (disaggregated only)
-      decode   = O * (beta + slope * excess) + gamma * L * load / batch_thresh   (collocated)
-    where excess = max(0, batch - batch_thresh); batch_thresh and alpha2 stay as profiled."""
+      decode   = O * (beta + slope * excess + kv * context) + gamma * L * load / batch_thresh
+    (the gamma term on the collocated path only) where excess = max(0, batch - batch_thresh)
+    and context is the batch's average context; batch_thresh and alpha2 stay as profiled."""
 
     def __init__(self, params: HardwareParams, predictor: OutputLengthPredictor | None = None):
         self.cost = CostModel(params)
@@ -188,7 +196,7 @@ class Router:
         p = params
         self.fit_prefill = RecursiveLeastSquares([p.alpha], [1e-3])
         self.fit_transfer = RecursiveLeastSquares([p.transfer_rate], [1e-4])
-        self.fit_decode = RecursiveLeastSquares([p.beta, p.slope, p.gamma], [1e-1, 1e-3, 1e-3])
+        self.fit_decode = RecursiveLeastSquares([p.beta, p.slope, p.kv, p.gamma], [1e-1, 1e-3, 1e-6, 1e-3])
         self.errors: list[float] = []         # |route()'s prediction - measured| / measured, per request
         self.model_errors: list[float] = []   # the same with the true output length (the cost model alone)
 
@@ -226,9 +234,11 @@ class Router:
         self.fit_prefill.update([n], o.prefill_ms - p.alpha2 * n * n)
         if o.prefill_worker != o.decode_worker:
             self.fit_transfer.update([o.prompt_len], o.transfer_ms)
-            batch, shared = o.load_decode.decode_batch + 1, 0.0
+            w, shared = o.load_decode, 0.0
         else:
-            batch, shared = o.load_prefill.decode_batch + 1, o.prompt_len * o.load_prefill.decode_batch / p.batch_thresh
-        self.fit_decode.update([o.output_len, o.output_len * max(0.0, batch - p.batch_thresh), shared], o.decode_ms)
+            w, shared = o.load_prefill, o.prompt_len * o.load_prefill.decode_batch / p.batch_thresh
+        out, context = o.output_len, w.context_tokens + o.prompt_len + o.output_len / 2
+        excess = max(0.0, w.decode_batch + 1 - p.batch_thresh)
+        self.fit_decode.update([out, out * excess, out * context, shared], o.decode_ms)
         (p.alpha,), (p.transfer_rate,) = self.fit_prefill.theta.tolist(), self.fit_transfer.theta.tolist()
-        p.beta, p.slope, p.gamma = self.fit_decode.theta.tolist()
+        p.beta, p.slope, p.kv, p.gamma = self.fit_decode.theta.tolist()

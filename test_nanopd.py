@@ -1584,7 +1584,8 @@ def test_cost_model_reduces_to_the_design_rule():
     for _ in range(2000):
         p = random_params(rng)
         cost, load, prompt_len, out = CostModel(p), rng.randint(1, 256), rng.randint(1, 4096), rng.randint(1, 512)
-        w = WorkerLoad(decode_batch=load)
+        p.kv = rng.uniform(0, 1e-4)
+        w = WorkerLoad(decode_batch=load, context_tokens=load * rng.randint(1, 4096))
         col, dis = cost.collocated_ms(prompt_len, out, w), cost.disaggregated_ms(prompt_len, out, WorkerLoad(), w)
         if abs(p.gamma / p.transfer_rate - p.batch_thresh / load) < 1e-6 * p.gamma / p.transfer_rate:
             continue   # a tie
@@ -1613,7 +1614,8 @@ def test_output_length_posterior_converges_and_its_interval_covers():
 def synthetic_observation(truth: HardwareParams, rng: random.Random, router: Router | None = None) -> Observation:
     """A request timed by the true parameters (1% noise), on the path the router picks (or
     a random one)."""
-    loads = {w: WorkerLoad(rng.randint(0, 4000), rng.randint(0, 128)) for w in (0, 1)}
+    loads = {w: WorkerLoad(rng.randint(0, 4000), b, b * rng.randint(64, 2048)) for w in (0, 1)
+             for b in [rng.randint(0, 128)]}
     prompt_len, out = rng.randint(16, 2048), rng.randint(16, 512)
     p, d, predicted = router.route(prompt_len, out, loads) if router else (rng.randint(0, 1), rng.randint(0, 1), None)
     true = CostModel(truth)
@@ -1621,20 +1623,21 @@ def synthetic_observation(truth: HardwareParams, rng: random.Random, router: Rou
     prefill = true.prefill_ms(loads[p].queued_prefill_tokens + prompt_len) * noise()
     if p == d:
         transfer = 0.0
-        decode = (out * true.decode_step_ms(loads[p].decode_batch + 1)
-                  + true.interference_ms(prompt_len, loads[p].decode_batch)) * noise()
+        decode = (true.decode_ms(prompt_len, out, loads[p]) + true.interference_ms(prompt_len, loads[p].decode_batch)
+                  ) * noise()
     else:
         transfer = truth.transfer_rate * prompt_len * noise()
-        decode = out * true.decode_step_ms(loads[d].decode_batch + 1) * noise()
+        decode = true.decode_ms(prompt_len, out, loads[d]) * noise()
     return Observation(prompt_len, out, p, d, loads[p], loads[d], prefill, transfer, decode, predicted)
 
 
 def test_router_refits_wrong_parameters_online():
     """Started from parameters wrong by 3x to 10x, the router's error on held-out synthetic
-    requests shrinks as it observes requests it routed itself, and its parameters approach
-    the true ones."""
-    truth = HardwareParams(alpha=0.05, beta=8.0, batch_thresh=32, slope=0.12, gamma=0.03, transfer_rate=0.004)
-    wrong = HardwareParams(alpha=0.15, beta=2.0, batch_thresh=32, slope=0.6, gamma=0.3, transfer_rate=0.04)
+    requests falls more than tenfold within ten requests it routed itself, ends under 3%,
+    and its parameters approach the true ones."""
+    truth = HardwareParams(alpha=0.05, beta=8.0, batch_thresh=32, slope=0.12, gamma=0.03, transfer_rate=0.004,
+                           kv=2e-5)
+    wrong = HardwareParams(alpha=0.15, beta=2.0, batch_thresh=32, slope=0.6, gamma=0.3, transfer_rate=0.04, kv=2e-4)
     router, rng = Router(wrong), random.Random(1)
     held_out = [synthetic_observation(truth, rng) for _ in range(300)]
 
@@ -1646,9 +1649,8 @@ def test_router_refits_wrong_parameters_online():
         router.observe(synthetic_observation(truth, rng, router))
         if seen in (10, 50, 400):
             errors.append(error())
-    assert errors[0] > 0.5 and errors[-1] < 0.02
-    assert errors == sorted(errors, reverse=True)
-    for name in ("alpha", "beta", "slope", "gamma", "transfer_rate"):
+    assert errors[0] > 0.5 and max(errors[1:]) < errors[0] / 10 and errors[-1] < 0.03
+    for name in ("alpha", "beta", "slope", "gamma", "transfer_rate", "kv"):
         assert getattr(router.cost.p, name) == pytest.approx(getattr(truth, name), rel=0.1), name
 
 
@@ -1687,6 +1689,16 @@ def test_profiler_fits_recover_known_parameters():
     assert (beta, knee, slope) == (pytest.approx(5.0, rel=0.02), 64, pytest.approx(0.08, rel=0.05))
     gamma, _ = profiler.fit_gamma([256, 512, 1024], [noisy(0.03 * c) for c in [256, 512, 1024]])
     assert gamma == pytest.approx(0.03, rel=0.02)
+    # All together, with a context term: steps at context 512 and, for two batches, 2048.
+    step = lambda b, ctx: noisy(5.0 + 0.08 * max(0, b - 64) + 2e-5 * b * ctx)
+    timings = {"lengths": lengths, "prefill_ms": [noisy(0.02 * n) for n in lengths], "batches": batches,
+               "decode_ms": [step(b, 512) for b in batches], "context": 512, "kv_batches": [16, 64],
+               "long_context": 2048, "long_decode_ms": [step(16, 2048), step(64, 2048)], "chunks": [256, 512, 1024],
+               "extra_ms": [noisy(0.03 * c) for c in [256, 512, 1024]]}
+    p = profiler.fit(timings, [(2048, 302e6, 302e6 / 390e9, 1.5)], kv_bytes_per_token=147456).params
+    assert (p.alpha, p.beta, p.batch_thresh, p.slope, p.kv, p.gamma) == (
+        pytest.approx(0.02, rel=0.02), pytest.approx(5.0, rel=0.05), 64, pytest.approx(0.08, rel=0.1),
+        pytest.approx(2e-5, rel=0.1), pytest.approx(0.03, rel=0.02))
 
 
 @pytest.mark.usefixtures("worker_env")
