@@ -1467,6 +1467,33 @@ def test_handoff_moves_the_prompt_kv_byte_for_byte(hf, transport):
     assert dec_engine.bm.num_free_blocks == dec_engine.bm.num_blocks
 
 
+@ENGINE
+def test_a_handoff_nobody_pulls_is_released_after_the_timeout(hf, monkeypatch):
+    """A prefill worker frees a parked request's blocks once the handoff timeout passes,
+    and says so ("expired"), so a lost decode worker cannot leak them."""
+    import queue
+
+    import workers
+
+    class Reports(queue.Queue):
+        send = queue.Queue.put
+    out = Reports()
+    monkeypatch.setattr(workers, "HANDOFF_TIMEOUT_S", 0.2)
+    pre = workers.Worker(0, "prefill", make_llm(hf.path).engine, queue.Queue(), out, {}, "p2p")
+    pre.inbox.put(workers.Submit(0, prompt(20, seed=72), SamplingParams(max_tokens=4), prefill_only=True))
+    events = []
+    deadline = time.monotonic() + 30
+    while not any(e[0] == "expired" for e in events):
+        assert time.monotonic() < deadline, "the handoff never expired"
+        pre.step(wait=False)
+        while not out.empty():
+            events += out.get()[1]
+        if any(e[0] == "handoff" for e in events):
+            assert pre.engine.bm.num_free_blocks < pre.engine.bm.num_blocks or any(e[0] == "expired" for e in events)
+        time.sleep(0.02)
+    assert pre.engine.bm.num_free_blocks == pre.engine.bm.num_blocks
+
+
 @pytest.mark.usefixtures("worker_env")
 @pytest.mark.parametrize("policy, num_devices, victim", [("collocated", 2, 1), ("disaggregated", 3, 1),
                                                          ("disaggregated", 3, 0)])
