@@ -1401,15 +1401,20 @@ def test_policies_on_worker_processes_give_hf_greedy_tokens(hf, policy, num_devi
 @pytest.mark.usefixtures("worker_env", "torch_twins")
 def test_disaggregated_sampling_matches_the_single_engine(hf):
     """Seeded sampling, n > 1 and logprobs across a handoff: the same tokens and logprobs as
-    one engine on the same kind of device (the random stream moves with the request)."""
+    one engine on the same kind of device (the random stream moves with the request); beam
+    search through the workers gives HF's beams."""
     params = {"max_tokens": 8, "temperature": 1.0, "seed": 11, "n": 2, "logprobs": 2}
     ref = generate(make_llm(hf.path, device=WORKER_DEVICES[0]), PROMPTS[:2], **params)
     with make_cluster(hf, "disaggregated", 2) as cluster:
         outs = generate(cluster, PROMPTS[:2], **params)
+        beams = cluster.beam_search(PROMPTS[:2], beam_width=3, max_tokens=6, use_tqdm=False)
     for out, r in zip(outs, ref):
         assert [c.token_ids for c in out.outputs] == [c.token_ids for c in r.outputs]
         for c, rc in zip(out.outputs, r.outputs):
             assert c.cumulative_logprob == pytest.approx(rc.cumulative_logprob, abs=1e-4)
+    # Beam search runs whole on one worker: HF's beams.
+    for out, p in zip(beams, PROMPTS[:2]):
+        assert [c.token_ids for c in out.outputs] == hf.beams(p, 3, 6)
 
 
 @ENGINE
