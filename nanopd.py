@@ -292,6 +292,8 @@ class CentralScheduler:
             if self.router is not None and t.routed is not None:
                 self._teach_router(t, w)
             return self._end(t)
+        elif kind == "rejected":
+            return self._fail(t, ValueError(event[2]))
         elif kind == "expired" and t.phase == "transfer":
             return self._fail(t, RuntimeError(f"its KV was never pulled from worker {w}"))
         return []

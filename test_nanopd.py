@@ -1499,6 +1499,31 @@ def test_a_handoff_nobody_pulls_is_released_after_the_timeout(hf, monkeypatch):
     assert pre.engine.bm.num_free_blocks == pre.engine.bm.num_blocks
 
 
+@ENGINE
+def test_a_worker_rejects_a_bad_request_and_lives_on(hf):
+    """A request a worker cannot take (here: too long for its max_model_len) is reported
+    back as rejected, with the reason, and the worker goes on serving the next one."""
+    import queue
+
+    import workers
+
+    class Reports(queue.Queue):
+        send = queue.Queue.put
+    out = Reports()
+    worker = workers.Worker(0, "collocated", make_llm(hf.path, max_model_len=64).engine, queue.Queue(), out, {},
+                            "p2p")
+    worker.inbox.put(workers.Submit(0, prompt(60, seed=73), SamplingParams(max_tokens=10)))
+    worker.inbox.put(workers.Submit(1, PROMPTS[0], SamplingParams(max_tokens=4)))
+    events = []
+    for _ in range(50):
+        worker.step(wait=False)
+        while not out.empty():
+            events += out.get()[1]
+    assert [e[:2] for e in events if e[0] in ("rejected", "done")] == [("rejected", 0), ("done", 1)]
+    assert "max_model_len" in next(e for e in events if e[0] == "rejected")[2]
+    assert next(e for e in events if e[0] == "done")[2].outputs[0].token_ids == hf.greedy(PROMPTS[0], 4)
+
+
 @pytest.mark.usefixtures("worker_env")
 @pytest.mark.parametrize("policy, num_devices, victim", [("collocated", 2, 1), ("disaggregated", 3, 1),
                                                          ("disaggregated", 3, 0)])

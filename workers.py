@@ -218,9 +218,9 @@ class Worker:
                  transport: str):
         self.index, self.role, self.engine = index, role, engine
         self.inbox, self.outbox = inbox, outbox
-        self.peer_caches = peer_caches                 # decode role: prefill worker -> its KV cache
+        self.peer_caches = peer_caches                 # worker -> its KV cache, for those we pull from
         self.transport = TRANSPORTS[transport](engine.model.device)
-        self.requests: dict[int, object] = {}          # rid -> nanopd.Request running here
+        self.requests: dict[int, object] = {}          # rid -> scheduler.Request running here
         self.reported: dict[int, int] = {}             # rid -> output tokens already streamed
         self.parked: dict[int, tuple[object, float]] = {}   # prefill: rid -> (Sequence, parked at)
         self.imports: deque[Import] = deque()          # decode: waiting for room
@@ -269,10 +269,12 @@ class Worker:
 
     def _handle(self, msg) -> None:
         if isinstance(msg, Submit):
-            req = self.engine.add_request(msg.prompt_ids, msg.params, beam_width=msg.beam_width,
-                                          length_penalty=msg.length_penalty, request_id=msg.rid,
-                                          prefill_only=msg.prefill_only)
-            self.requests[msg.rid] = req
+            try:
+                self.requests[msg.rid] = self.engine.add_request(
+                    msg.prompt_ids, msg.params, beam_width=msg.beam_width, length_penalty=msg.length_penalty,
+                    request_id=msg.rid, prefill_only=msg.prefill_only)
+            except ValueError as e:   # the central scheduler checks first; this worker's cache may be smaller
+                self.events.append(("rejected", msg.rid, str(e)))
         elif isinstance(msg, Import):
             self.imports.append(msg)
         elif isinstance(msg, Release):
