@@ -140,6 +140,7 @@ class CentralScheduler:
                     for event in events:
                         if event[0] == "ready":
                             rooms[w], self.kv_bytes_per_token = event[1] - event[2], event[3]
+                            self.status[w] = (event[1], event[1], 0)   # all blocks free, nothing held
                             bar.update()
                         elif event[0] == "failed":
                             self.errors[w] = event[1]
