@@ -271,7 +271,9 @@ class CentralScheduler:
             (_, rid, blocks, token_ids, num_prompt, logprobs, cum_lp, gen_state, scheduled, first) = event
             t.metrics.first_scheduled_time, t.metrics.first_token_time = scheduled, first
             t.tokens = token_ids[num_prompt:]
-            decoders = [d for d in self._live("decode" if self.policy == "disaggregated" else "collocated") if d != w]
+            # Under adaptive, w itself may decode it (its planned decode worker died, say):
+            # the Import then keeps the blocks where they are.
+            decoders = self._live("decode" if self.policy == "disaggregated" else "collocated")
             if not decoders:
                 self.inboxes[w].put(Release(rid))
                 return self._fail(t, RuntimeError(f"no live decode worker (dead: {self._dead_summary()})"))

@@ -45,6 +45,7 @@ from kv_cache import (
     layer_kv,
 )
 from nanopd import LLM, SamplingParams
+from router import CostModel, HardwareParams, Observation, OutputLengthPredictor, Router, WorkerLoad
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -1526,19 +1527,21 @@ def test_a_worker_rejects_a_bad_request_and_lives_on(hf):
 
 @pytest.mark.usefixtures("worker_env")
 @pytest.mark.parametrize("policy, num_devices, victim", [("collocated", 2, 1), ("disaggregated", 3, 1),
-                                                         ("disaggregated", 3, 0)])
+                                                         ("disaggregated", 3, 0), ("adaptive", 2, 1)])
 def test_a_killed_worker_ends_or_retries_its_requests(hf, policy, num_devices, victim):
     """Kill a worker mid-run, while it decodes some requests and others (long prompts) are
     still being prefilled: every request ends within a bounded time, with HF's greedy
     tokens (restarted on a live worker) or, when no live worker can serve it (the only
     prefill worker died), with a RuntimeError naming the dead worker; no process is left."""
     import signal
-    llm = make_cluster(hf, policy, num_devices, max_model_len=512)
+    extra = {"profile": HardwareParams(alpha=0.02, beta=1.0, batch_thresh=2, slope=0.1, gamma=0.5, transfer_rate=0.005)
+             } if policy == "adaptive" else {}
+    llm = make_cluster(hf, policy, num_devices, max_model_len=512, **extra)
     cluster = llm.cluster
     prompts = [prompt(12, seed=80 + i) for i in range(4)] + [prompt(150, seed=90 + i) for i in range(3)]
     rids = [cluster.submit(p, SamplingParams(max_tokens=300)) for p in prompts[:4]]
     deadline = time.monotonic() + 60
-    while not any(cluster.active[r].tokens and cluster.active[r].phase == "decode" or policy == "collocated"
+    while not any(cluster.active[r].tokens and cluster.active[r].phase == "decode" or policy != "disaggregated"
                   and cluster.active[r].tokens and cluster.active[r].worker == victim for r in rids):
         assert time.monotonic() < deadline, "nothing was decoding"
         cluster.poll(0.01)
@@ -1624,7 +1627,6 @@ def test_bad_cluster_settings_are_a_value_error(kwargs, words):
 posterior converges and its interval covers what it says; the router learns correct
 parameters from synthetic timings after a wrong start, and changes paths with load."""
 
-from router import CostModel, HardwareParams, Observation, OutputLengthPredictor, Router, WorkerLoad
 
 
 def random_params(rng: random.Random) -> HardwareParams:

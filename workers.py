@@ -321,10 +321,15 @@ class Worker:
             if msg.rid in self.dropped:
                 self.imports.popleft()
                 continue
+            own = msg.src == self.index   # our own parked request (adaptive): it keeps its blocks
             seats = len(eng.scheduler.running) + len(self.transfers)
-            if seats >= eng.cfg.max_num_seqs or not eng.bm.can_allocate(msg.token_ids):
+            if seats >= eng.cfg.max_num_seqs or not (own or eng.bm.can_allocate(msg.token_ids)):
                 return   # waits until decodes finish and free room
             self.imports.popleft()
+            if own:
+                seq, _ = self.parked.pop(msg.rid)
+                self.transfers.append(Transfer(msg, seq.block_table, Pull(0, seconds=0.0)))
+                continue
             table, cached = eng.bm.allocate(msg.token_ids)   # blocks found in our prefix cache need no copy
             first, last = cached // eng.cfg.block_size, cdiv(msg.num_prompt_tokens, eng.cfg.block_size)
             pull = self.transport.pull(self.peer_caches[msg.src], msg.src_blocks[first:last], eng.runner.kv_cache,
