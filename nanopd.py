@@ -29,7 +29,7 @@ from model import load_config
 from profiler import profile_cluster
 from router import HardwareParams, Observation, Router, WorkerLoad
 from scheduler import RequestMetrics, RequestOutput, SamplingParams
-from workers import TRANSPORTS, Drop, Import, Measure, Release, Submit, worker_main
+from workers import TRANSPORTS, Drop, Measure, Release, Submit, worker_main
 
 __all__ = ["LLM", "CentralScheduler", "RequestMetrics", "RequestOutput", "SamplingParams"]
 
@@ -112,7 +112,7 @@ class CentralScheduler:
         for i, (role, device) in enumerate(zip(self.roles, devices)):
             kwargs = dataclasses.asdict(self.cfg) | {"device": device}
             readers = [shares[j] for j in range(len(devices)) if i in sources[j]]
-            args = (i, role, kwargs, self.inboxes[i], pipes[i][1], readers, shares[i], len(sources[i]), transport)
+            args = (i, kwargs, self.inboxes[i], pipes[i][1], readers, shares[i], len(sources[i]), transport)
             self.procs.append(ctx.Process(target=worker_main, args=args, daemon=True, name=f"nanopd-{role}-{i}"))
         self._close = weakref.finalize(self, _stop_workers, self.procs, self.inboxes, self.reports)
         for p, (_, writer) in zip(self.procs, pipes):
@@ -190,11 +190,14 @@ class CentralScheduler:
                 load += 0 if self.roles[w] == "prefill" else t.params.max_tokens - len(t.tokens)
         return load
 
-    def _dispatch(self, t: Tracked) -> None:
+    def _dispatch(self, t: Tracked, path: tuple[int, int] | None = None) -> None:
+        """Send t to its prefill (or whole-request) worker: path's, the router's pick, or the least loaded."""
         live = self._live("collocated" if self.policy != "disaggregated" else "prefill")
         if not live or (self.policy == "disaggregated" and not self._live("decode")):
             return self._fail(t, RuntimeError(f"no live worker can serve it (dead: {self._dead_summary()})"))
-        if self.router is not None and not t.beam_width:
+        if path is not None:
+            w, t.decode_worker = path
+        elif self.router is not None and not t.beam_width:
             loads = {w: self.worker_load(w) for w in live}
             blocks = cdiv(len(t.prompt_ids) + t.params.max_tokens, self.cfg.block_size)
             w, t.decode_worker, predicted = self.router.route(len(t.prompt_ids), t.params.max_tokens, loads, blocks)
@@ -264,22 +267,21 @@ class CentralScheduler:
                     t.tokens += ids
                     t.metrics.first_token_time = t.metrics.first_token_time or event[2]
             return []
-        t = self.active.get(event[1])
+        t = self.active.get(event[1].rid if kind == "handoff" else event[1])
         if t is None or (kind != "handoff" and t.worker != w and not (kind == "expired" and t.prefill_worker == w)):
             return []   # a stale report from an attempt that was restarted elsewhere
-        if kind == "handoff":
-            (_, rid, blocks, token_ids, num_prompt, logprobs, cum_lp, gen_state, scheduled, first) = event
-            t.metrics.first_scheduled_time, t.metrics.first_token_time = scheduled, first
-            t.tokens = token_ids[num_prompt:]
+        if kind == "handoff":   # forward the prefill worker's Import to the decode worker
+            _, imp, t.metrics.first_scheduled_time, t.metrics.first_token_time = event
+            t.tokens = imp.token_ids[imp.num_prompt_tokens:]
             # Under adaptive, w itself may decode it (its planned decode worker died, say):
             # the Import then keeps the blocks where they are.
             decoders = self._live("decode" if self.policy == "disaggregated" else "collocated")
             if not decoders:
-                self.inboxes[w].put(Release(rid))
+                self.inboxes[w].put(Release(imp.rid))
                 return self._fail(t, RuntimeError(f"no live decode worker (dead: {self._dead_summary()})"))
             d = t.decode_worker if t.decode_worker in decoders else min(decoders, key=self._load)
             t.worker, t.phase = d, "transfer"
-            self.inboxes[d].put(Import(rid, w, blocks, token_ids, num_prompt, t.params, logprobs, cum_lp, gen_state))
+            self.inboxes[d].put(imp)
         elif kind == "imported":
             _, _, t.metrics.imported_time, t.metrics.kv_bytes_moved, t.metrics.kv_copy_time = event
             t.phase = "decode"
@@ -325,11 +327,9 @@ class CentralScheduler:
     def run_on_path(self, prompt_ids: list[int], path: tuple[int, int], max_tokens: int = 2) -> RequestMetrics:
         """Serve one request on a given (prefill worker, decode worker); its metrics."""
         t = Tracked(next(self._rids), None, prompt_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                    metrics=RequestMetrics(time.perf_counter()), decode_worker=path[1])
+                    metrics=RequestMetrics(time.perf_counter()))
         self.active[t.rid] = t
-        t.worker = t.prefill_worker = path[0]
-        t.phase = "prefill"
-        self.inboxes[path[0]].put(Submit(t.rid, prompt_ids, t.params, prefill_only=path[0] != path[1]))
+        self._dispatch(t, path)
         while t.rid not in self.done:
             self.poll(0.05)
         return self.done[t.rid].output.metrics

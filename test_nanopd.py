@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import queue
 import random
 import shutil
 import statistics
@@ -36,6 +37,7 @@ import kv_cache
 import model as qwen
 import runner
 import scheduler
+import workers
 from kv_cache import (
     BlockManager,
     OutOfBlocks,
@@ -1362,6 +1364,26 @@ def make_cluster(hf, policy: str, num_devices: int, **kwargs) -> LLM:
     return LLM(str(hf.path), policy=policy, devices=WORKER_DEVICES[:num_devices], dtype="float32", **kwargs)
 
 
+class Reports(queue.Queue):
+    """Stands in for a worker's pipe to the central scheduler, in the in-process worker tests."""
+    send = queue.Queue.put
+
+
+def in_process_worker(engine, index: int = 0, peers: dict | None = None, transport: str = "p2p",
+                      reports: Reports | None = None) -> workers.Worker:
+    """A Worker driven by the test (worker.step(wait=False)), reporting into `reports`."""
+    return workers.Worker(index, engine, queue.Queue(), reports or Reports(), peers or {}, transport)
+
+
+def reported(worker: workers.Worker) -> list[tuple]:
+    """The events a worker has reported since the last call."""
+    events = []
+    while not worker.outbox.empty():
+        events += worker.outbox.get()[1]
+    return events
+
+
+
 def workers_all_free(llm: LLM, timeout_s: float = 20.0) -> bool:
     """Whether every worker reports all its KV blocks free and no request held (waiting for
     the last Release to reach the prefill worker)."""
@@ -1425,16 +1447,10 @@ def test_handoff_moves_the_prompt_kv_byte_for_byte(hf, transport):
     decode worker pulls its blocks into different block ids; they are byte-equal to the
     prefill worker's and hold HF's K/V; the decode worker then continues HF's greedy tokens;
     the Release frees the prefill worker's blocks."""
-    import queue
-
-    from workers import Import, Release, Submit, Worker
-
-    class Reports(queue.Queue):   # what a worker's pipe to the central scheduler receives
-        send = queue.Queue.put
     out = Reports()
-    pre = Worker(0, "prefill", make_llm(hf.path).engine, queue.Queue(), out, {}, transport)
+    pre = in_process_worker(make_llm(hf.path).engine, transport=transport, reports=out)
     dec_engine = make_llm(hf.path).engine
-    dec = Worker(1, "decode", dec_engine, queue.Queue(), out, {0: pre.engine.runner.kv_cache}, transport)
+    dec = in_process_worker(dec_engine, 1, {0: pre.engine.runner.kv_cache}, transport, out)
     squatter, _ = dec_engine.bm.allocate(prompt(40, seed=71))   # so the decode side's block ids differ
     ids = prompt(29, seed=70)   # 3 full blocks of 8 and a partial one
 
@@ -1447,11 +1463,12 @@ def test_handoff_moves_the_prompt_kv_byte_for_byte(hf, transport):
                         return event
         raise AssertionError(f"no {kind} event")
 
-    pre.inbox.put(Submit(0, ids, SamplingParams(max_tokens=6), prefill_only=True))
-    _, rid, src_blocks, token_ids, num_prompt, *rest = pump(pre, "handoff")
-    assert token_ids == ids + hf.greedy(ids, 1) and len(src_blocks) == 4
+    pre.inbox.put(workers.Submit(0, ids, SamplingParams(max_tokens=6), prefill_only=True))
+    imp = pump(pre, "handoff")[1]
+    rid, src_blocks = imp.rid, imp.src_blocks
+    assert imp.token_ids == ids + hf.greedy(ids, 1) and len(src_blocks) == 4
     assert pre.engine.bm.num_free_blocks == pre.engine.bm.num_blocks - 4   # parked, not freed
-    dec.inbox.put(Import(rid, 0, src_blocks, token_ids, num_prompt, SamplingParams(max_tokens=6), *rest[:3]))
+    dec.inbox.put(imp)
     pump(dec, "imported")
     dst_blocks = dec.requests[rid].seqs[0].block_table[:4]
     assert not set(dst_blocks) & set(src_blocks)
@@ -1464,7 +1481,7 @@ def test_handoff_moves_the_prompt_kv_byte_for_byte(hf, transport):
             block, offset = dst_blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
             torch.testing.assert_close(dst_cache[block, layer, 0, :, offset], k[:, pos], atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(dst_cache[block, layer, 1, :, offset], v[:, pos], atol=1e-5, rtol=1e-4)
-    pre.inbox.put(Release(rid))
+    pre.inbox.put(workers.Release(rid))
     pre.step(wait=False)
     assert pre.engine.bm.num_free_blocks == pre.engine.bm.num_blocks
     done = pump(dec, "done")
@@ -1477,23 +1494,15 @@ def test_handoff_moves_the_prompt_kv_byte_for_byte(hf, transport):
 def test_a_handoff_nobody_pulls_is_released_after_the_timeout(hf, monkeypatch):
     """A prefill worker frees a parked request's blocks once the handoff timeout passes,
     and says so ("expired"), so a lost decode worker cannot leak them."""
-    import queue
-
-    import workers
-
-    class Reports(queue.Queue):
-        send = queue.Queue.put
-    out = Reports()
     monkeypatch.setattr(workers, "HANDOFF_TIMEOUT_S", 0.2)
-    pre = workers.Worker(0, "prefill", make_llm(hf.path).engine, queue.Queue(), out, {}, "p2p")
+    pre = in_process_worker(make_llm(hf.path).engine)
     pre.inbox.put(workers.Submit(0, prompt(20, seed=72), SamplingParams(max_tokens=4), prefill_only=True))
     events = []
     deadline = time.monotonic() + 30
     while not any(e[0] == "expired" for e in events):
         assert time.monotonic() < deadline, "the handoff never expired"
         pre.step(wait=False)
-        while not out.empty():
-            events += out.get()[1]
+        events += reported(pre)
         if any(e[0] == "handoff" for e in events):
             assert pre.engine.bm.num_free_blocks < pre.engine.bm.num_blocks or any(e[0] == "expired" for e in events)
         time.sleep(0.02)
@@ -1504,22 +1513,13 @@ def test_a_handoff_nobody_pulls_is_released_after_the_timeout(hf, monkeypatch):
 def test_a_worker_rejects_a_bad_request_and_lives_on(hf):
     """A request a worker cannot take (here: too long for its max_model_len) is reported
     back as rejected, with the reason, and the worker goes on serving the next one."""
-    import queue
-
-    import workers
-
-    class Reports(queue.Queue):
-        send = queue.Queue.put
-    out = Reports()
-    worker = workers.Worker(0, "collocated", make_llm(hf.path, max_model_len=64).engine, queue.Queue(), out, {},
-                            "p2p")
+    worker = in_process_worker(make_llm(hf.path, max_model_len=64).engine)
     worker.inbox.put(workers.Submit(0, prompt(60, seed=73), SamplingParams(max_tokens=10)))
     worker.inbox.put(workers.Submit(1, PROMPTS[0], SamplingParams(max_tokens=4)))
     events = []
     for _ in range(50):
         worker.step(wait=False)
-        while not out.empty():
-            events += out.get()[1]
+        events += reported(worker)
     assert [e[:2] for e in events if e[0] in ("rejected", "done")] == [("rejected", 0), ("done", 1)]
     assert "max_model_len" in next(e for e in events if e[0] == "rejected")[2]
     assert next(e for e in events if e[0] == "done")[2].outputs[0].token_ids == hf.greedy(PROMPTS[0], 4)

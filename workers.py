@@ -10,8 +10,9 @@ Control travels as small picklable messages. Tensors cross a queue only at start
 prefill worker hands its whole KV cache to every decode worker once (CUDA IPC on GPUs,
 shared memory on CPUs), so per request only block ids travel. A handoff:
   1. the prefill worker samples a request's first token and parks the request: its blocks
-     stay allocated; it reports ("handoff", blocks, tokens, ...) to the central scheduler;
-  2. the central scheduler picks a decode worker and sends it an Import;
+     stay allocated; it reports ("handoff", an Import naming its blocks) to the central
+     scheduler;
+  2. the central scheduler picks a decode worker and forwards it the Import;
   3. the decode worker allocates its own blocks and pulls the data on its own CUDA stream
      (the Transport), so the decodes it is running are not stalled; when the copy's event
      has completed it adds the request to its batch and reports ("imported");
@@ -214,9 +215,8 @@ class Transfer:
 class Worker:
     """The loop of one worker process: take messages, step the engine, report events."""
 
-    def __init__(self, index: int, role: str, engine, inbox, outbox, peer_caches: dict[int, torch.Tensor],
-                 transport: str):
-        self.index, self.role, self.engine = index, role, engine
+    def __init__(self, index: int, engine, inbox, outbox, peer_caches: dict[int, torch.Tensor], transport: str):
+        self.index, self.engine = index, engine
         self.inbox, self.outbox = inbox, outbox
         self.peer_caches = peer_caches                 # worker -> its KV cache, for those we pull from
         self.transport = TRANSPORTS[transport](engine.model.device)
@@ -292,9 +292,9 @@ class Worker:
             self.parked[req.request_id] = (seq, time.monotonic())
             state = seq.generator.get_state().numpy().tobytes() if seq.generator is not None else None
             n = cdiv(seq.num_prompt_tokens, self.engine.cfg.block_size)
-            self.events.append(("handoff", req.request_id, seq.block_table[:n], list(seq.token_ids),
-                                seq.num_prompt_tokens, seq.logprobs, seq.cumulative_logprob, state,
-                                req.metrics.first_scheduled_time, req.metrics.first_token_time))
+            imp = Import(req.request_id, self.index, seq.block_table[:n], list(seq.token_ids), seq.num_prompt_tokens,
+                         req.params, seq.logprobs, seq.cumulative_logprob, state)
+            self.events.append(("handoff", imp, req.metrics.first_scheduled_time, req.metrics.first_token_time))
         else:
             self.events.append(("done", req.request_id, self.engine.output(req), req.metrics))
         self.requests.pop(req.request_id, None)
@@ -375,7 +375,7 @@ class Worker:
             self.events.append(("tokens", new, time.perf_counter()))
 
 
-def worker_main(index: int, role: str, engine_kwargs: dict, inbox, outbox, readers: list,
+def worker_main(index: int, engine_kwargs: dict, inbox, outbox, readers: list,
                 my_share_queue, num_sources: int, transport: str) -> None:
     """Entry point of a worker process (spawned by nanopd.CentralScheduler). readers: the
     queues of the workers that will pull from this one's cache; num_sources: how many
@@ -402,7 +402,7 @@ def worker_main(index: int, role: str, engine_kwargs: dict, inbox, outbox, reade
                 peer_cache[:1].to(device)
         outbox.send((index, [("ready", engine.runner.num_blocks, engine.bm.watermark_blocks,
                               cache[0].nbytes // engine.cfg.block_size)]))
-        Worker(index, role, engine, inbox, outbox, peers, transport).run()
+        Worker(index, engine, inbox, outbox, peers, transport).run()
     except KeyboardInterrupt:
         pass
     except BaseException:  # noqa: BLE001 (report any failure to the central scheduler, then die)
