@@ -425,6 +425,12 @@ class LLM:
                  **kwargs):
         self.engine = self.cluster = None
         if policy is None:
+            given = [name for name, value, default in [("devices", devices, None), ("num_prefill", num_prefill, 1),
+                                                       ("transport", transport, "p2p"), ("profile", profile, None)]
+                     if value != default]
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply with a policy (collocated, disaggregated, adaptive); "
+                                 "without one, LLM is a single engine on `device`")
             self.engine = Engine(EngineConfig(model=model, **kwargs))
         else:
             if devices is None:   # every GPU, or two CPU workers

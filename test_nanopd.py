@@ -1615,7 +1615,8 @@ def alive(pid: int) -> bool:
                                            ({"policy": "disaggregated", "devices": ["cpu"]}, "num_prefill"),
                                            ({"policy": "disaggregated", "num_prefill": 2}, "num_prefill"),
                                            ({"policy": "collocated", "transport": "pigeon"}, "transport"),
-                                           ({"policy": "collocated", "devices": []}, "devices")])
+                                           ({"policy": "collocated", "devices": []}, "devices"),
+                                           ({"policy": None, "num_prefill": 2}, "only apply with a policy")])
 def test_bad_cluster_settings_are_a_value_error(kwargs, words):
     kwargs = {"devices": ["cpu", "cpu"], **kwargs}
     with pytest.raises(ValueError, match=words):
