@@ -237,7 +237,11 @@ def main() -> None:
     engine = {"max_num_seqs": 256, "max_num_batched_tokens": 8192 if gpu else 256, "max_model_len": 4096}
     rows, results, calibration = [], [], {}
     for policy in policies:
-        with LLM(model, policy=policy, devices=devices, **engine) as llm:
+        try:
+            llm = LLM(model, policy=policy, devices=devices, **engine)
+        except ValueError as e:   # bad --model, --devices for the policy, ...: say so, no traceback
+            raise SystemExit(f"error: {e}") from None
+        with llm:
             vocab = llm.cluster.vocab_size
             warm = make_requests(args.workload, 0, 0, 8, args.seed + 999, vocab, scale)   # not counted
             serve(llm, policy, 0.0, warm, f"{policy} warm-up")
