@@ -1,7 +1,8 @@
 """Measures the hardware for the router (router.py), on the workers that will serve.
 
   alpha         prefill ms per token: prefills of several lengths, least squares, with a
-                quadratic (attention) term when it fits clearly better
+                fixed cost per prefill (alpha0: a step reads every weight, however few
+                tokens it has) and a quadratic (attention) term when it fits clearly better
   beta          a decode step at batch 1
   batch_thresh  the knee of decode step time vs batch: flat, then linear (and its slope)
   kv            decode-step time per token of context in the batch (reading its KV): the
@@ -55,13 +56,23 @@ def least_squares(columns: list[list[float]], ys: list[float]) -> list[float]:
     return torch.linalg.lstsq(a, torch.tensor(ys, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
 
 
-def fit_prefill(lengths: list[int], ms: list[float]) -> tuple[float, float, float]:
-    """(alpha, alpha2, error) for ms = alpha * L (+ alpha2 * L^2 when that halves the error)."""
-    (alpha,) = least_squares([lengths], ms)
-    err = relative_rms([alpha * n for n in lengths], ms)
-    a1, a2 = least_squares([lengths, [n * n for n in lengths]], ms)
-    err2 = relative_rms([a1 * n + a2 * n * n for n in lengths], ms)
-    return (a1, a2, err2) if a2 > 0 and err2 < err / 2 else (alpha, 0.0, err)
+def fit_prefill(lengths: list[int], ms: list[float]) -> tuple[float, float, float, float]:
+    """(alpha0, alpha, alpha2, error) for ms = alpha0 + alpha * L (+ alpha2 * L^2 when that
+    halves the error and adds over 5% at the longest length); alpha0 >= 0. Fitted by relative error, as short prefills matter as
+    much as long ones."""
+    def solve(quadratic: bool) -> tuple[list[float], float]:
+        columns = [[1.0] * len(lengths), lengths] + ([[n * n for n in lengths]] if quadratic else [])
+        columns = [[c / y for c, y in zip(col, ms)] for col in columns]
+        ones = [1.0] * len(ms)
+        coef = least_squares(columns, ones)
+        if coef[0] < 0:   # no negative fixed cost: fit without one
+            coef = [0.0, *least_squares(columns[1:], ones)]
+        coef += [0.0] * (3 - len(coef))
+        return coef, relative_rms([coef[0] + coef[1] * n + coef[2] * n * n for n in lengths], ms)
+    (linear, err), (quadratic, err2) = solve(False), solve(True)
+    longest = max(lengths)
+    matters = quadratic[2] * longest ** 2 > 0.05 * ms[lengths.index(longest)]   # not just fitting noise
+    return (*quadratic, err2) if matters and err2 < err / 2 else (*linear, err)
 
 
 def fit_knee(batches: list[int], ms: list[float]) -> tuple[float, float, float, float]:
@@ -156,7 +167,7 @@ def measure_engine(engine, lengths: list[int], batches: list[int], chunks: list[
 def fit(timings: dict, handoffs: list[tuple[int, int, float, float]], kv_bytes_per_token: int) -> Profile:
     """The parameters from measure_engine's timings and real handoffs (prompt tokens, bytes
     moved, copy seconds, handoff ms)."""
-    alpha, alpha2, e_prefill = fit_prefill(timings["lengths"], timings["prefill_ms"])
+    alpha0, alpha, alpha2, e_prefill = fit_prefill(timings["lengths"], timings["prefill_ms"])
     # kv: what the longer context adds per token of context; then the knee of what is left.
     short = dict(zip(timings["batches"], timings["decode_ms"]))
     extra_context = timings["long_context"] - timings["context"]
@@ -170,7 +181,7 @@ def fit(timings: dict, handoffs: list[tuple[int, int, float, float]], kv_bytes_p
         rate = statistics.median(ms / n for n, _, _, ms in handoffs)
     else:   # one device: no handoffs; the rate only matters where there are two
         bandwidth, rate = float("nan"), float("inf")
-    params = HardwareParams(alpha=alpha, alpha2=alpha2, beta=beta, batch_thresh=max(knee, 1.0), slope=slope,
+    params = HardwareParams(alpha=alpha, alpha2=alpha2, alpha0=alpha0, beta=beta, batch_thresh=max(knee, 1.0), slope=slope,
                             gamma=max(gamma, 0.0), transfer_rate=rate, kv=kv)
     return Profile(params, bandwidth, {"prefill": e_prefill, "decode": e_decode, "gamma": e_gamma})
 
@@ -204,10 +215,10 @@ def profile_cluster(cluster, use_cache: bool = True) -> Profile:
     start = time.perf_counter()
     spec = GPU_SPEC if cluster.devices[0].startswith("cuda") else CPU_SPEC
     timings = cluster.measure(0, spec)
-    handoffs = []
-    if len(cluster.devices) > 1:
+    handoffs, rng = [], torch.Generator().manual_seed(0)
+    if len(cluster.devices) > 1:   # fresh random prompts: a repeated one would hit the decode side's prefix cache
         for n in (512, 2048, 512, 2048) if spec is GPU_SPEC else (16, 64, 16, 64):
-            m = cluster.run_on_path(list(range(1, n + 1)), (0, 1))
+            m = cluster.run_on_path(torch.randint(0, cluster.vocab_size, (n,), generator=rng).tolist(), (0, 1))
             handoffs.append((n, m.kv_bytes_moved, m.kv_copy_time, m.phases()["transfer"] * 1e3))
     profile = fit(timings, handoffs[2:] or handoffs, cluster.kv_bytes_per_token)
     profile.key, profile.seconds = key, time.perf_counter() - start
@@ -218,7 +229,8 @@ def profile_cluster(cluster, use_cache: bool = True) -> Profile:
 
 def print_profile(profile: Profile) -> None:
     p = profile.params
-    rows = [("alpha", f"{p.alpha:.5f} ms/token" + (f" + {p.alpha2:.3g} ms/token^2" if p.alpha2 else ""),
+    rows = [("alpha", f"{p.alpha:.5f} ms/token + {p.alpha0:.2f} ms per prefill"
+             + (f" + {p.alpha2:.3g} ms/token^2" if p.alpha2 else ""),
              profile.errors.get("prefill")),
             ("beta", f"{p.beta:.3f} ms", profile.errors.get("decode")),
             ("batch_thresh", f"{p.batch_thresh:.0f} sequences (then +{p.slope:.4f} ms per sequence)", None),

@@ -32,6 +32,7 @@ class HardwareParams:
     gamma: float              # extra decode-step time per prefill token sharing the step
     transfer_rate: float      # ms per prompt token to move its KV between workers
     alpha2: float = 0.0       # prefill's quadratic (attention) term, ms per token^2
+    alpha0: float = 0.0       # a prefill's fixed cost, ms: its step reads every weight, however short
     kv: float = 0.0           # decode-step time per token of context in the batch (its KV is read)
 
 
@@ -53,7 +54,7 @@ class CostModel:
         self.p = params
 
     def prefill_ms(self, tokens: float) -> float:
-        return self.p.alpha * tokens + self.p.alpha2 * tokens ** 2
+        return self.p.alpha0 + self.p.alpha * tokens + self.p.alpha2 * tokens ** 2
 
     def decode_step_ms(self, batch: float, context: float = 0.0) -> float:
         """A decode step of batch sequences holding context tokens in all."""
@@ -184,7 +185,7 @@ class Router:
     """Picks each request's path by predicted cost and refits the cost model online.
 
     The phases are fitted separately, each linear in its parameters:
-      prefill  = alpha * (queued + L)          (minus the profiled alpha2 * (queued + L)^2)
+      prefill  = alpha0 + alpha * (queued + L)   (minus the profiled alpha2 * (queued + L)^2)
       transfer = transfer_rate * L                         (disaggregated only)
       decode   = O * (beta + slope * excess + kv * context) + gamma * L * load / batch_thresh
     (the gamma term on the collocated path only) where excess = max(0, batch - batch_thresh)
@@ -194,7 +195,7 @@ class Router:
         self.cost = CostModel(params)
         self.predictor = predictor or OutputLengthPredictor()
         p = params
-        self.fit_prefill = RecursiveLeastSquares([p.alpha], [1e-3])
+        self.fit_prefill = RecursiveLeastSquares([p.alpha0, p.alpha], [1e-1, 1e-3])
         self.fit_transfer = RecursiveLeastSquares([p.transfer_rate], [1e-4])
         self.fit_decode = RecursiveLeastSquares([p.beta, p.slope, p.kv, p.gamma], [1e-1, 1e-3, 1e-6, 1e-3])
         self.errors: list[float] = []         # |route()'s prediction - measured| / measured, per request
@@ -231,7 +232,7 @@ class Router:
         self.predictor.update(o.prompt_len, o.output_len)
         p = self.cost.p
         n = o.load_prefill.queued_prefill_tokens + o.prompt_len
-        self.fit_prefill.update([n], o.prefill_ms - p.alpha2 * n * n)
+        self.fit_prefill.update([1.0, n], o.prefill_ms - p.alpha2 * n * n)
         if o.prefill_worker != o.decode_worker:
             self.fit_transfer.update([o.prompt_len], o.transfer_ms)
             w, shared = o.load_decode, 0.0
@@ -240,5 +241,5 @@ class Router:
         out, context = o.output_len, w.context_tokens + o.prompt_len + o.output_len / 2
         excess = max(0.0, w.decode_batch + 1 - p.batch_thresh)
         self.fit_decode.update([out, out * excess, out * context, shared], o.decode_ms)
-        (p.alpha,), (p.transfer_rate,) = self.fit_prefill.theta.tolist(), self.fit_transfer.theta.tolist()
+        (p.alpha0, p.alpha), (p.transfer_rate,) = self.fit_prefill.theta.tolist(), self.fit_transfer.theta.tolist()
         p.beta, p.slope, p.kv, p.gamma = self.fit_decode.theta.tolist()
