@@ -4,6 +4,7 @@ generated workload, compared by latency, throughput and goodput.
   python bench.py --policy adaptive                  Poisson arrivals at one rate
   python bench.py --policy all --mode sweep          every policy over a list of rates
   python bench.py --policy collocated --mode static  one batch, all requests at once
+  python bench.py --workload short long ...          several workloads, one start-up per policy
   python bench.py kernels | engine | profile | transfer    the micro-benchmarks (microbench.py)
 
 With GPUs it serves the qwen3-8b preset (random weights) on every visible GPU; without, the
@@ -39,6 +40,8 @@ WORKLOADS = {
     "mixed": lambda rng: WORKLOADS["short" if rng.random() < 0.5 else "long"](rng),
     # ShareGPT-like: log-normal prompt (median 256) and output (median 192) lengths.
     "sharegpt": lambda rng: (lognormal_int(rng, 256, 1.0, 8, 2048), lognormal_int(rng, 192, 0.8, 8, 1024)),
+    # 128 in, 128 out: the shape of vLLM's and the engine benchmark's throughput figure.
+    "fixed": lambda rng: (128, 128),
 }
 
 
@@ -69,6 +72,7 @@ def make_requests(workload: str, rate: float, duration: float, count: int, seed:
 class Result:
     """One request's timings (s) and path."""
     policy: str
+    workload: str
     rate: float
     prompt_len: int
     output_len: int
@@ -80,7 +84,7 @@ class Result:
     routed: dict = field(default_factory=dict)   # adaptive: the load it was routed under
 
 
-def serve(llm, policy: str, rate: float, specs: list[Spec], desc: str) -> tuple[list[Result], float]:
+def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec], desc: str) -> tuple[list[Result], float]:
     """Submit specs at their arrival times, wait for all; the results and the run's length."""
     from nanopd import SamplingParams
     cluster, pending, results = llm.cluster, {}, []
@@ -101,7 +105,7 @@ def serve(llm, policy: str, rate: float, specs: list[Spec], desc: str) -> tuple[
                     routed = {"predicted_ms": t.routed[0], "decode_batch": t.routed[1].decode_batch,
                               "queued_prefill": t.routed[1].queued_prefill_tokens}
                 results.append(Result(
-                    policy, rate, len(spec.prompt_ids), n,
+                    policy, workload, rate, len(spec.prompt_ids), n,
                     ttft=(m.first_token_time or m.finish_time) - m.arrival_time,
                     tpot=(m.finish_time - m.first_token_time) / max(1, n - 1) if m.first_token_time else 0.0,
                     e2e=m.finish_time - m.arrival_time, path=list(m.path),
@@ -130,13 +134,19 @@ def summarize(results: list[Result], seconds: float, ttft_slo: float, tpot_slo: 
 # ----------------------------------------------------------------------------- report
 
 
+def label(policy: str, workload: str, rows: list[dict]) -> str:
+    """A series' name in the plots: the policy, and the workload when a run has several."""
+    several = len({r["workload"] for r in rows}) > 1
+    return f"{policy} {workload}" if several else policy
+
+
 def print_table(rows: list[dict]) -> None:
-    print("\n| policy | rate (req/s) | requests | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
+    print("\n| policy | workload | rate (req/s) | requests | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
           "| E2E p50 / p99 (s) | SLO met | disaggregated |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         rate = "static" if r["rate"] <= 0 else f"{r['rate']:g}"
-        print(f"| {r['policy']} | {rate} | {r['requests']} | {r['output_tok_s']:.0f} "
+        print(f"| {r['policy']} | {r['workload']} | {rate} | {r['requests']} | {r['output_tok_s']:.0f} "
               f"| {r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} | {r['tpot_p50'] * 1e3:.1f} / {r['tpot_p99'] * 1e3:.1f} "
               f"| {r['e2e_p50']:.2f} / {r['e2e_p99']:.2f} | {r['slo_attainment']:.0%} "
               f"| {r['disaggregated_share']:.0%} |")
@@ -147,7 +157,7 @@ def plot(rows: list[dict], results: list[Result], goodput: dict, out: Path) -> l
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    policies, files = sorted({r["policy"] for r in rows}), []
+    policies, files = sorted({r["label"] for r in rows}), []
 
     def save(fig, name):
         fig.tight_layout()
@@ -158,11 +168,12 @@ def plot(rows: list[dict], results: list[Result], goodput: dict, out: Path) -> l
     rates = sorted({r["rate"] for r in rows})
     if len(rates) > 1:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for p in policies:
-            mine = sorted((r for r in rows if r["policy"] == p), key=lambda r: r["rate"])
+        for i, p in enumerate(policies):   # one colour per series in every panel
+            mine = sorted((r for r in rows if r["label"] == p), key=lambda r: r["rate"])
             for key, style in (("e2e_p50", "-o"), ("e2e_p99", "--o")):
-                axes[0].plot([r["rate"] for r in mine], [r[key] for r in mine], style, label=f"{p} {key[4:]}")
-            axes[1].plot([r["rate"] for r in mine], [r["output_tok_s"] for r in mine], "-o", label=p)
+                axes[0].plot([r["rate"] for r in mine], [r[key] for r in mine], style, color=f"C{i}",
+                             label=f"{p} {key[4:]}")
+            axes[1].plot([r["rate"] for r in mine], [r["output_tok_s"] for r in mine], "-o", color=f"C{i}", label=p)
         axes[0].set(xlabel="arrival rate (requests/s)", ylabel="end-to-end latency (s)", yscale="log",
                     title="latency percentiles vs rate")
         axes[1].set(xlabel="arrival rate (requests/s)", ylabel="output tokens/s", title="throughput vs rate")
@@ -175,19 +186,26 @@ def plot(rows: list[dict], results: list[Result], goodput: dict, out: Path) -> l
         save(fig, "goodput.png")
     fig, ax = plt.subplots(figsize=(6, 4))
     top = max(rates)
-    for p in policies:
-        e2e = sorted(r.e2e for r in results if r.policy == p and r.rate == top and r.error is None)
-        ax.plot(e2e, [(i + 1) / len(e2e) for i in range(len(e2e))], label=p)
+    names = list(dict.fromkeys(r["policy"] for r in rows))
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    for r in rows:   # colour: the policy; line style: the workload
+        if r["rate"] != top:
+            continue
+        e2e = sorted(x.e2e for x in results if (x.policy, x.workload, x.rate) == (r["policy"], r["workload"], top)
+                     and x.error is None)
+        ax.plot(e2e, [(i + 1) / len(e2e) for i in range(len(e2e))], label=r["label"],
+                color=f"C{names.index(r['policy'])}", linestyle=["-", "--", ":", "-."][workloads.index(r["workload"]) % 4])
     ax.set(xlabel="end-to-end latency (s)", ylabel="fraction of requests", xscale="log",
            title=f"latency CDF at {'static' if top <= 0 else f'{top:g} req/s'}")
-    ax.legend()
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.legend(fontsize=8)
     save(fig, "latency_cdf.png")
     routed = [r for r in results if r.routed]
     if routed:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for two, label in ((False, "collocated"), (True, "disaggregated")):
+        for two, path in ((False, "collocated"), (True, "disaggregated")):
             pts = [r for r in routed if (len(r.path) == 2) == two]
-            ax.scatter([r.routed["decode_batch"] for r in pts], [r.prompt_len for r in pts], s=10, label=label)
+            ax.scatter([r.routed["decode_batch"] for r in pts], [r.prompt_len for r in pts], s=10, label=path)
         ax.set(xlabel="sequences decoding on the prefill worker when routed", ylabel="prompt tokens",
                title="the adaptive router's choices over load")
         ax.legend()
@@ -205,7 +223,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", default="adaptive", choices=["collocated", "disaggregated", "adaptive", "all"])
     p.add_argument("--mode", default="poisson", choices=["static", "poisson", "sweep"])
-    p.add_argument("--workload", default="sharegpt", choices=list(WORKLOADS))
+    p.add_argument("--workload", nargs="+", default=["sharegpt"], choices=list(WORKLOADS))
     p.add_argument("--rate", type=float, default=None, help="requests/s (poisson); default 8 on GPUs, 4 on CPUs")
     p.add_argument("--rates", type=float, nargs="+", default=None, help="the sweep's rates")
     p.add_argument("--duration", type=float, default=None, help="seconds of arrivals; default 60 on GPUs, 15 on CPUs")
@@ -243,20 +261,26 @@ def main() -> None:
             raise SystemExit(f"error: {e}") from None
         with llm:
             vocab = llm.cluster.vocab_size
-            warm = make_requests(args.workload, 0, 0, 8, args.seed + 999, vocab, scale)   # not counted
-            serve(llm, policy, 0.0, warm, f"{policy} warm-up")
-            for rate in rates:
-                specs = make_requests(args.workload, rate, duration, count, args.seed, vocab, scale)
-                got, seconds = serve(llm, policy, rate, specs, f"{policy} @ {'static' if rate <= 0 else rate}")
-                results += got
-                rows.append({"policy": policy, "rate": rate, **summarize(got, seconds, ttft_slo, tpot_slo)})
+            warm = make_requests(args.workload[0], 0, 0, 8, args.seed + 999, vocab, scale)   # not counted
+            serve(llm, policy, "warm-up", 0.0, warm, f"{policy} warm-up")
+            for workload in args.workload:
+                for rate in rates:
+                    specs = make_requests(workload, rate, duration, count, args.seed, vocab, scale)
+                    got, seconds = serve(llm, policy, workload, rate, specs,
+                                         f"{policy} {workload} @ {'static' if rate <= 0 else rate}")
+                    results += got
+                    rows.append({"policy": policy, "workload": workload, "rate": rate,
+                                 **summarize(got, seconds, ttft_slo, tpot_slo)})
             if llm.cluster.router is not None:
                 errs = llm.cluster.router.errors
                 calibration = {"median_rel_error": statistics.median(errs) if errs else float("nan"),
                                "by_decile": [statistics.median(errs[i * len(errs) // 10:(i + 1) * len(errs) // 10]
                                                                or [float("nan")]) for i in range(10)]}
-    goodput = {p: max([r["rate"] for r in rows if r["policy"] == p and r["slo_attainment"] >= 0.9], default=0.0)
-               for p in policies}
+    for r in rows:
+        r["label"] = label(r["policy"], r["workload"], rows)
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    goodput = {lb: max([r["rate"] for r in rows if r["label"] == lb and r["slo_attainment"] >= 0.9], default=0.0)
+               for lb in labels}
     print_table(rows)
     if len(rates) > 1:
         print(f"goodput (req/s, >= 90% within TTFT <= {ttft_slo:g} s and TPOT <= {tpot_slo * 1e3:g} ms): "
@@ -266,7 +290,7 @@ def main() -> None:
               f"{calibration['median_rel_error']:.1%} (by decile of the run: "
               f"{', '.join(f'{e:.0%}' for e in calibration['by_decile'])})")
     files = plot(rows, results, goodput, out)
-    meta = {"model": model, "devices": devices, "workload": args.workload, "mode": args.mode, "seed": args.seed,
+    meta = {"model": model, "devices": devices, "workloads": args.workload, "mode": args.mode, "seed": args.seed,
             "ttft_slo": ttft_slo, "tpot_slo": tpot_slo, "length_scale": scale,
             "device_name": torch.cuda.get_device_name() if gpu else "cpu"}
     (out / "results.json").write_text(json.dumps(

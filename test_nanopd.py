@@ -1740,9 +1740,11 @@ def test_profiler_fits_recover_known_parameters():
     rng = random.Random(2)
     noisy = lambda x: x * (1 + rng.gauss(0, 0.005))
     lengths = [256, 512, 1024, 2048, 4096, 8192]
-    a, a2, _ = profiler.fit_prefill(lengths, [noisy(0.02 * n) for n in lengths])
-    assert a == pytest.approx(0.02, rel=0.02) and a2 == 0
-    a, a2, _ = profiler.fit_prefill(lengths, [noisy(0.02 * n + 4e-6 * n * n) for n in lengths])
+    a0, a, a2, _ = profiler.fit_prefill(lengths, [noisy(0.02 * n) for n in lengths])
+    assert a == pytest.approx(0.02, rel=0.02) and a2 == 0 and a0 < 0.5
+    a0, a, a2, _ = profiler.fit_prefill(lengths, [noisy(5.0 + 0.02 * n) for n in lengths])
+    assert (a0, a, a2) == (pytest.approx(5.0, rel=0.1), pytest.approx(0.02, rel=0.02), 0)
+    a0, a, a2, _ = profiler.fit_prefill(lengths, [noisy(0.02 * n + 4e-6 * n * n) for n in lengths])
     assert a == pytest.approx(0.02, rel=0.1) and a2 == pytest.approx(4e-6, rel=0.1)
     batches = [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256]
     beta, knee, slope, _ = profiler.fit_knee(batches, [noisy(5.0 + 0.08 * max(0, b - 64)) for b in batches])
@@ -1817,20 +1819,22 @@ def test_adaptive_gives_hf_tokens_on_both_paths_and_learns(hf):
 
 @pytest.mark.usefixtures("worker_env")
 def test_bench_sweep_smoke(tmp_path):
-    """`python bench.py --policy all --mode sweep` on two CPU workers: every policy serves
-    every request at every rate, and the table, results.json and the plots come out."""
+    """`python bench.py --policy all --mode sweep` on two CPU workers, two workloads: every
+    policy serves every request of each at every rate, and the table, results.json and the
+    plots come out."""
     env = {**os.environ, "HOME": str(tmp_path), "TRITON_INTERPRET": "0"}
     run = subprocess.run([sys.executable, "bench.py", "--policy", "all", "--mode", "sweep", "--rates", "2", "4",
-                          "--duration", "1.5", "--model", "tiny", "--devices", "cpu", "cpu",
-                          "--out", str(tmp_path / "out")], cwd=HERE, env=env,
+                          "--duration", "1.5", "--workload", "sharegpt", "fixed", "--model", "tiny",
+                          "--devices", "cpu", "cpu", "--out", str(tmp_path / "out")], cwd=HERE, env=env,
                          capture_output=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr.decode()[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert {(r["policy"], r["rate"]) for r in results["summary"]} == {(p, r) for p in ("collocated", "disaggregated",
-                                                                                      "adaptive") for r in (2, 4)}
+    assert {(r["policy"], r["workload"], r["rate"]) for r in results["summary"]} == {
+        (p, w, r) for p in ("collocated", "disaggregated", "adaptive") for w in ("sharegpt", "fixed") for r in (2, 4)}
+    assert all(r["prompt_len"] == 128 // 8 for r in results["requests"] if r["workload"] == "fixed")
     assert all(r["failed"] == 0 and r["requests"] > 0 for r in results["summary"])
     assert all(r["error"] is None and r["output_len"] > 0 for r in results["requests"])
     assert all(len(r["path"]) == 2 for r in results["requests"] if r["policy"] == "disaggregated")
     for png in ("latency_throughput_vs_rate.png", "goodput.png", "latency_cdf.png", "router_choices.png"):
         assert (tmp_path / "out" / png).stat().st_size > 1000
-    assert b"| adaptive | 4 |" in run.stdout and b"goodput" in run.stdout
+    assert b"| adaptive | fixed | 4 |" in run.stdout and b"goodput" in run.stdout
