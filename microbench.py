@@ -338,9 +338,17 @@ def decode_step_while_pulling(model: str, src: str, dst: str, batch: int = 64, c
 
     steps_ms(10)
     alone = steps_ms()
-    # ~2000 x 302 MB: over a second of copying at the link's speed, longer than the timed steps.
+    # Hold the copy stream while the host enqueues the pulls, and start the steps when it
+    # lets go, so copies and steps begin together. 2000 x 302 MB is ~1.5 s of copying at
+    # the link's speed, longer than the timed steps.
+    copies = transport.copy_stream(torch.device(src))
+    with torch.cuda.device(src), torch.cuda.stream(copies):
+        torch.cuda._sleep(2_000_000_000)   # ~1 s of GPU clock cycles
+        gate = torch.cuda.Event()
+        gate.record(copies)
     pulls = [transport.pull(src_cache, list(range(128)), eng.runner.kv_cache, dst_blocks) for _ in range(2000)]
     started = pulls[0].done.query()
+    torch.cuda.current_stream().wait_event(gate)
     during = steps_ms()
     busy = not pulls[-1].done.query()   # the transfers outlasted the timed steps
     torch.cuda.synchronize()
