@@ -15,7 +15,8 @@ hardware ceiling measured in the same run (bench.py runs them: `python bench.py 
   python bench.py transfer  KV handoff between two GPUs through the worker processes:
                             bandwidth of the real path (p2p and relay) for 128-, 512-
                             and 2048-token requests beside a plain device-to-device
-                            copy, and a decode step's time while transfers run
+                            copy and the transport alone in one process, and a decode
+                            step's time while transfers run
 
 Every result is printed as a table and, with --out, written as JSON.
 """
@@ -313,19 +314,40 @@ def measure_link(src: str, dst: str) -> dict:
     return rates
 
 
+def transport_alone(transport, src_cache: torch.Tensor, dst_cache: torch.Tensor, dst_blocks: list[int],
+                    blocks: int = 128) -> dict:
+    """The transport in this process, no workers: GB/s of one pull of `blocks` blocks (a
+    2048-token request), timed by its events, median of 5; as one run of consecutive
+    blocks, and one block at a time (every other block, so no two are consecutive)."""
+    rates = {}
+    for name, src_ids, dst_ids in (("consecutive", list(range(blocks)), dst_blocks[:blocks]),
+                                   ("scattered", list(range(0, 2 * blocks, 2)), dst_blocks[1:2 * blocks:2])):
+        secs = []
+        for _ in range(6):
+            pull = transport.pull(src_cache, src_ids, dst_cache, dst_ids)
+            while not pull.ready():
+                pass
+            secs.append(pull.seconds)
+        rates[f"{name}_GBps"] = pull.nbytes / statistics.median(secs[1:]) / 1e9
+    return rates
+
+
 def decode_step_while_pulling(model: str, src: str, dst: str, batch: int = 64, context: int = 1024) -> dict:
     """A decode step (CUDA-graph replay, batch x context) on dst, timed alone and while a
-    P2PTransport pulls 2048-token requests' blocks from src into the same cache on its own
-    stream, back to back for the whole timed window."""
+    P2PTransport pulls blocks from src into the same cache on its own stream, back to back
+    for the whole timed window. Also the transport alone (transport_alone), same caches."""
     from nanopd import LLM
     from workers import P2PTransport
-    eng = LLM(model, device=dst, max_num_seqs=batch, num_kv_blocks=batch * (context // 16 + 2) + 256).engine
+    chunk = 1024   # blocks per pull: 2.4 GB, ~6 ms on the link, so few pulls cover the window
+    eng = LLM(model, device=dst, max_num_seqs=batch, num_kv_blocks=batch * (context // 16 + 2) + chunk + 64).engine
     fake = fake_batch(eng, batch, context, 1)
     eng.runner.run(fake, list(range(batch)))   # leaves the batch in the graph's inputs
     graph = eng.runner.graphs[next(s for s in eng.runner.graph_sizes if s >= batch)][0]
-    src_cache = torch.empty(128, *eng.runner.kv_cache.shape[1:], dtype=eng.runner.kv_cache.dtype, device=src)
-    dst_blocks, _ = eng.bm.allocate(list(range(2048)))
+    cache = eng.runner.kv_cache
+    src_cache = torch.zeros(chunk, *cache.shape[1:], dtype=cache.dtype, device=src)
+    dst_blocks, _ = eng.bm.allocate(list(range(chunk * eng.cfg.block_size)))
     transport = P2PTransport(torch.device(dst))
+    alone_rates = transport_alone(transport, src_cache, cache, dst_blocks)
 
     def steps_ms(n: int = 60) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -338,22 +360,25 @@ def decode_step_while_pulling(model: str, src: str, dst: str, batch: int = 64, c
 
     steps_ms(10)
     alone = steps_ms()
-    # Hold the copy stream while the host enqueues the pulls, and start the steps when it
-    # lets go, so copies and steps begin together. 2000 x 302 MB is ~1.5 s of copying at
-    # the link's speed, longer than the timed steps.
+    # Hold the copy stream (~1 s) while the host queues the pulls, and start the steps
+    # when it lets go, so copies and steps begin together. 300 x 2.4 GB is ~1.8 s of
+    # copying at the link's speed, longer than the 60 timed steps.
     copies = transport.copy_stream(torch.device(src))
     with torch.cuda.device(src), torch.cuda.stream(copies):
-        torch.cuda._sleep(2_000_000_000)   # ~1 s of GPU clock cycles
+        torch.cuda._sleep(2_000_000_000)
         gate = torch.cuda.Event()
         gate.record(copies)
-    pulls = [transport.pull(src_cache, list(range(128)), eng.runner.kv_cache, dst_blocks) for _ in range(2000)]
+    t = time.perf_counter()
+    pulls = [transport.pull(src_cache, list(range(chunk)), cache, dst_blocks) for _ in range(300)]
+    queued_s = time.perf_counter() - t
     started = pulls[0].done.query()
     torch.cuda.current_stream().wait_event(gate)
     during = steps_ms()
     busy = not pulls[-1].done.query()   # the transfers outlasted the timed steps
     torch.cuda.synchronize()
     return {"case": f"decode step, batch {batch}, context {context}", "alone_ms": alone, "during_ms": during,
-            "ratio": during / alone, "transfers_outlasted_steps": busy, "first_pull_done_before_steps": started}
+            "ratio": during / alone, "transfers_outlasted_steps": busy, "first_pull_done_before_steps": started,
+            "pulls_queued_s": queued_s, "transport_alone": alone_rates}
 
 
 def run_transfer(out: str | None, model: str = "qwen3-8b", devices: tuple[str, str] = ("cuda:0", "cuda:1")) -> dict:
@@ -363,8 +388,12 @@ def run_transfer(out: str | None, model: str = "qwen3-8b", devices: tuple[str, s
           f"{res['d2h_GBps']:.0f} GB/s down, {res['h2d_GBps']:.0f} GB/s up", flush=True)
     res["overlap"] = decode_step_while_pulling(model, *devices)
     o = res["overlap"]
+    valid = o["transfers_outlasted_steps"] and not o["first_pull_done_before_steps"]
     print(f"{o['case']}: {o['alone_ms']:.3f} ms alone, {o['during_ms']:.3f} ms while pulling "
-          f"({o['ratio']:.3f}x; transfers outlasted the steps: {o['transfers_outlasted_steps']})", flush=True)
+          f"({o['ratio']:.3f}x; transfers covered the timed steps: {valid})", flush=True)
+    a = o["transport_alone"]
+    print(f"P2PTransport alone, in this process, 128 blocks (302 MB): {a['consecutive_GBps']:.0f} GB/s as one run, "
+          f"{a['scattered_GBps']:.0f} GB/s one block at a time", flush=True)
     torch.cuda.empty_cache()
     g = torch.Generator().manual_seed(0)
     rows = []
