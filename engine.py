@@ -92,8 +92,23 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be at least 1 (or None to size it), got {self.num_kv_blocks}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.device is not None and str(self.device).startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
+        check_device(self.device)
+
+
+def check_device(device: str | torch.device | None) -> None:
+    """A ValueError naming the device if this machine has no such device (None: the default)."""
+    if device is None:
+        return
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a device name (cpu, cuda, cuda:N)") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if d.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r}: only cpu and cuda devices are supported")
 
 
 class ByteTokenizer:

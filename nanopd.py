@@ -23,7 +23,7 @@ from typing import Self
 import torch
 from tqdm import tqdm
 
-from engine import Engine, EngineConfig, check_request, load_tokenizer
+from engine import Engine, EngineConfig, check_device, check_request, load_tokenizer
 from kv_cache import cdiv
 from model import load_config
 from profiler import profile_cluster
@@ -86,6 +86,10 @@ class CentralScheduler:
             raise ValueError(f"transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
         if not devices:
             raise ValueError("devices is empty")
+        for device in devices:
+            check_device(device)
+        if len({torch.device(d).type for d in devices}) > 1:   # the KV handoff shares caches of one kind
+            raise ValueError(f"devices {list(devices)} mix cpu and cuda")
         if policy == "disaggregated" and not 0 < num_prefill < len(devices):
             raise ValueError(f"disaggregated needs 1 <= num_prefill < len(devices), got num_prefill={num_prefill} "
                              f"with {len(devices)} devices")

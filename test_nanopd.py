@@ -1256,6 +1256,14 @@ def test_bad_engine_settings_are_a_value_error(name):
         LLM("tiny", device=DEVICE, **{name: BAD_CONFIGS[name]})
 
 
+@pytest.mark.parametrize("device", ["cuda:99", "tpu", "meta"])
+def test_a_device_this_machine_lacks_is_a_value_error(device):
+    """cuda:99 (more GPUs than there are, or none), a name torch does not know, a device
+    type nanoPD does not run on: each a ValueError naming it, before anything is built."""
+    with pytest.raises(ValueError, match=device):
+        LLM("tiny", device=device)
+
+
 @ENGINE
 def test_request_larger_than_the_cache_is_rejected(hf):
     """A request needing more blocks than the whole cache is rejected; one that fits runs."""
@@ -1616,6 +1624,9 @@ def alive(pid: int) -> bool:
                                            ({"policy": "disaggregated", "num_prefill": 2}, "num_prefill"),
                                            ({"policy": "collocated", "transport": "pigeon"}, "transport"),
                                            ({"policy": "collocated", "devices": []}, "devices"),
+                                           ({"policy": "collocated", "devices": ["cpu", "tpu:0"]}, "tpu:0"),
+                                           ({"policy": "collocated", "devices": ["cpu", "cuda:99"]}, "cuda:99"),
+                                           ({"policy": "collocated", "devices": ["cpu", "cuda:0"]}, "cuda"),
                                            ({"policy": None, "num_prefill": 2}, "only apply with a policy")])
 def test_bad_cluster_settings_are_a_value_error(kwargs, words):
     kwargs = {"devices": ["cpu", "cpu"], **kwargs}
