@@ -233,6 +233,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft-slo", type=float, default=None, help="seconds; default 2.0 on GPUs, 0.5 on CPUs")
     p.add_argument("--tpot-slo", type=float, default=None, help="seconds; default 0.1 on GPUs, 0.05 on CPUs")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="seats per worker (every policy)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step; "
+                   "default 8192 on GPUs, 256 on CPUs")
     p.add_argument("--out", default="results", help="folder for results.json and the plots")
     args = p.parse_args()
     from nanopd import LLM
@@ -252,7 +255,8 @@ def main() -> None:
     policies = ["collocated", "disaggregated", "adaptive"] if args.policy == "all" else [args.policy]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    engine = {"max_num_seqs": 256, "max_num_batched_tokens": 8192 if gpu else 256, "max_model_len": 4096}
+    engine = {"max_num_seqs": args.max_num_seqs, "max_model_len": 4096,
+              "max_num_batched_tokens": args.max_num_batched_tokens or (8192 if gpu else 256)}
     rows, results, calibration = [], [], {}
     for policy in policies:
         try:
