@@ -157,7 +157,7 @@ def plot(rows: list[dict], results: list[Result], goodput: dict, out: Path) -> l
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    policies, files = sorted({r["label"] for r in rows}), []
+    labels, files = sorted({r["label"] for r in rows}), []
 
     def save(fig, name):
         fig.tight_layout()
@@ -168,7 +168,7 @@ def plot(rows: list[dict], results: list[Result], goodput: dict, out: Path) -> l
     rates = sorted({r["rate"] for r in rows})
     if len(rates) > 1:
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for i, p in enumerate(policies):   # one colour per series in every panel
+        for i, p in enumerate(labels):   # one colour per series in every panel
             mine = sorted((r for r in rows if r["label"] == p), key=lambda r: r["rate"])
             for key, style in (("e2e_p50", "-o"), ("e2e_p99", "--o")):
                 axes[0].plot([r["rate"] for r in mine], [r[key] for r in mine], style, color=f"C{i}",

@@ -95,10 +95,10 @@ class EngineConfig:
         check_device(self.device)
 
 
-def check_device(device: str | torch.device | None) -> None:
-    """A ValueError naming the device if this machine has no such device (None: the default)."""
+def check_device(device: str | torch.device | None) -> torch.device | None:
+    """The device, or a ValueError naming it if this machine has no such device (None: the default)."""
     if device is None:
-        return
+        return None
     try:
         d = torch.device(device)
     except (RuntimeError, TypeError):
@@ -109,6 +109,7 @@ def check_device(device: str | torch.device | None) -> None:
         raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if d.type not in ("cpu", "cuda"):
         raise ValueError(f"device {device!r}: only cpu and cuda devices are supported")
+    return d
 
 
 class ByteTokenizer:

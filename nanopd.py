@@ -86,9 +86,7 @@ class CentralScheduler:
             raise ValueError(f"transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
         if not devices:
             raise ValueError("devices is empty")
-        for device in devices:
-            check_device(device)
-        if len({torch.device(d).type for d in devices}) > 1:   # the KV handoff shares caches of one kind
+        if len({check_device(d).type for d in devices}) > 1:   # the KV handoff shares caches of one kind
             raise ValueError(f"devices {list(devices)} mix cpu and cuda")
         if policy == "disaggregated" and not 0 < num_prefill < len(devices):
             raise ValueError(f"disaggregated needs 1 <= num_prefill < len(devices), got num_prefill={num_prefill} "

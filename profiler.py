@@ -58,8 +58,8 @@ def least_squares(columns: list[list[float]], ys: list[float]) -> list[float]:
 
 def fit_prefill(lengths: list[int], ms: list[float]) -> tuple[float, float, float, float]:
     """(alpha0, alpha, alpha2, error) for ms = alpha0 + alpha * L (+ alpha2 * L^2 when that
-    halves the error and adds over 5% at the longest length); alpha0 >= 0. Fitted by relative error, as short prefills matter as
-    much as long ones."""
+    halves the error and adds over 5% at the longest length); alpha0 >= 0. Fitted by
+    relative error: short prefills matter as much as long ones."""
     def solve(quadratic: bool) -> tuple[list[float], float]:
         columns = [[1.0] * len(lengths), lengths] + ([[n * n for n in lengths]] if quadratic else [])
         columns = [[c / y for c, y in zip(col, ms)] for col in columns]
@@ -181,8 +181,8 @@ def fit(timings: dict, handoffs: list[tuple[int, int, float, float]], kv_bytes_p
         rate = statistics.median(ms / n for n, _, _, ms in handoffs)
     else:   # one device: no handoffs; the rate only matters where there are two
         bandwidth, rate = float("nan"), float("inf")
-    params = HardwareParams(alpha=alpha, alpha2=alpha2, alpha0=alpha0, beta=beta, batch_thresh=max(knee, 1.0), slope=slope,
-                            gamma=max(gamma, 0.0), transfer_rate=rate, kv=kv)
+    params = HardwareParams(alpha=alpha, alpha2=alpha2, alpha0=alpha0, beta=beta, batch_thresh=max(knee, 1.0),
+                            slope=slope, gamma=max(gamma, 0.0), transfer_rate=rate, kv=kv)
     return Profile(params, bandwidth, {"prefill": e_prefill, "decode": e_decode, "gamma": e_gamma})
 
 
@@ -199,7 +199,8 @@ CPU_SPEC = {"lengths": [8, 16, 32, 64], "batches": [1, 2, 4, 8, 16], "chunks": [
 def cache_key(cluster) -> dict:
     cfg = cluster.cfg
     name = torch.cuda.get_device_name(cluster.devices[0]) if cluster.devices[0].startswith("cuda") else "cpu"
-    return {"version": 2, "device": name, "devices": len(cluster.devices), "model": cfg.model, "dtype": str(cfg.dtype),
+    # version: bumped when what a profile holds changes (3: alpha0, and handoffs that really move KV)
+    return {"version": 3, "device": name, "devices": len(cluster.devices), "model": cfg.model, "dtype": str(cfg.dtype),
             "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs,
             "max_num_batched_tokens": cfg.max_num_batched_tokens, "transport": cluster.transport}
 
