@@ -249,9 +249,11 @@ def main() -> None:
     elif args.mode == "static":
         rates = [0.0]
     else:
-        rates = [args.rate or (8.0 if gpu else 4.0)]
-    duration = args.duration or (60.0 if gpu else 15.0)
-    count = args.num_requests or (512 if gpu else 64)
+        rates = [args.rate if args.rate is not None else (8.0 if gpu else 4.0)]
+    duration = args.duration if args.duration is not None else (60.0 if gpu else 15.0)
+    count = args.num_requests if args.num_requests is not None else (512 if gpu else 64)
+    if (args.mode != "static" and min(rates) <= 0) or duration <= 0 or count < 1:
+        raise SystemExit("error: --rate/--rates and --duration must be above 0, --num-requests at least 1")
     policies = ["collocated", "disaggregated", "adaptive"] if args.policy == "all" else [args.policy]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

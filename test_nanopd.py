@@ -1829,6 +1829,15 @@ def test_adaptive_gives_hf_tokens_on_both_paths_and_learns(hf):
 
 
 @pytest.mark.usefixtures("worker_env")
+@pytest.mark.parametrize("args", [["--rate", "0"], ["--mode", "sweep", "--rates", "4", "-2"], ["--duration", "-1"],
+                                  ["--mode", "static", "--num-requests", "0"]])
+def test_bench_bad_arguments_are_a_one_line_error(args):
+    """A rate, duration or request count that could give no run is refused, naming the flags."""
+    run = subprocess.run([sys.executable, "bench.py", *args, "--devices", "cpu", "cpu"], cwd=HERE,
+                         capture_output=True, timeout=120, check=False)
+    assert run.returncode != 0 and b"must be above 0" in run.stderr and b"Traceback" not in run.stderr
+
+
 def test_bench_sweep_smoke(tmp_path):
     """`python bench.py --policy all --mode sweep` on two CPU workers, two workloads: every
     policy serves every request of each at every rate, and the table, results.json and the
