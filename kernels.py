@@ -5,6 +5,8 @@ The jobs:
                    K/V live in non-contiguous cache blocks; split-K for long decodes
   copy_rows        move whole cache blocks: copy-on-write (copy_blocks) and the
                    gather/scatter used to ship a request's blocks between devices
+  linear           a batch of 1-16 rows times a weight matrix (decode): the weights
+                   streamed at close to HBM bandwidth, faster than cuBLAS there
   rms_norm, qk_norm_rope_store_kv, silu_mul
                    the model's elementwise chains, one kernel each instead of the
                    five to ten small torch ops they take unfused (at batch 1 a decode
@@ -20,19 +22,44 @@ Cache layout (see kv_cache.py): one layer's K (or V) is a strided view
 block_id * block_size + offset; slot -1 marks padding.
 """
 
+import functools
 import math
 import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or INTERPRET
+
+
+# Programmatic dependent launch (Hopper and later): a decode step is hundreds of small
+# kernels, and between two of them the GPU would otherwise sit idle while the next one
+# launches. Launched with launch_pdl=True, a kernel's programs start while the previous
+# kernel is still running and wait for it to finish (gdc_wait) before they touch memory;
+# the previous kernel's results are visible after the wait, so ordering is as before.
+
+
+@functools.cache
+def _pdl(device: torch.device) -> dict:
+    """Launch options: PDL where the GPU has it; the kernels take the PDL flag."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@triton.jit
+def _wait_for_previous_kernel(PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()                # the previous kernel has finished and its writes are visible
+        gdc_launch_dependents()   # the next kernel may start launching
 
 
 # ----------------------------------------------------------------------------- paged attention
@@ -96,8 +123,9 @@ def _paged_attention_kernel(
     qk_scale, num_q_heads,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    _wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     q_tile = tl.num_programs(1) - 1 - tl.program_id(1)   # causal: heaviest tiles first
     kv_head = tl.program_id(2) // NUM_SPLITS
@@ -155,8 +183,10 @@ def _paged_attention_kernel(
 
 @triton.jit(do_not_specialize_on_alignment=["cu_q_ptr"])
 def _merge_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, cu_q_ptr, stride_ot, stride_oh, num_q_heads,
-                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
+                         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         PDL: tl.constexpr):
     # One program per (sequence, new token, query head): weight each split by exp2(lse - max lse).
+    _wait_for_previous_kernel(PDL)
     seq, t, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_q_ptr + seq)
     if t >= tl.load(cu_q_ptr + seq + 1) - q_start:
@@ -196,6 +226,7 @@ def attention_config(max_q_len: int, head_dim: int, on_gpu: bool, elem_bytes: in
     return AttentionConfig(128, 128, 8, 3)
 
 
+@functools.cache
 def _num_sm(device: torch.device) -> int:
     if device.type != "cuda":
         return 4   # the interpreter: a few programs are enough to exercise split-K
@@ -265,12 +296,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale * math.log2(math.e), num_q_heads,
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl(q.device),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, max_q_len, num_q_heads)](
             part_out, part_lse, out, cu_q_lens, out.stride(0), out.stride(1), num_q_heads,
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            **_pdl(q.device),
         )
     return out
 
@@ -297,6 +329,84 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
         out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out
+
+
+# ----------------------------------------------------------------------------- small-batch linear
+#
+# A decode step at batch 1-16 multiplies a few rows by every weight matrix: it streams
+# 15 GB of weights through the chip and is bound by memory bandwidth alone. cuBLAS's
+# matrix-vector kernels reach 3.1-3.4 TB/s on the 4096-wide projections of Qwen3-8B.
+# Swapping the operands (out^T = W x^T) lets 64 weight rows fill the MMA's M side and the
+# batch, padded to 16, its N side: tl.dot then streams W through shared memory with the
+# software pipeliner, which keeps enough bytes in flight to reach ~4 TB/s. A weight with
+# too few 64-row tiles to give every SM work (o_proj and down: 4096 rows, 64 tiles) is
+# split along K in two; each half writes fp32 partial sums, and the RMSNorm that always
+# follows those projections adds them (rms_norm takes x as [splits, rows, n]).
+
+SMALL_M = 16   # up to this many rows take the small-batch kernel
+
+
+@triton.jit
+def _small_m_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_os, stride_om,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    # Program (n tile, k split): out[split, :, n tile] = x[:, k range] @ W[n tile, k range]^T
+    _wait_for_previous_kernel(PDL)
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    n_mask, m_mask = n < N, m < M
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)   # out^T for this tile
+    k_per_split = K // SPLIT_K
+    for k0 in range(pid_k * k_per_split, (pid_k + 1) * k_per_split, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * stride_w + k[None, :], mask=n_mask[:, None], other=0.0)
+        x = tl.load(x_ptr + m[None, :] * stride_x + k[:, None], mask=m_mask[None, :], other=0.0)   # x^T
+        acc = tl.dot(w, x, acc, input_precision=DOT_PRECISION)
+    out = out_ptr + pid_k * stride_os + m[None, :] * stride_om + n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[None, :] & n_mask[:, None])
+
+
+def small_m_linear_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.shape[0] <= SMALL_M and x.shape[1] % 128 == 0 and weight.shape[1] == x.shape[1]
+
+
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor, split_k: int = 1) -> torch.Tensor:
+    """x [M, K] (M <= 16) @ weight [N, K]^T through the Triton kernel (also on CPU under
+    the interpreter). split_k 1: [M, N] in x's dtype; split_k > 1: [split_k, M, N] fp32
+    partial sums over consecutive parts of K."""
+    assert small_m_linear_fits(x, weight) and (x.shape[1] // 128) % split_k == 0
+    m, k = x.shape
+    n = weight.shape[0]
+    x, weight = x if x.stride(1) == 1 else x.contiguous(), weight if weight.stride(1) == 1 else weight.contiguous()
+    if split_k == 1:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    tiles = triton.cdiv(n, 64)
+    # Tile shapes from a sweep on an H200: deeper pipelines where fewer programs share an SM.
+    stages = 3 if tiles >= 2 * _num_sm(x.device) else 5
+    if m:
+        _small_m_linear_kernel[(tiles, split_k)](
+            x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0) if split_k > 1 else 0,
+            out.stride(-2), BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split_k,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=stages,
+            **_pdl(x.device))
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           partial_sums: bool = False) -> torch.Tensor:
+    """F.linear, except that on the GPU a batch of up to 16 rows in bf16/fp16 without bias
+    takes the small-batch kernel. With partial_sums=True the result may instead be
+    [2, M, N] fp32 partial sums, for rms_norm to add. On CPU this is F.linear (the
+    interpreter would only be slower; tests call small_m_linear directly)."""
+    if not (x.is_cuda and bias is None and x.dtype in (torch.bfloat16, torch.float16)
+            and small_m_linear_fits(x, weight)):
+        return F.linear(x, weight, bias)
+    few_tiles = triton.cdiv(weight.shape[0], 64) < _num_sm(x.device)
+    split = 2 if partial_sums and few_tiles and (x.shape[1] // 128) % 2 == 0 else 1
+    return small_m_linear(x, weight, split)
 
 
 # ----------------------------------------------------------------------------- block copies
@@ -361,12 +471,18 @@ def _check_pow2(**dims: int) -> None:
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
-                     stride_x, stride_r, stride_o, stride_ro,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     stride_xs, stride_x, stride_r, stride_o, stride_ro,
+                     NUM_PARTS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    _wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if NUM_PARTS > 1:   # x arrives as split-K partial sums: add them, round as the matmul would
+        for part in tl.static_range(1, NUM_PARTS):
+            x += tl.load(x_ptr + part * stride_xs + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(out_ptr.dtype.element_ty).to(tl.float32)
     if HAS_RESIDUAL:   # the residual stream, rounded to the model dtype as an unfused add would
         x = x + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         x = x.to(res_out_ptr.dtype.element_ty)
@@ -380,22 +496,28 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [rows, n] -> (rms_norm(h) * weight, h) with h = x + residual (or x)."""
+    """x [rows, n] -> (rms_norm(h) * weight, h) with h = x + residual (or x). With a residual,
+    x may also be [parts, rows, n] fp32 partial sums (linear's split-K), added first."""
     if not _use_triton(x):
         return rms_norm_torch(x, weight, eps, residual)
-    out = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual is not None else x
+    parts = x.shape[0] if residual is not None and x.dim() == residual.dim() + 1 else 1
+    rows = x if parts == 1 else x[0]
+    out = torch.empty_like(rows, dtype=residual.dtype if residual is not None else x.dtype)
+    res_out = torch.empty_like(out) if residual is not None else x
     res = residual if residual is not None else x
-    if x.shape[0]:
-        _rms_norm_kernel[(x.shape[0],)](
-            x, res, weight, out, res_out, x.shape[1], eps, x.stride(0), res.stride(0), out.stride(0),
-            res_out.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(x.shape[1]),
-            num_warps=8 if x.shape[1] >= 2048 else 4)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](
+            x, res, weight, out, res_out, rows.shape[1], eps, x.stride(0) if parts > 1 else 0, rows.stride(0),
+            res.stride(0), out.stride(0), res_out.stride(0), NUM_PARTS=parts, HAS_RESIDUAL=residual is not None,
+            BLOCK=triton.next_power_of_2(rows.shape[1]), num_warps=8 if rows.shape[1] >= 2048 else 4,
+            **_pdl(x.device))
     return out, res_out
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
                    residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual is not None and x.dim() == residual.dim() + 1:   # split-K partial sums
+        x = x.sum(0).to(residual.dtype)
     h = x if residual is None else x + residual
     hf = h.float()
     return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype), h
@@ -421,39 +543,46 @@ def _qk_norm_rope_store_kv_kernel(
     qkv_ptr, q_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     stride_qkv, stride_qt, eps, rope_scale,
     stride_cb, stride_ch, stride_cs,   # cache strides: block, head, slot-in-block (K and V views share them)
-    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HQ_BLOCK: tl.constexpr, HKV_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT_HEADS: tl.constexpr, PDL: tl.constexpr,
 ):
-    # One program per token, all its heads at once as 2D tiles [heads, HEAD_DIM // 2]: a
-    # program per (token, head) moves too few bytes to keep the memory system busy.
-    tok = tl.program_id(0).to(tl.int64)
+    # Program (token, j) works on 2D tiles [heads, HEAD_DIM // 2]: a program per (token,
+    # head) moves too few bytes to keep the memory system busy. With many tokens one program
+    # does all of a token's heads (j = 0). With few (decode at batch 1-64) that would leave
+    # most SMs idle, so the heads are spread: program j < NUM_Q_HEADS / HQ_BLOCK does a
+    # group of q heads, the last one k and v (SPLIT_HEADS).
+    _wait_for_previous_kernel(PDL)
+    tok, j = tl.program_id(0).to(tl.int64), tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HALF)
     angle = tl.load(pos_ptr + tok).to(tl.float32) * tl.load(inv_freq_ptr + d)
     cos, sin = (tl.cos(angle) * rope_scale)[None, :], (tl.sin(angle) * rope_scale)[None, :]
     row = qkv_ptr + tok * stride_qkv   # [q heads | k heads | v heads] x HEAD_DIM
     DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+    Q_GROUPS: tl.constexpr = (NUM_Q_HEADS + HQ_BLOCK - 1) // HQ_BLOCK
 
-    hq = tl.arange(0, HQ_PAD)[:, None]
-    q_mask = hq < NUM_Q_HEADS
-    q1, q2 = _norm_rope_heads(row + hq * HEAD_DIM + d[None, :], q_mask, qw_ptr, cos, sin, eps, HEAD_DIM, DTYPE)
-    dst = q_ptr + tok * stride_qt + hq * HEAD_DIM + d[None, :]
-    tl.store(dst, q1, mask=q_mask)
-    tl.store(dst + HALF, q2, mask=q_mask)
+    if (not SPLIT_HEADS) or (j < Q_GROUPS):
+        hq = j * HQ_BLOCK + tl.arange(0, HQ_BLOCK)[:, None]
+        q_mask = hq < NUM_Q_HEADS
+        q1, q2 = _norm_rope_heads(row + hq * HEAD_DIM + d[None, :], q_mask, qw_ptr, cos, sin, eps, HEAD_DIM, DTYPE)
+        dst = q_ptr + tok * stride_qt + hq * HEAD_DIM + d[None, :]
+        tl.store(dst, q1, mask=q_mask)
+        tl.store(dst + HALF, q2, mask=q_mask)
 
-    # K and V go straight to the cache; a padding token (slot -1) writes nothing.
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
-    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-    hkv = tl.arange(0, HKV_PAD)[:, None]
-    kv_mask = (hkv < NUM_KV_HEADS) & (slot >= 0)
-    k1, k2 = _norm_rope_heads(row + (NUM_Q_HEADS + hkv) * HEAD_DIM + d[None, :], kv_mask, kw_ptr, cos, sin,
-                              eps, HEAD_DIM, DTYPE)
-    dst = block * stride_cb + hkv * stride_ch + offset * stride_cs + d[None, :]
-    tl.store(k_cache_ptr + dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(k_cache_ptr + dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-    dv = tl.arange(0, HEAD_DIM)[None, :]   # V is only copied: whole rows
-    v = tl.load(row + (NUM_Q_HEADS + NUM_KV_HEADS + hkv) * HEAD_DIM + dv, mask=kv_mask)
-    tl.store(v_cache_ptr + block * stride_cb + hkv * stride_ch + offset * stride_cs + dv, v, mask=kv_mask)
+    if (not SPLIT_HEADS) or (j == Q_GROUPS):
+        # K and V go straight to the cache; a padding token (slot -1) writes nothing.
+        slot = tl.load(slot_ptr + tok).to(tl.int64)
+        block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        hkv = tl.arange(0, HKV_PAD)[:, None]
+        kv_mask = (hkv < NUM_KV_HEADS) & (slot >= 0)
+        k1, k2 = _norm_rope_heads(row + (NUM_Q_HEADS + hkv) * HEAD_DIM + d[None, :], kv_mask, kw_ptr, cos, sin,
+                                  eps, HEAD_DIM, DTYPE)
+        dst = block * stride_cb + hkv * stride_ch + offset * stride_cs + d[None, :]
+        tl.store(k_cache_ptr + dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        tl.store(k_cache_ptr + dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+        dv = tl.arange(0, HEAD_DIM)[None, :]   # V is only copied: whole rows
+        v = tl.load(row + (NUM_Q_HEADS + NUM_KV_HEADS + hkv) * HEAD_DIM + dv, mask=kv_mask)
+        tl.store(v_cache_ptr + block * stride_cb + hkv * stride_ch + offset * stride_cs + dv, v, mask=kv_mask)
 
 
 def qk_norm_rope_store_kv(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -471,14 +600,16 @@ def qk_norm_rope_store_kv(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: t
     assert qkv.stride(1) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     t = qkv.shape[0]
     q = torch.empty(t, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    hq_pad = triton.next_power_of_2(num_q_heads)
+    split = t < _num_sm(qkv.device)
+    hkv_pad = triton.next_power_of_2(num_kv_heads)
+    hq_block = max(hkv_pad, 2) if split else triton.next_power_of_2(num_q_heads)
     if t:
-        _qk_norm_rope_store_kv_kernel[(t,)](
+        _qk_norm_rope_store_kv_kernel[(t, triton.cdiv(num_q_heads, hq_block) + 1 if split else 1)](
             qkv, q, q_weight, k_weight, positions, inv_freq, k_cache, v_cache, slot_mapping,
             qkv.stride(0), q.stride(0), eps, rope_scale, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HQ_PAD=hq_pad,
-            HKV_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[2],
-            num_warps=8 if hq_pad * head_dim >= 4096 else 4)
+            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HQ_BLOCK=hq_block, HKV_PAD=hkv_pad,
+            HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[2], SPLIT_HEADS=split,
+            num_warps=8 if hq_block * head_dim >= 4096 else 4, **_pdl(qkv.device))
     return q
 
 
@@ -505,7 +636,8 @@ def qk_norm_rope_store_kv_torch(qkv: torch.Tensor, q_weight: torch.Tensor, k_wei
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -523,7 +655,8 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     block = 1024
     if x.shape[0]:
-        _silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block)
+        _silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block,
+                                                              **_pdl(x.device))
     return out
 
 

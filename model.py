@@ -63,6 +63,15 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps, residual)
 
 
+class Linear(nn.Linear):
+    """nn.Linear through kernels.linear: on the GPU a decode-sized batch takes the
+    small-batch kernel, and with partial_sums=True may come back as split-K partial sums
+    that the next RMSNorm adds."""
+
+    def forward(self, x: torch.Tensor, partial_sums: bool = False) -> torch.Tensor:
+        return kernels.linear(x, self.weight, self.bias, partial_sums)
+
+
 class Attention(nn.Module):
     def __init__(self, config: PretrainedConfig, layer: int, rope: tuple[torch.Tensor, float]):
         super().__init__()
@@ -71,8 +80,8 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         inv_freq, self.rope_scale = rope   # computed once by Qwen3, shared by every layer
@@ -90,19 +99,19 @@ class Attention(nn.Module):
         o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q_lens, meta.ctx_lens,
                                     meta.max_q_len, self.scale, num_splits=meta.num_splits,
                                     num_decodes=meta.num_decodes)
-        return self.o_proj(o.flatten(1))
+        return self.o_proj(o.flatten(1), partial_sums=True)   # the post-attention norm adds them
 
 
 class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r}: only silu (SwiGLU) is supported")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)), partial_sums=True)   # the next norm adds them
 
 
 class DecoderLayer(nn.Module):
@@ -116,7 +125,8 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """h is the previous block's output, not yet added to the residual stream: each norm
-        does that add (x + residual) in the same kernel."""
+        does that add (x + residual) in the same kernel, and first adds h's split-K partial
+        sums if the projection left it as such (kernels.linear)."""
         h, residual = self.input_layernorm(h, residual)
         h = self.self_attn(h, positions, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
@@ -138,7 +148,7 @@ class Qwen3(nn.Module):
         rope = rope_frequencies(config)
         self.layers = nn.ModuleList(DecoderLayer(config, i, rope) for i in range(self.num_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         q_size, kv_size = config.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim

@@ -201,22 +201,71 @@ def test_rms_norm(with_residual, dtype):
         assert rel_err(o.cpu(), ref.cpu()) < TOL[dtype]
 
 
+def test_rms_norm_adds_partial_sums():
+    """x given as split-K partial sums [2, rows, n] fp32: the norm must equal the plain
+    fused norm of their sum rounded to the residual's dtype (what F.linear would return)."""
+    g = torch.Generator().manual_seed(16)
+    parts = torch.randn(2, 5, 96, generator=g).to(DEVICE)
+    r = torch.randn(5, 96, generator=g).half().to(DEVICE)
+    w = (torch.rand(96, generator=g) + 0.5).half().to(DEVICE)
+    out, h = kernels.rms_norm(parts, w, 1e-6, r)
+    ref_out, ref_h = kernels.rms_norm(parts.sum(0).half(), w, 1e-6, r)
+    assert out.dtype == h.dtype == torch.float16
+    assert rel_err(h.cpu(), ref_h.cpu()) < 2e-3 and rel_err(out.cpu(), ref_out.cpu()) < 2e-3
+    twin_out, twin_h = kernels.rms_norm_torch(parts, w, 1e-6, r)
+    assert rel_err(twin_h.cpu(), ref_h.cpu()) < 2e-3 and rel_err(twin_out.cpu(), ref_out.cpu()) < 2e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("m,split_k", [(1, 1), (5, 2), (16, 1)])
+def test_small_m_linear(m, split_k, dtype):
+    """The small-batch linear (swapped operands, split-K) against a float64 matmul; 96
+    output rows is not a whole number of 64-row tiles, so the row masking runs."""
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(m, 256, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(96, 256, generator=g) * 0.1).to(dtype).to(DEVICE)
+    out = kernels.small_m_linear(x, w, split_k)
+    ref = x.double() @ w.double().T
+    if split_k > 1:   # fp32 partial sums over the two halves of K
+        assert out.shape == (split_k, m, 96) and out.dtype == torch.float32
+        halves = x.double().chunk(2, 1), w.double().chunk(2, 1)
+        assert rel_err(out[1].cpu(), (halves[0][1] @ halves[1][1].T).cpu()) < TOL[dtype]
+        out = out.sum(0)
+    assert out.shape == (m, 96)
+    assert rel_err(out.cpu(), ref.cpu()) < TOL[dtype]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the small-batch path of kernels.linear runs on CUDA only")
+@pytest.mark.parametrize("m", [1, 16, 17])
+def test_linear_dispatch_bf16(m):
+    """kernels.linear in bf16 against F.linear in float64, small batches (the Triton
+    kernel, partial sums added) and one row past them (cuBLAS)."""
+    g = torch.Generator().manual_seed(18)
+    x = torch.randn(m, 4096, generator=g).bfloat16().cuda()
+    w = (torch.randn(4096, 4096, generator=g) * 0.02).bfloat16().cuda()
+    out = kernels.linear(x, w, partial_sums=True)
+    out = out.sum(0) if out.dim() == 3 else out
+    assert rel_err(out, x.double() @ w.double().T) < 1e-2
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hq,hkv,d,block_size", [(6, 2, 64, 8), (6, 3, 128, 16), (4, 4, 64, 4)])
-def test_qk_norm_rope_store_kv(hq, hkv, d, block_size, dtype):
+@pytest.mark.parametrize("t", [3, 19])
+def test_qk_norm_rope_store_kv(t, hq, hkv, d, block_size, dtype):
     """Per-head q/k RMSNorm then RoPE from the fused qkv row, against HF's Qwen3RMSNorm and
     apply_rotary_pos_emb (run in float32); k and v must land at their slots of layer 1 of a
     block-major cache [blocks, layers, 2, Hkv, block_size, D] (strided views), in shuffled
-    blocks, and nothing else may change: padding slots, other layers, other blocks."""
+    blocks, and nothing else may change: padding slots, other layers, other blocks. Fewer
+    tokens than SMs (3; on a GPU also 19) spread each token's heads over several programs."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
     g = torch.Generator().manual_seed(7)
-    t, num_blocks, scale = 19, 6, 1.25
+    num_blocks, scale = 6, 1.25
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
     qw, kw = torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5
     positions = torch.randint(0, 4096, (t,), generator=g)
     inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:t].to(torch.int32)
-    slots[[2, 7]] = -1   # padding rows: q still computed, nothing written
+    slots[[1, t - 1]] = -1   # padding rows: q still computed, nothing written
     cache = torch.randn(num_blocks, 3, 2, hkv, block_size, d, generator=g).to(dtype)
 
     q_norm, k_norm = Qwen3RMSNorm(d, 1e-6), Qwen3RMSNorm(d, 1e-6)
