@@ -1,10 +1,10 @@
 """nanoPD's micro-benchmarks: the parts timed one at a time, each beside a reference or a
 hardware ceiling measured in the same run (bench.py runs them: `python bench.py kernels`).
 
-  python bench.py kernels   paged attention, the q/k-norm + RoPE + KV-store kernel and
-                            the block gather on the GPU, each beside a reference
-                            measured in the same run (SDPA on a contiguous cache, a
-                            plain device copy)
+  python bench.py kernels   paged attention, the q/k-norm + RoPE + KV-store kernel, the
+                            block gather and the small-batch linear on the GPU, each
+                            beside a reference measured in the same run (SDPA on a
+                            contiguous cache, a plain device copy, cuBLAS)
   python bench.py engine    the single-GPU engine on Qwen3-8B (random weights): decode
                             step times, prefill ms/token, batch-1 decode inside
                             generate and LLM.generate throughput, beside the hardware
@@ -134,10 +134,31 @@ def bench_gather(num_blocks=128, cache_blocks=2048, layers=36, hkv=8, d=128, blo
                 "ratio": t_copy / t_ours, "rel_err": 0.0 if ok else float("nan"), "ref": "copy_"}
 
 
+def bench_small_m_linear(name: str, n: int, k: int, m: int = 1, copies: int = 8):
+    """A decode projection of Qwen3-8B at batch m: kernels.linear (the small-batch kernel,
+    split-K partial sums left unadded where it splits) beside cuBLAS (F.linear). Graph
+    replays over `copies` weight matrices, so that the L2 cache cannot serve the weights."""
+    dev, dt = "cuda", torch.bfloat16
+    ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
+    x = torch.randn(m, k, device=dev, dtype=dt)
+    out = kernels.linear(x, ws[0], partial_sums=True)
+    ours = out.float().sum(0) if out.dim() == 3 else out.float()
+    ref = F.linear(x, ws[0]).float()
+    err = ((ours - ref).norm() / ref.norm()).item()
+    t_ours = time_ms(lambda: [kernels.linear(x, w, partial_sums=True) for w in ws], graph=True) / copies
+    t_ref = time_ms(lambda: [F.linear(x, w) for w in ws], graph=True) / copies
+    gb = n * k * 2 / 1e9
+    return {"case": f"linear {name} M={m} ({gb * 1e3:.0f} MB)", "ours_ms": t_ours, "ref_ms": t_ref, "unit": "GB/s",
+            "ours_rate": gb / t_ours * 1e3, "ref_rate": gb / t_ref * 1e3, "ratio": t_ref / t_ours,
+            "rel_err": err, "ref": "cuBLAS"}
+
+
 def run_kernels(out: str | None) -> list[dict]:
     cases = [lambda: bench_attention(1, 4096, True), lambda: bench_attention(64, 4096, True),
              lambda: bench_attention(256, 2048, True), lambda: bench_attention(1, 2048, False),
-             lambda: bench_attention(1, 8192, False), bench_rope_store_kv, bench_gather]
+             lambda: bench_attention(1, 8192, False), bench_rope_store_kv, bench_gather,
+             lambda: bench_small_m_linear("qkv", 6144, 4096), lambda: bench_small_m_linear("o_proj", 4096, 4096),
+             lambda: bench_small_m_linear("gate_up", 24576, 4096), lambda: bench_small_m_linear("down", 4096, 12288)]
     rows = []
     for case in cases:
         rows.append(case())
