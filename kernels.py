@@ -6,7 +6,8 @@ The jobs:
   copy_rows        move whole cache blocks: copy-on-write (copy_blocks) and the
                    gather/scatter used to ship a request's blocks between devices
   linear           a batch of 1-16 rows times a weight matrix (decode): the weights
-                   streamed at close to HBM bandwidth, faster than cuBLAS there
+                   streamed closer to HBM bandwidth than cuBLAS gets there (on CUDA
+                   only; its kernel, small_m_linear, also runs under the interpreter)
   rms_norm, qk_norm_rope_store_kv, silu_mul
                    the model's elementwise chains, one kernel each instead of the
                    five to ten small torch ops they take unfused (at batch 1 a decode
@@ -335,10 +336,10 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 #
 # A decode step at batch 1-16 multiplies a few rows by every weight matrix: it streams
 # 15 GB of weights through the chip and is bound by memory bandwidth alone. cuBLAS's
-# matrix-vector kernels reach 3.1-3.4 TB/s on the 4096-wide projections of Qwen3-8B.
-# Swapping the operands (out^T = W x^T) lets 64 weight rows fill the MMA's M side and the
-# batch, padded to 16, its N side: tl.dot then streams W through shared memory with the
-# software pipeliner, which keeps enough bytes in flight to reach ~4 TB/s. A weight with
+# matrix-vector kernels stay well below that bandwidth on the 4096-wide projections of
+# Qwen3-8B. Swapping the operands (out^T = W x^T) lets 64 weight rows fill the MMA's M side
+# and the batch, padded to 16, its N side: tl.dot then streams W through shared memory
+# with the software pipeliner, which keeps enough bytes in flight to get closer. A weight with
 # too few 64-row tiles to give every SM work (o_proj and down: 4096 rows, 64 tiles) is
 # split along K in two; each half writes fp32 partial sums, and the RMSNorm that always
 # follows those projections adds them (rms_norm takes x as [splits, rows, n]).
