@@ -98,12 +98,13 @@ def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec], desc:
                 pending[rid] = specs[i]
                 i += 1
             for rid in cluster.poll(0.002):
-                spec, out, t = pending.pop(rid), cluster.output(rid), cluster.done[rid]
+                spec, out = pending.pop(rid), cluster.output(rid)
                 m, n = out.metrics, len(out.outputs[0].token_ids) if out.outputs else 0
                 routed = {}
-                if t.routed is not None:
-                    routed = {"predicted_ms": t.routed[0], "decode_batch": t.routed[1].decode_batch,
-                              "queued_prefill": t.routed[1].queued_prefill_tokens}
+                if m.routed is not None:
+                    predicted_ms, load, _ = m.routed
+                    routed = {"predicted_ms": predicted_ms, "decode_batch": load.decode_batch,
+                              "queued_prefill": load.queued_prefill_tokens}
                 results.append(Result(
                     policy, workload, rate, len(spec.prompt_ids), n,
                     ttft=(m.first_token_time or m.finish_time) - m.arrival_time,

@@ -58,7 +58,6 @@ class Tracked:
     samples: list[int] = field(default_factory=list)  # n > 1 split into samples (not collocated)
     parent: int | None = None
     decode_worker: int | None = None   # adaptive: where the router sends it after prefill
-    routed: tuple | None = None        # adaptive: (prediction ms, load of prefill worker, of decode worker)
 
 
 class CentralScheduler:
@@ -203,7 +202,7 @@ class CentralScheduler:
             loads = {w: self.worker_load(w) for w in live}
             blocks = cdiv(len(t.prompt_ids) + t.params.max_tokens, self.cfg.block_size)
             w, t.decode_worker, predicted = self.router.route(len(t.prompt_ids), t.params.max_tokens, loads, blocks)
-            t.routed = (predicted, loads[w], loads[t.decode_worker])
+            t.metrics.routed = (predicted, loads[w], loads[t.decode_worker])
         else:
             w = min(live, key=self._load)
             # Beam search runs whole on one worker (its beams fork and die every step).
@@ -296,7 +295,7 @@ class CentralScheduler:
             m.finish_time, m.num_cached_tokens = theirs.finish_time, theirs.num_cached_tokens
             m.path = (t.prefill_worker,) + ((w,) if w != t.prefill_worker else ())
             t.output = dataclasses.replace(output, request_id=t.rid, prompt=t.prompt, metrics=m)
-            if self.router is not None and t.routed is not None:
+            if self.router is not None and m.routed is not None:
                 self._teach_router(t, w)
             return self._end(t)
         elif kind == "rejected":
@@ -307,7 +306,7 @@ class CentralScheduler:
 
     def _teach_router(self, t: Tracked, w: int) -> None:
         """Feed the router what this request's path really cost."""
-        phases, (predicted, load_p, load_d) = t.metrics.phases(), t.routed
+        phases, (predicted, load_p, load_d) = t.metrics.phases(), t.metrics.routed
         self.router.observe(Observation(
             len(t.prompt_ids), len(t.output.outputs[0].token_ids), t.prefill_worker, w, load_p, load_d,
             (phases["queued"] + phases["prefill"]) * 1e3, phases["transfer"] * 1e3, phases["decode"] * 1e3,

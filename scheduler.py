@@ -61,6 +61,8 @@ class RequestMetrics:
     kv_bytes_moved: int = 0             # ... how much KV it copied
     kv_copy_time: float | None = None   # ... and how long the copy itself took (s)
     path: tuple[int, ...] = ()          # the workers that served it (prefill, then decode)
+    routed: tuple | None = None         # adaptive: (predicted latency ms, prefill worker's WorkerLoad,
+                                        # decode worker's WorkerLoad) when the router chose the path
 
     def phases(self) -> dict[str, float]:
         """Seconds spent queued, prefilling, transferring the KV and decoding (the path's cost)."""
