@@ -1869,6 +1869,11 @@ def test_adaptive_gives_hf_tokens_on_both_paths_and_learns(hf):
         assert tokens(outs) == [hf.greedy(p, 60) for p in MIXED_PROMPTS[:2]] + [hf.greedy(p, 10)
                                                                                 for p in MIXED_PROMPTS[2:]]
         assert all(len(o.metrics.path) == 1 for o in outs[:2]) and all(len(o.metrics.path) == 2 for o in outs[2:])
+        # Each output carries what it was routed under: the first onto an idle worker,
+        # the later ones while the first two decoded.
+        assert all(o.metrics.routed[0] > 0 for o in outs)
+        assert all(o.metrics.routed[1].decode_batch == 0 for o in outs[:1])
+        assert all(o.metrics.routed[1].decode_batch > 0 for o in outs[2:])
         assert len(router.errors) == len(MIXED_PROMPTS) == router.predictor.pooled.kappa - 1
         assert router.cost.p != params
         assert workers_all_free(llm)
