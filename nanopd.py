@@ -310,7 +310,7 @@ class CentralScheduler:
         self.router.observe(Observation(
             len(t.prompt_ids), len(t.output.outputs[0].token_ids), t.prefill_worker, w, load_p, load_d,
             (phases["queued"] + phases["prefill"]) * 1e3, phases["transfer"] * 1e3, phases["decode"] * 1e3,
-            predicted))
+            predicted, t.params.max_tokens))
 
     # -- for the profiler
 

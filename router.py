@@ -4,7 +4,7 @@
   CostModel               predicted latency of a request on a path, from the hardware's
                           fitted parameters (profiler.py) and the workers' current load
   OutputLengthPredictor   an online Bayesian model of how many tokens a request will
-                          generate, given its prompt length
+                          generate, given its prompt length and max_tokens
   Router                  picks the cheapest path, then learns from what each request
                           really cost: the predictor is updated, and the cost model's
                           parameters are refitted by recursive least squares
@@ -91,21 +91,41 @@ def student_t_quantile(q: float, df: float) -> float:
 
 
 @dataclass
-class NormalGamma:
-    """Conjugate posterior of a normal with unknown mean and precision (of log length)."""
-    mu: float = math.log(128)   # prior: a few hundred tokens, loosely
-    kappa: float = 1.0          # pseudo-observations behind mu
-    a: float = 1.5              # shape: 2a = 3 pseudo-observations behind the variance
-    b: float = 1.5              # rate: prior variance of log length ~ b / a = 1
+class LogLengthPosterior:
+    """Bayesian linear regression of y = log(output tokens) on x = [1, log(max_tokens / 256)]:
+    y ~ N(w . x, s2), with the conjugate prior w ~ N(m, s2 V), s2 ~ InvGamma(a, b), so every
+    observation updates (m, V, a, b) exactly. The max_tokens term lets the data say how much
+    the cap tells about the length: nothing when outputs end long before it, everything when
+    requests run to it (ignore_eos); the prior starts with no dependence."""
+    m: torch.Tensor = field(default_factory=lambda: torch.tensor([math.log(128), 0.0], dtype=torch.float64))
+    V: torch.Tensor = field(default_factory=lambda: torch.eye(2, dtype=torch.float64))
+    a: float = 1.5   # shape: 2a = 3 pseudo-observations behind the variance
+    b: float = 1.5   # rate: prior variance of log length ~ b / a = 1
+    n: int = 0       # observations so far
 
-    def update(self, x: float) -> None:
-        mu = (self.kappa * self.mu + x) / (self.kappa + 1)
-        self.b += self.kappa * (x - self.mu) ** 2 / (2 * (self.kappa + 1))
-        self.mu, self.kappa, self.a = mu, self.kappa + 1, self.a + 0.5
+    @staticmethod
+    def features(max_tokens: int) -> torch.Tensor:
+        return torch.tensor([1.0, math.log(max(1, max_tokens) / 256)], dtype=torch.float64)
 
-    def predictive(self) -> tuple[float, float, float]:
-        """The posterior predictive of a new x: Student t (location, scale, degrees of freedom)."""
-        return self.mu, math.sqrt(self.b * (self.kappa + 1) / (self.a * self.kappa)), 2 * self.a
+    def update(self, max_tokens: int, y: float) -> None:
+        x = self.features(max_tokens)
+        vx = self.V @ x
+        s = 1.0 + x @ vx                  # predictive variance of y, in units of s2
+        residual = y - x @ self.m
+        self.m = self.m + vx * residual / s
+        self.V = self.V - torch.outer(vx, vx) / s
+        self.a, self.b, self.n = self.a + 0.5, self.b + residual.item() ** 2 / (2 * s.item()), self.n + 1
+
+    def predictive(self, max_tokens: int) -> tuple[float, float, float]:
+        """The posterior predictive of y: Student t (location, scale, degrees of freedom)."""
+        x = self.features(max_tokens)
+        return (x @ self.m).item(), math.sqrt(self.b / self.a * (1.0 + (x @ self.V @ x).item())), 2 * self.a
+
+    def as_prior(self, weight: float) -> "LogLengthPosterior":
+        """This posterior with its evidence scaled down to about `weight` observations."""
+        scale = max(1.0, self.n / weight)
+        return LogLengthPosterior(self.m.clone(), self.V * scale, 1.5 + (self.a - 1.5) / scale,
+                                  1.5 + (self.b - 1.5) / scale)
 
 
 @dataclass
@@ -117,31 +137,34 @@ class LengthPrediction:
 
 @dataclass
 class OutputLengthPredictor:
-    """Output length given prompt length: a normal-gamma posterior on log(output tokens)
-    per prompt-length bucket (powers of two), updated with every finished request.
-    A bucket with no data of its own starts from the pooled posterior of all requests."""
+    """Output length given prompt length and max_tokens: a LogLengthPosterior per
+    prompt-length bucket (powers of two), updated with every finished request. A bucket
+    with no data of its own starts from the pooled posterior of all requests, weighted as
+    a few observations. Predictions never exceed max_tokens."""
     coverage: float = 0.8
-    pooled: NormalGamma = field(default_factory=NormalGamma)
-    buckets: dict[int, NormalGamma] = field(default_factory=dict)
-    counts: dict[int, int] = field(default_factory=dict)
+    pooled: LogLengthPosterior = field(default_factory=LogLengthPosterior)
+    buckets: dict[int, LogLengthPosterior] = field(default_factory=dict)
 
     @staticmethod
     def bucket(prompt_len: int) -> int:
         return max(0, prompt_len - 1).bit_length()
 
-    def update(self, prompt_len: int, output_len: int) -> None:
-        x = math.log(max(1, output_len))
+    def update(self, prompt_len: int, output_len: int, max_tokens: int) -> None:
+        y = math.log(max(1, output_len))
         k = self.bucket(prompt_len)
         if k not in self.buckets:   # a new bucket starts from what all requests said so far
-            self.buckets[k] = NormalGamma(self.pooled.mu, min(self.pooled.kappa, 4.0), self.pooled.a, self.pooled.b)
-        self.buckets[k].update(x)
-        self.pooled.update(x)
+            self.buckets[k] = self.pooled.as_prior(4.0)
+        self.buckets[k].update(max_tokens, y)
+        self.pooled.update(max_tokens, y)
 
-    def predict(self, prompt_len: int) -> LengthPrediction:
-        loc, scale, df = self.buckets.get(self.bucket(prompt_len), self.pooled).predictive()
+    def predict(self, prompt_len: int, max_tokens: int) -> LengthPrediction:
+        posterior = self.buckets.get(self.bucket(prompt_len), self.pooled)
+        loc, scale, df = posterior.predictive(max_tokens)
         t = student_t_quantile(0.5 + self.coverage / 2, df)
-        # The mean of exp(x) under a log-normal with the predictive's location and scale.
-        return LengthPrediction(math.exp(loc + scale ** 2 / 2), math.exp(loc - t * scale), math.exp(loc + t * scale))
+        # The mean of exp(y) under a log-normal with the predictive's location and scale.
+        mean = math.exp(loc + scale ** 2 / 2)
+        return LengthPrediction(min(mean, max_tokens), min(math.exp(loc - t * scale), max_tokens),
+                                min(math.exp(loc + t * scale), max_tokens))
 
 
 # ----------------------------------------------------------------------------- learning the parameters
@@ -179,6 +202,7 @@ class Observation:
     transfer_ms: float
     decode_ms: float
     predicted_ms: float | None = None   # what route() predicted (with the predicted output length)
+    max_tokens: int | None = None       # the request's cap (None: taken as its output length)
 
 
 class Router:
@@ -206,7 +230,7 @@ class Router:
         """(prefill worker, decode worker, predicted ms): the same worker twice is the
         collocated path. Decode workers without needed_blocks free are passed over while
         another has them."""
-        out = min(max_tokens, self.predictor.predict(prompt_len).mean)
+        out = self.predictor.predict(prompt_len, max_tokens).mean
         roomy = {w: ld for w, ld in loads.items() if ld.free_blocks >= needed_blocks} or loads
         best = None
         for p, lp in loads.items():
@@ -229,7 +253,7 @@ class Router:
         self.model_errors.append(abs(self.predicted_ms(o) - measured) / measured)
         if o.predicted_ms is not None:
             self.errors.append(abs(o.predicted_ms - measured) / measured)
-        self.predictor.update(o.prompt_len, o.output_len)
+        self.predictor.update(o.prompt_len, o.output_len, o.max_tokens or o.output_len)
         p = self.cost.p
         n = o.load_prefill.queued_prefill_tokens + o.prompt_len
         self.fit_prefill.update([1.0, n], o.prefill_ms - p.alpha2 * n * n)

@@ -1715,20 +1715,40 @@ def test_cost_model_reduces_to_the_design_rule():
 
 
 def test_output_length_posterior_converges_and_its_interval_covers():
-    """Log-normal output lengths (a different law per prompt-length bucket): the predicted
-    mean approaches each law's mean, and 80% intervals hold about 80% of fresh draws."""
+    """Log-normal output lengths (a different law per prompt-length bucket), caps far above
+    them: the predicted mean approaches each law's mean, and 80% intervals hold about 80%
+    of fresh draws."""
     gen = torch.Generator().manual_seed(0)
     laws = {100: (5.0, 0.6), 1000: (3.0, 0.4)}   # prompt length -> (mu, sigma) of log output length
     pred = OutputLengthPredictor(coverage=0.8)
-    for _ in range(3000):
+    for i in range(3000):
         for prompt_len, (mu, sigma) in laws.items():
-            pred.update(prompt_len, round(math.exp(mu + sigma * torch.randn(1, generator=gen).item())))
+            cap = 8192 if i % 2 else 16384
+            pred.update(prompt_len, round(math.exp(mu + sigma * torch.randn(1, generator=gen).item())), cap)
     for prompt_len, (mu, sigma) in laws.items():
-        p = pred.predict(prompt_len)
+        p = pred.predict(prompt_len, 8192)
         assert p.mean == pytest.approx(math.exp(mu + sigma ** 2 / 2), rel=0.05)
         fresh = [math.exp(mu + sigma * z) for z in torch.randn(4000, generator=gen).tolist()]
         covered = sum(p.low <= x <= p.high for x in fresh) / len(fresh)
         assert 0.76 <= covered <= 0.84
+
+
+def test_output_length_predictor_learns_what_max_tokens_says():
+    """Requests that run to their cap (ignore_eos): after some of them the prediction for a
+    new cap is that cap. Outputs that end on their own, whatever the cap: the cap moves the
+    prediction by little. Never above the cap."""
+    rng = random.Random(3)
+    to_cap, own_end = OutputLengthPredictor(), OutputLengthPredictor()
+    for _ in range(300):
+        cap = round(math.exp(rng.uniform(math.log(16), math.log(1024))))
+        to_cap.update(200, cap, cap)
+        own_end.update(200, round(math.exp(rng.gauss(4.0, 0.5))), cap * 8)
+    for cap in (40, 700):
+        assert to_cap.predict(200, cap).mean == pytest.approx(cap, rel=0.05)
+    free = [own_end.predict(200, cap * 8).mean for cap in (40, 700)]
+    assert free[0] == pytest.approx(free[1], rel=0.15)
+    assert free[0] == pytest.approx(math.exp(4.0 + 0.5 ** 2 / 2), rel=0.15)
+    assert own_end.predict(200, 20).high <= 20 and own_end.predict(200, 20).mean <= 20
 
 
 def synthetic_observation(truth: HardwareParams, rng: random.Random, router: Router | None = None) -> Observation:
@@ -1874,7 +1894,7 @@ def test_adaptive_gives_hf_tokens_on_both_paths_and_learns(hf):
         assert all(o.metrics.routed[0] > 0 for o in outs)
         assert all(o.metrics.routed[1].decode_batch == 0 for o in outs[:1])
         assert all(o.metrics.routed[1].decode_batch > 0 for o in outs[2:])
-        assert len(router.errors) == len(MIXED_PROMPTS) == router.predictor.pooled.kappa - 1
+        assert len(router.errors) == len(MIXED_PROMPTS) == router.predictor.pooled.n
         assert router.cost.p != params
         assert workers_all_free(llm)
 
