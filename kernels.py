@@ -344,7 +344,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 # split along K in two; each half writes fp32 partial sums, and the RMSNorm that always
 # follows those projections adds them (rms_norm takes x as [splits, rows, n]).
 
-SMALL_M = 16   # up to this many rows take the small-batch kernel
+SMALL_M = 16                           # up to this many rows take the small-batch kernel
+SMALL_M_BLOCK_N, SMALL_M_BLOCK_K = 64, 128   # weight rows per program, K per step (tl.dot tiles)
 
 
 @triton.jit
@@ -369,14 +370,14 @@ def _small_m_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, stride_w, s
 
 
 def small_m_linear_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.shape[0] <= SMALL_M and x.shape[1] % 128 == 0 and weight.shape[1] == x.shape[1]
+    return x.shape[0] <= SMALL_M and x.shape[1] % SMALL_M_BLOCK_K == 0 and weight.shape[1] == x.shape[1]
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, split_k: int = 1) -> torch.Tensor:
     """x [M, K] (M <= 16) @ weight [N, K]^T through the Triton kernel (also on CPU under
     the interpreter). split_k 1: [M, N] in x's dtype; split_k > 1: [split_k, M, N] fp32
     partial sums over consecutive parts of K."""
-    assert small_m_linear_fits(x, weight) and (x.shape[1] // 128) % split_k == 0
+    assert small_m_linear_fits(x, weight) and (x.shape[1] // SMALL_M_BLOCK_K) % split_k == 0
     m, k = x.shape
     n = weight.shape[0]
     x, weight = x if x.stride(1) == 1 else x.contiguous(), weight if weight.stride(1) == 1 else weight.contiguous()
@@ -384,13 +385,13 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, split_k: int = 1) -> t
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     else:
         out = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-    tiles = triton.cdiv(n, 64)
+    tiles = triton.cdiv(n, SMALL_M_BLOCK_N)
     # Tile shapes from a sweep on an H200: deeper pipelines where fewer programs share an SM.
     stages = 3 if tiles >= 2 * _num_sm(x.device) else 5
     if m:
         _small_m_linear_kernel[(tiles, split_k)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0) if split_k > 1 else 0,
-            out.stride(-2), BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=split_k,
+            out.stride(-2), BLOCK_M=SMALL_M, BLOCK_N=SMALL_M_BLOCK_N, BLOCK_K=SMALL_M_BLOCK_K, SPLIT_K=split_k,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=stages,
             **_pdl(x.device))
     return out
@@ -405,8 +406,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if not (x.is_cuda and bias is None and x.dtype in (torch.bfloat16, torch.float16)
             and small_m_linear_fits(x, weight)):
         return F.linear(x, weight, bias)
-    few_tiles = triton.cdiv(weight.shape[0], 64) < _num_sm(x.device)
-    split = 2 if partial_sums and few_tiles and (x.shape[1] // 128) % 2 == 0 else 1
+    few_tiles = triton.cdiv(weight.shape[0], SMALL_M_BLOCK_N) < _num_sm(x.device)
+    split = 2 if partial_sums and few_tiles and (x.shape[1] // SMALL_M_BLOCK_K) % 2 == 0 else 1
     return small_m_linear(x, weight, split)
 
 
@@ -495,13 +496,18 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
     tl.store(out_ptr + row * stride_o + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _is_partial_sums(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """x is linear's split-K output [parts, rows, n] rather than [rows, n]."""
+    return residual is not None and x.dim() == residual.dim() + 1
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [rows, n] -> (rms_norm(h) * weight, h) with h = x + residual (or x). With a residual,
     x may also be [parts, rows, n] fp32 partial sums (linear's split-K), added first."""
     if not _use_triton(x):
         return rms_norm_torch(x, weight, eps, residual)
-    parts = x.shape[0] if residual is not None and x.dim() == residual.dim() + 1 else 1
+    parts = x.shape[0] if _is_partial_sums(x, residual) else 1
     rows = x if parts == 1 else x[0]
     out = torch.empty_like(rows, dtype=residual.dtype if residual is not None else x.dtype)
     res_out = torch.empty_like(out) if residual is not None else x
@@ -517,7 +523,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
                    residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    if residual is not None and x.dim() == residual.dim() + 1:   # split-K partial sums
+    if _is_partial_sums(x, residual):
         x = x.sum(0).to(residual.dtype)
     h = x if residual is None else x + residual
     hf = h.float()

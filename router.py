@@ -90,6 +90,9 @@ def student_t_quantile(q: float, df: float) -> float:
             + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3))
 
 
+PRIOR_SHAPE = PRIOR_RATE = 1.5   # inverse-gamma prior on the variance: 3 pseudo-observations, variance ~1
+
+
 @dataclass
 class LogLengthPosterior:
     """Bayesian linear regression of y = log(output tokens) on x = [1, log(max_tokens / 256)]:
@@ -99,9 +102,9 @@ class LogLengthPosterior:
     requests run to it (ignore_eos); the prior starts with no dependence."""
     m: torch.Tensor = field(default_factory=lambda: torch.tensor([math.log(128), 0.0], dtype=torch.float64))
     V: torch.Tensor = field(default_factory=lambda: torch.eye(2, dtype=torch.float64))
-    a: float = 1.5   # shape: 2a = 3 pseudo-observations behind the variance
-    b: float = 1.5   # rate: prior variance of log length ~ b / a = 1
-    n: int = 0       # observations so far
+    a: float = PRIOR_SHAPE   # shape: 2a pseudo-observations behind the variance
+    b: float = PRIOR_RATE    # rate: variance of log length ~ b / a
+    n: int = 0               # observations so far
 
     @staticmethod
     def features(max_tokens: int) -> torch.Tensor:
@@ -124,8 +127,8 @@ class LogLengthPosterior:
     def as_prior(self, weight: float) -> "LogLengthPosterior":
         """This posterior with its evidence scaled down to about `weight` observations."""
         scale = max(1.0, self.n / weight)
-        return LogLengthPosterior(self.m.clone(), self.V * scale, 1.5 + (self.a - 1.5) / scale,
-                                  1.5 + (self.b - 1.5) / scale)
+        return LogLengthPosterior(self.m.clone(), self.V * scale, PRIOR_SHAPE + (self.a - PRIOR_SHAPE) / scale,
+                                  PRIOR_RATE + (self.b - PRIOR_RATE) / scale)
 
 
 @dataclass
