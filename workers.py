@@ -20,6 +20,8 @@ shared memory on CPUs), so per request only block ids travel. A handoff:
 A parked request nobody pulls is released after HANDOFF_TIMEOUT_S.
 """
 
+import ctypes
+import functools
 import os
 import queue
 import time
@@ -98,7 +100,7 @@ def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 
 class Transport:
     """Copies blocks of another worker's KV cache (shared at start-up) into this worker's.
-    pull() only enqueues the copies, on streams of the transport's own, and returns a Pull
+    pull() only enqueues the copies, on a stream of the transport's own, and returns a Pull
     whose events complete with them (on CPUs the copy is done on return). A transport for
     workers on different hosts (torch.distributed send/recv of the same runs) would
     implement the same copy()."""
@@ -106,7 +108,6 @@ class Transport:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.source_streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def pull(self, src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int]) -> "Pull":
         nbytes = len(dst_blocks) * dst[0].nbytes
@@ -114,22 +115,14 @@ class Transport:
             start = time.perf_counter()
             self.copy(src, src_blocks, dst, dst_blocks)
             return Pull(nbytes, seconds=time.perf_counter() - start)
-        # torch runs a copy between devices on the source device's current stream, fenced
-        # by the destination device's current stream: make both ours, so the copies wait on
-        # nothing of the engine's and the engine's steps wait on nothing of theirs.
-        copies = self.copy_stream(src.device)
-        with torch.cuda.stream(self.stream), torch.cuda.stream(copies):
+        # Our own stream: the copies wait on nothing of the engine's, and the engine's
+        # steps wait on nothing of theirs.
+        with torch.cuda.stream(self.stream):
             began, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            began.record(copies)
+            began.record()
             self.copy(src, src_blocks, dst, dst_blocks)
-            done.record(copies)
+            done.record()
         return Pull(nbytes, began, done)
-
-    def copy_stream(self, src_device: torch.device) -> torch.cuda.Stream:
-        """The stream the copies run on."""
-        if src_device == self.device:
-            return self.stream
-        return self.source_streams.setdefault(src_device, torch.cuda.Stream(src_device))
 
     def copy(self, src, src_blocks, dst, dst_blocks) -> None:
         raise NotImplementedError
@@ -151,11 +144,33 @@ class Pull:
 
 class P2PTransport(Transport):
     """Device to device (NVLink or PCIe peer access; shared memory between CPU workers):
-    one copy per run of consecutive blocks, done by the copy engine, not the SMs."""
+    one copy per run of consecutive blocks, done by a copy engine, not the SMs.
+
+    The copy engine is our (the destination's) own, reading the peer's memory over the
+    link: torch's copy_ between devices would run on a stream of the source device,
+    pushing, which was slower on the H200 pair (339 vs 384 GB/s in one process), and would
+    give this process a context on the prefill worker's GPU. torch has no call for a copy
+    between devices on the destination's stream, so it is the driver's cuMemcpyAsync."""
 
     def copy(self, src, src_blocks, dst, dst_blocks) -> None:
-        for s, d, n in block_runs(src_blocks, dst_blocks):
-            dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+        if not dst.is_cuda:
+            for s, d, n in block_runs(src_blocks, dst_blocks):
+                dst[d:d + n].copy_(src[s:s + n])
+            return
+        block_bytes = dst[0].nbytes   # both caches are contiguous and block-major
+        with torch.cuda.device(dst.device):   # the driver call uses the current context
+            stream = torch.cuda.current_stream().cuda_stream   # the pull's
+            for s, d, n in block_runs(src_blocks, dst_blocks):
+                rc = _cuda_driver().cuMemcpyAsync(
+                    ctypes.c_uint64(dst.data_ptr() + d * block_bytes), ctypes.c_uint64(src.data_ptr() + s * block_bytes),
+                    ctypes.c_size_t(n * block_bytes), ctypes.c_void_p(stream))
+                if rc != 0:
+                    raise RuntimeError(f"cuMemcpyAsync failed with CUDA error {rc}")
+
+
+@functools.cache
+def _cuda_driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
 
 
 class RelayTransport(Transport):
@@ -167,11 +182,9 @@ class RelayTransport(Transport):
     def __init__(self, device: torch.device, chunk_blocks: int = 8):
         super().__init__(device)
         self.chunk_blocks = chunk_blocks
+        self.source_streams: dict[torch.device, torch.cuda.Stream] = {}   # the downloads
         self.buffers: list[torch.Tensor] = []
         self.freed: list[torch.cuda.Event | None] = [None, None]   # a buffer's last upload finished
-
-    def copy_stream(self, src_device: torch.device) -> torch.cuda.Stream:
-        return self.stream   # the uploads; the downloads run on a stream of the source device
 
     def copy(self, src, src_blocks, dst, dst_blocks) -> None:
         if not self.buffers:
