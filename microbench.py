@@ -324,15 +324,37 @@ def run_profile(model: str = "qwen3-8b", batch_size: int = 1, context: int = 102
 
 def measure_link(src: str, dst: str) -> dict:
     """Ceilings of the two transports, same run: a 1 GiB copy between the devices, and
-    device -> pinned host -> device (each direction timed alone)."""
+    device -> pinned host -> device (each direction timed alone); and a 302 MB copy between
+    the devices (one 2048-token request's KV) after both have idled 50 ms, as they do
+    between the requests `run_transfer` sends one at a time."""
     x = torch.empty(1 << 30, dtype=torch.uint8, device=src)
     y = torch.empty_like(x, device=dst)
     host = torch.empty_like(x, device="cpu").pin_memory()
     rates = {name: x.nbytes / time_ms(fn) / 1e6 for name, fn in
              [("p2p_GBps", lambda: y.copy_(x)), ("d2h_GBps", lambda: host.copy_(x)), ("h2d_GBps", lambda: y.copy_(host))]}
+    rates["p2p_after_idle_GBps"] = copy_after_idle_GBps(x[:302_000_000], y[:302_000_000])
     x = y = host = None
     torch.cuda.empty_cache()
     return rates
+
+
+def copy_after_idle_GBps(x: torch.Tensor, y: torch.Tensor, idle_s: float = 0.05, reps: int = 6) -> float:
+    """y.copy_(x) between devices, each copy after both devices have idled idle_s: the link
+    and copy engines come back from idle slower than they run back to back (on the H200
+    pair, ~0.72 of the warm rate for a 302 MB copy). Median GB/s."""
+    rates = []
+    for _ in range(reps):
+        torch.cuda.synchronize(x.device)
+        torch.cuda.synchronize(y.device)
+        time.sleep(idle_s)
+        with torch.cuda.device(x.device):   # the copy runs on the source device's stream
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            y.copy_(x, non_blocking=True)
+            end.record()
+            end.synchronize()
+        rates.append(x.nbytes / start.elapsed_time(end) / 1e6)
+    return statistics.median(rates)
 
 
 def transport_alone(transport, src_cache: torch.Tensor, dst_cache: torch.Tensor, dst_blocks: list[int],
@@ -355,11 +377,15 @@ def transport_alone(transport, src_cache: torch.Tensor, dst_cache: torch.Tensor,
 
 def decode_step_while_pulling(model: str, src: str, dst: str, batch: int = 64, context: int = 1024) -> dict:
     """A decode step (CUDA-graph replay, batch x context) on dst, timed alone and while a
-    P2PTransport pulls blocks from src into the same cache on its own stream, back to back
-    for the whole timed window. Also the transport alone (transport_alone), same caches."""
+    P2PTransport pulls blocks from src into the same cache on its own stream, two ways:
+    - per_step: one 2048-token request's KV (128 blocks, 302 MB) pulled with every step.
+      A prefill worker produces that much KV in ~50 ms (2048 x 0.025 ms), so one per
+      7 ms step is several times the most a real decode worker receives;
+    - saturated: 2.4 GB pulls back to back for the whole timed window, the link never idle.
+    Also the transport alone (transport_alone), same caches."""
     from nanopd import LLM
     from workers import P2PTransport
-    chunk = 1024   # blocks per pull: 2.4 GB, ~6 ms on the link, so few pulls cover the window
+    chunk = 1024   # blocks per saturating pull: 2.4 GB, ~6 ms on the link
     eng = LLM(model, device=dst, max_num_seqs=batch, num_kv_blocks=batch * (context // 16 + 2) + chunk + 64).engine
     fake = fake_batch(eng, batch, context, 1)
     eng.runner.run(fake, list(range(batch)))   # leaves the batch in the graph's inputs
@@ -370,10 +396,12 @@ def decode_step_while_pulling(model: str, src: str, dst: str, batch: int = 64, c
     transport = P2PTransport(torch.device(dst))
     alone_rates = transport_alone(transport, src_cache, cache, dst_blocks)
 
-    def steps_ms(n: int = 60) -> float:
+    def steps_ms(n: int = 60, pull_blocks: int = 0) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(n):
+            if pull_blocks:
+                transport.pull(src_cache, list(range(pull_blocks)), cache, dst_blocks[:pull_blocks])
             graph.replay()
         end.record()
         end.synchronize()
@@ -381,37 +409,40 @@ def decode_step_while_pulling(model: str, src: str, dst: str, batch: int = 64, c
 
     steps_ms(10)
     alone = steps_ms()
-    # Hold the copy stream (~1 s) while the host queues the pulls, and start the steps
-    # when it lets go, so copies and steps begin together. 300 x 2.4 GB is ~1.8 s of
+    per_step = steps_ms(pull_blocks=128)
+    torch.cuda.synchronize()
+    # Saturated: hold the copy stream while the host queues the pulls, and start the steps
+    # when it lets go, so copies and steps begin together; 80 x 2.4 GB is ~0.5 s of
     # copying at the link's speed, longer than the 60 timed steps.
-    copies = transport.copy_stream(torch.device(src))
-    with torch.cuda.device(src), torch.cuda.stream(copies):
-        torch.cuda._sleep(2_000_000_000)
+    with torch.cuda.stream(transport.stream):
+        torch.cuda._sleep(1_000_000_000)   # ~0.5 s
         gate = torch.cuda.Event()
-        gate.record(copies)
+        gate.record()
     t = time.perf_counter()
-    pulls = [transport.pull(src_cache, list(range(chunk)), cache, dst_blocks) for _ in range(300)]
+    pulls = [transport.pull(src_cache, list(range(chunk)), cache, dst_blocks) for _ in range(80)]
     queued_s = time.perf_counter() - t
     started = pulls[0].done.query()
     torch.cuda.current_stream().wait_event(gate)
-    during = steps_ms()
+    saturated = steps_ms()
     busy = not pulls[-1].done.query()   # the transfers outlasted the timed steps
     torch.cuda.synchronize()
-    return {"case": f"decode step, batch {batch}, context {context}", "alone_ms": alone, "during_ms": during,
-            "ratio": during / alone, "transfers_outlasted_steps": busy, "first_pull_done_before_steps": started,
-            "pulls_queued_s": queued_s, "transport_alone": alone_rates}
+    return {"case": f"decode step, batch {batch}, context {context}", "alone_ms": alone,
+            "per_step_ms": per_step, "per_step_ratio": per_step / alone,
+            "saturated_ms": saturated, "saturated_ratio": saturated / alone,
+            "saturated_valid": busy and not started, "pulls_queued_s": queued_s, "transport_alone": alone_rates}
 
 
 def run_transfer(out: str | None, model: str = "qwen3-8b", devices: tuple[str, str] = ("cuda:0", "cuda:1")) -> dict:
     from nanopd import LLM, SamplingParams
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, **measure_link(*devices)}
-    print(f"ceilings: {devices[0]} -> {devices[1]} copy {res['p2p_GBps']:.0f} GB/s; pinned host: "
-          f"{res['d2h_GBps']:.0f} GB/s down, {res['h2d_GBps']:.0f} GB/s up", flush=True)
+    print(f"ceilings: {devices[0]} -> {devices[1]} copy {res['p2p_GBps']:.0f} GB/s (302 MB after 50 ms idle: "
+          f"{res['p2p_after_idle_GBps']:.0f}); pinned host: {res['d2h_GBps']:.0f} GB/s down, "
+          f"{res['h2d_GBps']:.0f} GB/s up", flush=True)
     res["overlap"] = decode_step_while_pulling(model, *devices)
     o = res["overlap"]
-    valid = o["transfers_outlasted_steps"] and not o["first_pull_done_before_steps"]
-    print(f"{o['case']}: {o['alone_ms']:.3f} ms alone, {o['during_ms']:.3f} ms while pulling "
-          f"({o['ratio']:.3f}x; transfers covered the timed steps: {valid})", flush=True)
+    print(f"{o['case']}: {o['alone_ms']:.3f} ms alone; {o['per_step_ms']:.3f} ms ({o['per_step_ratio']:.3f}x) "
+          f"pulling 302 MB with every step; {o['saturated_ms']:.3f} ms ({o['saturated_ratio']:.3f}x) with the link "
+          f"saturated (transfers covered the timed steps: {o['saturated_valid']})", flush=True)
     a = o["transport_alone"]
     print(f"P2PTransport alone, in this process, 128 blocks (302 MB): {a['consecutive_GBps']:.0f} GB/s as one run, "
           f"{a['scattered_GBps']:.0f} GB/s one block at a time", flush=True)
@@ -434,8 +465,17 @@ def run_transfer(out: str | None, model: str = "qwen3-8b", devices: tuple[str, s
                 rows.append({"transport": transport, "tokens": length, "MB": ms[0].kv_bytes_moved / 1e6,
                              "GBps": gbs, "ceiling_GBps": ceiling, "ratio": gbs / ceiling, "handoff_ms": handoff})
                 r = rows[-1]
+                idle = (f", {gbs / res['p2p_after_idle_GBps']:.2f} of the same bytes copied after idling "
+                        f"({res['p2p_after_idle_GBps']:.0f})" if transport == "p2p" and length == 2048 else "")
                 print(f"{transport:<5} {length:5d} tokens ({r['MB']:6.1f} MB): copy {gbs:6.1f} GB/s = {r['ratio']:.2f}"
-                      f" of {ceiling:.0f}; first token -> decode worker has it: {handoff:.2f} ms", flush=True)
+                      f" of {ceiling:.0f}{idle}; first token -> decode worker has it: {handoff:.2f} ms", flush=True)
+            if transport == "p2p":   # eight at once: handoffs follow each other, the link has no time to idle
+                prompts = [torch.randint(0, vocab, (2048,), generator=g).tolist() for _ in range(8)]
+                outs = llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+                res["p2p_2048_eight_at_once_GBps"] = [o.metrics.kv_bytes_moved / o.metrics.kv_copy_time / 1e9
+                                                      for o in outs]
+                print("p2p    2048 tokens, eight at once: copy GB/s " +
+                      ", ".join(f"{r:.0f}" for r in res["p2p_2048_eight_at_once_GBps"]), flush=True)
     res["rows"] = rows
     if out:
         with open(out, "w") as f:
