@@ -7,6 +7,7 @@ below, before kernels.py decorates anything), so CI tests the kernels themselves
 Interpreter arithmetic on bf16 is wrong, so bf16 is tested on the GPU only.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -1642,30 +1643,41 @@ if __name__ == "__main__":
 def test_no_worker_outlives_its_caller(tmp_path, how):
     """A script that dies of an exception, or of Ctrl-C mid-generate, leaves no worker process."""
     import signal
-    script = tmp_path / "serve.py"
+    script, stderr = tmp_path / "serve.py", tmp_path / "stderr.txt"
     script.write_text(SHUTDOWN_SCRIPT.format(here=str(HERE)))
-    proc = subprocess.Popen([sys.executable, str(script), "raise" if how == "raise" else "loop"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with open(stderr, "wb") as err:   # a file, not a pipe nobody reads: a full pipe would block the script
+        proc = subprocess.Popen([sys.executable, str(script), "raise" if how == "raise" else "loop"],
+                                stdout=subprocess.PIPE, stderr=err)
     pids = [int(p) for p in proc.stdout.readline().split()]
-    assert len(pids) == 2
-    if how == "ctrl-c":
-        time.sleep(1.0)
-        proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=60)
-    assert proc.returncode != 0
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
-        time.sleep(0.1)
-    assert not any(alive(pid) for pid in pids)
+    try:
+        assert len(pids) == 2, stderr.read_text()[-3000:]
+        if how == "ctrl-c":
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the script did not exit within 60 s; its stderr:\n" + stderr.read_text()[-3000:])
+        assert proc.returncode != 0
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in pids)
+    finally:   # whatever failed, leave nothing running
+        proc.kill()
+        proc.wait()
+        for pid in filter(alive, pids):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:   # a zombie is dead too
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
         return False
-    with open(f"/proc/{pid}/stat") as f:   # a zombie is dead too
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 @pytest.mark.parametrize("kwargs, words", [({"policy": "round-robin"}, "policy"),
