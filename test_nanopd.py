@@ -1625,8 +1625,11 @@ def test_a_killed_worker_ends_or_retries_its_requests(hf, policy, num_devices, v
 
 
 SHUTDOWN_SCRIPT = """
-import os, sys, time
+import os, signal, sys, time
 os.environ["TRITON_INTERPRET"] = "0"
+# Ctrl-C raises KeyboardInterrupt, as in a terminal, even when the tests run as a background
+# job (which starts every child with SIGINT ignored, and then Python installs no handler).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {here!r})
 from nanopd import LLM, SamplingParams
 if __name__ == "__main__":
