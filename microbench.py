@@ -14,9 +14,10 @@ hardware ceiling measured in the same run (bench.py runs them: `python bench.py 
 
   python bench.py transfer  KV handoff between two GPUs through the worker processes:
                             bandwidth of the real path (p2p and relay) for 128-, 512-
-                            and 2048-token requests beside a plain device-to-device
-                            copy and the transport alone in one process, and a decode
-                            step's time while transfers run
+                            and 2048-token requests, one at a time and eight at once,
+                            beside a plain device-to-device copy (warm, and after the
+                            GPUs idle as between requests) and the transport alone in
+                            one process; a decode step's time while transfers run
 
 Every result is printed as a table and, with --out, written as JSON.
 """
