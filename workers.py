@@ -148,9 +148,10 @@ class P2PTransport(Transport):
 
     The copy engine is our (the destination's) own, reading the peer's memory over the
     link: torch's copy_ between devices would run on a stream of the source device,
-    pushing, which was slower on the H200 pair (339 vs 384 GB/s in one process), and would
-    give this process a context on the prefill worker's GPU. torch has no call for a copy
-    between devices on the destination's stream, so it is the driver's cuMemcpyAsync."""
+    pushing, which was slower on the H200 pair (README, "Workers"), and would give this
+    process a context on the prefill worker's GPU. torch has no call for a copy between
+    devices on the destination's stream, so it is the driver's cuMemcpyAsync. It goes
+    peer to peer when peer access is on, as CUDA IPC turns it on for the shared caches."""
 
     def copy(self, src, src_blocks, dst, dst_blocks) -> None:
         if not dst.is_cuda:
