@@ -460,7 +460,7 @@ def run_transfer(out: str | None, model: str = "qwen3-8b", devices: tuple[str, s
                     ids = torch.randint(0, vocab, (length,), generator=g).tolist()
                     outs += llm.generate([ids], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
                 ms = [o.metrics for o in outs[1:]]   # the first one warms up
-                gbs = statistics.median(m.kv_bytes_moved / m.kv_copy_time / 1e9 for m in ms)
+                gbs = statistics.median(m.kv_copy_GBps() for m in ms)
                 handoff = statistics.median(m.phases()["transfer"] for m in ms) * 1e3
                 ceiling = res["p2p_GBps"] if transport == "p2p" else min(res["d2h_GBps"], res["h2d_GBps"])
                 rows.append({"transport": transport, "tokens": length, "MB": ms[0].kv_bytes_moved / 1e6,
@@ -473,8 +473,7 @@ def run_transfer(out: str | None, model: str = "qwen3-8b", devices: tuple[str, s
             if transport == "p2p":   # eight at once: handoffs follow each other, the link has no time to idle
                 prompts = [torch.randint(0, vocab, (2048,), generator=g).tolist() for _ in range(8)]
                 outs = llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-                res["p2p_2048_eight_at_once_GBps"] = [o.metrics.kv_bytes_moved / o.metrics.kv_copy_time / 1e9
-                                                      for o in outs]
+                res["p2p_2048_eight_at_once_GBps"] = [o.metrics.kv_copy_GBps() for o in outs]
                 print("p2p    2048 tokens, eight at once: copy GB/s " +
                       ", ".join(f"{r:.0f}" for r in res["p2p_2048_eight_at_once_GBps"]), flush=True)
     res["rows"] = rows

@@ -64,6 +64,10 @@ class RequestMetrics:
     routed: tuple | None = None         # adaptive: (predicted latency ms, prefill worker's WorkerLoad,
                                         # decode worker's WorkerLoad) when the router chose the path
 
+    def kv_copy_GBps(self) -> float:
+        """The KV copy's rate (disaggregated; needs kv_copy_time)."""
+        return self.kv_bytes_moved / self.kv_copy_time / 1e9
+
     def phases(self) -> dict[str, float]:
         """Seconds spent queued, prefilling, transferring the KV and decoding (the path's cost)."""
         decode_start = self.imported_time or self.first_token_time

@@ -151,7 +151,8 @@ class P2PTransport(Transport):
     pushing, which was slower on the H200 pair (README, "Workers"), and would give this
     process a context on the prefill worker's GPU. torch has no call for a copy between
     devices on the destination's stream, so it is the driver's cuMemcpyAsync. It goes
-    peer to peer when peer access is on, as CUDA IPC turns it on for the shared caches."""
+    peer to peer once peer access is on, which worker_main's first copy from each peer
+    cache turns on (without it the driver stages the copy through the host, far slower)."""
 
     def copy(self, src, src_blocks, dst, dst_blocks) -> None:
         if not dst.is_cuda:
