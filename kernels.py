@@ -430,7 +430,7 @@ def _copy_rows_kernel(src_ptr, dst_ptr, src_idx_ptr, dst_idx_ptr, row_numel,
 def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor) -> None:
     """dst[dst_idx[i]] = src[src_idx[i]] for every i, in one launch. src and dst are
     contiguous with the same row size; a row of the cache is a whole block (all layers,
-    K and V). src may live on another device that this one can reach (P2P)."""
+    K and V)."""
     if not _use_triton(dst):
         return copy_rows_torch(src, src_idx, dst, dst_idx)
     assert src.is_contiguous() and dst.is_contiguous() and src[0].numel() == dst[0].numel()

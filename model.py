@@ -87,19 +87,24 @@ class Attention(nn.Module):
         inv_freq, self.rope_scale = rope   # computed once by Qwen3, shared by every layer
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+            slot_mapping: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> q [T, heads, head_dim]; this token's k and v go into the cache."""
         qkv = self.qkv_proj(x)
         # Qwen3 normalises each head's q and k, then rotates them; k and v go straight into
         # this layer's cache. One kernel for all of it.
         k_cache, v_cache = kv_cache[:, self.layer, 0], kv_cache[:, self.layer, 1]
-        q = kernels.qk_norm_rope_store_kv(qkv, self.q_norm.weight, self.k_norm.weight, positions, self.inv_freq,
-                                          self.rope_scale, self.num_heads, self.num_kv_heads, self.q_norm.eps,
-                                          k_cache, v_cache, meta.slot_mapping)
-        o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q_lens, meta.ctx_lens,
-                                    meta.max_q_len, self.scale, num_splits=meta.num_splits,
-                                    num_decodes=meta.num_decodes)
-        return self.o_proj(o.flatten(1), partial_sums=True)   # the post-attention norm adds them
+        return kernels.qk_norm_rope_store_kv(qkv, self.q_norm.weight, self.k_norm.weight, positions, self.inv_freq,
+                                             self.rope_scale, self.num_heads, self.num_kv_heads, self.q_norm.eps,
+                                             k_cache, v_cache, slot_mapping)
+
+    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, heads, head_dim] over the paged cache -> [T, heads, head_dim] (into out if given)."""
+        k_cache, v_cache = kv_cache[:, self.layer, 0], kv_cache[:, self.layer, 1]
+        return kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q_lens, meta.ctx_lens,
+                                       meta.max_q_len, self.scale, num_splits=meta.num_splits,
+                                       num_decodes=meta.num_decodes, out=out)
 
 
 class MLP(nn.Module):
@@ -122,13 +127,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """h is the previous block's output, not yet added to the residual stream: each norm
-        does that add (x + residual) in the same kernel, and first adds h's split-K partial
-        sums if the projection left it as such (kernels.linear)."""
+    # h is the previous block's output, not yet added to the residual stream: each norm does
+    # that add (x + residual) in the same kernel, and first adds h's split-K partial sums if
+    # the projection left it as such (kernels.linear).
+
+    def before_attention(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                         kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (q [T, heads, head_dim], residual)"""
         h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, positions, kv_cache, meta)
+        return self.self_attn.qkv(h, positions, kv_cache, slot_mapping), residual
+
+    def after_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """o [T, heads, head_dim] -> (this block's output h, residual)"""
+        h = self.self_attn.o_proj(o.flatten(1), partial_sums=True)   # the post-attention norm adds them
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -166,10 +177,26 @@ class Qwen3(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]."""
-        h, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            h, residual = layer(h, residual, positions, kv_cache, meta)
-        return self.norm(h, residual)[0]
+        x, residual = self.piece(0, input_ids, None, positions, kv_cache, meta.slot_mapping)
+        for i, layer in enumerate(self.layers):
+            o = layer.self_attn.attend(x, kv_cache, meta)
+            x, residual = self.piece(i + 1, o, residual, positions, kv_cache, meta.slot_mapping)
+        return x
+
+    def piece(self, i: int, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+              kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The work between attention i-1 and attention i: everything but attention, whose
+        launches depend on the batch's sequences, so that CUDA graphs can capture each piece
+        for a token count (ModelRunner). x is the token ids for i = 0, else attention i-1's
+        output; returns (q of layer i, residual), or (the final hidden states, None) for
+        i = num_layers."""
+        if i == 0:
+            h = self.embed_tokens(x)
+        else:
+            h, residual = self.layers[i - 1].after_attention(x, residual)
+        if i == self.num_layers:
+            return self.norm(h, residual)[0], None
+        return self.layers[i].before_attention(h, residual, positions, kv_cache, slot_mapping)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, hidden_size] -> logits [n, vocab_size], in the model's dtype."""

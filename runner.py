@@ -2,9 +2,15 @@
 sampling on the device.
 
 ModelRunner.run builds the step's tensors (token ids, positions, slot mapping, block
-tables, lengths), uploads them in one copy, and runs the model: pure-decode steps replay
-a CUDA graph captured at start-up for a padded batch size, mixed steps run eagerly. A
-token the host has not received yet (PENDING, see engine.py) is read on the device from
+tables, lengths), uploads them in one copy, and runs the model. CUDA graphs captured at
+start-up replace the ~400 kernel launches of a step, which cost the host more time than a
+small step takes on the GPU:
+  - pure-decode steps replay a graph of the whole model for a padded batch size;
+  - steps with prefill tokens, up to PIECE_TOKENS of them, replay graphs of the pieces
+    between attentions (Qwen3.piece) for a padded token count, and launch each layer's
+    attention themselves, since its grid depends on the batch's sequences ("piecewise"
+    graphs, as vLLM does); bigger steps keep the GPU busy long enough to run eagerly.
+A token the host has not received yet (PENDING, see engine.py) is read on the device from
 the previous step's sampled tokens.
 """
 
@@ -23,6 +29,11 @@ from scheduler import Batch, SamplingParams
 
 if TYPE_CHECKING:   # engine.py imports this module
     from engine import EngineConfig
+
+# Token counts of the piecewise graphs: a step is padded to the next one. Below ~256 tokens
+# a step's time hardly depends on its size (it reads every weight once); above, coarser
+# padding would cost GPU time.
+PIECE_TOKENS = [8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024]
 
 # ----------------------------------------------------------------------------- model runner
 
@@ -78,12 +89,14 @@ class ModelRunner:
         self.num_blocks = cfg.num_kv_blocks or self._blocks_that_fit()
         self.kv_cache = allocate_kv_cache(self.num_blocks, model.num_layers, model.num_kv_heads,
                                           cfg.block_size, model.head_dim, model.dtype, self.device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # decode: batch -> graph
         self.graph_sizes: list[int] = []
+        self.piece_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}   # mixed: tokens -> one per piece
+        self.piece_sizes: list[int] = []
         if self.device.type == "cuda":
             self.uploads, self.downloads = PinnedRing(), PinnedRing()
         if self.device.type == "cuda" and not cfg.enforce_eager:
-            self._capture_decode_graphs()
+            self._capture_all_graphs()
 
     def upload(self, data: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """A host list as a tensor on the device, without waiting for the device (see PinnedRing)."""
@@ -135,13 +148,17 @@ class ModelRunner:
         pairs, rows = self._upload([b for pair in batch.copies for b in pair], sample_rows)
         if batch.copies:
             kernels.copy_blocks(self.kv_cache, pairs.view(-1, 2))
-        num_seqs = len(batch.seqs)
+        num_seqs, num_tokens = len(batch.seqs), sum(batch.num_new)
         graph_bs = next((b for b in self.graph_sizes if b >= num_seqs), None)
         if graph_bs is not None and max(batch.num_new) == 1:
             hidden = self._replay(batch, graph_bs, prev_tokens)   # one token per sequence
         else:
             ids, positions, meta = self.prepare(batch, prev_tokens)
-            hidden = self.model(ids, positions, self.kv_cache, meta)
+            padded = next((t for t in self.piece_sizes if t >= num_tokens), None)
+            if padded is None:
+                hidden = self.model(ids, positions, self.kv_cache, meta)
+            else:
+                hidden = self._replay_pieces(ids, positions, meta, padded)
             rows = (meta.cu_q_lens[1:] - 1)[rows]   # each sequence's last new token
         return self.model.compute_logits(hidden[rows])
 
@@ -149,22 +166,28 @@ class ModelRunner:
         """Start copying t to the host; the result is valid once the device reaches this point."""
         return self.downloads.to_host(t) if t.is_cuda else t
 
-    # -- CUDA graphs for decode: one per padded batch size, sharing one memory pool
+    # -- CUDA graphs, all in one memory pool: decode steps whole, mixed steps piecewise
 
-    def _capture_decode_graphs(self) -> None:
-        """Graphs of the model body (logits are computed afterwards, for the rows needed)
-        at batch sizes 1, 2, 4, 8, then every 16 up to 256 and every 64 beyond."""
+    def _capture_all_graphs(self) -> None:
+        """Decode graphs at batch sizes 1, 2, 4, 8, then every 16 up to 256 and every 64
+        beyond; piece graphs at PIECE_TOKENS up to the token budget (and at the budget). The model body only:
+        logits are computed afterwards, for the rows needed."""
         max_bs = self.cfg.max_num_seqs
         sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(320, max_bs + 64, 64))
         sizes = [b for b in sizes if b < max_bs] + [max_bs]
-        dev, n = self.device, sizes[-1]
-        self.static = {
+        budget = self.cfg.max_num_batched_tokens
+        pieces = sorted({min(t, budget) for t in PIECE_TOKENS})
+        m, dev, n = self.model, self.device, max(sizes + pieces)
+        self.static = {   # the graphs' inputs and the tensors passed between pieces
             "ids": torch.zeros(n, dtype=torch.long, device=dev), "pos": torch.zeros(n, dtype=torch.long, device=dev),
             "slots": torch.full((n,), -1, dtype=torch.int32, device=dev),
             "tables": torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
             "cu": torch.arange(n + 1, dtype=torch.int32, device=dev),
-            "ctx": torch.zeros(n, dtype=torch.int32, device=dev)}
-        st, pool = self.static, None
+            "ctx": torch.zeros(n, dtype=torch.int32, device=dev),
+            "q": torch.zeros(n, m.config.num_attention_heads, m.head_dim, dtype=m.dtype, device=dev),
+            "o": torch.zeros(n, m.config.num_attention_heads, m.head_dim, dtype=m.dtype, device=dev),
+            "residual": torch.zeros(n, m.config.hidden_size, dtype=m.dtype, device=dev),
+            "hidden": torch.zeros(n, m.config.hidden_size, dtype=m.dtype, device=dev)}
         # Warm up and capture on one side stream, with the garbage collector off: a
         # collection mid-capture can free CUDA objects (events of pinned buffers, old
         # graphs), which invalidates the capture.
@@ -174,30 +197,60 @@ class ModelRunner:
         gc.disable()
         try:
             with torch.cuda.stream(stream):
-                self._capture_graphs(sizes, st, pool, stream)
+                pool = self._capture_decode_graphs(sizes, None, stream)
+                self._capture_piece_graphs(pieces, pool, stream)
         finally:
             gc.enable()
         torch.cuda.current_stream().wait_stream(stream)
-        self.graph_sizes = sorted(self.graphs)
+        self.graph_sizes, self.piece_sizes = sorted(self.graphs), sorted(self.piece_graphs)
         torch.cuda.synchronize()
 
-    def _capture_graphs(self, sizes: list[int], st: dict, pool, stream: torch.cuda.Stream) -> None:
-        dev = self.device
+    def _capture(self, fn: Callable[[], object], pool, stream: torch.cuda.Stream):
+        """(graph, fn's output) of fn, run once first to compile and warm up outside the capture."""
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool, stream=stream, capture_error_mode="thread_local"):
+            out = fn()
+        return graph, out
+
+    def _capture_decode_graphs(self, sizes: list[int], pool, stream: torch.cuda.Stream):
+        st = self.static
         for bs in tqdm(sorted(sizes, reverse=True), desc="capturing decode CUDA graphs", leave=False):
             meta = AttentionMetadata(
                 slot_mapping=st["slots"][:bs], block_tables=st["tables"][:bs], cu_q_lens=st["cu"][:bs + 1],
                 ctx_lens=st["ctx"][:bs], max_q_len=1, num_decodes=bs,
                 num_splits=kernels.choose_num_splits(bs, self.model.num_kv_heads, 1, self.cfg.max_model_len,
-                                                     dev))
-
-            def forward(bs=bs, meta=meta):
-                return self.model(st["ids"][:bs], st["pos"][:bs], self.kv_cache, meta)
-            forward()   # compile and warm up outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool, stream=stream, capture_error_mode="thread_local"):
-                hidden = forward()
+                                                     self.device))
+            graph, hidden = self._capture(
+                lambda bs=bs, meta=meta: self.model(st["ids"][:bs], st["pos"][:bs], self.kv_cache, meta), pool, stream)
             pool = graph.pool()
             self.graphs[bs] = (graph, hidden)
+        return pool
+
+    def _capture_piece_graphs(self, sizes: list[int], pool, stream: torch.cuda.Stream) -> None:
+        """For each token count t, one graph per Qwen3.piece: it reads its input (token ids, or
+        the attention output "o") and "residual" from the static buffers and writes its
+        results back to them ("q" and "residual", or "hidden"), so every piece of every size
+        shares those buffers and the pool holds only the biggest piece's temporaries."""
+        st, m = self.static, self.model
+
+        def piece(i: int, t: int) -> None:
+            x = st["ids"][:t] if i == 0 else st["o"][:t]
+            out, residual = m.piece(i, x, st["residual"][:t] if i else None, st["pos"][:t], self.kv_cache,
+                                    st["slots"][:t])
+            if residual is None:
+                st["hidden"][:t].copy_(out)
+            else:
+                st["q"][:t].copy_(out)
+                st["residual"][:t].copy_(residual)
+
+        for t in tqdm(sorted(sizes, reverse=True), desc="capturing piecewise CUDA graphs", leave=False):
+            graphs = []
+            for i in range(m.num_layers + 1):
+                graph, _ = self._capture(lambda i=i, t=t: piece(i, t), pool, stream)
+                pool = graph.pool()
+                graphs.append(graph)
+            self.piece_graphs[t] = graphs
 
     def _replay(self, batch: Batch, bs: int, prev_tokens: torch.Tensor | None) -> torch.Tensor:
         """Copy the step's inputs into the graph's static buffers (padding the batch to bs
@@ -216,6 +269,23 @@ class ModelRunner:
         graph, hidden = self.graphs[bs]
         graph.replay()
         return hidden[:n]
+
+    def _replay_pieces(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       padded: int) -> torch.Tensor:
+        """A mixed step on the piece graphs of `padded` tokens: the padding tokens write no
+        cache slots and no attention reads them; each layer's attention runs eagerly on the
+        real tokens, into the next piece's input."""
+        st, n = self.static, len(ids)
+        st["ids"][:n].copy_(ids)
+        st["pos"][:n].copy_(positions)
+        st["slots"][:padded].fill_(-1)
+        st["slots"][:n].copy_(meta.slot_mapping)
+        graphs = self.piece_graphs[padded]
+        graphs[0].replay()
+        for layer, graph in zip(self.model.layers, graphs[1:]):
+            layer.self_attn.attend(st["q"][:n], self.kv_cache, meta, out=st["o"][:n])
+            graph.replay()
+        return st["hidden"][:n]
 
     # -- KV cache sizing
 

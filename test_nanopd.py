@@ -926,6 +926,27 @@ def test_chunked_prefill_matches_hf(hf, monkeypatch, budget):
     assert all_blocks_free(llm)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs are captured on GPUs only")
+def test_piecewise_graphs_match_hf(hf, monkeypatch):
+    """Under a 24-token budget every step with prefill tokens (chunks beside decodes) runs on
+    the piecewise CUDA graphs of the smallest size that holds it (8, 16 or 24 tokens), never
+    the eager forward, and the tokens are HF's greedy tokens."""
+    llm = make_llm(hf.path, max_num_batched_tokens=24)
+    runner_ = llm.engine.runner
+    assert runner_.piece_sizes == [8, 16, 24]
+    steps, replay, eager = [], runner_._replay_pieces, []
+
+    def counting_replay(ids, positions, meta, padded):
+        steps.append((len(ids), padded))
+        return replay(ids, positions, meta, padded)
+    monkeypatch.setattr(runner_, "_replay_pieces", counting_replay)
+    monkeypatch.setattr(runner_.model, "forward", lambda *a: eager.append(1))
+    assert tokens(generate(llm, PROMPTS, max_tokens=12)) == [hf.greedy(p, 12) for p in PROMPTS]
+    assert steps and not eager
+    assert all(padded == min(s for s in (8, 16, 24) if s >= n) for n, padded in steps)
+    assert any(n < padded for n, padded in steps)   # padding tokens took part
+
+
 @ENGINE
 def test_preemption_matches_hf(hf):
     """A KV cache too small for the batch preempts and recomputes, with HF's greedy tokens."""
