@@ -13,6 +13,11 @@ The rule underneath (DESIGN.md): disaggregation adds transfer_rate x L (the prom
 crossing the link); collocation adds gamma x L x load / batch_thresh (the prompt's
 prefill slowing the load decodes sharing its steps, which cost more once the batch is
 past the knee). Disaggregation wins when gamma / transfer_rate > batch_thresh / load.
+
+In the adaptive policy every worker also decodes, so a prefill slows the decodes of
+whichever worker runs it, on either path: the router charges the disaggregated path that
+interference too. Moving a request then pays only when it takes the decode to a worker
+with a smaller batch, or the prefill away from a longer queue.
 """
 
 import math
@@ -230,18 +235,24 @@ class Router:
 
     def route(self, prompt_len: int, max_tokens: int, loads: dict[int, WorkerLoad],
               needed_blocks: int = 0) -> tuple[int, int, float]:
-        """(prefill worker, decode worker, predicted ms): the same worker twice is the
-        collocated path. Decode workers without needed_blocks free are passed over while
+        """(prefill worker, decode worker, predicted ms) of the cheapest path: the same worker
+        twice is the collocated path. Decode workers without needed_blocks free are passed over while
         another has them."""
         out = self.predictor.predict(prompt_len, max_tokens).mean
         roomy = {w: ld for w, ld in loads.items() if ld.free_blocks >= needed_blocks} or loads
-        best = None
+        best, best_cost = None, math.inf
         for p, lp in loads.items():
             for d, ld in roomy.items():
-                ms = (self.cost.collocated_ms(prompt_len, out, lp) if p == d
-                      else self.cost.disaggregated_ms(prompt_len, out, lp, ld))
-                if best is None or ms < best[2]:
-                    best = (p, d, ms)
+                if p == d:
+                    ms = cost = self.cost.collocated_ms(prompt_len, out, lp)
+                else:
+                    # The prefill slows p's decodes here too. The collocated latency holds
+                    # that term (there it is this request's own decode); here it falls on
+                    # the others, so it counts toward the choice, not the predicted latency.
+                    ms = self.cost.disaggregated_ms(prompt_len, out, lp, ld)
+                    cost = ms + self.cost.interference_ms(prompt_len, lp.decode_batch)
+                if cost < best_cost:
+                    best, best_cost = (p, d, ms), cost
         return best
 
     def predicted_ms(self, o: Observation) -> float:

@@ -1831,18 +1831,19 @@ def test_router_refits_wrong_parameters_online():
 
 
 def test_router_changes_path_with_load():
-    """Idle workers: the prompt stays where it is (collocated). A worker with a big decode
-    batch: a long prompt is prefilled there but decoded on the other worker, or prefilled
-    on the idle one, rather than slowing the batch; short prompts never pay the transfer."""
+    """Idle workers, or equally busy ones: the prompt stays where it is (collocated), since
+    its prefill slows the decodes of whichever worker runs it and moving its KV buys
+    nothing. A worker with a long prefill queue and no decodes beside one with a big decode
+    batch and no queue: the prompt is prefilled on the second and decoded on the first."""
     p = HardwareParams(alpha=0.05, beta=8.0, batch_thresh=32, slope=0.12, gamma=0.03, transfer_rate=0.004)
     router = Router(p)
-    p_, d_, _ = router.route(512, 128, {0: WorkerLoad(), 1: WorkerLoad()})
-    assert p_ == d_
-    busy = {0: WorkerLoad(decode_batch=200), 1: WorkerLoad(decode_batch=200)}
-    p_, d_, _ = router.route(2048, 128, busy)
-    assert p_ != d_   # gamma / rate = 7.5 > batch_thresh / load = 0.16
-    assert router.route(2048, 128, {0: WorkerLoad(decode_batch=1), 1: WorkerLoad(decode_batch=1)})[:2] in [(0, 0),
-                                                                                                          (1, 1)]
+    for loads in ({0: WorkerLoad(), 1: WorkerLoad()}, {0: WorkerLoad(decode_batch=200), 1: WorkerLoad(decode_batch=200)}):
+        p_, d_, _ = router.route(2048, 128, loads)
+        assert p_ == d_
+    split = {0: WorkerLoad(queued_prefill_tokens=16000), 1: WorkerLoad(decode_batch=200)}
+    p_, d_, predicted = router.route(2048, 128, split)
+    assert (p_, d_) == (1, 0)
+    assert predicted == pytest.approx(router.cost.disaggregated_ms(2048, 128, split[1], split[0]))
 
 
 # ----------------------------------------------------------------------------- the adaptive policy and the profiler
@@ -1894,43 +1895,43 @@ def test_profiler_cli_measures_the_workers_and_caches(tmp_path):
     assert runs[0].stdout == runs[1].stdout   # the same profile, read back
 
 
-ROUTER_TEST_PARAMS = {
-    # Idle workers: collocated. Any decode batch makes a prompt's interference cost more
-    # than its transfer (gamma / transfer_rate = 100 > batch_thresh / load from load 1).
-    "disaggregates under load": HardwareParams(alpha=0.02, beta=1.0, batch_thresh=2, slope=0.1, gamma=0.5,
-                                               transfer_rate=0.005),
-}
+# Prefill is slow and the decode step grows fast past a batch of 1, interference and
+# transfers are cheap: a prompt goes where the prefill queue is shortest and is decoded
+# where the batch is smallest.
+ROUTER_TEST_PARAMS = HardwareParams(alpha=0.2, beta=1.0, batch_thresh=1, slope=5.0, gamma=0.001,
+                                    transfer_rate=0.001)
 
 
 @pytest.mark.usefixtures("worker_env")
 def test_adaptive_gives_hf_tokens_on_both_paths_and_learns(hf):
-    """Adaptive on two workers: HF's greedy tokens; with a cost model where load makes
-    disaggregation pay, requests sent to idle workers stay collocated and those sent while
-    others decode cross workers; every finished request updates the output-length
-    predictor and refits the router."""
-    params = dataclasses.replace(ROUTER_TEST_PARAMS["disaggregates under load"])
+    """Adaptive on two workers: HF's greedy tokens on both paths. The first request goes to
+    an idle worker (collocated); while it decodes, a second is collocated on the other
+    worker and a third, sent right after, is prefilled beside the first request's decode
+    (no queue there) and decoded on the second worker (no decodes yet), since the second
+    prompt is queued there. Every finished request updates the output-length predictor and
+    refits the router."""
+    params = dataclasses.replace(ROUTER_TEST_PARAMS)
     with make_cluster(hf, "adaptive", 2, profile=params) as llm:
         cluster, router = llm.cluster, llm.cluster.router
-        first = [cluster.submit(p, SamplingParams(max_tokens=60)) for p in MIXED_PROMPTS[:2]]
+        first = cluster.submit(MIXED_PROMPTS[0], SamplingParams(max_tokens=60))
         deadline = time.monotonic() + 60
-        while not all(cluster.active[r].tokens for r in first):
+        while not cluster.active[first].tokens:
             assert time.monotonic() < deadline
             cluster.poll(0.01)
-        later = [cluster.submit(p, SamplingParams(max_tokens=10)) for p in MIXED_PROMPTS[2:]]
+        later = [cluster.submit(p, SamplingParams(max_tokens=10)) for p in MIXED_PROMPTS[3:1:-1]]
         ended = set()
-        while len(ended) < len(first + later):
+        while len(ended) < 3:
             assert time.monotonic() < deadline + 60
             ended |= set(cluster.poll(0.05))
-        outs = [cluster.output(r) for r in first + later]
-        assert tokens(outs) == [hf.greedy(p, 60) for p in MIXED_PROMPTS[:2]] + [hf.greedy(p, 10)
-                                                                                for p in MIXED_PROMPTS[2:]]
-        assert all(len(o.metrics.path) == 1 for o in outs[:2]) and all(len(o.metrics.path) == 2 for o in outs[2:])
-        # Each output carries what it was routed under: the first onto an idle worker,
-        # the later ones while the first two decoded.
-        assert all(o.metrics.routed[0] > 0 for o in outs)
-        assert all(o.metrics.routed[1].decode_batch == 0 for o in outs[:1])
-        assert all(o.metrics.routed[1].decode_batch > 0 for o in outs[2:])
-        assert len(router.errors) == len(MIXED_PROMPTS) == router.predictor.pooled.n
+        outs = [cluster.output(r) for r in [first] + later]
+        assert tokens(outs) == [hf.greedy(MIXED_PROMPTS[0], 60)] + [hf.greedy(p, 10) for p in MIXED_PROMPTS[3:1:-1]]
+        a, b = outs[0].metrics.path[0], 1 - outs[0].metrics.path[0]
+        assert [o.metrics.path for o in outs] == [(a,), (b,), (a, b)]
+        # Each output carries the loads it was routed under.
+        assert outs[0].metrics.routed[1].decode_batch == 0
+        assert outs[2].metrics.routed[1].decode_batch == 1
+        assert outs[2].metrics.routed[2].queued_prefill_tokens == len(MIXED_PROMPTS[3])
+        assert len(router.errors) == 3 == router.predictor.pooled.n
         assert router.cost.p != params
         assert workers_all_free(llm)
 
