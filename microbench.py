@@ -6,7 +6,8 @@ hardware ceiling measured in the same run (bench.py runs them: `python bench.py 
                             beside a reference measured in the same run (SDPA on a
                             contiguous cache, a plain device copy, cuBLAS)
   python bench.py engine    the single-GPU engine on Qwen3-8B (random weights): decode
-                            step times, prefill ms/token, batch-1 decode inside
+                            step times, a mixed step on the piecewise graphs and
+                            eagerly, prefill ms/token, batch-1 decode inside
                             generate and LLM.generate throughput, beside the hardware
                             ceilings measured in the same run
   python bench.py profile   where a decode step's GPU time goes, kernel by kernel (the
@@ -33,7 +34,8 @@ import torch.nn.functional as F
 import triton.testing
 
 import kernels
-from profiler import fake_batch, time_step_ms
+from profiler import fake_batch, free_batch, time_step_ms
+from scheduler import Batch
 
 
 def time_ms(fn, graph: bool = False) -> float:
@@ -242,6 +244,22 @@ def run_engine(out: str | None, model: str = "qwen3-8b") -> dict:
                 for s in batch.seqs:
                     eng.bm.free(s.block_table)
         record(f"decode step, batch {b}, context {ctx}", step, ceiling)
+
+    # A mixed step: 32 decodes and a 128-token prefill chunk, on the piecewise CUDA graphs
+    # and, as the same run's reference, eagerly (what the runner does past PIECE_TOKENS).
+    def mixed_step(eager: bool = False):
+        dec, chunk = fake_batch(eng, 32, ctx, 1), fake_batch(eng, 1, 0, 128)
+        batch, sizes = Batch(dec.seqs + chunk.seqs, dec.num_new + chunk.num_new), eng.runner.piece_sizes
+        try:
+            eng.runner.piece_sizes = [] if eager else sizes
+            return time_step_ms(eng, batch, reps=20), None
+        finally:
+            eng.runner.piece_sizes = sizes
+            free_batch(eng, batch)
+    ceiling = max((weight_bytes + 32 * ctx * kv_per_token) / res["hbm_copy_GBps"] / 1e6,
+                  160 * flops_per_token / res["bf16_matmul_TFLOPs"] / 1e9)
+    record("mixed step, 32 decodes + 128-token chunk", mixed_step, ceiling)
+    record("  the same step eagerly", lambda: mixed_step(eager=True), ceiling)
 
     n = 2048
     attn_flops = 4 * n * n / 2 * cfg.num_attention_heads * eng.model.head_dim * eng.model.num_layers
