@@ -213,13 +213,11 @@ class CentralScheduler:
                                    beam_width=t.beam_width, length_penalty=t.length_penalty))
 
     def worker_load(self, w: int) -> WorkerLoad:
-        """What the router weighs: prompts waiting for prefill, sequences decoding, free blocks, seats."""
-        load = WorkerLoad(free_blocks=self.status[w][0] if w in self.status else self.room,
-                          seats=self.cfg.max_num_seqs)
+        """What the router weighs: prompt tokens waiting for prefill, sequences decoding, free blocks."""
+        load = WorkerLoad(free_blocks=self.status[w][0] if w in self.status else self.room)
         for t in self.active.values():
             if t.worker == w and t.phase == "prefill" and not t.tokens:
                 load.queued_prefill_tokens += len(t.prompt_ids)
-                load.queued_requests += 1
             elif t.worker == w and t.phase != "done":
                 load.decode_batch += 1
                 load.context_tokens += len(t.prompt_ids) + len(t.tokens)

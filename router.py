@@ -47,8 +47,6 @@ class WorkerLoad:
     decode_batch: int = 0            # sequences decoding there
     context_tokens: int = 0          # ... and the tokens of context they hold
     free_blocks: int = 1 << 30       # KV blocks it can still hand out
-    queued_requests: int = 0         # the requests behind queued_prefill_tokens
-    seats: int = 1 << 30             # sequences it runs at once (max_num_seqs)
 
 
 # ----------------------------------------------------------------------------- cost model
@@ -75,26 +73,14 @@ class CostModel:
         """What the prompt's prefill adds to the load decodes sharing its steps."""
         return self.p.gamma * prompt_len * load / self.p.batch_thresh
 
-    def seat_wait_ms(self, out_len: float, w: WorkerLoad) -> float:
-        """Past saturation, the wait for one of w's seats: the requests ahead of this one
-        take the seats that free up, about one per (out_len decode steps) / batch. None
-        while a seat is free."""
-        ahead = w.decode_batch + w.queued_requests + 1 - w.seats
-        if ahead <= 0:
-            return 0.0
-        return ahead * out_len * self.decode_step_ms(w.decode_batch, w.context_tokens) / max(1, w.decode_batch)
-
     def collocated_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
-        return (self.seat_wait_ms(out_len, w)
-                + self.prefill_ms(w.queued_prefill_tokens + prompt_len)
+        return (self.prefill_ms(w.queued_prefill_tokens + prompt_len)
                 + self.interference_ms(prompt_len, w.decode_batch)
                 + self.decode_ms(prompt_len, out_len, w))
 
     def disaggregated_ms(self, prompt_len: int, out_len: float, prefill: WorkerLoad, decode: WorkerLoad) -> float:
-        """A seat on each worker: the prefill's, then the decode's (the KV waits for it)."""
-        return (self.seat_wait_ms(out_len, prefill)
-                + self.prefill_ms(prefill.queued_prefill_tokens + prompt_len)
-                + self.p.transfer_rate * prompt_len + self.seat_wait_ms(out_len, decode)
+        return (self.prefill_ms(prefill.queued_prefill_tokens + prompt_len)
+                + self.p.transfer_rate * prompt_len
                 + self.decode_ms(prompt_len, out_len, decode))
 
 
@@ -233,7 +219,6 @@ class Router:
     The phases are fitted separately, each linear in its parameters:
       prefill  = alpha0 + alpha * (queued + L)   (minus the profiled alpha2 * (queued + L)^2)
       transfer = transfer_rate * L                         (disaggregated only)
-    (each minus the predicted wait for a seat, on the prefill and the decode worker)
       decode   = O * (beta + slope * excess + kv * context) + gamma * L * load / batch_thresh
     (the gamma term on the collocated path only) where excess = max(0, batch - batch_thresh)
     and context is the batch's average context; batch_thresh and alpha2 stay as profiled."""
@@ -283,11 +268,11 @@ class Router:
         if o.predicted_ms is not None:
             self.errors.append(abs(o.predicted_ms - measured) / measured)
         self.predictor.update(o.prompt_len, o.output_len, o.max_tokens or o.output_len)
-        p, wait = self.cost.p, self.cost.seat_wait_ms
+        p = self.cost.p
         n = o.load_prefill.queued_prefill_tokens + o.prompt_len
-        self.fit_prefill.update([1.0, n], o.prefill_ms - p.alpha2 * n * n - wait(o.output_len, o.load_prefill))
+        self.fit_prefill.update([1.0, n], o.prefill_ms - p.alpha2 * n * n)
         if o.prefill_worker != o.decode_worker:
-            self.fit_transfer.update([o.prompt_len], o.transfer_ms - wait(o.output_len, o.load_decode))
+            self.fit_transfer.update([o.prompt_len], o.transfer_ms)
             w, shared = o.load_decode, 0.0
         else:
             w, shared = o.load_prefill, o.prompt_len * o.load_prefill.decode_batch / p.batch_thresh

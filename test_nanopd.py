@@ -1846,26 +1846,6 @@ def test_router_changes_path_with_load():
     assert predicted == pytest.approx(router.cost.disaggregated_ms(2048, 128, split[1], split[0]))
 
 
-def test_cost_model_charges_the_wait_for_a_seat():
-    """While a worker has a free seat nothing is charged for one. Past saturation a request
-    waits while the requests ahead of it take the seats that free up, one per
-    (output length x step) / batch; the disaggregated path needs a seat on both workers,
-    so it no longer wins by landing on a batch a few sequences smaller."""
-    p = HardwareParams(alpha=0.02, beta=5.0, batch_thresh=64, slope=0.01, gamma=0.02, transfer_rate=0.002)
-    cost, router = CostModel(p), Router(p)
-    assert cost.seat_wait_ms(100, WorkerLoad(decode_batch=200, queued_requests=55, seats=256)) == 0
-    full = WorkerLoad(queued_prefill_tokens=4000, decode_batch=256, queued_requests=20, seats=256)
-    assert cost.seat_wait_ms(100, full) == pytest.approx(21 * 100 * (5.0 + 0.01 * 192) / 256)
-    unlimited = dataclasses.replace(full, seats=1 << 30)
-    assert (cost.collocated_ms(512, 100, full) - cost.collocated_ms(512, 100, unlimited)
-            == pytest.approx(cost.seat_wait_ms(100, full)))
-    # Worker 1 decodes 6 fewer sequences but has the longer prefill queue: with seats to
-    # spare the prompt is prefilled on worker 0 and decoded on worker 1.
-    other = dataclasses.replace(full, queued_prefill_tokens=12000, decode_batch=250, queued_requests=30)
-    assert router.route(512, 128, {0: unlimited, 1: dataclasses.replace(other, seats=1 << 30)})[:2] == (0, 1)
-    assert router.route(512, 128, {0: full, 1: other})[:2] == (0, 0)
-
-
 # ----------------------------------------------------------------------------- the adaptive policy and the profiler
 
 import profiler
