@@ -6,7 +6,7 @@ tables, lengths), uploads them in one copy, and runs the model. CUDA graphs capt
 start-up replace the ~400 kernel launches of a step, which cost the host more time than a
 small step takes on the GPU:
   - pure-decode steps replay a graph of the whole model for a padded batch size;
-  - steps with prefill tokens, up to PIECE_TOKENS of them, replay graphs of the pieces
+  - steps with prefill tokens, up to 1024 tokens (PIECE_TOKENS), replay graphs of the pieces
     between attentions (Qwen3.piece) for a padded token count, and launch each layer's
     attention themselves, since its grid depends on the batch's sequences ("piecewise"
     graphs, as vLLM does); bigger steps keep the GPU busy long enough to run eagerly.
@@ -170,8 +170,8 @@ class ModelRunner:
 
     def _capture_all_graphs(self) -> None:
         """Decode graphs at batch sizes 1, 2, 4, 8, then every 16 up to 256 and every 64
-        beyond; piece graphs at PIECE_TOKENS up to the token budget (and at the budget). The model body only:
-        logits are computed afterwards, for the rows needed."""
+        beyond; piece graphs at PIECE_TOKENS, capped at the token budget. The model body
+        only: logits are computed afterwards, for the rows needed."""
         max_bs = self.cfg.max_num_seqs
         sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(320, max_bs + 64, 64))
         sizes = [b for b in sizes if b < max_bs] + [max_bs]
