@@ -258,10 +258,7 @@ class ModelRunner:
         st, n = self.static, len(batch.seqs)
         ids, positions, meta = self.prepare(batch, prev_tokens)
         width = meta.block_tables.shape[1]
-        st["ids"][:n].copy_(ids)
-        st["pos"][:n].copy_(positions)
-        st["slots"][:bs].fill_(-1)
-        st["slots"][:n].copy_(meta.slot_mapping)
+        self._stage_tokens(ids, positions, meta.slot_mapping, bs)
         st["tables"][:n, :width].copy_(meta.block_tables)
         st["cu"][:n + 1].copy_(meta.cu_q_lens)
         st["cu"][n + 1:bs + 1].fill_(n)
@@ -275,17 +272,25 @@ class ModelRunner:
         """A mixed step on the piece graphs of `padded` tokens: the padding tokens write no
         cache slots and no attention reads them; each layer's attention runs eagerly on the
         real tokens, into the next piece's input."""
+        n = len(ids)
+        self._stage_tokens(ids, positions, meta.slot_mapping, padded)
+        q, o = self.static["q"][:n], self.static["o"][:n]
+        graphs = self.piece_graphs[padded]
+        graphs[0].replay()
+        for layer, graph in zip(self.model.layers, graphs[1:]):
+            layer.self_attn.attend(q, self.kv_cache, meta, out=o)
+            graph.replay()
+        return self.static["hidden"][:n]
+
+    def _stage_tokens(self, ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                      padded: int) -> None:
+        """The step's tokens into the graphs' static inputs; padded - len(ids) padding
+        tokens after them write no cache slot."""
         st, n = self.static, len(ids)
         st["ids"][:n].copy_(ids)
         st["pos"][:n].copy_(positions)
         st["slots"][:padded].fill_(-1)
-        st["slots"][:n].copy_(meta.slot_mapping)
-        graphs = self.piece_graphs[padded]
-        graphs[0].replay()
-        for layer, graph in zip(self.model.layers, graphs[1:]):
-            layer.self_attn.attend(st["q"][:n], self.kv_cache, meta, out=st["o"][:n])
-            graph.replay()
-        return st["hidden"][:n]
+        st["slots"][:n].copy_(slot_mapping)
 
     # -- KV cache sizing
 
