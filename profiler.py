@@ -75,18 +75,20 @@ def fit_prefill(lengths: list[int], ms: list[float]) -> tuple[float, float, floa
     return (*quadratic, err2) if matters and err2 < err / 2 else (*linear, err)
 
 
-def fit_knee(batches: list[int], ms: list[float]) -> tuple[float, float, float, float]:
+def fit_knee(batches: list[int], ms: list[float], tolerance: float = 0.01) -> tuple[float, float, float, float]:
     """(beta, batch_thresh, slope, error) for ms = beta + slope * max(0, batch - knee), the
-    knee searched over the measured batch sizes (flat, then linear)."""
-    best = None
+    knee searched over the measured batch sizes (flat, then linear). Where the step grows
+    gently, several knees fit about equally well and the best by a hair is noise: the
+    largest knee whose error is within `tolerance` (relative RMS) of the best is taken, so
+    the flat part runs as far as the data allow and the knee does not jump between starts."""
+    fits = []
     for knee in batches:
         excess = [max(0, b - knee) for b in batches]
         beta, slope = least_squares([[1.0] * len(batches), excess], ms)
         slope = max(slope, 0.0)
-        err = relative_rms([beta + slope * e for e in excess], ms)
-        if best is None or err < best[3] - 1e-9:
-            best = (beta, float(knee), slope, err)
-    return best
+        fits.append((beta, float(knee), slope, relative_rms([beta + slope * e for e in excess], ms)))
+    best = min(f[3] for f in fits)
+    return max((f for f in fits if f[3] <= best + tolerance), key=lambda f: f[1])
 
 
 def fit_gamma(chunks: list[int], extra_ms: list[float]) -> tuple[float, float]:
