@@ -131,10 +131,19 @@ def load_tokenizer(model_name: str):
 
 
 @dataclass
+class StepShape:
+    """What one step computed: the router refits its step-time model on these (router.py)."""
+    decodes: int          # sequences that computed one token past their prompt
+    context_tokens: int   # ... and the tokens of context they read
+    prefill_tokens: int   # prompt tokens computed beside them
+
+
+@dataclass
 class LaunchedStep:
     """A step whose sampled tokens are still on their way to the host (see Engine.step)."""
     seqs: list[Sequence]                 # the sequences whose last token this step computed
     beams: list[Sequence]                # ... those in beam search: the host picks their tokens
+    shape: StepShape
     beam_logits: torch.Tensor | None = None
     targets: list[tuple[Sequence, int]] = field(default_factory=list)   # per sampled row: where its token goes
     tokens: torch.Tensor | None = None   # [rows] on the device: the next step's PENDING ids come from here
@@ -236,9 +245,13 @@ class Engine:
     def _launch(self, batch: Batch) -> "LaunchedStep":
         """Run the model on the batch and sample on the device; each sampled sequence gets a
         PENDING token, filled in by _finish."""
+        shape = StepShape(0, 0, 0)
         for seq, n in zip(batch.seqs, batch.num_new):
             if seq.num_computed < seq.num_prompt_tokens:
                 self.num_prefill_tokens += min(n, seq.num_prompt_tokens - seq.num_computed)
+                shape.prefill_tokens += n
+            else:
+                shape.decodes, shape.context_tokens = shape.decodes + 1, shape.context_tokens + seq.num_computed
         done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if n == s.num_pending]
         logits = self.runner.run(batch, done, self.in_flight.tokens if self.in_flight else None)
         for seq, n in zip(batch.seqs, batch.num_new):
@@ -247,7 +260,7 @@ class Engine:
             known = len(seq.token_ids) - (seq.pending_row is not None)
             self.bm.cache_computed_blocks(seq.block_table, seq.token_ids, min(seq.num_computed, known))
         seqs = [batch.seqs[i] for i in done]
-        step = LaunchedStep(seqs, [s for s in seqs if s.request.beam_width])
+        step = LaunchedStep(seqs, [s for s in seqs if s.request.beam_width], shape)
         if step.beams:
             step.beam_logits = logits[[i for i, s in enumerate(seqs) if s.request.beam_width]].float()
         rows = [i for i, s in enumerate(seqs) if not s.request.beam_width]

@@ -12,6 +12,7 @@ their KV to decode workers).
 """
 
 import argparse
+import collections
 import dataclasses
 import itertools
 import multiprocessing.connection
@@ -37,6 +38,7 @@ __all__ = ["LLM", "CentralScheduler", "RequestMetrics", "RequestOutput", "Sampli
 # ----------------------------------------------------------------------------- many devices: the central scheduler
 
 POLICIES = ("collocated", "disaggregated", "adaptive")
+PREFILL_RATE_WINDOW_S = 2.0   # a worker's prefill rate counts the prompts sent to it this long ago at most
 
 
 @dataclass(eq=False)
@@ -125,6 +127,7 @@ class CentralScheduler:
         self.errors: dict[int, str] = {}
         self.status: dict[int, tuple[int, int, int]] = {}   # worker -> its last (free blocks, blocks, requests)
         self.measured: dict[int, dict] = {}
+        self.sent = [collections.deque() for _ in devices]   # per worker: (time, prompt tokens) sent to prefill
         self._rids = itertools.count()
         self.room = self._wait_ready(startup_timeout_s)
         self.router = None
@@ -209,12 +212,18 @@ class CentralScheduler:
             t.decode_worker = w if self.policy != "disaggregated" or t.beam_width else None
         t.worker = t.prefill_worker = w
         t.phase = "prefill"
+        self.sent[w].append((time.perf_counter(), len(t.prompt_ids)))
         self.inboxes[w].put(Submit(t.rid, t.prompt_ids, t.params, prefill_only=t.decode_worker != w,
                                    beam_width=t.beam_width, length_penalty=t.length_penalty))
 
     def worker_load(self, w: int) -> WorkerLoad:
-        """What the router weighs: prompt tokens waiting for prefill, sequences decoding, free blocks."""
+        """What the router weighs: prompt tokens waiting for prefill, sequences decoding, free
+        blocks, and prompt tokens per ms sent to it lately (they will share its decode steps)."""
         load = WorkerLoad(free_blocks=self.status[w][0] if w in self.status else self.room)
+        sent, now = self.sent[w], time.perf_counter()
+        while sent and now - sent[0][0] > PREFILL_RATE_WINDOW_S:
+            sent.popleft()
+        load.prefill_rate = sum(n for _, n in sent) / (PREFILL_RATE_WINDOW_S * 1e3)
         for t in self.active.values():
             if t.worker == w and t.phase == "prefill" and not t.tokens:
                 load.queued_prefill_tokens += len(t.prompt_ids)
@@ -257,6 +266,10 @@ class CentralScheduler:
             return []
         if kind == "status":   # (free KV blocks, all KV blocks, requests held)
             self.status[w] = event[1:]
+            return []
+        if kind == "step":   # (decodes, their context tokens, prefill tokens, ms): the router refits
+            if self.router is not None:
+                self.router.observe_step(*event[1:])
             return []
         if kind == "measured":
             self.measured[w] = event[1]

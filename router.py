@@ -6,8 +6,8 @@
   OutputLengthPredictor   an online Bayesian model of how many tokens a request will
                           generate, given its prompt length and max_tokens
   Router                  picks the cheapest path, then learns from what each request
-                          really cost: the predictor is updated, and the cost model's
-                          parameters are refitted by recursive least squares
+                          and each step really cost: the predictor is updated, and the
+                          cost model's parameters are refitted by recursive least squares
 
 The rule underneath (DESIGN.md): disaggregation adds transfer_rate x L (the prompt's KV
 crossing the link); collocation adds gamma x L x load / batch_thresh (the prompt's
@@ -15,9 +15,12 @@ prefill slowing the load decodes sharing its steps, which cost more once the bat
 past the knee). Disaggregation wins when gamma / transfer_rate > batch_thresh / load.
 
 In the adaptive policy every worker also decodes, so a prefill slows the decodes of
-whichever worker runs it, on either path: the router charges the disaggregated path that
-interference too. Moving a request then pays only when it takes the decode to a worker
-with a smaller batch, or the prefill away from a longer queue.
+whichever worker runs it, on either path: the router charges that interference to both
+paths (it is a cost to the other requests, not part of this one's latency). Moving a
+request then pays only when it takes the decode to a worker with a smaller batch, or the
+prefill away from a longer queue. The same interference, from the prompts that keep
+arriving while a request decodes, is part of that request's latency: a worker prefilling
+r prompt tokens per ms spends gamma x r of its time on them, beside its decodes.
 """
 
 import math
@@ -41,12 +44,16 @@ class HardwareParams:
     kv: float = 0.0           # decode-step time per token of context in the batch (its KV is read)
 
 
+MAX_PREFILL_SHARE = 0.9   # of a worker's time spent on prefills beside its decodes: past it, none would finish
+
+
 @dataclass
 class WorkerLoad:
     queued_prefill_tokens: int = 0   # prompt tokens waiting to be prefilled there
     decode_batch: int = 0            # sequences decoding there
     context_tokens: int = 0          # ... and the tokens of context they hold
     free_blocks: int = 1 << 30       # KV blocks it can still hand out
+    prefill_rate: float = 0.0        # prompt tokens per ms sent to it for prefill lately
 
 
 # ----------------------------------------------------------------------------- cost model
@@ -66,17 +73,20 @@ class CostModel:
         return self.p.beta + self.p.slope * max(0.0, batch - self.p.batch_thresh) + self.p.kv * context
 
     def decode_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
-        """out_len steps on w, whose batch gains this request (its context L to L + out_len)."""
-        return out_len * self.decode_step_ms(w.decode_batch + 1, w.context_tokens + prompt_len + out_len / 2)
+        """out_len steps on w, whose batch gains this request (its context L to L + out_len),
+        beside the prompts w keeps prefilling meanwhile: over a decode of T ms, w prefills
+        rate * T prompt tokens, each adding gamma to a step, so T = out_len * step + gamma *
+        rate * T."""
+        step = self.decode_step_ms(w.decode_batch + 1, w.context_tokens + prompt_len + out_len / 2)
+        return out_len * step / (1.0 - min(self.p.gamma * w.prefill_rate, MAX_PREFILL_SHARE))
 
     def interference_ms(self, prompt_len: int, load: int) -> float:
-        """What the prompt's prefill adds to the load decodes sharing its steps."""
+        """What the prompt's prefill costs the load decodes sharing its steps (DESIGN.md's
+        term): a cost to the others, weighed in the choice of path, not in this latency."""
         return self.p.gamma * prompt_len * load / self.p.batch_thresh
 
     def collocated_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
-        return (self.prefill_ms(w.queued_prefill_tokens + prompt_len)
-                + self.interference_ms(prompt_len, w.decode_batch)
-                + self.decode_ms(prompt_len, out_len, w))
+        return self.prefill_ms(w.queued_prefill_tokens + prompt_len) + self.decode_ms(prompt_len, out_len, w)
 
     def disaggregated_ms(self, prompt_len: int, out_len: float, prefill: WorkerLoad, decode: WorkerLoad) -> float:
         return (self.prefill_ms(prefill.queued_prefill_tokens + prompt_len)
@@ -195,6 +205,7 @@ class RecursiveLeastSquares:
         gain = px / (self.forget + x @ px)
         self.theta = self.theta + gain * (y - x @ self.theta)
         self.P = (self.P - torch.outer(gain, px)) / self.forget
+        self.P = (self.P + self.P.T) / 2   # rounding would otherwise let it drift from symmetric
 
 
 @dataclass
@@ -214,14 +225,18 @@ class Observation:
 
 
 class Router:
-    """Picks each request's path by predicted cost and refits the cost model online.
-
-    The phases are fitted separately, each linear in its parameters:
-      prefill  = alpha0 + alpha * (queued + L)   (minus the profiled alpha2 * (queued + L)^2)
-      transfer = transfer_rate * L                         (disaggregated only)
-      decode   = O * (beta + slope * excess + kv * context) + gamma * L * load / batch_thresh
-    (the gamma term on the collocated path only) where excess = max(0, batch - batch_thresh)
-    and context is the batch's average context; batch_thresh and alpha2 stay as profiled."""
+    """Picks each request's path by predicted cost and refits the cost model online, from
+    two kinds of measurement:
+      every finished request:  prefill  = alpha0 + alpha * (queued + L)
+                               (plus the profiled alpha2 * (queued + L)^2)
+                               transfer = transfer_rate * L    (disaggregated only)
+      every step a worker ran: step = beta + slope * excess + kv * context + gamma * prefill
+    where excess = max(0, decodes - batch_thresh), context the tokens of context its decodes
+    read and prefill the prompt tokens computed beside them: the profiler's own models,
+    refitted on live traffic. A request's decode time is not fitted as a whole: the load
+    it was routed under (a snapshot) only estimates the load it decodes under, and a fit
+    on a noisy estimate flattens the slopes, so the router learns the slopes from steps,
+    whose shapes are exact. batch_thresh and alpha2 stay as profiled."""
 
     def __init__(self, params: HardwareParams, predictor: OutputLengthPredictor | None = None):
         self.cost = CostModel(params)
@@ -229,7 +244,7 @@ class Router:
         p = params
         self.fit_prefill = RecursiveLeastSquares([p.alpha0, p.alpha], [1e-1, 1e-3])
         self.fit_transfer = RecursiveLeastSquares([p.transfer_rate], [1e-4])
-        self.fit_decode = RecursiveLeastSquares([p.beta, p.slope, p.kv, p.gamma], [1e-1, 1e-3, 1e-6, 1e-3])
+        self.fit_step = RecursiveLeastSquares([p.beta, p.slope, p.kv, p.gamma], [1e-1, 1e-3, 1e-6, 1e-3])
         self.errors: list[float] = []         # |route()'s prediction - measured| / measured, per request
         self.model_errors: list[float] = []   # the same with the true output length (the cost model alone)
 
@@ -242,15 +257,11 @@ class Router:
         roomy = {w: ld for w, ld in loads.items() if ld.free_blocks >= needed_blocks} or loads
         best, best_cost = None, math.inf
         for p, lp in loads.items():
+            harm = self.cost.interference_ms(prompt_len, lp.decode_batch)   # to p's decodes, either path
             for d, ld in roomy.items():
-                if p == d:
-                    ms = cost = self.cost.collocated_ms(prompt_len, out, lp)
-                else:
-                    # The prefill slows p's decodes here too. The collocated latency holds
-                    # that term (there it is this request's own decode); here it falls on
-                    # the others, so it counts toward the choice, not the predicted latency.
-                    ms = self.cost.disaggregated_ms(prompt_len, out, lp, ld)
-                    cost = ms + self.cost.interference_ms(prompt_len, lp.decode_batch)
+                ms = (self.cost.collocated_ms(prompt_len, out, lp) if p == d
+                      else self.cost.disaggregated_ms(prompt_len, out, lp, ld))
+                cost = ms + harm
                 if cost < best_cost:
                     best, best_cost = (p, d, ms), cost
         return best
@@ -262,7 +273,8 @@ class Router:
 
     def observe(self, o: Observation) -> None:
         """Learn from a finished request: its error is recorded against the prediction
-        made with its true output length, then the predictor and the parameters move."""
+        made with its true output length, then the predictor and the prefill and transfer
+        parameters move."""
         measured = max(o.prefill_ms + o.transfer_ms + o.decode_ms, 1e-9)
         self.model_errors.append(abs(self.predicted_ms(o) - measured) / measured)
         if o.predicted_ms is not None:
@@ -273,11 +285,12 @@ class Router:
         self.fit_prefill.update([1.0, n], o.prefill_ms - p.alpha2 * n * n)
         if o.prefill_worker != o.decode_worker:
             self.fit_transfer.update([o.prompt_len], o.transfer_ms)
-            w, shared = o.load_decode, 0.0
-        else:
-            w, shared = o.load_prefill, o.prompt_len * o.load_prefill.decode_batch / p.batch_thresh
-        out, context = o.output_len, w.context_tokens + o.prompt_len + o.output_len / 2
-        excess = max(0.0, w.decode_batch + 1 - p.batch_thresh)
-        self.fit_decode.update([out, out * excess, out * context, shared], o.decode_ms)
         (p.alpha0, p.alpha), (p.transfer_rate,) = self.fit_prefill.theta.tolist(), self.fit_transfer.theta.tolist()
-        p.beta, p.slope, p.kv, p.gamma = self.fit_decode.theta.tolist()
+
+    def observe_step(self, decodes: int, context_tokens: int, prefill_tokens: int, ms: float) -> None:
+        """Learn from one step a worker timed (steps without decodes say nothing about them)."""
+        if decodes == 0:
+            return
+        p = self.cost.p
+        self.fit_step.update([1.0, max(0.0, decodes - p.batch_thresh), context_tokens, prefill_tokens], ms)
+        p.beta, p.slope, p.kv, p.gamma = self.fit_step.theta.tolist()

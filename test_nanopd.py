@@ -1734,15 +1734,17 @@ def random_params(rng: random.Random) -> HardwareParams:
 
 def test_cost_model_reduces_to_the_design_rule():
     """Empty queues, equal outputs, the same decode load on both workers: disaggregated is
-    cheaper exactly when gamma / transfer_rate > batch_thresh / load."""
+    cheaper exactly when gamma / transfer_rate > batch_thresh / load. Cheaper as the router
+    weighs it: the latency plus the prefill's interference on its worker's decodes."""
     rng = random.Random(0)
     checked = 0
     for _ in range(2000):
         p = random_params(rng)
         cost, load, prompt_len, out = CostModel(p), rng.randint(1, 256), rng.randint(1, 4096), rng.randint(1, 512)
         p.kv = rng.uniform(0, 1e-4)
-        w = WorkerLoad(decode_batch=load, context_tokens=load * rng.randint(1, 4096))
-        col, dis = cost.collocated_ms(prompt_len, out, w), cost.disaggregated_ms(prompt_len, out, WorkerLoad(), w)
+        w = WorkerLoad(decode_batch=load, context_tokens=load * rng.randint(1, 4096), prefill_rate=rng.uniform(0, 20))
+        col = cost.collocated_ms(prompt_len, out, w) + cost.interference_ms(prompt_len, load)
+        dis = cost.disaggregated_ms(prompt_len, out, WorkerLoad(), w) + cost.interference_ms(prompt_len, 0)
         if abs(p.gamma / p.transfer_rate - p.batch_thresh / load) < 1e-6 * p.gamma / p.transfer_rate:
             continue   # a tie
         assert (dis < col) == (p.gamma / p.transfer_rate > p.batch_thresh / load)
@@ -1790,27 +1792,33 @@ def test_output_length_predictor_learns_what_max_tokens_says():
 def synthetic_observation(truth: HardwareParams, rng: random.Random, router: Router | None = None) -> Observation:
     """A request timed by the true parameters (1% noise), on the path the router picks (or
     a random one)."""
-    loads = {w: WorkerLoad(rng.randint(0, 4000), b, b * rng.randint(64, 2048)) for w in (0, 1)
-             for b in [rng.randint(0, 128)]}
+    loads = {w: WorkerLoad(rng.randint(0, 4000), b, b * rng.randint(64, 2048), prefill_rate=rng.uniform(0, 20))
+             for w in (0, 1) for b in [rng.randint(0, 128)]}
     prompt_len, out = rng.randint(16, 2048), rng.randint(16, 512)
     p, d, predicted = router.route(prompt_len, out, loads) if router else (rng.randint(0, 1), rng.randint(0, 1), None)
     true = CostModel(truth)
     noise = lambda: 1 + rng.gauss(0, 0.01)
     prefill = true.prefill_ms(loads[p].queued_prefill_tokens + prompt_len) * noise()
-    if p == d:
-        transfer = 0.0
-        decode = (true.decode_ms(prompt_len, out, loads[p]) + true.interference_ms(prompt_len, loads[p].decode_batch)
-                  ) * noise()
-    else:
-        transfer = truth.transfer_rate * prompt_len * noise()
-        decode = true.decode_ms(prompt_len, out, loads[d]) * noise()
+    transfer = 0.0 if p == d else truth.transfer_rate * prompt_len * noise()
+    decode = true.decode_ms(prompt_len, out, loads[d]) * noise()
     return Observation(prompt_len, out, p, d, loads[p], loads[d], prefill, transfer, decode, predicted)
+
+
+def synthetic_step(truth: HardwareParams, rng: random.Random) -> tuple[int, int, int, float]:
+    """A step a worker might time: decodes, their context, prompt tokens beside them, and
+    its ms by the true parameters (1% noise)."""
+    decodes, prefill = rng.randint(1, 256), rng.choice([0, rng.randint(1, 2048)])
+    context = decodes * rng.randint(16, 2048)
+    ms = (truth.beta + truth.slope * max(0, decodes - truth.batch_thresh) + truth.kv * context
+          + truth.gamma * prefill) * (1 + rng.gauss(0, 0.01))
+    return decodes, context, prefill, ms
 
 
 def test_router_refits_wrong_parameters_online():
     """Started from parameters wrong by 3x to 10x, the router's error on held-out synthetic
-    requests falls more than tenfold within ten requests it routed itself, ends under 3%,
-    and its parameters approach the true ones."""
+    requests falls more than tenfold within ten requests it routed itself (and the steps
+    the workers ran meanwhile, 20 per request), ends under 3%, and its parameters approach
+    the true ones."""
     truth = HardwareParams(alpha=0.05, beta=8.0, batch_thresh=32, slope=0.12, gamma=0.03, transfer_rate=0.004,
                            kv=2e-5)
     wrong = HardwareParams(alpha=0.15, beta=2.0, batch_thresh=32, slope=0.6, gamma=0.3, transfer_rate=0.04, kv=2e-4)
@@ -1823,6 +1831,8 @@ def test_router_refits_wrong_parameters_online():
     errors = [error()]
     for seen in range(1, 401):
         router.observe(synthetic_observation(truth, rng, router))
+        for _ in range(20):
+            router.observe_step(*synthetic_step(truth, rng))
         if seen in (10, 50, 400):
             errors.append(error())
     assert errors[0] > 0.5 and max(errors[1:]) < errors[0] / 10 and errors[-1] < 0.03

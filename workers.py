@@ -242,6 +242,7 @@ class Worker:
         self.transfers: list[Transfer] = []            # decode: copies in flight
         self.dropped: set[int] = set()
         self.events: list[tuple] = []
+        self.last_collected: float | None = None       # when the engine last returned a step's tokens
 
     def run(self) -> None:
         parent = mp.parent_process()
@@ -261,9 +262,11 @@ class Worker:
         self._start_imports()
         self._finish_transfers()
         if self.engine.has_unfinished():
+            collecting = self.engine.in_flight   # the step whose tokens this call takes
             for req in self.engine.step():
                 self._finished(req)
             self._stream_tokens()
+            self._time_step(collecting)
         self._expire_parked()
         if self.events or msgs:
             status = ("status", self.engine.bm.num_free_blocks, self.engine.bm.num_blocks,
@@ -375,6 +378,17 @@ class Worker:
         self._release(rid)
 
     # -- both
+
+    def _time_step(self, collected) -> None:
+        """Report the step just collected with its time: the time since the previous one was
+        collected, while the engine runs back to back (one step on the device while the
+        host finishes the one before), so a step's time is what its decodes waited."""
+        now = time.perf_counter()
+        if collected is not None and self.last_collected is not None:
+            s = collected.shape
+            self.events.append(("step", s.decodes, s.context_tokens, s.prefill_tokens,
+                                (now - self.last_collected) * 1e3))
+        self.last_collected = now if self.engine.in_flight is not None else None
 
     def _stream_tokens(self) -> None:
         """New output tokens of every running request since the last report: one event per step."""
