@@ -2,7 +2,7 @@
 the transports that move a request's KV blocks from a prefill worker to a decode worker.
 
     central scheduler (nanopd.CentralScheduler)
-        | Submit / Import / Release / Drop            ^ events: tokens, done, handoff, imported
+        | Submit / Import / Release / Drop            ^ events: tokens, done, handoff, imported, step
         v  (one inbox queue per worker)               |  (one pipe per worker)
     worker 0 (prefill, cuda:0)  ==KV blocks==>  worker 1 (decode, cuda:1)
 
@@ -18,6 +18,8 @@ shared memory on CPUs), so per request only block ids travel. A handoff:
      has completed it adds the request to its batch and reports ("imported");
   4. the central scheduler sends Release to the prefill worker, which frees the blocks.
 A parked request nobody pulls is released after HANDOFF_TIMEOUT_S.
+Every step a worker runs is reported too, with its shape and time ("step"): the adaptive
+router refits its model of a step on them (router.py).
 """
 
 import ctypes
