@@ -271,7 +271,8 @@ def main() -> None:
             # Not counted: a few of the workload's requests and one of the longest prompt any
             # workload draws (2048 tokens), whose steps run kernels shorter ones do not.
             warm = make_requests(args.workload[0], 0, 0, 8, args.seed + 999, vocab, scale)
-            warm.append(Spec(0.0, [random.Random(args.seed).randrange(vocab) for _ in range(int(2048 * scale))], 8))
+            rng = random.Random(args.seed + 998)
+            warm.append(Spec(0.0, [rng.randrange(vocab) for _ in range(int(2048 * scale))], 8))
             serve(llm, policy, "warm-up", 0.0, warm, f"{policy} warm-up")
             for workload in args.workload:
                 for rate in rates:

@@ -248,8 +248,9 @@ class Engine:
         shape = StepShape(0, 0, 0)
         for seq, n in zip(batch.seqs, batch.num_new):
             if seq.num_computed < seq.num_prompt_tokens:
-                self.num_prefill_tokens += min(n, seq.num_prompt_tokens - seq.num_computed)
-                shape.prefill_tokens += n
+                prompt_tokens = min(n, seq.num_prompt_tokens - seq.num_computed)
+                self.num_prefill_tokens += prompt_tokens
+                shape.prefill_tokens += prompt_tokens
             else:
                 shape.decodes, shape.context_tokens = shape.decodes + 1, shape.context_tokens + seq.num_computed
         done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if n == s.num_pending]

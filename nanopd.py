@@ -115,7 +115,8 @@ class CentralScheduler:
         for i, (role, device) in enumerate(zip(self.roles, devices)):
             kwargs = dataclasses.asdict(self.cfg) | {"device": device}
             readers = [shares[j] for j in range(len(devices)) if i in sources[j]]
-            args = (i, kwargs, self.inboxes[i], pipes[i][1], readers, shares[i], len(sources[i]), transport)
+            args = (i, kwargs, self.inboxes[i], pipes[i][1], readers, shares[i], len(sources[i]), transport,
+                    policy == "adaptive" and profile is not False)   # only a router reads steps
             self.procs.append(ctx.Process(target=worker_main, args=args, daemon=True, name=f"nanopd-{role}-{i}"))
         self._close = weakref.finalize(self, _stop_workers, self.procs, self.inboxes, self.reports)
         for p, (_, writer) in zip(self.procs, pipes):

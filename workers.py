@@ -18,8 +18,8 @@ shared memory on CPUs), so per request only block ids travel. A handoff:
      has completed it adds the request to its batch and reports ("imported");
   4. the central scheduler sends Release to the prefill worker, which frees the blocks.
 A parked request nobody pulls is released after HANDOFF_TIMEOUT_S.
-Every step a worker runs is reported too, with its shape and time ("step"): the adaptive
-router refits its model of a step on them (router.py).
+Under the adaptive policy every step a worker runs is reported too, with its shape and
+time ("step"): the router refits its model of a step on them (router.py).
 """
 
 import ctypes
@@ -232,7 +232,8 @@ class Transfer:
 class Worker:
     """The loop of one worker process: take messages, step the engine, report events."""
 
-    def __init__(self, index: int, engine, inbox, outbox, peer_caches: dict[int, torch.Tensor], transport: str):
+    def __init__(self, index: int, engine, inbox, outbox, peer_caches: dict[int, torch.Tensor], transport: str,
+                 report_steps: bool = False):
         self.index, self.engine = index, engine
         self.inbox, self.outbox = inbox, outbox
         self.peer_caches = peer_caches                 # worker -> its KV cache, for those we pull from
@@ -244,6 +245,7 @@ class Worker:
         self.transfers: list[Transfer] = []            # decode: copies in flight
         self.dropped: set[int] = set()
         self.events: list[tuple] = []
+        self.report_steps = report_steps               # time every step for the router (adaptive only)
         self.last_collected: float | None = None       # when the engine last returned a step's tokens
 
     def run(self) -> None:
@@ -268,7 +270,8 @@ class Worker:
             for req in self.engine.step():
                 self._finished(req)
             self._stream_tokens()
-            self._time_step(collecting)
+            if self.report_steps:
+                self._time_step(collecting)
         self._expire_parked()
         if self.events or msgs:
             status = ("status", self.engine.bm.num_free_blocks, self.engine.bm.num_blocks,
@@ -407,10 +410,11 @@ class Worker:
 
 
 def worker_main(index: int, engine_kwargs: dict, inbox, outbox, readers: list,
-                my_share_queue, num_sources: int, transport: str) -> None:
+                my_share_queue, num_sources: int, transport: str, report_steps: bool = False) -> None:
     """Entry point of a worker process (spawned by nanopd.CentralScheduler). readers: the
     queues of the workers that will pull from this one's cache; num_sources: how many
-    caches this one will pull from, arriving on my_share_queue."""
+    caches this one will pull from, arriving on my_share_queue; report_steps: send every
+    step's shape and time (for the adaptive router)."""
     try:
         device = torch.device(engine_kwargs["device"])
         if device.type == "cuda":
@@ -433,7 +437,7 @@ def worker_main(index: int, engine_kwargs: dict, inbox, outbox, readers: list,
                 peer_cache[:1].to(device)
         outbox.send((index, [("ready", engine.runner.num_blocks, engine.bm.watermark_blocks,
                               cache[0].nbytes // engine.cfg.block_size)]))
-        Worker(index, engine, inbox, outbox, peers, transport).run()
+        Worker(index, engine, inbox, outbox, peers, transport, report_steps).run()
     except KeyboardInterrupt:
         pass
     except BaseException:  # noqa: BLE001 (report any failure to the central scheduler, then die)
