@@ -236,12 +236,18 @@ def _num_sm(device: torch.device) -> int:
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_q_len: int, max_kv_len: int,
                       device: torch.device, block_n: int = 64) -> int:
-    """Split-K for decode only: enough programs for ~2 waves, each with >= 2 key tiles."""
+    """Split-K for decode only: enough programs for ~2 waves, each with >= 2 key tiles.
+    A power of two: NUM_SPLITS is a compile-time constant, so every value is a kernel of
+    its own, compiled the first time it is met. Mixed steps meet whatever their decodes'
+    count and context give; with any value allowed, a serving run kept compiling (a
+    ~1 s stall each) long after start-up. Powers of two are few, and compiled at start-up
+    (ModelRunner)."""
     if max_q_len > 1 or num_seqs == 0:
         return 1
     programs = num_seqs * num_kv_heads
     want = triton.cdiv(2 * _num_sm(device), programs)
-    return max(1, min(want, triton.cdiv(max_kv_len, 2 * block_n), 64))
+    splits = max(1, min(want, triton.cdiv(max_kv_len, 2 * block_n), 64))
+    return 1 << (splits.bit_length() - 1)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

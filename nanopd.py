@@ -218,9 +218,10 @@ class CentralScheduler:
                                    beam_width=t.beam_width, length_penalty=t.length_penalty))
 
     def worker_load(self, w: int) -> WorkerLoad:
-        """What the router weighs: prompt tokens waiting for prefill, sequences decoding, free
-        blocks, and prompt tokens per ms sent to it lately (they will share its decode steps)."""
-        load = WorkerLoad(free_blocks=self.status[w][0] if w in self.status else self.room)
+        """What the router weighs: prompts waiting for prefill, sequences decoding, free
+        blocks, seats, and prompt tokens per ms sent to it lately (they will share its decode
+        steps)."""
+        load = WorkerLoad(free_blocks=self.status[w][0] if w in self.status else self.room, seats=self.cfg.max_num_seqs)
         sent, now = self.sent[w], time.perf_counter()
         while sent and now - sent[0][0] > PREFILL_RATE_WINDOW_S:
             sent.popleft()
@@ -228,6 +229,7 @@ class CentralScheduler:
         for t in self.active.values():
             if t.worker == w and t.phase == "prefill" and not t.tokens:
                 load.queued_prefill_tokens += len(t.prompt_ids)
+                load.queued_prefills += 1
             elif t.worker == w and t.phase != "done":
                 load.decode_batch += 1
                 load.context_tokens += len(t.prompt_ids) + len(t.tokens)
@@ -298,7 +300,7 @@ class CentralScheduler:
             t.worker, t.phase = d, "transfer"
             self.inboxes[d].put(imp)
         elif kind == "imported":
-            _, _, t.metrics.imported_time, t.metrics.kv_bytes_moved, t.metrics.kv_copy_time = event
+            _, _, t.metrics.imported_time, t.metrics.kv_bytes_moved, t.metrics.kv_copy_time, t.metrics.seat_wait = event
             t.phase = "decode"
             self.inboxes[t.prefill_worker].put(Release(t.rid))
         elif kind == "done":   # the worker's metrics fill in what this process did not see
@@ -323,7 +325,8 @@ class CentralScheduler:
         phases, (predicted, load_p, load_d) = t.metrics.phases(), t.metrics.routed
         self.router.observe(Observation(
             len(t.prompt_ids), len(t.output.outputs[0].token_ids), t.prefill_worker, w, load_p, load_d,
-            (phases["queued"] + phases["prefill"]) * 1e3, phases["transfer"] * 1e3, phases["decode"] * 1e3,
+            (phases["queued"] + phases["prefill"]) * 1e3, phases["transfer"] * 1e3,
+            (phases["seat_wait"] + phases["decode"]) * 1e3,
             predicted, t.params.max_tokens))
 
     # -- for the profiler

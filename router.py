@@ -54,6 +54,8 @@ class WorkerLoad:
     context_tokens: int = 0          # ... and the tokens of context they hold
     free_blocks: int = 1 << 30       # KV blocks it can still hand out
     prefill_rate: float = 0.0        # prompt tokens per ms sent to it for prefill lately
+    seats: int = 1 << 30             # sequences it runs at once (max_num_seqs); the rest wait
+    queued_prefills: int = 0         # prompts those queued tokens belong to
 
 
 # ----------------------------------------------------------------------------- cost model
@@ -76,9 +78,17 @@ class CostModel:
         """out_len steps on w, whose batch gains this request (its context L to L + out_len),
         beside the prompts w keeps prefilling meanwhile: over a decode of T ms, w prefills
         rate * T prompt tokens, each adding gamma to a step, so T = out_len * step + gamma *
-        rate * T."""
-        step = self.decode_step_ms(w.decode_batch + 1, w.context_tokens + prompt_len + out_len / 2)
-        return out_len * step / (1.0 - min(self.p.gamma * w.prefill_rate, MAX_PREFILL_SHARE))
+        rate * T. Seats: w runs at most `seats` sequences per step. This request, w's
+        decodes and the prompts queued there (each holds a seat from its first chunk on)
+        want one; past the seats, on average each of them gets a step in every
+        in_line / seats, as if they took the seats in turn (first come, first served
+        makes the wait as long on average)."""
+        batch = w.decode_batch + 1
+        running, in_line = min(batch, w.seats), batch + w.queued_prefills
+        others = w.context_tokens * (running - 1) / max(1, w.decode_batch)
+        step = self.decode_step_ms(running, others + prompt_len + out_len / 2)
+        share = max(1.0, in_line / w.seats)
+        return out_len * step * share / (1.0 - min(self.p.gamma * w.prefill_rate, MAX_PREFILL_SHARE))
 
     def interference_ms(self, prompt_len: int, load: int) -> float:
         """What the prompt's prefill costs the load decodes sharing its steps (DESIGN.md's
@@ -218,8 +228,8 @@ class Observation:
     load_prefill: WorkerLoad      # the loads when it was routed
     load_decode: WorkerLoad
     prefill_ms: float             # queued + prefilling
-    transfer_ms: float
-    decode_ms: float
+    transfer_ms: float            # the handoff, less any wait for a seat on the decode worker
+    decode_ms: float              # ... that wait, and decoding
     predicted_ms: float | None = None   # what route() predicted (with the predicted output length)
     max_tokens: int | None = None       # the request's cap (None: taken as its output length)
 
@@ -228,7 +238,9 @@ class Router:
     """Picks each request's path by predicted cost and refits the cost model online, from
     two kinds of measurement:
       every finished request:  prefill  = alpha0 + alpha * (queued + L)
-                               (plus the profiled alpha2 * (queued + L)^2)
+                               (plus the profiled alpha2 * (queued + L)^2; not from
+                               requests routed to a worker with no seat free, whose
+                               wait says how soon a seat frees, not how fast prefill is)
                                transfer = transfer_rate * L    (disaggregated only)
       every step a worker ran: step = beta + slope * excess + kv * context + gamma * prefill
     where excess = max(0, decodes - batch_thresh), context the tokens of context its decodes
@@ -282,7 +294,8 @@ class Router:
         self.predictor.update(o.prompt_len, o.output_len, o.max_tokens or o.output_len)
         p = self.cost.p
         n = o.load_prefill.queued_prefill_tokens + o.prompt_len
-        self.fit_prefill.update([1.0, n], o.prefill_ms - p.alpha2 * n * n)
+        if o.load_prefill.decode_batch < o.load_prefill.seats:   # else it waited for a seat, not for prefills
+            self.fit_prefill.update([1.0, n], o.prefill_ms - p.alpha2 * n * n)
         if o.prefill_worker != o.decode_worker:
             self.fit_transfer.update([o.prompt_len], o.transfer_ms)
         (p.alpha0, p.alpha), (p.transfer_rate,) = self.fit_prefill.theta.tolist(), self.fit_transfer.theta.tolist()

@@ -197,6 +197,7 @@ class ModelRunner:
         gc.disable()
         try:
             with torch.cuda.stream(stream):
+                self._compile_split_variants()
                 pool = self._capture_decode_graphs(sizes, None, stream)
                 self._capture_piece_graphs(pieces, pool, stream)
         finally:
@@ -212,6 +213,17 @@ class ModelRunner:
         with torch.cuda.graph(graph, pool, stream=stream, capture_error_mode="thread_local"):
             out = fn()
         return graph, out
+
+    def _compile_split_variants(self) -> None:
+        """Run the model once at batch 1 with every split-K factor a step may choose (powers
+        of two, see kernels.choose_num_splits), so that none compiles mid-run: mixed steps
+        launch their decodes' attention outside any graph, with the factor of the moment."""
+        st, most = self.static, kernels.choose_num_splits(1, self.model.num_kv_heads, 1, self.cfg.max_model_len,
+                                                           self.device)
+        for splits in (1 << i for i in range(most.bit_length())):
+            meta = AttentionMetadata(slot_mapping=st["slots"][:1], block_tables=st["tables"][:1], cu_q_lens=st["cu"][:2],
+                                     ctx_lens=st["ctx"][:1], max_q_len=1, num_decodes=1, num_splits=splits)
+            self.model(st["ids"][:1], st["pos"][:1], self.kv_cache, meta)
 
     def _capture_decode_graphs(self, sizes: list[int], pool, stream: torch.cuda.Stream):
         st = self.static

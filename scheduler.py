@@ -60,6 +60,7 @@ class RequestMetrics:
     imported_time: float | None = None  # disaggregated: when the decode worker had the KV
     kv_bytes_moved: int = 0             # ... how much KV it copied
     kv_copy_time: float | None = None   # ... and how long the copy itself took (s)
+    seat_wait: float = 0.0              # ... after waiting there for a seat and blocks (s)
     path: tuple[int, ...] = ()          # the workers that served it (prefill, then decode)
     routed: tuple | None = None         # adaptive: (predicted latency ms, prefill worker's WorkerLoad,
                                         # decode worker's WorkerLoad) when the router chose the path
@@ -69,11 +70,13 @@ class RequestMetrics:
         return self.kv_bytes_moved / self.kv_copy_time / 1e9
 
     def phases(self) -> dict[str, float]:
-        """Seconds spent queued, prefilling, transferring the KV and decoding (the path's cost)."""
+        """Seconds spent queued, prefilling, handing the KV over, waiting for a seat on the
+        decode worker (a handoff's wait there) and decoding: the path's cost."""
         decode_start = self.imported_time or self.first_token_time
         return {"queued": self.first_scheduled_time - self.arrival_time,
                 "prefill": self.first_token_time - self.first_scheduled_time,
-                "transfer": decode_start - self.first_token_time,
+                "transfer": decode_start - self.first_token_time - self.seat_wait,
+                "seat_wait": self.seat_wait,
                 "decode": self.finish_time - decode_start}
 
 

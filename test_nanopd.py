@@ -144,6 +144,20 @@ def test_paged_attention_split_k_decode(num_splits, dtype):
     assert rel_err(out.cpu(), ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("sms", [4, 132])
+def test_split_k_choices_are_the_ones_compiled_at_start_up(sms, monkeypatch):
+    """Every split-K factor a step can choose (any decodes, any context up to the model's
+    length) is a power of two no larger than batch 1's at full length: the factors
+    ModelRunner._compile_split_variants compiles, so no step compiles a kernel mid-run."""
+    monkeypatch.setattr(kernels, "_num_sm", lambda device: sms)
+    cpu = torch.device("cpu")
+    for max_model_len in (256, 4096, 40960):
+        most = kernels.choose_num_splits(1, 8, 1, max_model_len, cpu)
+        compiled = {1 << i for i in range(most.bit_length())}
+        chosen = {kernels.choose_num_splits(n, 8, 1, kv, cpu) for n in range(1, 300) for kv in range(1, max_model_len + 1, 37)}
+        assert chosen <= compiled and max(chosen) == most
+
+
 def test_paged_attention_decodes_then_chunks():
     """A mixed step as the engine lays it out: decodes first (their own split-K launch),
     then prefill chunks (a second launch writing the same output)."""
@@ -1750,6 +1764,31 @@ def test_cost_model_reduces_to_the_design_rule():
         assert (dis < col) == (p.gamma / p.transfer_rate > p.batch_thresh / load)
         checked += 1
     assert checked > 1900
+
+
+def test_cost_model_seats_match_first_come_first_served_waves():
+    """A worker with more sequences than seats: simulated first come, first served (every
+    sequence needs out more tokens, so seats free in waves), the newcomer's decode takes
+    as long as the cost model predicts; below the seats, the seats change nothing. And
+    between two workers alike but for free seats, the router decodes where a seat is."""
+    rng = random.Random(3)
+    for _ in range(200):
+        p = random_params(rng)
+        cost, seats, out, waves = CostModel(p), rng.randint(1, 64), rng.randint(1, 512), rng.randint(2, 6)
+        # n = waves * seats sequences with the newcomer, which is last in line: it runs in the last wave.
+        queue, ms = waves * seats, 0.0
+        while queue > 0:
+            running = min(queue, seats)
+            ms += out * cost.decode_step_ms(running)
+            queue -= running
+        queued = rng.randint(0, (waves - 1) * seats)   # prompts waiting there: they want seats too
+        full = WorkerLoad(decode_batch=waves * seats - 1 - queued, queued_prefills=queued, seats=seats)
+        assert cost.decode_ms(0, out, full) == pytest.approx(ms, rel=1e-9)
+        roomy = WorkerLoad(decode_batch=seats - 1, seats=seats)
+        assert cost.decode_ms(0, out, roomy) == pytest.approx(cost.decode_ms(0, out, WorkerLoad(decode_batch=seats - 1)))
+    p = HardwareParams(alpha=0.05, beta=8.0, batch_thresh=32, slope=0.12, gamma=0.03, transfer_rate=0.004)
+    loads = {0: WorkerLoad(decode_batch=400, seats=256), 1: WorkerLoad(decode_batch=250, seats=256)}
+    assert Router(p).route(512, 128, loads)[1] == 1
 
 
 def test_output_length_posterior_converges_and_its_interval_covers():

@@ -227,6 +227,7 @@ class Transfer:
     msg: Import
     block_table: list[int]
     pull: Pull
+    seat_wait: float   # seconds the Import waited here for a seat and blocks
 
 
 class Worker:
@@ -241,7 +242,7 @@ class Worker:
         self.requests: dict[int, object] = {}          # rid -> scheduler.Request running here
         self.reported: dict[int, int] = {}             # rid -> output tokens already streamed
         self.parked: dict[int, tuple[object, float]] = {}   # prefill: rid -> (Sequence, parked at)
-        self.imports: deque[Import] = deque()          # decode: waiting for room
+        self.imports: deque[tuple[float, Import]] = deque()   # decode: (arrival, import) waiting for room
         self.transfers: list[Transfer] = []            # decode: copies in flight
         self.dropped: set[int] = set()
         self.events: list[tuple] = []
@@ -299,7 +300,7 @@ class Worker:
             except ValueError as e:   # the central scheduler checks first; this worker's cache may be smaller
                 self.events.append(("rejected", msg.rid, str(e)))
         elif isinstance(msg, Import):
-            self.imports.append(msg)
+            self.imports.append((time.perf_counter(), msg))
         elif isinstance(msg, Release):
             self._release(msg.rid)
         elif isinstance(msg, Drop):
@@ -340,7 +341,7 @@ class Worker:
         """Allocate blocks for waiting imports (first come, first served) and start their copies."""
         eng = self.engine
         while self.imports:
-            msg = self.imports[0]
+            arrived, msg = self.imports[0]
             if msg.rid in self.dropped:
                 self.imports.popleft()
                 continue
@@ -349,15 +350,16 @@ class Worker:
             if seats >= eng.cfg.max_num_seqs or not (own or eng.bm.can_allocate(msg.token_ids)):
                 return   # waits until decodes finish and free room
             self.imports.popleft()
+            waited = time.perf_counter() - arrived
             if own:
                 seq, _ = self.parked.pop(msg.rid)
-                self.transfers.append(Transfer(msg, seq.block_table, Pull(0, seconds=0.0)))
+                self.transfers.append(Transfer(msg, seq.block_table, Pull(0, seconds=0.0), waited))
                 continue
             table, cached = eng.bm.allocate(msg.token_ids)   # blocks found in our prefix cache need no copy
             first, last = cached // eng.cfg.block_size, cdiv(msg.num_prompt_tokens, eng.cfg.block_size)
             pull = self.transport.pull(self.peer_caches[msg.src], msg.src_blocks[first:last], eng.runner.kv_cache,
                                        table[first:last])
-            self.transfers.append(Transfer(msg, table, pull))
+            self.transfers.append(Transfer(msg, table, pull, waited))
 
     def _finish_transfers(self) -> None:
         """Requests whose copy has completed join the decode batch; the others keep copying
@@ -375,7 +377,7 @@ class Worker:
                                             m.logprobs, m.cumulative_logprob, m.generator_state)
             self.requests[m.rid] = req
             self.reported[m.rid] = 1   # the first token was streamed by the prefill worker
-            self.events.append(("imported", m.rid, time.perf_counter(), t.pull.nbytes, t.pull.seconds))
+            self.events.append(("imported", m.rid, time.perf_counter(), t.pull.nbytes, t.pull.seconds, t.seat_wait))
         self.transfers = still
 
     def _drop(self, rid: int) -> None:
