@@ -38,7 +38,7 @@ __all__ = ["LLM", "CentralScheduler", "RequestMetrics", "RequestOutput", "Sampli
 # ----------------------------------------------------------------------------- many devices: the central scheduler
 
 POLICIES = ("collocated", "disaggregated", "adaptive")
-PREFILL_RATE_WINDOW_S = 2.0   # a worker's prefill rate counts the prompts sent to it this long ago at most
+PREFILL_RATE_WINDOW_S = 2.0   # the prefill rate counts the steps reported this long ago at most
 
 
 @dataclass(eq=False)
@@ -128,7 +128,8 @@ class CentralScheduler:
         self.errors: dict[int, str] = {}
         self.status: dict[int, tuple[int, int, int]] = {}   # worker -> its last (free blocks, blocks, requests)
         self.measured: dict[int, dict] = {}
-        self.sent = [collections.deque() for _ in devices]   # per worker: (time, prompt tokens) sent to prefill
+        self.prefilled: collections.deque[tuple[float, int]] = collections.deque()   # (time, tokens) steps prefilled
+        self.prefilled_tokens = 0   # ... their sum
         self._rids = itertools.count()
         self.room = self._wait_ready(startup_timeout_s)
         self.router = None
@@ -213,19 +214,19 @@ class CentralScheduler:
             t.decode_worker = w if self.policy != "disaggregated" or t.beam_width else None
         t.worker = t.prefill_worker = w
         t.phase = "prefill"
-        self.sent[w].append((time.perf_counter(), len(t.prompt_ids)))
         self.inboxes[w].put(Submit(t.rid, t.prompt_ids, t.params, prefill_only=t.decode_worker != w,
                                    beam_width=t.beam_width, length_penalty=t.length_penalty))
 
     def worker_load(self, w: int) -> WorkerLoad:
         """What the router weighs: prompts waiting for prefill, sequences decoding, free
-        blocks, seats, and prompt tokens per ms sent to it lately (they will share its decode
-        steps)."""
+        blocks, seats, and the prompt tokens per ms the workers' steps prefilled lately, per
+        worker (router.WorkerLoad says why not this worker's own)."""
         load = WorkerLoad(free_blocks=self.status[w][0] if w in self.status else self.room, seats=self.cfg.max_num_seqs)
-        sent, now = self.sent[w], time.perf_counter()
-        while sent and now - sent[0][0] > PREFILL_RATE_WINDOW_S:
-            sent.popleft()
-        load.prefill_rate = sum(n for _, n in sent) / (PREFILL_RATE_WINDOW_S * 1e3)
+        now = time.perf_counter()
+        while self.prefilled and now - self.prefilled[0][0] > PREFILL_RATE_WINDOW_S:
+            self.prefilled_tokens -= self.prefilled.popleft()[1]
+        workers = max(1, len(self.procs) - len(self.dead))
+        load.prefill_rate = self.prefilled_tokens / (PREFILL_RATE_WINDOW_S * 1e3) / workers
         for t in self.active.values():
             if t.worker == w and t.phase == "prefill" and not t.tokens:
                 load.queued_prefill_tokens += len(t.prompt_ids)
@@ -273,6 +274,9 @@ class CentralScheduler:
         if kind == "step":   # (decodes, their context tokens, prefill tokens, ms): the router refits
             if self.router is not None:
                 self.router.observe_step(*event[1:])
+            if event[3]:
+                self.prefilled.append((time.perf_counter(), event[3]))
+                self.prefilled_tokens += event[3]
             return []
         if kind == "measured":
             self.measured[w] = event[1]

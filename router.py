@@ -53,7 +53,13 @@ class WorkerLoad:
     decode_batch: int = 0            # sequences decoding there
     context_tokens: int = 0          # ... and the tokens of context they hold
     free_blocks: int = 1 << 30       # KV blocks it can still hand out
-    prefill_rate: float = 0.0        # prompt tokens per ms sent to it for prefill lately
+    # Prompt tokens per ms it will prefill beside its decodes: what the workers' steps
+    # prefilled lately, per worker. Prefilled, not sent: past the seats, prompts wait and
+    # share no step. Per worker, not its own: where the next prompts go is the router's
+    # choice, and a worker that prefilled many would look slow to decode on, get only
+    # prompts and look slower still (a lock-in of roles that, at overload, left one worker
+    # prefilling and the other out of seats).
+    prefill_rate: float = 0.0
     seats: int = 1 << 30             # sequences it runs at once (max_num_seqs); the rest wait
     queued_prefills: int = 0         # prompts those queued tokens belong to
 
@@ -74,21 +80,28 @@ class CostModel:
         """A decode step of batch sequences holding context tokens in all."""
         return self.p.beta + self.p.slope * max(0.0, batch - self.p.batch_thresh) + self.p.kv * context
 
-    def decode_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
+    def steps_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
         """out_len steps on w, whose batch gains this request (its context L to L + out_len),
         beside the prompts w keeps prefilling meanwhile: over a decode of T ms, w prefills
         rate * T prompt tokens, each adding gamma to a step, so T = out_len * step + gamma *
-        rate * T. Seats: w runs at most `seats` sequences per step. This request, w's
-        decodes and the prompts queued there (each holds a seat from its first chunk on)
-        want one; past the seats, on average each of them gets a step in every
-        in_line / seats, as if they took the seats in turn (first come, first served
-        makes the wait as long on average)."""
-        batch = w.decode_batch + 1
-        running, in_line = min(batch, w.seats), batch + w.queued_prefills
+        rate * T. At most `seats` sequences share a step."""
+        running = min(w.decode_batch + 1, w.seats)
         others = w.context_tokens * (running - 1) / max(1, w.decode_batch)
         step = self.decode_step_ms(running, others + prompt_len + out_len / 2)
-        share = max(1.0, in_line / w.seats)
-        return out_len * step * share / (1.0 - min(self.p.gamma * w.prefill_rate, MAX_PREFILL_SHARE))
+        return out_len * step / (1.0 - min(self.p.gamma * w.prefill_rate, MAX_PREFILL_SHARE))
+
+    def seat_wait_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
+        """The wait for a seat on w, which a prompt needs to be prefilled there and a
+        sequence to decode there. This request, w's decodes and the prompts queued there
+        (each holds a seat from its first chunk on) want one; past the seats, the excess
+        waits while seats free, one running decode's length (taken as this request's)
+        per `seats` of them. Equivalently, each of the in_line sequences gets a step in
+        every in_line / seats, as if they took the seats in turn."""
+        excess = w.decode_batch + w.queued_prefills + 1 - w.seats
+        return self.steps_ms(prompt_len, out_len, w) * max(0, excess) / w.seats
+
+    def decode_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
+        return self.seat_wait_ms(prompt_len, out_len, w) + self.steps_ms(prompt_len, out_len, w)
 
     def interference_ms(self, prompt_len: int, load: int) -> float:
         """What the prompt's prefill costs the load decodes sharing its steps (DESIGN.md's
@@ -99,7 +112,8 @@ class CostModel:
         return self.prefill_ms(w.queued_prefill_tokens + prompt_len) + self.decode_ms(prompt_len, out_len, w)
 
     def disaggregated_ms(self, prompt_len: int, out_len: float, prefill: WorkerLoad, decode: WorkerLoad) -> float:
-        return (self.prefill_ms(prefill.queued_prefill_tokens + prompt_len)
+        """A seat on each worker in turn: one to be prefilled, one to decode."""
+        return (self.seat_wait_ms(prompt_len, out_len, prefill) + self.prefill_ms(prefill.queued_prefill_tokens + prompt_len)
                 + self.p.transfer_rate * prompt_len
                 + self.decode_ms(prompt_len, out_len, decode))
 
