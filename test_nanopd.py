@@ -1533,6 +1533,26 @@ def test_disaggregated_sampling_matches_the_single_engine(hf):
         assert [c.token_ids for c in out.outputs] == hf.beams(p, 3, 6)
 
 
+@pytest.mark.usefixtures("worker_env")
+def test_handoff_waits_for_a_seat_and_says_so(hf):
+    """Disaggregated, one seat per worker: the second request's KV is pulled only once the
+    first request's decode frees the decode worker's seat. Its metrics count that time as
+    a wait for a seat, not as transfer (the router refits the transfer rate on the rest),
+    and the first request, which found the seat free, waited less."""
+    with make_cluster(hf, "disaggregated", 2, max_num_seqs=1) as llm:
+        cluster = llm.cluster
+        first = cluster.submit(MIXED_PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True))
+        second = cluster.submit(MIXED_PROMPTS[1], SamplingParams(max_tokens=4, ignore_eos=True))
+        ended, deadline = set(), time.monotonic() + 120
+        while len(ended) < 2:
+            assert time.monotonic() < deadline
+            ended |= set(cluster.poll(0.05))
+        a, b = cluster.output(first).metrics, cluster.output(second).metrics
+    assert b.imported_time > a.finish_time
+    assert b.phases()["seat_wait"] > b.phases()["transfer"] >= 0
+    assert a.phases()["seat_wait"] < b.phases()["seat_wait"]
+
+
 @ENGINE
 @pytest.mark.parametrize("transport", ["p2p", "relay"])
 def test_handoff_moves_the_prompt_kv_byte_for_byte(hf, transport):
