@@ -115,6 +115,17 @@ def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec], desc:
     return results, time.perf_counter() - start
 
 
+def six_digits(x):
+    """x (nested dicts and lists) with every float rounded to six significant digits."""
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {k: six_digits(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [six_digits(v) for v in x]
+    return x
+
+
 def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q / 100 * len(xs)))] if xs else float("nan")
@@ -304,9 +315,10 @@ def main() -> None:
     meta = {"model": model, "devices": devices, "workloads": args.workload, "mode": args.mode, "seed": args.seed,
             "ttft_slo": ttft_slo, "tpot_slo": tpot_slo, "length_scale": scale,
             "device_name": torch.cuda.get_device_name() if gpu else "cpu"}
-    (out / "results.json").write_text(json.dumps(
+    # One line, six significant digits: a sweep holds some 15,000 requests' timings.
+    (out / "results.json").write_text(json.dumps(six_digits(
         {"meta": meta, "summary": rows, "goodput": goodput, "router_calibration": calibration,
-         "requests": [r.__dict__ for r in results]}, indent=1))
+         "requests": [r.__dict__ for r in results]}), separators=(",", ":")))
     print(f"wrote {out / 'results.json'} and {', '.join(files)}")
 
 
