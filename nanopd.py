@@ -204,7 +204,7 @@ class CentralScheduler:
         if path is not None:
             w, t.decode_worker = path
         elif self.router is not None and not t.beam_width:
-            loads = {w: self.worker_load(w) for w in live}
+            loads = self.worker_loads(live)
             blocks = cdiv(len(t.prompt_ids) + t.params.max_tokens, self.cfg.block_size)
             w, t.decode_worker, predicted = self.router.route(len(t.prompt_ids), t.params.max_tokens, loads, blocks)
             t.metrics.routed = (predicted, loads[w], loads[t.decode_worker])
@@ -217,24 +217,28 @@ class CentralScheduler:
         self.inboxes[w].put(Submit(t.rid, t.prompt_ids, t.params, prefill_only=t.decode_worker != w,
                                    beam_width=t.beam_width, length_penalty=t.length_penalty))
 
-    def worker_load(self, w: int) -> WorkerLoad:
-        """What the router weighs: prompts waiting for prefill, sequences decoding, free
-        blocks, seats, and the prompt tokens per ms the workers' steps prefilled lately, per
-        worker (router.WorkerLoad says why not this worker's own)."""
-        load = WorkerLoad(free_blocks=self.status[w][0] if w in self.status else self.room, seats=self.cfg.max_num_seqs)
+    def worker_loads(self, workers: list[int]) -> dict[int, WorkerLoad]:
+        """What the router weighs, per worker: prompts waiting for prefill, sequences
+        decoding, free blocks, seats, and the prompt tokens per ms the workers' steps
+        prefilled lately, per worker (router.WorkerLoad says why not each worker's own).
+        One pass over the active requests."""
         now = time.perf_counter()
         while self.prefilled and now - self.prefilled[0][0] > PREFILL_RATE_WINDOW_S:
             self.prefilled_tokens -= self.prefilled.popleft()[1]
-        workers = max(1, len(self.procs) - len(self.dead))
-        load.prefill_rate = self.prefilled_tokens / (PREFILL_RATE_WINDOW_S * 1e3) / workers
+        rate = self.prefilled_tokens / (PREFILL_RATE_WINDOW_S * 1e3) / max(1, len(self.procs) - len(self.dead))
+        loads = {w: WorkerLoad(free_blocks=self.status[w][0] if w in self.status else self.room,
+                               prefill_rate=rate, seats=self.cfg.max_num_seqs) for w in workers}
         for t in self.active.values():
-            if t.worker == w and t.phase == "prefill" and not t.tokens:
+            load = loads.get(t.worker)
+            if load is None:
+                continue
+            if t.phase == "prefill" and not t.tokens:
                 load.queued_prefill_tokens += len(t.prompt_ids)
                 load.queued_prefills += 1
-            elif t.worker == w and t.phase != "done":
+            elif t.phase != "done":
                 load.decode_batch += 1
                 load.context_tokens += len(t.prompt_ids) + len(t.tokens)
-        return load
+        return loads
 
     # -- events from the workers
 

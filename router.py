@@ -17,8 +17,8 @@ past the knee). Disaggregation wins when gamma / transfer_rate > batch_thresh / 
 In the adaptive policy every worker also decodes, so a prefill slows the decodes of
 whichever worker runs it, on either path: the router charges that interference to both
 paths (it is a cost to the other requests, not part of this one's latency). Moving a
-request then pays only when it takes the decode to a worker with a smaller batch, or the
-prefill away from a longer queue. The same interference, from the prompts that keep
+request then pays only when it takes the decode to a worker with a smaller batch or free
+seats, or the prefill away from a longer queue. The same interference, from the prompts that keep
 arriving while a request decodes, is part of that request's latency: a worker prefilling
 r prompt tokens per ms spends gamma x r of its time on them, beside its decodes.
 """
@@ -97,11 +97,16 @@ class CostModel:
         waits while seats free, one running decode's length (taken as this request's)
         per `seats` of them. Equivalently, each of the in_line sequences gets a step in
         every in_line / seats, as if they took the seats in turn."""
-        excess = w.decode_batch + w.queued_prefills + 1 - w.seats
-        return self.steps_ms(prompt_len, out_len, w) * max(0, excess) / w.seats
+        return self.steps_ms(prompt_len, out_len, w) * self.excess_share(w)
+
+    @staticmethod
+    def excess_share(w: WorkerLoad) -> float:
+        """Sequences past w's seats (this request counted), per seat."""
+        return max(0, w.decode_batch + w.queued_prefills + 1 - w.seats) / w.seats
 
     def decode_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
-        return self.seat_wait_ms(prompt_len, out_len, w) + self.steps_ms(prompt_len, out_len, w)
+        """The wait for a seat on w, then the steps."""
+        return self.steps_ms(prompt_len, out_len, w) * (1.0 + self.excess_share(w))
 
     def interference_ms(self, prompt_len: int, load: int) -> float:
         """What the prompt's prefill costs the load decodes sharing its steps (DESIGN.md's
