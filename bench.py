@@ -169,38 +169,57 @@ def plot(rows: list[dict], results: list[Result], goodput: dict, out: Path) -> l
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    labels, files = sorted({r["label"] for r in rows}), []
-
-    def save(fig, name):
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        files.append(name)
-
-    rates = sorted({r["rate"] for r in rows})
-    if len(rates) > 1:
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for i, p in enumerate(labels):   # one colour per series in every panel
-            mine = sorted((r for r in rows if r["label"] == p), key=lambda r: r["rate"])
-            for key, style in (("e2e_p50", "-o"), ("e2e_p99", "--o")):
-                axes[0].plot([r["rate"] for r in mine], [r[key] for r in mine], style, color=f"C{i}",
-                             label=f"{p} {key[4:]}")
-            axes[1].plot([r["rate"] for r in mine], [r["output_tok_s"] for r in mine], "-o", color=f"C{i}", label=p)
-        axes[0].set(xlabel="arrival rate (requests/s)", ylabel="end-to-end latency (s)", yscale="log",
-                    title="latency percentiles vs rate")
-        axes[1].set(xlabel="arrival rate (requests/s)", ylabel="output tokens/s", title="throughput vs rate")
-        for ax in axes:
-            ax.legend(fontsize=8)
-        save(fig, "latency_throughput_vs_rate.png")
+    figures = {}
+    if len({r["rate"] for r in rows}) > 1:
+        figures["latency_throughput_vs_rate.png"] = plot_vs_rate(plt, rows)
         fig, ax = plt.subplots(figsize=(5, 3.5))
         ax.bar(list(goodput), [goodput[p] for p in goodput])
         ax.set(ylabel="goodput (requests/s)", title="highest rate with >= 90% inside the SLO")
-        save(fig, "goodput.png")
+        figures["goodput.png"] = fig
+    figures["latency_cdf.png"] = plot_cdf(plt, rows, results)
+    routed = [r for r in results if r.routed]
+    if routed:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for two, path in ((False, "collocated"), (True, "disaggregated")):
+            pts = [r for r in routed if (len(r.path) == 2) == two]
+            ax.scatter([r.routed["decode_batch"] for r in pts], [r.prompt_len for r in pts], s=10, label=path)
+        ax.set(xlabel="sequences decoding on the prefill worker when routed", ylabel="prompt tokens",
+               title="the adaptive router's choices over load")
+        ax.legend()
+        figures["router_choices.png"] = fig
+    for name, fig in figures.items():
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+    return list(figures)
+
+
+def plot_vs_rate(plt, rows: list[dict]):
+    """E2E p50 and p99, and output throughput, against the arrival rate, per series."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for i, p in enumerate(sorted({r["label"] for r in rows})):   # one colour per series in every panel
+        mine = sorted((r for r in rows if r["label"] == p), key=lambda r: r["rate"])
+        for key, style in (("e2e_p50", "-o"), ("e2e_p99", "--o")):
+            axes[0].plot([r["rate"] for r in mine], [r[key] for r in mine], style, color=f"C{i}",
+                         label=f"{p} {key[4:]}")
+        axes[1].plot([r["rate"] for r in mine], [r["output_tok_s"] for r in mine], "-o", color=f"C{i}", label=p)
+    axes[0].set(xlabel="arrival rate (requests/s)", ylabel="end-to-end latency (s)", yscale="log",
+                title="latency percentiles vs rate")
+    axes[1].set(xlabel="arrival rate (requests/s)", ylabel="output tokens/s", title="throughput vs rate")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    return fig
+
+
+def plot_cdf(plt, rows: list[dict], results: list[Result]):
+    """The E2E latency CDF of every series at the highest rate: colour the policy, line
+    style the workload."""
+    import matplotlib.ticker
     fig, ax = plt.subplots(figsize=(6, 4))
-    top = max(rates)
+    top = max(r["rate"] for r in rows)
     names = list(dict.fromkeys(r["policy"] for r in rows))
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    for r in rows:   # colour: the policy; line style: the workload
+    for r in rows:
         if r["rate"] != top:
             continue
         e2e = sorted(x.e2e for x in results if (x.policy, x.workload, x.rate) == (r["policy"], r["workload"], top)
@@ -211,27 +230,32 @@ def plot(rows: list[dict], results: list[Result], goodput: dict, out: Path) -> l
            title=f"latency CDF at {'static' if top <= 0 else f'{top:g} req/s'}")
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.legend(fontsize=8)
-    save(fig, "latency_cdf.png")
-    routed = [r for r in results if r.routed]
-    if routed:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for two, path in ((False, "collocated"), (True, "disaggregated")):
-            pts = [r for r in routed if (len(r.path) == 2) == two]
-            ax.scatter([r.routed["decode_batch"] for r in pts], [r.prompt_len for r in pts], s=10, label=path)
-        ax.set(xlabel="sequences decoding on the prefill worker when routed", ylabel="prompt tokens",
-               title="the adaptive router's choices over load")
-        ax.legend()
-        save(fig, "router_choices.png")
-    return files
+    return fig
 
 
 # ----------------------------------------------------------------------------- main
 
 
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] in ("kernels", "engine", "profile", "transfer"):
-        import microbench
-        return microbench.main()
+@dataclass
+class Run:
+    """What one invocation measures, with the defaults filled in for GPUs or CPUs."""
+    mode: str                   # static, poisson or sweep
+    policies: list[str]
+    workloads: list[str]
+    rates: list[float]          # 0: static (all requests at once)
+    duration: float
+    count: int
+    model: str
+    devices: list[str]
+    scale: float                # lengths are multiplied by it (CPU runs: 1/8, the tiny model)
+    ttft_slo: float
+    tpot_slo: float
+    engine: dict                # engine settings, the same for every policy
+    seed: int
+    out: Path
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", default="adaptive", choices=["collocated", "disaggregated", "adaptive", "all"])
     p.add_argument("--mode", default="poisson", choices=["static", "poisson", "sweep"])
@@ -249,77 +273,110 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step; "
                    "default 8192 on GPUs, 256 on CPUs")
     p.add_argument("--out", default="results", help="folder for results.json and the plots")
-    args = p.parse_args()
-    from nanopd import LLM
-    devices = args.devices or [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu", "cpu"]
+    return p.parse_args()
+
+
+def make_run(args: argparse.Namespace) -> Run:
+    """The run the flags ask for; SystemExit with one line if they ask for none."""
+    from cluster import default_devices
+    devices = args.devices or default_devices()
     gpu = devices[0].startswith("cuda")
-    model = args.model or ("qwen3-8b" if gpu else "tiny")
-    scale = 1.0 if gpu else 1 / 8
-    ttft_slo, tpot_slo = args.ttft_slo or (2.0 if gpu else 0.5), args.tpot_slo or (0.1 if gpu else 0.05)
     if args.mode == "sweep":
         rates = args.rates or ([2, 4, 8, 16, 32] if gpu else [2, 4, 8])
     elif args.mode == "static":
         rates = [0.0]
     else:
         rates = [args.rate if args.rate is not None else (8.0 if gpu else 4.0)]
-    duration = args.duration if args.duration is not None else (60.0 if gpu else 15.0)
-    count = args.num_requests if args.num_requests is not None else (512 if gpu else 64)
-    if (args.mode != "static" and min(rates) <= 0) or duration <= 0 or count < 1:
+    run = Run(mode=args.mode, policies=["collocated", "disaggregated", "adaptive"] if args.policy == "all" else [args.policy],
+              workloads=args.workload, rates=rates,
+              duration=args.duration if args.duration is not None else (60.0 if gpu else 15.0),
+              count=args.num_requests if args.num_requests is not None else (512 if gpu else 64),
+              model=args.model or ("qwen3-8b" if gpu else "tiny"), devices=devices, scale=1.0 if gpu else 1 / 8,
+              ttft_slo=args.ttft_slo or (2.0 if gpu else 0.5), tpot_slo=args.tpot_slo or (0.1 if gpu else 0.05),
+              engine={"max_num_seqs": args.max_num_seqs, "max_model_len": 4096,
+                      "max_num_batched_tokens": args.max_num_batched_tokens or (8192 if gpu else 256)},
+              seed=args.seed, out=Path(args.out))
+    if (args.mode != "static" and min(rates) <= 0) or run.duration <= 0 or run.count < 1:
         raise SystemExit("error: --rate/--rates and --duration must be above 0, --num-requests at least 1")
-    policies = ["collocated", "disaggregated", "adaptive"] if args.policy == "all" else [args.policy]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    engine = {"max_num_seqs": args.max_num_seqs, "max_model_len": 4096,
-              "max_num_batched_tokens": args.max_num_batched_tokens or (8192 if gpu else 256)}
-    rows, results, calibration = [], [], {}
-    for policy in policies:
-        try:
-            llm = LLM(model, policy=policy, devices=devices, **engine)
-        except ValueError as e:   # bad --model, --devices for the policy, ...: say so, no traceback
-            raise SystemExit(f"error: {e}") from None
-        with llm:
-            vocab = llm.cluster.vocab_size
-            # Not counted: a few of the workload's requests and one of the longest prompt any
-            # workload draws (2048 tokens), whose steps run kernels shorter ones do not.
-            warm = make_requests(args.workload[0], 0, 0, 8, args.seed + 999, vocab, scale)
-            rng = random.Random(args.seed + 998)
-            warm.append(Spec(0.0, [rng.randrange(vocab) for _ in range(int(2048 * scale))], 8))
-            serve(llm, policy, "warm-up", 0.0, warm, f"{policy} warm-up")
-            for workload in args.workload:
-                for rate in rates:
-                    specs = make_requests(workload, rate, duration, count, args.seed, vocab, scale)
-                    got, seconds = serve(llm, policy, workload, rate, specs,
-                                         f"{policy} {workload} @ {'static' if rate <= 0 else rate}")
-                    results += got
-                    rows.append({"policy": policy, "workload": workload, "rate": rate,
-                                 **summarize(got, seconds, ttft_slo, tpot_slo)})
-            if llm.cluster.router is not None:
-                errs = llm.cluster.router.errors
-                calibration = {"median_rel_error": statistics.median(errs) if errs else float("nan"),
-                               "by_decile": [statistics.median(errs[i * len(errs) // 10:(i + 1) * len(errs) // 10]
-                                                               or [float("nan")]) for i in range(10)]}
+    return run
+
+
+def run_policy(run: Run, policy: str) -> tuple[list[dict], list[Result], dict]:
+    """Every workload at every rate under one policy, one start-up: the summary rows, every
+    request's result, and the router's calibration (adaptive)."""
+    from nanopd import LLM
+    try:
+        llm = LLM(run.model, policy=policy, devices=run.devices, **run.engine)
+    except ValueError as e:   # bad --model, --devices for the policy, ...: say so, no traceback
+        raise SystemExit(f"error: {e}") from None
+    rows, results = [], []
+    with llm:
+        vocab = llm.cluster.vocab_size
+        # Not counted: a few of the workload's requests and one of the longest prompt any
+        # workload draws (2048 tokens), whose steps run kernels shorter ones do not.
+        warm = make_requests(run.workloads[0], 0, 0, 8, run.seed + 999, vocab, run.scale)
+        rng = random.Random(run.seed + 998)
+        warm.append(Spec(0.0, [rng.randrange(vocab) for _ in range(int(2048 * run.scale))], 8))
+        serve(llm, policy, "warm-up", 0.0, warm, f"{policy} warm-up")
+        for workload in run.workloads:
+            for rate in run.rates:
+                specs = make_requests(workload, rate, run.duration, run.count, run.seed, vocab, run.scale)
+                got, seconds = serve(llm, policy, workload, rate, specs,
+                                     f"{policy} {workload} @ {'static' if rate <= 0 else rate}")
+                results += got
+                rows.append({"policy": policy, "workload": workload, "rate": rate,
+                             **summarize(got, seconds, run.ttft_slo, run.tpot_slo)})
+        return rows, results, calibration(llm.cluster.router)
+
+
+def calibration(router) -> dict:
+    """The router's median |predicted - measured| / measured latency, overall and by tenth of the run."""
+    if router is None:
+        return {}
+    errs = router.errors
+    return {"median_rel_error": statistics.median(errs) if errs else float("nan"),
+            "by_decile": [statistics.median(errs[i * len(errs) // 10:(i + 1) * len(errs) // 10] or [float("nan")])
+                          for i in range(10)]}
+
+
+def report(run: Run, rows: list[dict], results: list[Result], calib: dict) -> None:
+    """The table and goodput on stdout; results.json and the plots under run.out."""
     for r in rows:
         r["label"] = label(r["policy"], r["workload"], rows)
     labels = list(dict.fromkeys(r["label"] for r in rows))
     goodput = {lb: max([r["rate"] for r in rows if r["label"] == lb and r["slo_attainment"] >= 0.9], default=0.0)
                for lb in labels}
     print_table(rows)
-    if len(rates) > 1:
-        print(f"goodput (req/s, >= 90% within TTFT <= {ttft_slo:g} s and TPOT <= {tpot_slo * 1e3:g} ms): "
+    if len(run.rates) > 1:
+        print(f"goodput (req/s, >= 90% within TTFT <= {run.ttft_slo:g} s and TPOT <= {run.tpot_slo * 1e3:g} ms): "
               + ", ".join(f"{p} {g:g}" for p, g in goodput.items()))
-    if calibration:
+    if calib:
         print(f"adaptive router: median |predicted - measured| / measured latency "
-              f"{calibration['median_rel_error']:.1%} (by decile of the run: "
-              f"{', '.join(f'{e:.0%}' for e in calibration['by_decile'])})")
-    files = plot(rows, results, goodput, out)
-    meta = {"model": model, "devices": devices, "workloads": args.workload, "mode": args.mode, "seed": args.seed,
-            "ttft_slo": ttft_slo, "tpot_slo": tpot_slo, "length_scale": scale,
+              f"{calib['median_rel_error']:.1%} (by decile of the run: "
+              f"{', '.join(f'{e:.0%}' for e in calib['by_decile'])})")
+    run.out.mkdir(parents=True, exist_ok=True)
+    files = plot(rows, results, goodput, run.out)
+    gpu = run.devices[0].startswith("cuda")
+    meta = {"model": run.model, "devices": run.devices, "workloads": run.workloads,
+            "mode": run.mode, "seed": run.seed, "ttft_slo": run.ttft_slo, "tpot_slo": run.tpot_slo, "length_scale": run.scale,
             "device_name": torch.cuda.get_device_name() if gpu else "cpu"}
     # One line, six significant digits: a sweep holds some 15,000 requests' timings.
-    (out / "results.json").write_text(json.dumps(six_digits(
-        {"meta": meta, "summary": rows, "goodput": goodput, "router_calibration": calibration,
+    (run.out / "results.json").write_text(json.dumps(six_digits(
+        {"meta": meta, "summary": rows, "goodput": goodput, "router_calibration": calib,
          "requests": [r.__dict__ for r in results]}), separators=(",", ":")))
-    print(f"wrote {out / 'results.json'} and {', '.join(files)}")
+    print(f"wrote {run.out / 'results.json'} and {', '.join(files)}")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("kernels", "engine", "profile", "transfer"):
+        import microbench
+        return microbench.main()
+    run = make_run(parse_args())
+    rows, results, calib = [], [], {}
+    for policy in run.policies:
+        got_rows, got, c = run_policy(run, policy)
+        rows, results, calib = rows + got_rows, results + got, c or calib
+    report(run, rows, results, calib)
 
 
 if __name__ == "__main__":

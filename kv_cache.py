@@ -41,14 +41,6 @@ def blocks_for_memory(budget_bytes: int, bytes_per_block: int) -> int:
     return max(0, budget_bytes // bytes_per_block)
 
 
-def layer_kv(kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one layer, each [num_blocks, num_kv_heads, block_size, head_dim].
-
-    Strided views: writing through them writes the cache.
-    """
-    return kv_cache[:, layer, 0], kv_cache[:, layer, 1]
-
-
 # ---------------------------------------------------------------------------- the block allocator
 
 
@@ -107,11 +99,6 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks a fresh allocation can take: the free ones and the evictable cached ones."""
         return len(self.free_block_ids) + len(self.evictable)
-
-    def slot(self, block_table: list[int], position: int) -> int:
-        """Index of a token position's slot in the cache flattened over (block, offset)."""
-        block, offset = divmod(position, self.block_size)
-        return block_table[block] * self.block_size + offset
 
     # -- new sequences --
 

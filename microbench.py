@@ -30,14 +30,15 @@ import json
 import statistics
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton.testing
 
 import kernels
-from profiler import fake_batch, free_batch, time_step_ms
 from scheduler import Batch
+from timing import fake_batch, free_batch, run_step, time_step_ms
 
 
 def time_ms(fn, graph: bool = False) -> float:
@@ -272,121 +273,142 @@ def measure_ceilings() -> dict:
     return {"hbm_copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": max(rates), "bf16_matmul_TFLOPs_by_std": rates}
 
 
-def run_engine(out: str | None, model: str = "qwen3-8b") -> dict:
-    from nanopd import LLM, SamplingParams
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
-    res.update(measure_ceilings())
-    print(f"ceilings: HBM copy {res['hbm_copy_GBps']:.0f} GB/s, bf16 matmul {res['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
-    t = time.perf_counter()
-    llm = LLM(model, max_num_seqs=1024, max_num_batched_tokens=16384, max_model_len=4096)
-    eng = llm.engine
-    res["startup_s"] = time.perf_counter() - t
-    cfg = eng.model.config
-    params = sum(p.numel() for p in eng.model.parameters())
-    weight_bytes = (params - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)) * 2
-    kv_per_token = 2 * eng.model.num_layers * eng.model.num_kv_heads * eng.model.head_dim * 2
-    flops_per_token = 2 * (params - cfg.vocab_size * cfg.hidden_size)
-    print(f"{model}: {params / 1e9:.2f}B parameters, {weight_bytes / 1e9:.1f} GB read per decode step, "
-          f"{eng.runner.num_blocks} KV blocks, start-up {res['startup_s']:.1f} s")
-    rows = []
+@dataclass
+class ModelFacts:
+    """What the engine ceilings are computed from."""
+    weight_bytes: int       # read by every decode step (the LM head's input embedding excluded)
+    kv_per_token: int       # K/V bytes per token of context
+    flops_per_token: int    # 2 x non-embedding parameters
 
-    def record(name, fn, ceiling_ms, unit_div=1.0):
-        try:
-            ms, gpu_ms = fn()
-            rows.append({"case": name, "ms": ms / unit_div, "gpu_ms": gpu_ms and gpu_ms / unit_div,
-                         "ceiling_ms": ceiling_ms / unit_div})
-            gpu = f"(graph replay alone {gpu_ms:.4f} ms)" if gpu_ms else ""
-            print(f"{name:<40} {ms / unit_div:8.4f} ms   ceiling {ceiling_ms / unit_div:8.4f} ms   "
-                  f"ratio {ceiling_ms / ms:.2f} {gpu}", flush=True)
-        except Exception:  # noqa: BLE001 (print it and go on to the next measurement)
-            traceback.print_exc()
+    @staticmethod
+    def of(eng) -> "ModelFacts":
+        cfg, m = eng.model.config, eng.model
+        params = sum(p.numel() for p in m.parameters())
+        weight_bytes = (params - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)) * 2
+        return ModelFacts(weight_bytes, 2 * m.num_layers * m.num_kv_heads * m.head_dim * 2,
+                          2 * (params - cfg.vocab_size * cfg.hidden_size))
 
-    for b in (1, 64, 256):
-        ctx = 1024
-        bytes_ = weight_bytes + b * ctx * kv_per_token
-        ceiling = max(bytes_ / res["hbm_copy_GBps"] / 1e6, b * flops_per_token / res["bf16_matmul_TFLOPs"] / 1e9)
 
-        def step(b=b, ctx=ctx):
-            batch = fake_batch(eng, b, ctx, 1)
-            try:
-                full = time_step_ms(eng, batch, reps=30)   # also leaves this batch in the graph's inputs
-                graph = eng.runner.graphs[next(s for s in eng.runner.graph_sizes if s >= b)][0]
-                return full, triton.testing.do_bench(graph.replay, warmup=20, rep=200, return_mode="median")
-            finally:
-                for s in batch.seqs:
-                    eng.bm.free(s.block_table)
-        record(f"decode step, batch {b}, context {ctx}", step, ceiling)
+def ceiling_ms(res: dict, nbytes: float, flops: float) -> float:
+    """The larger of the bytes at the copy bandwidth and the FLOPs at the matmul rate."""
+    return max(nbytes / res["hbm_copy_GBps"] / 1e6, flops / res["bf16_matmul_TFLOPs"] / 1e9)
 
-    # A mixed step: 32 decodes and a 128-token prefill chunk, on the piecewise CUDA graphs
-    # and, as the same run's reference, eagerly (what the runner does past PIECE_TOKENS).
-    def mixed_step(eager: bool = False):
-        dec, chunk = fake_batch(eng, 32, ctx, 1), fake_batch(eng, 1, 0, 128)
-        batch, sizes = Batch(dec.seqs + chunk.seqs, dec.num_new + chunk.num_new), eng.runner.piece_sizes
+
+def record(rows: list[dict], name: str, fn, ceiling: float, unit_div: float = 1.0) -> None:
+    """Run fn() -> (ms, graph replay ms or None), print it beside its ceiling, add the row."""
+    try:
+        ms, gpu_ms = fn()
+    except Exception:  # noqa: BLE001 (print it and go on to the next measurement)
+        traceback.print_exc()
+        return
+    rows.append({"case": name, "ms": ms / unit_div, "gpu_ms": gpu_ms and gpu_ms / unit_div,
+                 "ceiling_ms": ceiling / unit_div})
+    gpu = f"(graph replay alone {gpu_ms:.4f} ms)" if gpu_ms else ""
+    print(f"{name:<40} {ms / unit_div:8.4f} ms   ceiling {ceiling / unit_div:8.4f} ms   "
+          f"ratio {ceiling / ms:.2f} {gpu}", flush=True)
+
+
+def step_rows(eng, res: dict, facts: ModelFacts, rows: list[dict], ctx: int = 1024) -> None:
+    """Decode steps at batch 1, 64, 256 (synchronised, and the graph replay alone); prefill
+    of 2048 tokens; a mixed step (32 decodes + a 128-token chunk) on the piecewise graphs
+    and, as the same run's reference, eagerly (what the runner does past PIECE_TOKENS)."""
+    def timed(make, reps: int, graph_of: int | None = None, eager: bool = False):
+        batch, sizes = make(), eng.runner.piece_sizes
         try:
             eng.runner.piece_sizes = [] if eager else sizes
-            return time_step_ms(eng, batch, reps=20), None
+            ms = time_step_ms(eng, batch, reps)   # also leaves this batch in the graph's inputs
+            if graph_of is None:
+                return ms, None
+            graph = eng.runner.graphs[next(s for s in eng.runner.graph_sizes if s >= graph_of)][0]
+            return ms, triton.testing.do_bench(graph.replay, warmup=20, rep=200, return_mode="median")
         finally:
             eng.runner.piece_sizes = sizes
             free_batch(eng, batch)
-    ceiling = max((weight_bytes + 32 * ctx * kv_per_token) / res["hbm_copy_GBps"] / 1e6,
-                  160 * flops_per_token / res["bf16_matmul_TFLOPs"] / 1e9)
-    record("mixed step, 32 decodes + 128-token chunk", mixed_step, ceiling)
-    record("  the same step eagerly", lambda: mixed_step(eager=True), ceiling)
 
-    n = 2048
+    def mixed() -> Batch:
+        dec, chunk = fake_batch(eng, 32, ctx, 1), fake_batch(eng, 1, 0, 128)
+        return Batch(dec.seqs + chunk.seqs, dec.num_new + chunk.num_new)
+    for b in (1, 64, 256):
+        ceiling = ceiling_ms(res, facts.weight_bytes + b * ctx * facts.kv_per_token, b * facts.flops_per_token)
+        record(rows, f"decode step, batch {b}, context {ctx}", lambda b=b: timed(
+            lambda: fake_batch(eng, b, ctx, 1), 30, graph_of=b), ceiling)
+    ceiling = ceiling_ms(res, facts.weight_bytes + 32 * ctx * facts.kv_per_token, 160 * facts.flops_per_token)
+    record(rows, "mixed step, 32 decodes + 128-token chunk", lambda: timed(mixed, 20), ceiling)
+    record(rows, "  the same step eagerly", lambda: timed(mixed, 20, eager=True), ceiling)
+    cfg, n = eng.model.config, 2048
     attn_flops = 4 * n * n / 2 * cfg.num_attention_heads * eng.model.head_dim * eng.model.num_layers
-    ceiling = (n * flops_per_token + attn_flops) / res["bf16_matmul_TFLOPs"] / 1e9
+    record(rows, f"prefill {n} tokens (ms per token)", lambda: timed(lambda: fake_batch(eng, 1, 0, n), 10),
+           ceiling_ms(res, 0, n * facts.flops_per_token + attn_flops), unit_div=n)
 
-    def prefill():
-        batch = fake_batch(eng, 1, 0, n)
-        try:
-            return time_step_ms(eng, batch, reps=10), None
-        finally:
-            eng.bm.free(batch.seqs[0].block_table)
-    record(f"prefill {n} tokens (ms per token)", prefill, ceiling, unit_div=n)
 
-    g = torch.Generator().manual_seed(0)
+def random_prompts(vocab: int, count: int, length: int, g: torch.Generator) -> list[list[int]]:
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(count)]
 
-    def random_prompts(count, length):
-        return [torch.randint(0, cfg.vocab_size, (length,), generator=g).tolist() for _ in range(count)]
 
-    def decode_in_generate():
-        """One request decoding with a 1024-token context, as a user sees it: the time between
-        its output tokens, host work (scheduling, sampling, stop checks) included."""
-        out = llm.generate(random_prompts(1, 1024), SamplingParams(max_tokens=129, ignore_eos=True),
+def decode_in_generate_row(llm, res: dict, facts: ModelFacts, rows: list[dict], g: torch.Generator) -> None:
+    """One request decoding with a 1024-token context, as a user sees it: the time between
+    its output tokens, host work (scheduling, sampling, stop checks) included."""
+    from nanopd import SamplingParams
+    vocab = llm.engine.model.config.vocab_size
+
+    def one():
+        out = llm.generate(random_prompts(vocab, 1, 1024, g), SamplingParams(max_tokens=129, ignore_eos=True),
                            use_tqdm=False)[0]
         return (out.metrics.finish_time - out.metrics.first_token_time) / 128 * 1e3, None
-    ceiling = max((weight_bytes + 1088 * kv_per_token) / res["hbm_copy_GBps"] / 1e6,
-                  flops_per_token / res["bf16_matmul_TFLOPs"] / 1e9)
-    decode_in_generate()   # warm-up
-    record("decode in generate, batch 1, context ~1088", decode_in_generate, ceiling)
+    one()   # warm-up
+    record(rows, "decode in generate, batch 1, context ~1088", one,
+           ceiling_ms(res, facts.weight_bytes + 1088 * facts.kv_per_token, facts.flops_per_token))
 
-    try:   # LLM.generate throughput: 1024 requests, 128 tokens in, 128 out
-        prompts = random_prompts(1024, 128)
-        sp = SamplingParams(max_tokens=128, ignore_eos=True)
-        # Warm-up: compiles the kernels of every kind of step (prefill, mixed, decode).
-        llm.generate(random_prompts(256, 128), SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        outs = llm.generate(prompts, sp)
-        elapsed = time.perf_counter() - t
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        # The roofline: every token passes once through the layers (all but the last output
-        # token of each request) and every output token through the LM head (prompt tokens
-        # skip it), at the matmul rate; each decode step reads its request's K/V so far, at
-        # the copy bandwidth. The two add: a step runs its attention after its GEMMs
-        # (bench.py kernels times running them side by side).
-        head = 2 * cfg.vocab_size * cfg.hidden_size
-        n_in, requests = 128 * 1024, len(outs)
-        matmul_s = ((n_in + tokens - requests) * (flops_per_token - head) + tokens * head) / res["bf16_matmul_TFLOPs"] / 1e12
-        kv_read_s = requests * sum(128 + j for j in range(1, 128)) * kv_per_token / res["hbm_copy_GBps"] / 1e9
-        roof_s = matmul_s + kv_read_s
-        res["generate"] = {"requests": requests, "output_tokens": tokens, "seconds": elapsed,
-                           "output_tokens_per_s": tokens / elapsed, "total_tokens_per_s": (tokens + n_in) / elapsed,
-                           "matmul_s": matmul_s, "kv_read_s": kv_read_s, "roofline_s": roof_s}
-        print(f"LLM.generate 1024 x (128 in, 128 out): {elapsed:.2f} s, {tokens / elapsed:.0f} output tokens/s, "
-              f"{(tokens + n_in) / elapsed:.0f} total tokens/s; roofline {roof_s:.2f} s = matmuls {matmul_s:.2f} + "
-              f"K/V reads {kv_read_s:.2f} ({tokens / roof_s:.0f} output tokens/s)")
+
+def generate_throughput(llm, res: dict, facts: ModelFacts, g: torch.Generator) -> dict:
+    """LLM.generate over 1024 requests of 128 tokens in, 128 out, beside its roofline: every
+    token passes once through the layers (all but the last output token of each request)
+    and every output token through the LM head (prompt tokens skip it), at the matmul
+    rate; each decode step reads its request's K/V so far, at the copy bandwidth. The two
+    add: a step runs its attention after its GEMMs (bench.py kernels times running them
+    side by side)."""
+    from nanopd import SamplingParams
+    cfg = llm.engine.model.config
+    prompts = random_prompts(cfg.vocab_size, 1024, 128, g)
+    # Warm-up: compiles the kernels of every kind of step (prefill, mixed, decode).
+    llm.generate(random_prompts(cfg.vocab_size, 256, 128, g), SamplingParams(max_tokens=8, ignore_eos=True),
+                 use_tqdm=False)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=128, ignore_eos=True))
+    elapsed = time.perf_counter() - t
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    head = 2 * cfg.vocab_size * cfg.hidden_size
+    n_in, requests = 128 * 1024, len(outs)
+    matmul_s = ((n_in + tokens - requests) * (facts.flops_per_token - head) + tokens * head) \
+        / res["bf16_matmul_TFLOPs"] / 1e12
+    kv_read_s = requests * sum(128 + j for j in range(1, 128)) * facts.kv_per_token / res["hbm_copy_GBps"] / 1e9
+    roof_s = matmul_s + kv_read_s
+    print(f"LLM.generate 1024 x (128 in, 128 out): {elapsed:.2f} s, {tokens / elapsed:.0f} output tokens/s, "
+          f"{(tokens + n_in) / elapsed:.0f} total tokens/s; roofline {roof_s:.2f} s = matmuls {matmul_s:.2f} + "
+          f"K/V reads {kv_read_s:.2f} ({tokens / roof_s:.0f} output tokens/s)")
+    return {"requests": requests, "output_tokens": tokens, "seconds": elapsed,
+            "output_tokens_per_s": tokens / elapsed, "total_tokens_per_s": (tokens + n_in) / elapsed,
+            "matmul_s": matmul_s, "kv_read_s": kv_read_s, "roofline_s": roof_s}
+
+
+def run_engine(out: str | None, model: str = "qwen3-8b") -> dict:
+    """The single-GPU engine on `model` beside the ceilings measured in the same run."""
+    from nanopd import LLM
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, **measure_ceilings()}
+    print(f"ceilings: HBM copy {res['hbm_copy_GBps']:.0f} GB/s, bf16 matmul {res['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
+    t = time.perf_counter()
+    llm = LLM(model, max_num_seqs=1024, max_num_batched_tokens=16384, max_model_len=4096)
+    eng, res["startup_s"] = llm.engine, time.perf_counter() - t
+    facts = ModelFacts.of(eng)
+    print(f"{model}: {sum(p.numel() for p in eng.model.parameters()) / 1e9:.2f}B parameters, "
+          f"{facts.weight_bytes / 1e9:.1f} GB read per decode step, "
+          f"{eng.runner.num_blocks} KV blocks, start-up {res['startup_s']:.1f} s")
+    rows, g = [], torch.Generator().manual_seed(0)
+    step_rows(eng, res, facts, rows)
+    decode_in_generate_row(llm, res, facts, rows, g)
+    try:
+        res["generate"] = generate_throughput(llm, res, facts, g)
     except Exception:  # noqa: BLE001 (print it and still write what was measured)
         traceback.print_exc()
     res["rows"] = rows
@@ -406,13 +428,12 @@ def run_profile(model: str = "qwen3-8b", batch_size: int = 1, context: int = 102
               max_num_batched_tokens=max(batch_size, 512))
     eng = llm.engine
     batch = fake_batch(eng, batch_size, context, 1)
-    rows = list(range(batch_size))
     for _ in range(3):
-        eng.runner.run(batch, rows)
+        run_step(eng, batch)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            eng.runner.run(batch, rows)
+            run_step(eng, batch)
         torch.cuda.synchronize()
     print(f"{model}, decode batch {batch_size}, context {context}, 5 eager steps:")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
@@ -483,15 +504,15 @@ def decode_step_while_pulling(model: str, src: str, dst: str, batch: int = 64, c
     - saturated: 2.4 GB pulls back to back for the whole timed window, the link never idle.
     Also the transport alone (transport_alone), same caches."""
     from nanopd import LLM
-    from workers import P2PTransport
+    from transport import P2PTransport
     chunk = 1024   # blocks per saturating pull: 2.4 GB, ~6 ms on the link
     eng = LLM(model, device=dst, max_num_seqs=batch, num_kv_blocks=batch * (context // 16 + 2) + chunk + 64).engine
     fake = fake_batch(eng, batch, context, 1)
-    eng.runner.run(fake, list(range(batch)))   # leaves the batch in the graph's inputs
+    run_step(eng, fake)   # leaves the batch in the graph's inputs
     graph = eng.runner.graphs[next(s for s in eng.runner.graph_sizes if s >= batch)][0]
     cache = eng.runner.kv_cache
     src_cache = torch.zeros(chunk, *cache.shape[1:], dtype=cache.dtype, device=src)
-    dst_blocks, _ = eng.bm.allocate(list(range(chunk * eng.cfg.block_size)))
+    dst_blocks, _ = eng.scheduler.allocate(list(range(chunk * eng.cfg.block_size)))
     transport = P2PTransport(torch.device(dst))
     alone_rates = transport_alone(transport, src_cache, cache, dst_blocks)
 

@@ -1,4 +1,5 @@
-"""Qwen3 for nanoPD: the network, and loading it from an HF checkpoint or a named preset.
+"""Qwen3 for nanoPD: the network, loading it from an HF checkpoint or a named preset, and
+the tokenizer that goes with it.
 
 A step's tokens from all sequences are concatenated (no batch dimension): input_ids and
 positions are [num_tokens]. Each attention layer writes the step's K/V into the paged cache
@@ -20,6 +21,7 @@ from transformers import AutoConfig, PretrainedConfig, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import kernels
+from config import resolve_dtype
 
 
 @dataclass
@@ -218,7 +220,6 @@ PRESETS = {
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
                  tie_word_embeddings=True, bos_token_id=256, eos_token_id=257),
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # checkpoint module name -> (our fused module, which shard of its output rows)
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -314,11 +315,7 @@ def load_model(name_or_path: str, dtype: torch.dtype | str | None = None,
     mode; its config is model.config. Defaults: cuda if available; bf16 there, fp32 on CPU."""
     config = load_config(name_or_path)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = resolve_dtype(dtype, device)
     files = None if name_or_path in PRESETS else checkpoint_files(Path(name_or_path))
     # Allocate every parameter on the device in its final dtype: no CPU copy, no fp32 detour.
     with torch.device(device), default_dtype(dtype):
@@ -329,3 +326,25 @@ def load_model(name_or_path: str, dtype: torch.dtype | str | None = None,
     else:
         load_weights(model, files)
     return model.eval()
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+class ByteTokenizer:
+    """For random-weight presets (and checkpoints without tokenizer files): UTF-8 bytes."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int], **_) -> str:
+        return bytes(i for i in ids if i < 256).decode(errors="replace")
+
+
+def load_tokenizer(name_or_path: str):
+    """A checkpoint folder's own tokenizer (offline, through AutoTokenizer), else bytes."""
+    folder = Path(name_or_path)
+    if folder.is_dir() and any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(folder)
+    return ByteTokenizer()

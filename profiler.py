@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
+from cluster import CentralScheduler, default_devices
 from router import HardwareParams
-from scheduler import Batch, Request, RequestMetrics, SamplingParams, Sequence
 
 CACHE = Path.home() / ".cache" / "nanopd"
 
@@ -97,77 +97,8 @@ def fit_gamma(chunks: list[int], extra_ms: list[float]) -> tuple[float, float]:
     return gamma, relative_rms([gamma * c for c in chunks], [max(e, 1e-9) for e in extra_ms])
 
 
-# ----------------------------------------------------------------------------- measuring an engine
-
-
-def fake_batch(engine, batch_size: int, context: int, num_new: int) -> Batch:
-    """batch_size sequences with `context` tokens already in the cache (random ids; the KV
-    contents do not matter for timing) and num_new tokens to compute."""
-    req = Request(-1, None, [], SamplingParams(), RequestMetrics(0.0))
-    seqs = []
-    for _ in range(batch_size):
-        ids = torch.randint(0, engine.model.config.vocab_size, (context + num_new,)).tolist()
-        seq = Sequence(req, 0, ids, len(ids))
-        seq.block_table, _ = engine.bm.allocate(ids)
-        seq.num_computed = context
-        seqs.append(seq)
-    return Batch(seqs, [num_new] * batch_size)
-
-
-def free_batch(engine, batch: Batch) -> None:
-    for seq in batch.seqs:
-        engine.bm.free(seq.block_table)
-
-
-def time_step_ms(engine, batch: Batch, reps: int = 10) -> float:
-    """Median wall time of one model step (ModelRunner.run: inputs, graph replay or eager
-    forward, logits), synchronised."""
-    sync = torch.cuda.synchronize if engine.model.device.type == "cuda" else (lambda: None)
-    rows, times = list(range(len(batch.seqs))), []
-    for i in range(reps + 2):
-        sync()
-        t = time.perf_counter()
-        engine.runner.run(batch, rows)
-        sync()
-        if i >= 2:
-            times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
-
-
-def measure_engine(engine, lengths: list[int], batches: list[int], chunks: list[int], context: int,
-                   gamma_batch: int, long_context: int, kv_batches: list[int], reps: int = 5) -> dict:
-    """Raw timings on an idle engine: prefill per length, decode step per batch size (at
-    context and, for kv_batches, at long_context), and a decode batch of gamma_batch alone
-    and with each chunk of prefill. Sizes beyond the
-    engine's token budget or seat limit are left out (it sized its memory for those)."""
-    budget, seats = engine.cfg.max_num_batched_tokens, engine.cfg.max_num_seqs
-    lengths = [n for n in lengths if n <= budget] or [budget // 2, budget]
-    batches = [b for b in batches if b <= seats] or [1, seats]
-    chunks = [c for c in chunks if gamma_batch + c <= budget] or [max(1, (budget - gamma_batch) // 2)]
-    def timed(make) -> float:
-        batch = make()
-        try:
-            return time_step_ms(engine, batch, reps)
-        finally:
-            free_batch(engine, batch)
-    prefill = [timed(lambda n=n: fake_batch(engine, 1, 0, n)) for n in lengths]
-    decode = [timed(lambda b=b: fake_batch(engine, b, context, 1)) for b in batches]
-    kv_batches = [b for b in kv_batches if b in batches]
-    long = [timed(lambda b=b: fake_batch(engine, b, long_context, 1)) for b in kv_batches]
-    alone = timed(lambda: fake_batch(engine, gamma_batch, context, 1))
-    mixed = []
-    for c in chunks:
-        def with_chunk(c=c) -> Batch:
-            dec, chunk = fake_batch(engine, gamma_batch, context, 1), fake_batch(engine, 1, 0, c)
-            return Batch(dec.seqs + chunk.seqs, dec.num_new + chunk.num_new)
-        mixed.append(timed(with_chunk))
-    return {"lengths": lengths, "prefill_ms": prefill, "batches": batches, "decode_ms": decode, "context": context,
-            "kv_batches": kv_batches, "long_context": long_context, "long_decode_ms": long,
-            "chunks": chunks, "extra_ms": [m - alone for m in mixed]}
-
-
-def fit(timings: dict, handoffs: list[tuple[int, int, float, float]], kv_bytes_per_token: int) -> Profile:
-    """The parameters from measure_engine's timings and real handoffs (prompt tokens, bytes
+def fit(timings: dict, handoffs: list[tuple[int, int, float, float]]) -> Profile:
+    """The parameters from timing.measure_engine's timings and real handoffs (prompt tokens, bytes
     moved, copy seconds, handoff ms)."""
     alpha0, alpha, alpha2, e_prefill = fit_prefill(timings["lengths"], timings["prefill_ms"])
     # kv: what the longer context adds per token of context; then the knee of what is left.
@@ -198,7 +129,7 @@ CPU_SPEC = {"lengths": [8, 16, 32, 64], "batches": [1, 2, 4, 8, 16], "chunks": [
             "gamma_batch": 4, "long_context": 64, "kv_batches": [4, 8], "reps": 2}
 
 
-def cache_key(cluster) -> dict:
+def cache_key(cluster: CentralScheduler) -> dict:
     cfg = cluster.cfg
     name = torch.cuda.get_device_name(cluster.devices[0]) if cluster.devices[0].startswith("cuda") else "cpu"
     # version: bumped when what a profile holds changes (3: alpha0, and handoffs that really move KV)
@@ -207,7 +138,7 @@ def cache_key(cluster) -> dict:
             "max_num_batched_tokens": cfg.max_num_batched_tokens, "transport": cluster.transport}
 
 
-def profile_cluster(cluster, use_cache: bool = True) -> Profile:
+def profile_cluster(cluster: CentralScheduler, use_cache: bool = True) -> Profile:
     """Measure (or load from the cache) the parameters on a running CentralScheduler: the
     engine timings on worker 0, and real handoffs from worker 0 to worker 1."""
     key = cache_key(cluster)
@@ -223,7 +154,7 @@ def profile_cluster(cluster, use_cache: bool = True) -> Profile:
         for n in (512, 2048, 512, 2048) if spec is GPU_SPEC else (16, 64, 16, 64):
             m = cluster.run_on_path(torch.randint(0, cluster.vocab_size, (n,), generator=rng).tolist(), (0, 1))
             handoffs.append((n, m.kv_bytes_moved, m.kv_copy_time, m.phases()["transfer"] * 1e3))
-    profile = fit(timings, handoffs[2:] or handoffs, cluster.kv_bytes_per_token)
+    profile = fit(timings, handoffs[2:] or handoffs)
     profile.key, profile.seconds = key, time.perf_counter() - start
     CACHE.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(profile), indent=1))
@@ -247,7 +178,6 @@ def print_profile(profile: Profile) -> None:
 
 
 def main() -> None:
-    from nanopd import LLM
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen3-8b" if torch.cuda.is_available() else "tiny")
     p.add_argument("--devices", nargs="+", default=None, help="default: every GPU, or two CPU workers")
@@ -256,9 +186,13 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: 8192 on GPUs, 256 on CPUs")
     args = p.parse_args()
     budget = args.max_num_batched_tokens or (8192 if torch.cuda.is_available() else 256)
-    with LLM(args.model, policy="adaptive", devices=args.devices, profile=False, max_num_seqs=args.max_num_seqs,
-             max_num_batched_tokens=budget) as llm:
-        print_profile(profile_cluster(llm.cluster, use_cache=not args.no_cache))
+    # The adaptive policy's wiring (every worker reads every other's cache), no router yet.
+    cluster = CentralScheduler(args.model, "adaptive", args.devices or default_devices(),
+                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget)
+    try:
+        print_profile(profile_cluster(cluster, use_cache=not args.no_cache))
+    finally:
+        cluster.close()
 
 
 if __name__ == "__main__":

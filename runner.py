@@ -1,8 +1,9 @@
-"""The model runner: one device's model and KV cache, turning a Batch into logits, and
-sampling on the device.
+"""The model runner: one device's model and KV cache; the device half of every step.
 
 ModelRunner.run builds the step's tensors (token ids, positions, slot mapping, block
-tables, lengths), uploads them in one copy, and runs the model. CUDA graphs captured at
+tables, lengths), uploads them in one copy, runs the model, samples on the device
+(sampler.py) and starts copying the tokens (and logprobs) to the host; the engine gets
+back a StepOutput whose event says when they have arrived. CUDA graphs captured at
 start-up replace the ~400 kernel launches of a step, which cost the host more time than a
 small step takes on the GPU:
   - pure-decode steps replay a graph of the whole model for a padded batch size;
@@ -17,18 +18,18 @@ the previous step's sampled tokens.
 import gc
 import itertools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
 
 import kernels
+from config import EngineConfig
 from kv_cache import allocate_kv_cache, blocks_for_memory, cdiv, kv_bytes_per_block
 from model import AttentionMetadata, Qwen3
-from scheduler import Batch, SamplingParams
-
-if TYPE_CHECKING:   # engine.py imports this module
-    from engine import EngineConfig
+from request import SamplingParams
+from sampler import beam_candidates, sample, token_logprobs
+from scheduler import Batch
 
 # Token counts of the piecewise graphs: a step is padded to the next one. Below ~256 tokens
 # a step's time hardly depends on its size (it reads every weight once); above, coarser
@@ -78,10 +79,36 @@ class PinnedRing:
         return pinned
 
 
-class ModelRunner:
-    """Owns the model and its KV cache; turns a Batch into tensors and logits."""
+@dataclass
+class Draw:
+    """One token to sample in a step: after which of the batch's sequences, and how."""
+    row: int                            # index into Batch.seqs
+    params: SamplingParams
+    generator: torch.Generator | None = None
 
-    def __init__(self, model: Qwen3, cfg: "EngineConfig"):
+
+@dataclass
+class StepOutput:
+    """What a step hands the engine: its sampled tokens, copying to the host."""
+    tokens: torch.Tensor | None = None   # [draws] on the device: the next step's PENDING ids come from here
+    host: list[torch.Tensor] = field(default_factory=list)   # tokens, then logprobs (see collect)
+    logprob_draws: list[int] = field(default_factory=list)    # draws that report logprobs
+    beams: list[tuple[list[int], list[float]]] = field(default_factory=list)   # per beam row: (ids, logprobs)
+    ready: torch.cuda.Event | None = None   # the host copies have landed
+
+    def collect(self) -> tuple[list[int], dict[int, tuple[float, list[float], list[int]]]]:
+        """Wait for the copies: the sampled tokens, and per logprob draw (the token's logprob,
+        the top logprobs, their token ids)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        tokens, *logprobs = [t.tolist() for t in self.host] or [[]]
+        return tokens, dict(zip(self.logprob_draws, zip(*logprobs)))
+
+
+class ModelRunner:
+    """Owns the model and its KV cache; turns a Batch into sampled tokens."""
+
+    def __init__(self, model: Qwen3, cfg: EngineConfig):
         self.model, self.cfg, self.device = model, cfg, model.device
         if self.device.type == "cuda":   # the streams, graphs and memory queries below mean this device
             torch.cuda.set_device(self.device)
@@ -141,26 +168,53 @@ class ModelRunner:
         return ids, positions, meta
 
     @torch.inference_mode()
-    def run(self, batch: Batch, sample_rows: list[int], prev_tokens: torch.Tensor | None = None
-            ) -> torch.Tensor:
-        """Logits [len(sample_rows), vocab], in the model's dtype, of the batch sequences at
-        sample_rows. prev_tokens: the running step's sampled tokens (see prepare)."""
-        pairs, rows = self._upload([b for pair in batch.copies for b in pair], sample_rows)
+    def run(self, batch: Batch, draws: list[Draw], beam_rows: list[int] = (), beam_k: int = 0,
+            prev_tokens: torch.Tensor | None = None) -> StepOutput:
+        """Run the model on the batch and sample: a token per draw, and for each of beam_rows
+        its beam_k best continuations (read at once: beam search chooses on the host).
+        prev_tokens: the running step's sampled tokens (see prepare)."""
+        rows = sorted({d.row for d in draws} | set(beam_rows))
+        logits = self.model.compute_logits(self._forward(batch, rows, prev_tokens))   # [len(rows), vocab]
+        at = {r: i for i, r in enumerate(rows)}
+        out = StepOutput()
+        if beam_rows:
+            values, ids = beam_candidates(logits[[at[r] for r in beam_rows]], beam_k)
+            out.beams = list(zip(ids.tolist(), values.tolist()))
+        if draws:
+            self._sample(logits, [at[d.row] for d in draws], draws, out)
+        if self.device.type == "cuda":
+            out.ready = torch.cuda.Event()
+            out.ready.record()
+        return out
+
+    def _sample(self, logits: torch.Tensor, src: list[int], draws: list[Draw], out: StepOutput) -> None:
+        """Sample draw k from logits row src[k]; logprobs where asked; start the copies home."""
+        row_logits = logits if src == list(range(len(logits))) else logits[self.upload(src)]
+        out.tokens = sample(row_logits, [d.params for d in draws], [d.generator for d in draws], self.upload)
+        host = [out.tokens]
+        out.logprob_draws = [k for k, d in enumerate(draws) if d.params.logprobs is not None]
+        if out.logprob_draws:
+            want = self.upload(out.logprob_draws, torch.int64)
+            k = max(draws[i].params.logprobs for i in out.logprob_draws)
+            host += token_logprobs(row_logits[want], out.tokens[want], k)
+        out.host = [self.to_host(t) for t in host]
+
+    def _forward(self, batch: Batch, rows: list[int], prev_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Hidden states [len(rows), hidden] of the last new token of batch.seqs[rows]."""
+        pairs, rows = self._upload([b for pair in batch.copies for b in pair], rows)
         if batch.copies:
             kernels.copy_blocks(self.kv_cache, pairs.view(-1, 2))
         num_seqs, num_tokens = len(batch.seqs), sum(batch.num_new)
         graph_bs = next((b for b in self.graph_sizes if b >= num_seqs), None)
         if graph_bs is not None and max(batch.num_new) == 1:
-            hidden = self._replay(batch, graph_bs, prev_tokens)   # one token per sequence
+            return self._replay(batch, graph_bs, prev_tokens)[rows]   # one token per sequence
+        ids, positions, meta = self.prepare(batch, prev_tokens)
+        padded = next((t for t in self.piece_sizes if t >= num_tokens), None)
+        if padded is None:
+            hidden = self.model(ids, positions, self.kv_cache, meta)
         else:
-            ids, positions, meta = self.prepare(batch, prev_tokens)
-            padded = next((t for t in self.piece_sizes if t >= num_tokens), None)
-            if padded is None:
-                hidden = self.model(ids, positions, self.kv_cache, meta)
-            else:
-                hidden = self._replay_pieces(ids, positions, meta, padded)
-            rows = (meta.cu_q_lens[1:] - 1)[rows]   # each sequence's last new token
-        return self.model.compute_logits(hidden[rows])
+            hidden = self._replay_pieces(ids, positions, meta, padded)
+        return hidden[(meta.cu_q_lens[1:] - 1)[rows]]   # each sequence's last new token
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """Start copying t to the host; the result is valid once the device reaches this point."""
@@ -341,44 +395,3 @@ class ModelRunner:
                              f"{cfg.gpu_memory_utilization}; one max_model_len sequence needs "
                              f"{self.max_blocks_per_seq}")
         return num
-
-
-# ----------------------------------------------------------------------------- sampling
-
-
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           upload: Callable[[list, torch.dtype], torch.Tensor] | None = None) -> torch.Tensor:
-    """One token per row of logits [R, vocab]. Greedy rows take the argmax; the others draw
-    from softmax(logits / T) restricted by top-k and top-p, through the exponential race
-    argmax(p / E), E ~ Exp(1): seeded rows draw E from their own generator, so their tokens
-    do not depend on the other rows. upload puts host lists on the logits' device
-    (ModelRunner.upload, which never waits for the device)."""
-    upload = upload or (lambda data, dtype: torch.tensor(data, dtype=dtype, device=logits.device))
-    greedy = logits.argmax(-1)
-    rows = [i for i, p in enumerate(params) if p.temperature > 0]
-    if not rows:
-        return greedy
-    top_k = [params[i].top_k if params[i].top_k > 0 else logits.shape[1] for i in rows]
-    top_p = [params[i].top_p for i in rows]
-    knobs = upload([[params[i].temperature, top_p[j], top_k[j]] for j, i in enumerate(rows)], torch.float32)
-    row_ids = upload(rows, torch.int64)
-    x = logits[row_ids].float() / knobs[:, :1]
-    if min(top_k) < x.shape[1] or min(top_p) < 1.0:
-        x = apply_top_k_top_p(x, knobs[:, 2], knobs[:, 1])
-    noise = torch.empty_like(x).exponential_()
-    for j, i in enumerate(rows):
-        if generators[i] is not None:
-            noise[j].exponential_(generator=generators[i])
-    greedy[row_ids] = (x.softmax(-1) / noise).argmax(-1)
-    return greedy
-
-
-def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Set to -inf the logits outside each row's top_k, then outside the smallest set whose
-    probability reaches top_p (the most likely token always stays)."""
-    sorted_x, order = x.sort(-1, descending=True)
-    rank = torch.arange(x.shape[1], device=x.device)
-    sorted_x.masked_fill_(rank[None] >= top_k[:, None], float("-inf"))
-    probs = sorted_x.softmax(-1)
-    sorted_x.masked_fill_(probs.cumsum(-1) - probs > top_p[:, None], float("-inf"))
-    return torch.full_like(x, float("-inf")).scatter_(-1, order, sorted_x)

@@ -1,170 +1,21 @@
-"""Requests and the per-device scheduler: what a request asks for and gets back, the
-sequences it becomes, and the Scheduler that picks every step's work.
+"""The per-device scheduler: it picks every step's work and owns the lifetime of every
+sequence's KV blocks (through the BlockManager).
 
 Each step the Scheduler takes the running decodes first, then unfinished prompt chunks
 (chunked prefill), then waiting sequences first come first served, under a token budget
 (max_num_batched_tokens) and a seat limit (max_num_seqs). When the KV cache runs out it
 preempts the newest running sequence: its blocks are freed and it is recomputed later,
 through the prefix cache where possible. The engine (engine.py) turns the Batch into a
-model step.
+model step and tells the scheduler what was computed, forked and finished.
 """
 
 import bisect
-import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from enum import Enum
-
-import torch
 
 from kv_cache import BlockManager, OutOfBlocks
-
-# ----------------------------------------------------------------------------- requests
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 32
-    temperature: float = 0.0           # 0: greedy
-    top_p: float = 1.0
-    top_k: int = -1                    # -1: no limit
-    seed: int | None = None            # same seed, same tokens, whatever else is in the batch
-    n: int = 1                         # completions per prompt
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None        # also return this many top alternatives per token
-
-    def validate(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (no limit) or positive, got {self.top_k}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
-
-
-@dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
-    num_cached_tokens: int = 0         # prompt tokens found in the prefix cache
-    imported_time: float | None = None  # disaggregated: when the decode worker had the KV
-    kv_bytes_moved: int = 0             # ... how much KV it copied
-    kv_copy_time: float | None = None   # ... and how long the copy itself took (s)
-    seat_wait: float = 0.0              # ... after waiting there for a seat and blocks (s)
-    path: tuple[int, ...] = ()          # the workers that served it (prefill, then decode)
-    routed: tuple | None = None         # adaptive: (predicted latency ms, prefill worker's WorkerLoad,
-                                        # decode worker's WorkerLoad) when the router chose the path
-
-    def kv_copy_GBps(self) -> float:
-        """The KV copy's rate (disaggregated; needs kv_copy_time)."""
-        return self.kv_bytes_moved / self.kv_copy_time / 1e9
-
-    def phases(self) -> dict[str, float]:
-        """Seconds spent queued, prefilling, handing the KV over, waiting for a seat on the
-        decode worker (a handoff's wait there) and decoding: the path's cost."""
-        decode_start = self.imported_time or self.first_token_time
-        return {"queued": self.first_scheduled_time - self.arrival_time,
-                "prefill": self.first_token_time - self.first_scheduled_time,
-                "transfer": decode_start - self.first_token_time - self.seat_wait,
-                "seat_wait": self.seat_wait,
-                "decode": self.finish_time - decode_start}
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None          # "stop", "length", or None while running
-    cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    metrics: RequestMetrics
-    finished: bool = True
-    error: ValueError | None = None    # set when the request was rejected; outputs is then empty
-
-
-class Status(Enum):
-    WAITING = 0
-    RUNNING = 1
-    FINISHED = 2
-
-
-_seq_ids = itertools.count()
-PENDING = -1   # a sampled token the host has not received yet
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One stream of tokens: a prompt and the completion growing after it."""
-    request: "Request"
-    index: int                          # which completion of its request
-    token_ids: list[int]
-    num_prompt_tokens: int
-    seq_id: int = field(default_factory=lambda: next(_seq_ids))   # arrival order, for FCFS
-    status: Status = Status.WAITING
-    block_table: list[int] = field(default_factory=list)
-    num_computed: int = 0               # tokens whose K/V are in the cache
-    cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None
-    generator: torch.Generator | None = None
-    beam_candidates: list[tuple[int, float]] | None = None   # beam search: (token, logprob)
-    # While the step that sampled this sequence's last token is still running, that token
-    # is a placeholder (PENDING) on the host, and the next step reads it on the device
-    # from row `pending_row` of that step's sampled tokens.
-    pending_row: int | None = None
-
-    @property
-    def num_pending(self) -> int:
-        """Tokens to compute before the next token can be chosen (1 for a decode)."""
-        return len(self.token_ids) - self.num_computed
-
-    @property
-    def num_outputs(self) -> int:
-        """Output tokens sampled so far, the one still on its way from the device included."""
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - (self.pending_row is not None)]
-
-
-@dataclass(eq=False)
-class Request:
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    metrics: RequestMetrics
-    beam_width: int = 0                 # > 0: beam search instead of sampling
-    length_penalty: float = 1.0
-    seqs: list[Sequence] = field(default_factory=list)        # live and finished completions
-    beams_done: list[Sequence] = field(default_factory=list)  # beam search: finished hypotheses
-    forked: bool = False                # n > 1: children are forked after the first token
-    prefill_only: bool = False          # a prefill worker's: stop after the first token, keep the blocks
-
-    @property
-    def finished(self) -> bool:
-        return all(s.status == Status.FINISHED for s in self.seqs)
-
+from request import Sequence, Status
 
 # ----------------------------------------------------------------------------- scheduler
 
@@ -253,6 +104,34 @@ class Scheduler:
                 self.preempt(victim)
                 if victim is seq:
                     return None
+
+    def computed(self, batch: Batch) -> None:
+        """After a step is launched: its tokens' K/V are (being) written. A block enters the
+        prefix cache once its tokens are known, never with a PENDING one."""
+        for seq, n in zip(batch.seqs, batch.num_new):
+            seq.num_computed += n
+            known = len(seq.token_ids) - (seq.pending_row is not None)
+            self.bm.cache_computed_blocks(seq.block_table, seq.token_ids, min(seq.num_computed, known))
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child runs from now on, sharing every block of parent (copy-on-write)."""
+        child.block_table = self.bm.fork(parent.block_table)
+        child.status = Status.RUNNING
+        self.running.append(child)
+
+    def allocate(self, token_ids: list[int]) -> tuple[list[int], int] | None:
+        """Blocks for a sequence whose K/V arrives from elsewhere (a decode worker's import),
+        and how many leading tokens the prefix cache already holds; None if they do not fit."""
+        return self.bm.allocate(token_ids) if self.bm.can_allocate(token_ids) else None
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose K/V is already in its block table (an import) joins the decodes."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def free(self, block_table: list[int]) -> None:
+        """Give blocks back that no running sequence holds (a parked or dropped import's)."""
+        self.bm.free(block_table)
 
     def preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks; it is recomputed when readmitted (recompute preemption)."""

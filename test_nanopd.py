@@ -32,20 +32,20 @@ import pytest
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-import engine as engine_mod
 import kernels
 import kv_cache
+import messages
 import model as qwen
-import runner
-import scheduler
+import request
+import sampler
 import workers
+from engine import Engine
 from kv_cache import (
     BlockManager,
     OutOfBlocks,
     allocate_kv_cache,
     blocks_for_memory,
     kv_bytes_per_block,
-    layer_kv,
 )
 from nanopd import LLM, SamplingParams
 from router import CostModel, HardwareParams, Observation, OutputLengthPredictor, Router, WorkerLoad
@@ -320,22 +320,11 @@ def test_silu_mul(dtype):
 # ----------------------------------------------------------------------------- the cache tensor
 
 
-def test_layer_kv_views_alias_the_cache():
-    kv = allocate_kv_cache(5, 3, 2, 4, 8, torch.float16, "cpu")
-    assert kv.shape == (5, 3, 2, 2, 4, 8) and not kv.any()
-    k, v = layer_kv(kv, 1)
-    assert k.shape == v.shape == (5, 2, 4, 8)
-    k.fill_(1)
-    v[2, 1, 3, 7] = 5
-    assert (kv[:, 1, 0] == 1).all()
-    assert kv[2, 1, 1, 1, 3, 7] == 5 and kv[:, 1, 1].sum() == 5
-    assert not kv[:, 0].any() and not kv[:, 2].any()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_block_bytes_match_the_tensor(dtype):
     num_blocks, shape = 7, {"num_layers": 3, "num_kv_heads": 2, "block_size": 16, "head_dim": 8}
     kv = allocate_kv_cache(num_blocks, **shape, dtype=dtype, device="cpu")
+    assert kv.shape == (num_blocks, 3, 2, 2, 16, 8) and not kv.float().any()   # zeros: see allocate_kv_cache
     per_block = kv_bytes_per_block(**shape, dtype=dtype)
     assert per_block * num_blocks == kv.nbytes
     # Block-major: one block is one contiguous chunk of exactly that size.
@@ -880,7 +869,7 @@ def torch_twins(monkeypatch):
 ENGINE = pytest.mark.usefixtures("torch_twins")
 
 
-def generate(llm: LLM, prompts, **params) -> list[scheduler.RequestOutput]:
+def generate(llm: LLM, prompts, **params) -> list[request.RequestOutput]:
     return llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
 
 
@@ -888,9 +877,9 @@ def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def run_engine(engine: engine_mod.Engine, requests, max_steps: int = 500) -> list[scheduler.RequestOutput]:
-    """Add (prompt, params) requests to the engine and step it until they all finish."""
-    reqs = [engine.add_request(p, params) for p, params in requests]
+def run_engine(engine: Engine, requests, max_steps: int = 500) -> list[request.RequestOutput]:
+    """Submit (prompt, params) requests to the engine and step it until they all finish."""
+    reqs = [engine.submit(p, params) for p, params in requests]
     for _ in range(max_steps):
         if not engine.has_unfinished():
             break
@@ -931,9 +920,9 @@ def test_chunked_prefill_matches_hf(hf, monkeypatch, budget):
     llm = make_llm(hf.path, max_num_batched_tokens=budget)
     step_tokens, run = [], llm.engine.runner.run
 
-    def counting_run(batch, rows, *args):
+    def counting_run(batch, *args):
         step_tokens.append(sum(batch.num_new))
-        return run(batch, rows, *args)
+        return run(batch, *args)
     monkeypatch.setattr(llm.engine.runner, "run", counting_run)
     assert tokens(generate(llm, PROMPTS, max_tokens=12)) == [hf.greedy(p, 12) for p in PROMPTS]
     assert max(step_tokens) == budget
@@ -994,9 +983,9 @@ def test_max_num_seqs_caps_every_step(hf, monkeypatch, n):
     llm = make_llm(hf.path, max_num_seqs=2)
     sizes, run = [], llm.engine.runner.run
 
-    def counting_run(batch, rows, *args):
+    def counting_run(batch, *args):
         sizes.append(len(batch.seqs))
-        return run(batch, rows, *args)
+        return run(batch, *args)
     monkeypatch.setattr(llm.engine.runner, "run", counting_run)
     prompts = PROMPTS + [prompt(9, seed=40)]
     if n == 1:
@@ -1005,7 +994,7 @@ def test_max_num_seqs_caps_every_step(hf, monkeypatch, n):
         outs = generate(llm, prompts[:3], max_tokens=6, n=n, temperature=1.0, seed=3)
         assert [len(o.outputs) for o in outs] == [n, n, n]
         with pytest.raises(ValueError, match="max_num_seqs"):
-            llm.engine.add_request(prompts[0], SamplingParams(n=3))
+            llm.engine.submit(prompts[0], SamplingParams(n=3))
     assert max(sizes) == 2
 
 
@@ -1051,8 +1040,8 @@ def test_beam_search_with_eos_matches_hf(hf, tmp_path):
 def test_beam_search_requests_of_different_widths_in_one_step(hf):
     """Two beam requests of widths 1 and 4 stepping together each get HF's beams."""
     engine, a, b = make_llm(hf.path).engine, prompt(9, seed=3), prompt(12, seed=4)
-    ra = engine.add_request(a, SamplingParams(max_tokens=6), beam_width=1)
-    rb = engine.add_request(b, SamplingParams(max_tokens=6), beam_width=4)
+    ra = engine.submit(a, SamplingParams(max_tokens=6), beam_width=1)
+    rb = engine.submit(b, SamplingParams(max_tokens=6), beam_width=4)
     for _ in range(100):
         if not engine.has_unfinished():
             break
@@ -1066,7 +1055,7 @@ def test_beam_search_in_a_small_cache_finishes_or_is_rejected(hf):
     """Beams that cannot all fit in the KV cache either finish (HF's beams) or are rejected."""
     engine, p = make_llm(hf.path, num_kv_blocks=4).engine, prompt(15, seed=1)
     try:
-        req = engine.add_request(p, SamplingParams(max_tokens=8), beam_width=3)
+        req = engine.submit(p, SamplingParams(max_tokens=8), beam_width=3)
     except ValueError as e:
         assert "block" in str(e)
         return
@@ -1139,7 +1128,7 @@ def test_sample_matches_reference_distribution():
 
     torch.manual_seed(0)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    drawn = runner.sample(logits.to(DEVICE).expand(rows, -1).contiguous(), [params] * rows, [None] * rows)
+    drawn = sampler.sample(logits.to(DEVICE).expand(rows, -1).contiguous(), [params] * rows, [None] * rows)
     freq = torch.bincount(drawn.cpu(), minlength=len(logits)).double() / rows
     std_err = (expect * (1 - expect) / rows).sqrt()
     assert ((freq - expect).abs() <= 5 * std_err).all(), (freq, expect)
@@ -1157,7 +1146,7 @@ def test_seeded_sample_rows_do_not_depend_on_other_rows():
         gens = [torch.Generator(DEVICE).manual_seed(99)] + [None] * 5
         rows = torch.randn(5, 50, generator=torch.Generator().manual_seed(other)).to(DEVICE)
         batch = torch.cat([logits[None], rows])
-        draws.append([runner.sample(batch, params, gens)[0].item() for _ in range(10)])
+        draws.append([sampler.sample(batch, params, gens)[0].item() for _ in range(10)])
     assert draws[0] == draws[1] == draws[2]
     assert len(set(draws[0])) > 1   # it did sample
 
@@ -1192,7 +1181,8 @@ def test_parallel_sampling_prefills_once_and_shares_blocks(hf):
     and every block holds HF's K/V for its sequence."""
     llm = make_llm(hf.path)
     engine, ids = llm.engine, prompt(20, seed=11)   # 2 full blocks and a partial one
-    req = engine.add_request(ids, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6))
+    rid = engine.submit(ids, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6))
+    req = engine.requests[rid]
     while len(req.seqs) < 3:
         engine.step()
     tables = [list(s.block_table) for s in req.seqs]
@@ -1215,7 +1205,7 @@ def test_parallel_sampling_prefills_once_and_shares_blocks(hf):
 
     while engine.has_unfinished():
         engine.step()
-    completions = [c.token_ids for c in engine.output(req).outputs]
+    completions = [c.token_ids for c in engine.output(rid).outputs]
     assert len(completions) == 3 and len({tuple(c) for c in completions}) == 3
     assert engine.num_prefill_tokens == len(ids)
     assert all_blocks_free(llm)
@@ -1261,9 +1251,9 @@ def test_steps_overlap_and_a_stop_seen_late_drops_the_extra_token(hf, monkeypatc
     stop = refs[0][4]
     launched, run = [], llm.engine.runner.run
 
-    def recording_run(batch, rows, prev_tokens=None):
-        launched.append((sum(s.token_ids[-1] == scheduler.PENDING for s in batch.seqs), prev_tokens is not None))
-        return run(batch, rows, prev_tokens)
+    def recording_run(batch, draws, beam_rows, beam_k, prev_tokens=None):
+        launched.append((sum(s.token_ids[-1] == request.PENDING for s in batch.seqs), prev_tokens is not None))
+        return run(batch, draws, beam_rows, beam_k, prev_tokens)
     monkeypatch.setattr(llm.engine.runner, "run", recording_run)
     outs = generate(llm, PROMPTS, max_tokens=12, stop_token_ids=[stop])
     for out, ref in zip(outs, refs):
@@ -1307,14 +1297,14 @@ BAD_REQUESTS = {
 
 @ENGINE
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
-def test_add_request_rejects_bad_input(hf, case):
-    """Engine.add_request raises a ValueError naming the problem and leaves the queues as they were."""
+def test_submit_rejects_bad_input(hf, case):
+    """Engine.submit raises a ValueError naming the problem and leaves the queues as they were."""
     ids, params, words = BAD_REQUESTS[case]
     engine = make_llm(hf.path, num_kv_blocks=128).engine
-    queued = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=2))
+    queued = engine.submit(PROMPTS[0], SamplingParams(max_tokens=2))
     before = (list(engine.scheduler.waiting), list(engine.scheduler.running), engine.bm.num_free_blocks)
     with pytest.raises(ValueError, match=words):
-        engine.add_request(ids, SamplingParams(**params))
+        engine.submit(ids, SamplingParams(**params))
     assert (list(engine.scheduler.waiting), list(engine.scheduler.running), engine.bm.num_free_blocks) == before
     while engine.has_unfinished():
         engine.step()
@@ -1354,7 +1344,7 @@ def test_request_larger_than_the_cache_is_rejected(hf):
     """A request needing more blocks than the whole cache is rejected; one that fits runs."""
     llm = make_llm(hf.path, num_kv_blocks=4)   # 32 token slots
     with pytest.raises(ValueError, match="KV blocks"):
-        llm.engine.add_request(prompt(30, seed=2), SamplingParams(max_tokens=5))
+        llm.engine.submit(prompt(30, seed=2), SamplingParams(max_tokens=5))
     p = prompt(20, seed=2)
     assert tokens(generate(llm, [p], max_tokens=12)) == [hf.greedy(p, 12)]
 
@@ -1468,11 +1458,11 @@ def in_process_worker(engine, index: int = 0, peers: dict | None = None, transpo
     return workers.Worker(index, engine, queue.Queue(), reports or Reports(), peers or {}, transport)
 
 
-def reported(worker: workers.Worker) -> list[tuple]:
-    """The events a worker has reported since the last call."""
+def reported(worker: workers.Worker) -> list:
+    """The reports a worker has sent since the last call."""
     events = []
     while not worker.outbox.empty():
-        events += worker.outbox.get()[1]
+        events += worker.outbox.get()
     return events
 
 
@@ -1483,9 +1473,9 @@ def workers_all_free(llm: LLM, timeout_s: float = 20.0) -> bool:
     cluster, deadline = llm.cluster, time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         cluster.poll(0.05)
-        live = [w for w in range(len(cluster.procs)) if w not in cluster.dead]
-        if all(w in cluster.status and cluster.status[w][0] == cluster.status[w][1] and cluster.status[w][2] == 0
-               for w in live):
+        live = [w for w in range(len(cluster.devices)) if w not in cluster.dead]
+        if all(w in cluster.status and cluster.status[w].free_blocks == cluster.status[w].num_blocks
+               and cluster.status[w].held == 0 for w in live):
             return True
     return False
 
@@ -1564,26 +1554,26 @@ def test_handoff_moves_the_prompt_kv_byte_for_byte(hf, transport):
     pre = in_process_worker(make_llm(hf.path).engine, transport=transport, reports=out)
     dec_engine = make_llm(hf.path).engine
     dec = in_process_worker(dec_engine, 1, {0: pre.engine.runner.kv_cache}, transport, out)
-    squatter, _ = dec_engine.bm.allocate(prompt(40, seed=71))   # so the decode side's block ids differ
+    squatter, _ = dec_engine.scheduler.allocate(prompt(40, seed=71))   # so the decode side's block ids differ
     ids = prompt(29, seed=70)   # 3 full blocks of 8 and a partial one
 
     def pump(worker, kind):
         for _ in range(100):
             worker.step(wait=False)
             while not out.empty():
-                for event in out.get()[1]:
-                    if event[0] == kind:
+                for event in out.get():
+                    if isinstance(event, kind):
                         return event
-        raise AssertionError(f"no {kind} event")
+        raise AssertionError(f"no {kind.__name__} report")
 
-    pre.inbox.put(workers.Submit(0, ids, SamplingParams(max_tokens=6), prefill_only=True))
-    imp = pump(pre, "handoff")[1]
-    rid, src_blocks = imp.rid, imp.src_blocks
+    pre.inbox.put(messages.Submit(0, ids, SamplingParams(max_tokens=6), prefill_only=True))
+    imp = pump(pre, messages.Handoff).imp
+    rid, src_blocks = imp.request_id, imp.src_blocks
     assert imp.token_ids == ids + hf.greedy(ids, 1) and len(src_blocks) == 4
     assert pre.engine.bm.num_free_blocks == pre.engine.bm.num_blocks - 4   # parked, not freed
     dec.inbox.put(imp)
-    pump(dec, "imported")
-    dst_blocks = dec.requests[rid].seqs[0].block_table[:4]
+    pump(dec, messages.Imported)
+    dst_blocks = dec.engine.requests[rid].seqs[0].block_table[:4]
     assert not set(dst_blocks) & set(src_blocks)
     src_cache, dst_cache = pre.engine.runner.kv_cache.cpu(), dec_engine.runner.kv_cache.cpu()
     for i, (s, d) in enumerate(zip(src_blocks, dst_blocks)):   # [layers, 2, heads, block_size, dim]
@@ -1594,12 +1584,12 @@ def test_handoff_moves_the_prompt_kv_byte_for_byte(hf, transport):
             block, offset = dst_blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
             torch.testing.assert_close(dst_cache[block, layer, 0, :, offset], k[:, pos], atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(dst_cache[block, layer, 1, :, offset], v[:, pos], atol=1e-5, rtol=1e-4)
-    pre.inbox.put(workers.Release(rid))
+    pre.inbox.put(messages.Release(rid))
     pre.step(wait=False)
     assert pre.engine.bm.num_free_blocks == pre.engine.bm.num_blocks
-    done = pump(dec, "done")
-    assert done[2].outputs[0].token_ids == hf.greedy(ids, 6)
-    dec_engine.bm.free(squatter)
+    done = pump(dec, messages.Done)
+    assert done.output.outputs[0].token_ids == hf.greedy(ids, 6)
+    dec_engine.scheduler.free(squatter)
     assert dec_engine.bm.num_free_blocks == dec_engine.bm.num_blocks
 
 
@@ -1609,15 +1599,18 @@ def test_a_handoff_nobody_pulls_is_released_after_the_timeout(hf, monkeypatch):
     and says so ("expired"), so a lost decode worker cannot leak them."""
     monkeypatch.setattr(workers, "HANDOFF_TIMEOUT_S", 0.2)
     pre = in_process_worker(make_llm(hf.path).engine)
-    pre.inbox.put(workers.Submit(0, prompt(20, seed=72), SamplingParams(max_tokens=4), prefill_only=True))
+    pre.inbox.put(messages.Submit(0, prompt(20, seed=72), SamplingParams(max_tokens=4), prefill_only=True))
     events = []
     deadline = time.monotonic() + 30
-    while not any(e[0] == "expired" for e in events):
+
+    def seen(kind) -> bool:
+        return any(isinstance(e, kind) for e in events)
+    while not seen(messages.Expired):
         assert time.monotonic() < deadline, "the handoff never expired"
         pre.step(wait=False)
         events += reported(pre)
-        if any(e[0] == "handoff" for e in events):
-            assert pre.engine.bm.num_free_blocks < pre.engine.bm.num_blocks or any(e[0] == "expired" for e in events)
+        if seen(messages.Handoff):
+            assert pre.engine.bm.num_free_blocks < pre.engine.bm.num_blocks or seen(messages.Expired)
         time.sleep(0.02)
     assert pre.engine.bm.num_free_blocks == pre.engine.bm.num_blocks
 
@@ -1627,15 +1620,16 @@ def test_a_worker_rejects_a_bad_request_and_lives_on(hf):
     """A request a worker cannot take (here: too long for its max_model_len) is reported
     back as rejected, with the reason, and the worker goes on serving the next one."""
     worker = in_process_worker(make_llm(hf.path, max_model_len=64).engine)
-    worker.inbox.put(workers.Submit(0, prompt(60, seed=73), SamplingParams(max_tokens=10)))
-    worker.inbox.put(workers.Submit(1, PROMPTS[0], SamplingParams(max_tokens=4)))
+    worker.inbox.put(messages.Submit(0, prompt(60, seed=73), SamplingParams(max_tokens=10)))
+    worker.inbox.put(messages.Submit(1, PROMPTS[0], SamplingParams(max_tokens=4)))
     events = []
     for _ in range(50):
         worker.step(wait=False)
         events += reported(worker)
-    assert [e[:2] for e in events if e[0] in ("rejected", "done")] == [("rejected", 0), ("done", 1)]
-    assert "max_model_len" in next(e for e in events if e[0] == "rejected")[2]
-    assert next(e for e in events if e[0] == "done")[2].outputs[0].token_ids == hf.greedy(PROMPTS[0], 4)
+    ends = [e for e in events if isinstance(e, messages.Rejected | messages.Done)]
+    assert [(type(e), e.request_id) for e in ends] == [(messages.Rejected, 0), (messages.Done, 1)]
+    assert "max_model_len" in ends[0].error
+    assert ends[1].output.outputs[0].token_ids == hf.greedy(PROMPTS[0], 4)
 
 
 @pytest.mark.usefixtures("worker_env")
@@ -1659,7 +1653,7 @@ def test_a_killed_worker_ends_or_retries_its_requests(hf, policy, num_devices, v
         assert time.monotonic() < deadline, "nothing was decoding"
         cluster.poll(0.01)
     rids += [cluster.submit(p, SamplingParams(max_tokens=300)) for p in prompts[4:]]
-    os.kill(cluster.procs[victim].pid, signal.SIGKILL)
+    os.kill(cluster.workers.procs[victim].pid, signal.SIGKILL)
     ended, start = set(), time.monotonic()
     while len(ended) < len(rids) and time.monotonic() - start < 120:
         ended |= set(cluster.poll(0.05))
@@ -1676,7 +1670,7 @@ def test_a_killed_worker_ends_or_retries_its_requests(hf, policy, num_devices, v
     else:
         assert not failed
     llm.close()
-    assert not any(p.is_alive() for p in cluster.procs)
+    assert not any(p.is_alive() for p in cluster.workers.procs)
 
 
 SHUTDOWN_SCRIPT = """
@@ -1689,7 +1683,7 @@ sys.path.insert(0, {here!r})
 from nanopd import LLM, SamplingParams
 if __name__ == "__main__":
     llm = LLM("tiny", policy="disaggregated", devices=["cpu", "cpu"], num_kv_blocks=64, max_model_len=512)
-    print(" ".join(str(p.pid) for p in llm.cluster.procs), flush=True)
+    print(" ".join(str(p.pid) for p in llm.cluster.workers.procs), flush=True)
     if sys.argv[1] == "raise":
         raise RuntimeError("the caller fails")
     while True:   # until Ctrl-C
@@ -1943,7 +1937,7 @@ def test_profiler_fits_recover_known_parameters():
                "decode_ms": [step(b, 512) for b in batches], "context": 512, "kv_batches": [16, 64],
                "long_context": 2048, "long_decode_ms": [step(16, 2048), step(64, 2048)], "chunks": [256, 512, 1024],
                "extra_ms": [noisy(0.03 * c) for c in [256, 512, 1024]]}
-    p = profiler.fit(timings, [(2048, 302e6, 302e6 / 390e9, 1.5)], kv_bytes_per_token=147456).params
+    p = profiler.fit(timings, [(2048, 302e6, 302e6 / 390e9, 1.5)]).params
     assert (p.alpha, p.beta, p.batch_thresh, p.slope, p.kv, p.gamma) == (
         pytest.approx(0.02, rel=0.02), pytest.approx(5.0, rel=0.05), 64, pytest.approx(0.08, rel=0.1),
         pytest.approx(2e-5, rel=0.1), pytest.approx(0.03, rel=0.02))

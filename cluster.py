@@ -1,0 +1,439 @@
+"""The central scheduler: serves requests on worker processes (workers.py), one per device,
+under a policy:
+
+  collocated     every worker prefills and decodes; a request goes to the least loaded
+  disaggregated  num_prefill workers prefill, the others decode; a prefilled request's
+                 KV moves to the decode worker with the least work
+  adaptive       every worker can do both; per request the Router (router.py) picks the
+                 prefill and the decode worker by predicted cost (the same one:
+                 collocated), and learns from what each request and step really cost
+
+It offers the interface the single Engine offers (submit, poll, output), so the offline
+LLM (nanopd.py) drives either with one loop. A worker that dies: the requests it held
+(prefilling, decoding, or with KV parked on it for a transfer) start again from their
+prompt on live workers, once; if no live worker can take them, or they fail a second
+time, they end with a RuntimeError in RequestOutput.error. Nothing waits on a dead
+worker. close() (also run at exit and when the object is collected) stops every worker.
+"""
+
+import collections
+import dataclasses
+import itertools
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from config import EngineConfig, check_device
+from kv_cache import cdiv
+from messages import (
+    Done,
+    Drop,
+    Expired,
+    Failed,
+    Handoff,
+    Imported,
+    Measure,
+    Measured,
+    Ready,
+    Rejected,
+    Release,
+    Status,
+    StepTimed,
+    Submit,
+    Tokens,
+)
+from model import load_config, load_tokenizer
+from request import RequestMetrics, RequestOutput, SamplingParams, check_request
+from router import Observation, Router, WorkerLoad
+from transport import TRANSPORTS
+from workers import WorkerProcesses, stop_processes
+
+POLICIES = ("collocated", "disaggregated", "adaptive")
+PREFILL_RATE_WINDOW_S = 2.0   # the prefill rate counts the steps reported this long ago at most
+
+
+@dataclass(eq=False)
+class Tracked:
+    """The central scheduler's record of one request."""
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    beam_width: int = 0
+    length_penalty: float = 1.0
+    worker: int | None = None          # where it runs now (its decode worker once handed off)
+    prefill_worker: int | None = None
+    decode_worker: int | None = None   # where it goes after its prefill (None: the least loaded then)
+    phase: str = "queued"              # prefill, transfer, decode, done
+    tokens: list[int] = field(default_factory=list)   # streamed so far
+    output: RequestOutput | None = None
+    retried: bool = False
+    samples: list[int] = field(default_factory=list)  # n > 1 split into samples (not collocated)
+    parent: int | None = None
+
+
+class CentralScheduler:
+    """Serves requests on one worker process per entry of devices, under a policy (see the
+    module's docstring). Under adaptive, `router` must be set before the first submit
+    (nanopd.LLM does it, from the profiler's measurements)."""
+
+    def __init__(self, model: str, policy: str, devices: list[str], num_prefill: int = 1,
+                 transport: str = "p2p", startup_timeout_s: float = 600.0, **engine_kwargs):
+        check_cluster(policy, devices, num_prefill, transport)
+        self.cfg = EngineConfig(model=model, **engine_kwargs)
+        self.cfg.validate()
+        config = load_config(model)
+        self.cfg.max_model_len = min(self.cfg.max_model_len, config.max_position_embeddings)
+        self.vocab_size, self.tokenizer = config.vocab_size, load_tokenizer(model)
+        self.policy, self.devices, self.transport = policy, list(devices), transport
+        self.roles = (["prefill"] * num_prefill + ["decode"] * (len(devices) - num_prefill)
+                      if policy == "disaggregated" else ["collocated"] * len(devices))
+        self.workers = WorkerProcesses(self.cfg, self.devices, self._sources(), transport, policy == "adaptive",
+                                       [f"nanopd-{role}-{i}" for i, role in enumerate(self.roles)])
+        w = self.workers
+        self._close = weakref.finalize(self, stop_processes, w.procs, w.inboxes, w.reports)
+        self.active: dict[int, Tracked] = {}
+        self.done: dict[int, Tracked] = {}
+        self.dead: dict[int, str] = {}        # worker -> why
+        self.errors: dict[int, str] = {}      # worker -> the traceback it reported
+        self.status: dict[int, Status] = {}   # worker -> its last Status
+        self.measured: dict[int, dict] = {}
+        self.prefilled: collections.deque[tuple[float, int]] = collections.deque()   # (time, tokens) steps prefilled
+        self.prefilled_tokens = 0   # ... their sum
+        self.router: Router | None = None
+        self.ended: list[int] = []            # ids ended since the last poll, wherever they ended
+        self._ids = itertools.count()
+        self.room = self._wait_ready(startup_timeout_s)
+
+    def _sources(self) -> list[list[int]]:
+        """Whose KV cache each worker reads: decode workers every prefill worker's; under
+        adaptive, every worker every other's."""
+        n = len(self.devices)
+        return [[j for j in range(n) if j != i and (self.policy == "adaptive" or
+                 (self.roles[i], self.roles[j]) == ("decode", "prefill"))] for i in range(n)]
+
+    def _wait_ready(self, timeout_s: float) -> int:
+        """Block until every worker reports Ready; the smallest cache's room in blocks."""
+        rooms, deadline = {}, time.monotonic() + timeout_s
+        with tqdm(total=len(self.devices), desc="starting workers", leave=False) as bar:
+            while len(rooms) < len(self.devices):
+                for w, reports in self.workers.receive(0.5, skip=set()):
+                    for msg in reports:
+                        if isinstance(msg, Ready):
+                            rooms[w], self.kv_bytes_per_token = msg.num_blocks - msg.watermark_blocks, msg.kv_bytes_per_token
+                            self.status[w] = Status(msg.num_blocks, msg.num_blocks, 0)
+                            bar.update()
+                        elif isinstance(msg, Failed):
+                            self.errors[w] = msg.traceback
+                failed = self.workers.exited()
+                if failed or time.monotonic() > deadline:
+                    self.close()
+                    i = failed[0] if failed else None
+                    why = self.errors.get(i, "no traceback") if failed else f"not ready after {timeout_s:.0f} s"
+                    raise RuntimeError(f"worker {i} ({self.devices[i] if failed else '?'}) did not start: {why}")
+        return min(rooms.values())
+
+    def close(self) -> None:
+        self._close()
+
+    # -- requests
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, beam_width: int = 0,
+               length_penalty: float = 1.0) -> int:
+        """Validate (ValueError, as the single engine) and dispatch a request; its id."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        check_request(ids, params, beam_width, self.vocab_size, self.cfg, self.room)
+        t = Tracked(next(self._ids), prompt if isinstance(prompt, str) else None, ids, params,
+                    RequestMetrics(time.perf_counter()), beam_width, length_penalty)
+        self.active[t.request_id] = t
+        if self.policy != "collocated" and params.n > 1 and not beam_width:
+            self._split_samples(t)
+        else:
+            self._dispatch(t)
+        return t.request_id
+
+    def _split_samples(self, t: Tracked) -> None:
+        """n > 1 across workers: n requests of one sample each. Sample j draws from seed + j,
+        as child j does in one engine."""
+        for j in range(t.params.n):
+            seed = None if t.params.seed is None else t.params.seed + j
+            sample = Tracked(next(self._ids), t.prompt, t.prompt_token_ids,
+                             dataclasses.replace(t.params, n=1, seed=seed), RequestMetrics(t.metrics.arrival_time),
+                             parent=t.request_id)
+            t.samples.append(sample.request_id)
+            self.active[sample.request_id] = sample
+            self._dispatch(sample)
+
+    def _live(self, role: str) -> list[int]:
+        return [i for i, r in enumerate(self.roles) if r == role and i not in self.dead]
+
+    def _load(self, w: int) -> int:
+        """Tokens of work a worker holds: prompts still to prefill and outputs still to decode."""
+        load = 0
+        for t in self.active.values():
+            if t.worker == w and t.phase != "done":
+                load += (len(t.prompt_token_ids) if t.phase == "prefill" else 0)
+                load += 0 if self.roles[w] == "prefill" else t.params.max_tokens - len(t.tokens)
+        return load
+
+    def _dispatch(self, t: Tracked, path: tuple[int, int] | None = None) -> None:
+        """Send t to its prefill (or whole-request) worker: path's, the router's pick, or the
+        least loaded; t fails if no live worker can take it."""
+        live = self._live("collocated" if self.policy != "disaggregated" else "prefill")
+        if not live or (self.policy == "disaggregated" and not self._live("decode")):
+            return self._fail(t, RuntimeError(f"no live worker can serve it (dead: {self._dead_summary()})"))
+        if path is not None:
+            w, t.decode_worker = path
+        elif self.router is not None and not t.beam_width:
+            loads = self.worker_loads(live)
+            blocks = cdiv(len(t.prompt_token_ids) + t.params.max_tokens, self.cfg.block_size)
+            w, t.decode_worker, predicted = self.router.route(len(t.prompt_token_ids), t.params.max_tokens, loads,
+                                                              blocks)
+            t.metrics.routed = (predicted, loads[w], loads[t.decode_worker])
+        else:
+            w = min(live, key=self._load)
+            # Beam search runs whole on one worker (its beams fork and die every step).
+            t.decode_worker = w if self.policy != "disaggregated" or t.beam_width else None
+        t.worker = t.prefill_worker = w
+        t.phase = "prefill"
+        self.workers.send(w, Submit(t.request_id, t.prompt_token_ids, t.params, prefill_only=t.decode_worker != w,
+                                    beam_width=t.beam_width, length_penalty=t.length_penalty))
+
+    def worker_loads(self, workers: list[int]) -> dict[int, WorkerLoad]:
+        """What the router weighs, per worker: prompts waiting for prefill, sequences
+        decoding, free blocks, seats, and the prompt tokens per ms the workers' steps
+        prefilled lately, per worker (router.WorkerLoad says why not each worker's own).
+        One pass over the active requests."""
+        now = time.perf_counter()
+        while self.prefilled and now - self.prefilled[0][0] > PREFILL_RATE_WINDOW_S:
+            self.prefilled_tokens -= self.prefilled.popleft()[1]
+        rate = self.prefilled_tokens / (PREFILL_RATE_WINDOW_S * 1e3) / max(1, len(self.devices) - len(self.dead))
+        loads = {w: WorkerLoad(free_blocks=self.status[w].free_blocks if w in self.status else self.room,
+                               prefill_rate=rate, seats=self.cfg.max_num_seqs) for w in workers}
+        for t in self.active.values():
+            load = loads.get(t.worker)
+            if load is None:
+                continue
+            if t.phase == "prefill" and not t.tokens:
+                load.queued_prefill_tokens += len(t.prompt_token_ids)
+                load.queued_prefills += 1
+            elif t.phase != "done":
+                load.decode_batch += 1
+                load.context_tokens += len(t.prompt_token_ids) + len(t.tokens)
+        return loads
+
+    # -- reports from the workers
+
+    def poll(self, timeout: float = 0.05) -> list[int]:
+        """Handle what the workers reported, waiting up to timeout for it; the ids of the
+        requests that ended since the last poll (submit's ids), wherever they ended."""
+        for w, reports in self.workers.receive(timeout, skip=set(self.dead)):
+            for msg in reports:
+                self._on_report(w, msg)
+        for w in self.workers.exited():
+            if w not in self.dead:
+                self._worker_died(w)
+        ended, self.ended = self.ended, []
+        return ended
+
+    def _on_report(self, w: int, msg) -> None:
+        """Handle one report of worker w."""
+        match msg:
+            case Failed():
+                self.errors[w] = msg.traceback
+            case Status():
+                self.status[w] = msg
+            case StepTimed():
+                self._on_step(msg)
+            case Measured():
+                self.measured[w] = msg.timings
+            case Tokens():
+                for request_id, ids in msg.new.items():
+                    t = self._current(w, request_id)
+                    if t is not None:
+                        t.tokens += ids
+                        t.metrics.first_token_time = t.metrics.first_token_time or msg.time
+            case Handoff():
+                self._on_handoff(w, msg)
+            case Imported():
+                self._on_imported(w, msg)
+            case Done():
+                self._on_done(w, msg)
+            case Rejected() if self._current(w, msg.request_id):
+                self._fail(self.active[msg.request_id], ValueError(msg.error))
+            case Expired() if self._current(w, msg.request_id, prefill_side=True):
+                t = self.active[msg.request_id]
+                if t.phase == "transfer":
+                    self._fail(t, RuntimeError(f"its KV was never pulled from worker {w}"))
+
+    def _current(self, w: int, request_id: int, prefill_side: bool = False) -> Tracked | None:
+        """The request, if w's report is about its current attempt (not one restarted elsewhere)."""
+        t = self.active.get(request_id)
+        if t is None or not (t.worker == w or (prefill_side and t.prefill_worker == w)):
+            return None
+        return t
+
+    def _on_step(self, msg: StepTimed) -> None:
+        """A step a worker timed: the router refits its step model; prefill tokens count
+        toward the cluster's prefill rate."""
+        if self.router is not None:
+            self.router.observe_step(msg.decodes, msg.context_tokens, msg.prefill_tokens, msg.ms)
+        if msg.prefill_tokens:
+            self.prefilled.append((time.perf_counter(), msg.prefill_tokens))
+            self.prefilled_tokens += msg.prefill_tokens
+
+    def _on_handoff(self, w: int, msg: Handoff) -> None:
+        """Forward the prefill worker's Import to the decode worker. Under adaptive, w
+        itself may decode it (its planned decode worker died, say): the Import then keeps
+        the blocks where they are."""
+        t = self._current(w, msg.imp.request_id)
+        if t is None:
+            return
+        imp = msg.imp
+        t.metrics.first_scheduled_time, t.metrics.first_token_time = msg.first_scheduled_time, msg.first_token_time
+        t.tokens = imp.token_ids[imp.num_prompt_tokens:]
+        decoders = self._live("decode" if self.policy == "disaggregated" else "collocated")
+        if not decoders:
+            self.workers.send(w, Release(t.request_id))
+            return self._fail(t, RuntimeError(f"no live decode worker (dead: {self._dead_summary()})"))
+        d = t.decode_worker if t.decode_worker in decoders else min(decoders, key=self._load)
+        t.worker, t.phase = d, "transfer"
+        self.workers.send(d, imp)
+
+    def _on_imported(self, w: int, msg: Imported) -> None:
+        t = self._current(w, msg.request_id)
+        if t is None:
+            return
+        m = t.metrics
+        m.imported_time, m.kv_bytes_moved, m.kv_copy_time, m.seat_wait = msg.time, msg.nbytes, msg.copy_seconds, \
+            msg.seat_wait
+        t.phase = "decode"
+        self.workers.send(t.prefill_worker, Release(t.request_id))
+
+    def _on_done(self, w: int, msg: Done) -> None:
+        """The worker's metrics fill in what this process did not see."""
+        t = self._current(w, msg.request_id)
+        if t is None:
+            return
+        m, theirs = t.metrics, msg.output.metrics
+        m.first_scheduled_time = m.first_scheduled_time or theirs.first_scheduled_time
+        m.first_token_time = m.first_token_time or theirs.first_token_time
+        m.finish_time, m.num_cached_tokens = theirs.finish_time, theirs.num_cached_tokens
+        m.path = (t.prefill_worker,) + ((w,) if w != t.prefill_worker else ())
+        t.output = dataclasses.replace(msg.output, request_id=t.request_id, prompt=t.prompt, metrics=m)
+        if self.router is not None and m.routed is not None:
+            self._teach_router(t, w)
+        self._end(t)
+
+    def _teach_router(self, t: Tracked, w: int) -> None:
+        """Feed the router what this request's path really cost."""
+        phases, (predicted, load_p, load_d) = t.metrics.phases(), t.metrics.routed
+        self.router.observe(Observation(
+            len(t.prompt_token_ids), len(t.output.outputs[0].token_ids), t.prefill_worker, w, load_p, load_d,
+            (phases["queued"] + phases["prefill"]) * 1e3, phases["transfer"] * 1e3,
+            (phases["seat_wait"] + phases["decode"]) * 1e3,
+            predicted, t.params.max_tokens))
+
+    # -- endings
+
+    def _end(self, t: Tracked) -> None:
+        """Retire t; a top-level request that is now complete goes to `ended`."""
+        t.phase = "done"
+        self.done[t.request_id] = self.active.pop(t.request_id)
+        if t.parent is None:
+            self.ended.append(t.request_id)
+            return
+        parent = self.active[t.parent]
+        if any(s not in self.done for s in parent.samples):
+            return
+        samples = [self.done.pop(s) for s in parent.samples]
+        errors = [s.output.error for s in samples if s.output.error is not None]
+        outs = [dataclasses.replace(s.output.outputs[0], index=j) for j, s in enumerate(samples) if not s.output.error]
+        ms = [s.metrics for s in samples]
+        parent.metrics = dataclasses.replace(ms[0], finish_time=max(m.finish_time or 0.0 for m in ms))
+        parent.output = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
+                                      [] if errors else outs, parent.metrics, error=errors[0] if errors else None)
+        self._end(parent)
+
+    def _fail(self, t: Tracked, error: Exception) -> None:
+        t.metrics.finish_time = time.perf_counter()
+        t.output = RequestOutput(t.request_id, t.prompt, t.prompt_token_ids, [], t.metrics, error=error)
+        self._end(t)
+
+    def _worker_died(self, w: int) -> None:
+        """Every request w held starts again from its prompt on a live worker, or fails."""
+        why = self.errors.get(w, "").strip().splitlines()[-1:] or [f"exit code {self.workers.procs[w].exitcode}"]
+        self.dead[w] = why[0]
+        for t in list(self.active.values()):
+            if t.samples or t.phase == "done":
+                continue
+            if t.phase == "transfer" and t.prefill_worker == w and t.worker != w:
+                self.workers.send(t.worker, Drop(t.request_id))          # its source is gone: discard the copy
+            elif t.phase == "transfer" and t.worker == w and t.prefill_worker not in self.dead:
+                self.workers.send(t.prefill_worker, Release(t.request_id))   # nobody will pull it now
+            if t.worker == w or (t.phase == "transfer" and t.prefill_worker == w):
+                if t.retried:
+                    self._fail(t, RuntimeError(f"worker {w} ({self.devices[w]}) died: {why[0]}"))
+                else:   # start again from the prompt on a live worker
+                    t.retried, t.tokens, t.worker, t.prefill_worker = True, [], None, None
+                    t.metrics = RequestMetrics(t.metrics.arrival_time)
+                    self._dispatch(t)
+
+    def _dead_summary(self) -> str:
+        return ", ".join(f"worker {w} ({self.devices[w]}): {why}" for w, why in self.dead.items()) or "none"
+
+    def output(self, request_id: int) -> RequestOutput:
+        """An ended request's output; the cluster forgets it."""
+        return self.done.pop(request_id).output
+
+    # -- for the profiler
+
+    def measure(self, w: int, spec: dict, timeout_s: float = 600.0) -> dict:
+        """Run timing.measure_engine(**spec) on idle worker w; its timings."""
+        self.measured.pop(w, None)
+        self.workers.send(w, Measure(spec))
+        deadline = time.monotonic() + timeout_s
+        while w not in self.measured:
+            self._poll_keeping_others(0.05)
+            if w in self.dead or time.monotonic() > deadline:
+                raise RuntimeError(f"worker {w} did not finish measuring: {self.dead.get(w, 'timed out')}")
+        return self.measured.pop(w)
+
+    def run_on_path(self, prompt_ids: list[int], path: tuple[int, int], max_tokens: int = 2) -> RequestMetrics:
+        """Serve one request on a given (prefill worker, decode worker); its metrics."""
+        t = Tracked(next(self._ids), None, prompt_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                    RequestMetrics(time.perf_counter()))
+        self.active[t.request_id] = t
+        self._dispatch(t, path)
+        while t.request_id not in self.done:
+            self._poll_keeping_others(0.05)
+        self.ended.remove(t.request_id)
+        return self.output(t.request_id).metrics
+
+    def _poll_keeping_others(self, timeout: float) -> None:
+        """Poll, leaving the ids it ends for the caller's next poll."""
+        self.ended = self.poll(timeout)
+
+
+def default_devices() -> list[str]:
+    """Every GPU, or two CPU workers."""
+    return [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu", "cpu"]
+
+
+def check_cluster(policy: str, devices: list[str], num_prefill: int, transport: str) -> None:
+    """Raise a ValueError naming the first bad cluster setting, before any worker starts."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
+    if not devices:
+        raise ValueError("devices is empty")
+    if len({check_device(d).type for d in devices}) > 1:   # the KV handoff shares caches of one kind
+        raise ValueError(f"devices {list(devices)} mix cpu and cuda")
+    if policy == "disaggregated" and not 0 < num_prefill < len(devices):
+        raise ValueError(f"disaggregated needs 1 <= num_prefill < len(devices), got num_prefill={num_prefill} "
+                         f"with {len(devices)} devices")

@@ -1,0 +1,149 @@
+"""The messages between the central scheduler (cluster.py) and its workers (workers.py).
+
+Each is a small dataclass, pickled across processes; the receiver dispatches on its type
+with `match`. The central scheduler writes to each worker's inbox queue; a worker answers
+on a pipe of its own with the list of reports of one round of its loop (a worker killed
+mid-write can break only its own pipe; a queue shared by all could stay locked). Tensors
+never travel here: KV caches are shared once at start-up (workers.py), so a handoff names
+block ids only.
+
+    central scheduler --Submit/Import/Release/Drop/Measure/Stop--> worker
+    central scheduler <--Ready/Status/Tokens/Handoff/Imported/Done/...-- worker
+"""
+
+from dataclasses import dataclass, field
+
+from request import RequestOutput, SamplingParams
+
+# ----------------------------------------------------------------------------- to a worker
+
+
+@dataclass
+class Submit:
+    """Run a request: only its prefill (prefill_only, then park it for a handoff), or whole."""
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prefill_only: bool = False
+    beam_width: int = 0
+    length_penalty: float = 1.0
+
+
+@dataclass
+class Import:
+    """Pull a prefilled request's blocks from worker src's cache, then decode it."""
+    request_id: int
+    src: int
+    src_blocks: list[int]
+    token_ids: list[int]                # prompt + first token
+    num_prompt_tokens: int
+    params: SamplingParams
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    generator_state: bytes | None = None   # the random stream, where the prefill left it
+
+
+@dataclass
+class Release:
+    """A decode worker has the request's KV (or never will): free its parked blocks."""
+    request_id: int
+
+
+@dataclass
+class Drop:
+    """Forget this request: its path broke (its source died) and it is retried elsewhere."""
+    request_id: int
+
+
+@dataclass
+class Measure:
+    """Run timing.measure_engine(**spec) on the idle engine and report the timings."""
+    spec: dict
+
+
+@dataclass
+class Stop:
+    """Leave the loop and exit."""
+
+
+# ----------------------------------------------------------------------------- from a worker
+
+
+@dataclass
+class Ready:
+    """The engine is built and the peer caches are in hand."""
+    num_blocks: int
+    watermark_blocks: int
+    kv_bytes_per_token: int
+
+
+@dataclass
+class Failed:
+    """The worker raised (at start-up or later) and is about to exit."""
+    traceback: str
+
+
+@dataclass
+class Status:
+    """Sent with every round that did anything: what the router and the tests read."""
+    free_blocks: int
+    num_blocks: int
+    held: int                           # requests running, parked or importing here
+
+
+@dataclass
+class StepTimed:
+    """A step the engine ran (adaptive policy): its shape and how long its decodes waited."""
+    decodes: int
+    context_tokens: int
+    prefill_tokens: int
+    ms: float
+
+
+@dataclass
+class Measured:
+    timings: dict                       # timing.measure_engine's result
+
+
+@dataclass
+class Tokens:
+    """New output tokens of the requests running here, since the last report."""
+    new: dict[int, list[int]]
+    time: float
+
+
+@dataclass
+class Handoff:
+    """A request is prefilled and parked here: the Import a decode worker needs."""
+    imp: Import
+    first_scheduled_time: float
+    first_token_time: float
+
+
+@dataclass
+class Imported:
+    """A decode worker has a request's KV and decodes it."""
+    request_id: int
+    time: float
+    nbytes: int                         # KV copied
+    copy_seconds: float                 # the copy itself
+    seat_wait: float                    # seconds the Import waited here for a seat and blocks
+
+
+@dataclass
+class Done:
+    request_id: int
+    output: RequestOutput               # its metrics as this worker saw them
+
+
+@dataclass
+class Rejected:
+    """The worker could not take the request (its own validation, e.g. a smaller cache)."""
+    request_id: int
+    error: str
+
+
+@dataclass
+class Expired:
+    """A parked request nobody pulled within the handoff timeout: its blocks are freed."""
+    request_id: int

@@ -1,0 +1,91 @@
+"""Timing model steps of chosen shapes on an idle engine: the raw measurements the profiler
+fits (profiler.py, through a worker's Measure message) and the micro-benchmarks report
+(microbench.py). A fake batch is a set of sequences with random token ids whose context
+is "already in the cache" (its contents do not matter for timing), so any shape of step
+can be run without serving real requests.
+"""
+
+import statistics
+import time
+
+import torch
+
+from request import Request, RequestMetrics, SamplingParams, Sequence
+from runner import Draw
+from scheduler import Batch
+
+GREEDY = SamplingParams()
+
+
+def fake_batch(engine, batch_size: int, context: int, num_new: int) -> Batch:
+    """batch_size sequences with `context` tokens already in the cache (random ids; the KV
+    contents do not matter for timing) and num_new tokens to compute."""
+    req = Request(-1, None, [], GREEDY, RequestMetrics(0.0))
+    seqs = []
+    for _ in range(batch_size):
+        ids = torch.randint(0, engine.model.config.vocab_size, (context + num_new,)).tolist()
+        seq = Sequence(req, 0, ids, len(ids))
+        room = engine.scheduler.allocate(ids)
+        if room is None:
+            raise ValueError(f"a fake batch of {batch_size} x {context + num_new} tokens does not fit in the KV cache")
+        seq.block_table, _ = room
+        seq.num_computed = context
+        seqs.append(seq)
+    return Batch(seqs, [num_new] * batch_size)
+
+
+def free_batch(engine, batch: Batch) -> None:
+    for seq in batch.seqs:
+        engine.scheduler.free(seq.block_table)
+
+
+def run_step(engine, batch: Batch) -> None:
+    """One model step on the batch, a greedy token sampled for every sequence."""
+    engine.runner.run(batch, [Draw(i, GREEDY) for i in range(len(batch.seqs))])
+
+
+def time_step_ms(engine, batch: Batch, reps: int = 10) -> float:
+    """Median wall time of one model step (ModelRunner.run: inputs, graph replay or eager
+    forward, logits, sampling), synchronised."""
+    sync = torch.cuda.synchronize if engine.model.device.type == "cuda" else (lambda: None)
+    times = []
+    for i in range(reps + 2):
+        sync()
+        t = time.perf_counter()
+        run_step(engine, batch)
+        sync()
+        if i >= 2:
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def measure_engine(engine, lengths: list[int], batches: list[int], chunks: list[int], context: int,
+                   gamma_batch: int, long_context: int, kv_batches: list[int], reps: int = 5) -> dict:
+    """Raw timings on an idle engine: prefill per length, decode step per batch size (at
+    context and, for kv_batches, at long_context), and a decode batch of gamma_batch alone
+    and with each chunk of prefill. Sizes beyond the engine's token budget or seat limit
+    are left out (it sized its memory for those)."""
+    budget, seats = engine.cfg.max_num_batched_tokens, engine.cfg.max_num_seqs
+    lengths = [n for n in lengths if n <= budget] or [budget // 2, budget]
+    batches = [b for b in batches if b <= seats] or [1, seats]
+    chunks = [c for c in chunks if gamma_batch + c <= budget] or [max(1, (budget - gamma_batch) // 2)]
+
+    def timed(make) -> float:
+        batch = make()
+        try:
+            return time_step_ms(engine, batch, reps)
+        finally:
+            free_batch(engine, batch)
+
+    def with_chunk(c: int) -> Batch:
+        dec, chunk = fake_batch(engine, gamma_batch, context, 1), fake_batch(engine, 1, 0, c)
+        return Batch(dec.seqs + chunk.seqs, dec.num_new + chunk.num_new)
+    prefill = [timed(lambda n=n: fake_batch(engine, 1, 0, n)) for n in lengths]
+    decode = [timed(lambda b=b: fake_batch(engine, b, context, 1)) for b in batches]
+    kv_batches = [b for b in kv_batches if b in batches]
+    long = [timed(lambda b=b: fake_batch(engine, b, long_context, 1)) for b in kv_batches]
+    alone = timed(lambda: fake_batch(engine, gamma_batch, context, 1))
+    mixed = [timed(lambda c=c: with_chunk(c)) for c in chunks]
+    return {"lengths": lengths, "prefill_ms": prefill, "batches": batches, "decode_ms": decode, "context": context,
+            "kv_batches": kv_batches, "long_context": long_context, "long_decode_ms": long,
+            "chunks": chunks, "extra_ms": [m - alone for m in mixed]}
