@@ -267,7 +267,8 @@ class CentralScheduler:
                 self._fail(self.active[msg.request_id], ValueError(msg.error))
             case Expired() if self._current(w, msg.request_id, prefill_side=True):
                 t = self.active[msg.request_id]
-                if t.phase == "transfer":
+                if t.phase == "transfer":   # the decode worker must not pull the freed blocks now
+                    self.workers.send(t.worker, Drop(t.request_id))
                     self._fail(t, RuntimeError(f"its KV was never pulled from worker {w}"))
 
     def _current(self, w: int, request_id: int, prefill_side: bool = False) -> Tracked | None:

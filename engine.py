@@ -76,9 +76,27 @@ class Engine:
                                    cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[int, Request] = {}      # submitted, output not yet taken
         self.num_prefill_tokens = 0   # prompt tokens actually computed (prefix hits excluded)
-        self.importing = 0            # seats held by imports whose KV is still being copied in
         self.in_flight: LaunchedStep | None = None   # launched, its tokens not yet taken
         self._request_ids = itertools.count()
+        if self.model.device.type == "cuda":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Serve two short requests, one greedy with logprobs and one sampled with top-k,
+        top-p and a seed, through the whole step path, so that no request served later
+        pays a one-off cost: CUDA loads a kernel's module at its first launch, Triton
+        compiles (or loads) a kernel at its first use, the first copies set up their
+        buffers. Such a cost inside a step also delays every message the worker has not
+        read yet (an Import waits in the inbox while the step runs)."""
+        n = max(1, min(2, self.cfg.max_model_len - 2))
+        params = [SamplingParams(max_tokens=2, ignore_eos=True, logprobs=1),
+                  SamplingParams(max_tokens=2, ignore_eos=True, temperature=1.0, top_k=2, top_p=0.9, seed=0)]
+        ids = [self.submit([0] * n, p, request_id=-1 - i) for i, p in enumerate(params)]
+        while self.has_unfinished():
+            self.step()
+        for request_id in ids:
+            self.output(request_id)
+        self.num_prefill_tokens = 0
 
     @property
     def bm(self):
@@ -133,26 +151,18 @@ class Engine:
         in: its block table and how many leading tokens the prefix cache already holds.
         own=True: this engine prefilled and parked it, and its blocks stay where they are.
         None while no seat or not enough blocks are free."""
-        if len(self.scheduler.running) + self.importing >= self.cfg.max_num_seqs:
-            return None
-        if own:
-            room = self.requests[request_id].seqs[0].block_table, 0   # nothing to copy
-        else:
-            room = self.scheduler.allocate(token_ids)
-        self.importing += room is not None
-        return room
+        parked = self.requests[request_id].seqs[0].block_table if own else None
+        return self.scheduler.start_import(token_ids, parked)
 
     def cancel_import(self, block_table: list[int]) -> None:
         """An import started but dropped (its source died): seat and blocks go back."""
-        self.importing -= 1
-        self.scheduler.free(block_table)
+        self.scheduler.cancel_import(block_table)
 
     def finish_import(self, request_id: int, token_ids: list[int], num_prompt_tokens: int, params: SamplingParams,
                       block_table: list[int], logprobs: list[dict[int, float]], cumulative_logprob: float,
                       generator_state: bytes | None) -> None:
         """The request's prompt KV is in block_table (start_import's); its first token is
         token_ids[-1]. It joins the decodes."""
-        self.importing -= 1
         self.requests.pop(request_id, None)   # our own parked record gives way to the decoding one
         req = Request(request_id, None, token_ids[:num_prompt_tokens], params, RequestMetrics(time.perf_counter()),
                       forked=True, num_streamed=1)   # the first token was streamed where it was prefilled
@@ -163,7 +173,7 @@ class Engine:
             seq.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
         req.seqs.append(seq)
         self.requests[request_id] = req
-        self.scheduler.add_running(seq)
+        self.scheduler.finish_import(seq)
 
     def release(self, request_id: int) -> None:
         """Forget a parked request and free its blocks (its KV has been copied, or never will be)."""

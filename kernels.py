@@ -3,8 +3,10 @@
 The jobs:
   paged_attention  attention for a mixed batch (decodes and prefill chunks) whose
                    K/V live in non-contiguous cache blocks; split-K for long decodes
-  copy_rows        move whole cache blocks: copy-on-write (copy_blocks) and the
-                   gather/scatter used to ship a request's blocks between devices
+  copy_rows        move whole cache blocks by id: copy-on-write inside a cache
+                   (copy_blocks), and scattered blocks into one contiguous buffer and
+                   back (gather_blocks / scatter_blocks, timed by bench.py kernels); the
+                   KV handoff between devices is the transports' (transport.py)
   linear           a batch of 1-16 rows times a weight matrix (decode): the weights
                    streamed closer to HBM bandwidth than cuBLAS gets there (on CUDA
                    only; its kernel, small_m_linear, also runs under the interpreter)
@@ -306,12 +308,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl(q.device),
     )
     if num_splits > 1:
-        _merge_splits_kernel[(num_seqs, max_q_len, num_q_heads)](
-            part_out, part_lse, out, cu_q_lens, out.stride(0), out.stride(1), num_q_heads,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            **_pdl(q.device),
-        )
+        _merge_splits(part_out, part_lse, out, cu_q_lens, num_seqs, max_q_len)
     return out
+
+
+def _merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, cu_q_lens: torch.Tensor,
+                  num_seqs: int, max_q_len: int) -> None:
+    """Combine split-K partial outputs [T, H, S, D] by their log-sum-exps [T, H, S] into out."""
+    num_q_heads, num_splits, head_dim = part_out.shape[1:]
+    _merge_splits_kernel[(num_seqs, max_q_len, num_q_heads)](
+        part_out, part_lse, out, cu_q_lens, out.stride(0), out.stride(1), num_q_heads,
+        NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        **_pdl(out.device),
+    )
 
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

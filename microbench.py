@@ -159,14 +159,12 @@ def bench_small_m_linear(name: str, n: int, k: int, m: int = 1, copies: int = 8)
             "rel_err": err, "ref": "cuBLAS"}
 
 
-def bench_split_batch_overlap(batch: int = 1024, context: int = 192, layers: int = 36,
-                              carveouts: tuple = (None, 16, 32)) -> dict:
-    """Can a decode step hide its attention under its GEMMs (NanoFlow's idea)? Qwen3-8B's
-    layers at batch x context: each layer's four projections and its paged attention, one
-    after the other over the whole batch (the reference, what the engine does), and as two
-    half-batches pipelined on two streams, one half's attention beside the other half's
-    projections. The projections run through cuBLASLt, limited to all SMs but `carveout`
-    (torch's experimental knob), so that the attention has SMs of its own."""
+def decode_layers(batch: int, context: int, layers: int):
+    """Qwen3-8B's decode layers at batch x context as two functions of the same kernels:
+    serial() runs each layer's four projections, then its paged attention, over the whole
+    batch (what the engine does); pipelined(carveout) splits the batch in halves on two
+    streams, one half's attention beside the other half's projections, the projections
+    kept off `carveout` SMs (torch's experimental knob) so the attention has SMs of its own."""
     dev, dt, hkv, d, bs = "cuda", torch.bfloat16, 8, 128, 16
     shapes = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
     ws = [[torch.randn(n, k, device=dev, dtype=dt) * 0.02 for n, k in shapes] for _ in range(3)]
@@ -211,7 +209,15 @@ def bench_split_batch_overlap(batch: int = 1024, context: int = 192, layers: int
                     attention(i, rows)
                     attended[half] = side.record_event()
         main.wait_stream(side)
+    return serial, pipelined, 2 * batch * layers * sum(n * k for n, k in shapes) / 1e12
 
+
+def bench_split_batch_overlap(batch: int = 1024, context: int = 192, layers: int = 36,
+                              carveouts: tuple = (None, 16, 32)) -> dict:
+    """Can a decode step hide its attention under its GEMMs (NanoFlow's idea)? The decode
+    layers (decode_layers) one kernel after the other, against halves pipelined on two
+    streams, for each carveout; the projections through cuBLASLt."""
+    serial, pipelined, tflop = decode_layers(batch, context, layers)
     library = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library("cublaslt")
     try:
@@ -220,7 +226,6 @@ def bench_split_batch_overlap(batch: int = 1024, context: int = 192, layers: int
     finally:
         torch.backends.cuda.preferred_blas_library(library)
     best = min(by_carveout, key=by_carveout.get)
-    tflop = 2 * batch * layers * sum(n * k for n, k in shapes) / 1e12
     return {"case": f"decode layers B={batch} T={context}, halves on 2 streams (carveout {best})",
             "ours_ms": by_carveout[best], "ref_ms": t_serial, "unit": "TFLOP/s", "ours_rate": tflop / by_carveout[best] * 1e3,
             "ref_rate": tflop / t_serial * 1e3, "ratio": t_serial / by_carveout[best],

@@ -46,10 +46,11 @@ class PinnedRing:
     non-blocking copy to the host, synchronizes with the device, and that would stall the
     overlap of steps. A few reused buffers never allocate. A buffer is reused only after
     its last copy has finished, and 32 copies later: a step makes at most four, and the
-    host reads a step's downloads within two steps."""
+    host reads a step's downloads within two steps. The buffers are allocated up front
+    (and grown when a step needs more), so serving starts without allocating."""
 
-    def __init__(self, slots: int = 32):
-        self.buffers = [torch.empty(0, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+    def __init__(self, slots: int = 32, initial_bytes: int = 1 << 16):
+        self.buffers = [torch.empty(initial_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
         self.copied: list[torch.cuda.Event | None] = [None] * slots
         self.next = 0
 

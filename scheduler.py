@@ -35,6 +35,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()   # ordered by seq_id: first come, first served
         self.running: list[Sequence] = []          # in admission order; the last is preempted first
+        self.importing = 0                         # seats held by imports whose KV is being copied in
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -71,7 +72,8 @@ class Scheduler:
         # Then new (or preempted) sequences, first come first served, while budget and seats remain.
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if len(self.running) + self._seats(seq) > self.max_num_seqs or not self.bm.can_allocate(seq.token_ids):
+            if len(self.running) + self.importing + self._seats(seq) > self.max_num_seqs \
+                    or not self.bm.can_allocate(seq.token_ids):
                 break
             self.waiting.popleft()
             seq.block_table, seq.num_computed = self.bm.allocate(seq.token_ids)
@@ -120,12 +122,27 @@ class Scheduler:
         self.running.append(child)
 
     def allocate(self, token_ids: list[int]) -> tuple[list[int], int] | None:
-        """Blocks for a sequence whose K/V arrives from elsewhere (a decode worker's import),
-        and how many leading tokens the prefix cache already holds; None if they do not fit."""
+        """Blocks for token_ids and how many leading tokens the prefix cache already holds;
+        None if they do not fit (beside the watermark)."""
         return self.bm.allocate(token_ids) if self.bm.can_allocate(token_ids) else None
 
-    def add_running(self, seq: Sequence) -> None:
-        """A sequence whose K/V is already in its block table (an import) joins the decodes."""
+    def start_import(self, token_ids: list[int], block_table: list[int] | None = None
+                     ) -> tuple[list[int], int] | None:
+        """A seat, and blocks, for a sequence whose K/V is about to be copied in from another
+        worker (block_table given: it is already here). None while none is free."""
+        if len(self.running) + self.importing >= self.max_num_seqs:
+            return None
+        room = (block_table, 0) if block_table is not None else self.allocate(token_ids)
+        self.importing += room is not None
+        return room
+
+    def cancel_import(self, block_table: list[int]) -> None:
+        self.importing -= 1
+        self.free(block_table)
+
+    def finish_import(self, seq: Sequence) -> None:
+        """The imported sequence's K/V is in its block table: it joins the decodes."""
+        self.importing -= 1
         seq.status = Status.RUNNING
         self.running.append(seq)
 

@@ -1,12 +1,31 @@
-"""nanoPD's tests: every part against an independent reference.
+"""nanoPD's tests: every part against an independent reference (HF transformers' Qwen3, a
+plain-torch computation, a brute-force evaluation, or an invariant).
 
-Kernels against a dense softmax written here and against their torch twins; the block
-manager against invariants it must keep; the model against HF transformers' own Qwen3.
+Contents: the shared reference and fixtures first, then one section per module, in the
+order of the README's file map:
+  config.py                  engine settings
+  kernels.py                 the Triton kernels
+  kv_cache.py                the cache tensor and the block manager
+  model.py                   Qwen3 and its loading
+  request.py                 requests and their validation
+  scheduler.py               batching, chunked prefill, preemption, prefix cache
+  sampler.py                 sampling and logprobs
+  runner.py                  the model runner
+  engine.py                  steps, n > 1, beam search, stops
+  transport.py, workers.py   the handoff, in one process
+  router.py                  the cost model, the length predictor, the router
+  cluster.py                 the policies on worker processes
+  profiler.py                the profiler
+  nanopd.py                  the LLM API and the CLI
+  bench.py                   the serving benchmark
+  the repository             the layers, short functions, the docs' citations
+
 Without CUDA the Triton kernels run under the interpreter (TRITON_INTERPRET=1 is set
 below, before kernels.py decorates anything), so CI tests the kernels themselves.
 Interpreter arithmetic on bf16 is wrong, so bf16 is tested on the GPU only.
 """
 
+import ast
 import contextlib
 import dataclasses
 import json
@@ -14,6 +33,7 @@ import math
 import os
 import queue
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -36,6 +56,7 @@ import kernels
 import kv_cache
 import messages
 import model as qwen
+import profiler
 import request
 import sampler
 import workers
@@ -59,7 +80,223 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-# ----------------------------------------------------------------------------- kernels
+# =========================================== the shared reference and fixtures
+# The HF checkpoint every engine test runs against (Reference: HF's greedy tokens, beams,
+# logprobs and K/V), engines and clusters built on it, and helpers the sections share.
+
+
+BLOCK_SIZE = 8
+
+
+VOCAB = 256
+
+
+def hf_checkpoint(path, tie=False, heads=4, kv_heads=2, rope=None, max_shard_size="1GB"):
+    """A random fp32 HF Qwen3 (no EOS token) saved to path. Norm weights are randomised too, so
+    a misplaced q_norm/k_norm or RMSNorm shows in the logits; weights of std 0.1 give wide
+    argmax margins, so greedy comparisons are stable."""
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32,
+                         max_position_embeddings=512, tie_word_embeddings=tie,
+                         rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    hf = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.1)
+    hf.save_pretrained(path, max_shard_size=max_shard_size)
+    return hf
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+def prompt(n, seed):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPTS = [prompt(n, seed) for seed, n in enumerate([5, 17, 33, 40])]
+
+
+HERE = Path(__file__).resolve().parent
+
+
+def with_eos(src: Path, dst: Path, eos: int) -> str:
+    """A copy of checkpoint src whose config names eos as its EOS token."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["eos_token_id"] = eos
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+class Reference:
+    """HF transformers on the checkpoint: greedy tokens, beams and per-position log-probs."""
+
+    def __init__(self, model: Qwen3ForCausalLM, path: Path):
+        self.model, self.path = model, path
+        self._greedy: dict[tuple, list[int]] = {}
+
+    def _generate(self, ids: list[int], **kwargs) -> torch.Tensor:
+        # An explicit attention mask: without one, HF masks every prompt token equal to pad_token_id.
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            return self.model.generate(x, attention_mask=torch.ones_like(x), pad_token_id=0, **kwargs)
+
+    def greedy(self, ids: list[int], k: int) -> list[int]:
+        key = (tuple(ids), k)
+        if key not in self._greedy:
+            out = self._generate(ids, do_sample=False, min_new_tokens=k, max_new_tokens=k)
+            self._greedy[key] = out[0, len(ids):].tolist()
+        return self._greedy[key]
+
+    def beams(self, ids: list[int], width: int, k: int, eos: int | None = None) -> list[list[int]]:
+        """All width beams, best first, each cut after its EOS."""
+        fixed = {} if eos is not None else {"min_new_tokens": k}
+        out = self._generate(ids, do_sample=False, num_beams=width, max_new_tokens=k, num_return_sequences=width,
+                             eos_token_id=eos, **fixed)
+        beams = [b[len(ids):].tolist() for b in out]
+        return [b[:b.index(eos) + 1] if eos in b else b for b in beams]
+
+    def logprobs(self, ids: list[int]) -> torch.Tensor:
+        """log_softmax of the logits at every position of ids [len(ids), vocab]."""
+        with torch.no_grad():
+            return torch.log_softmax(self.model(torch.tensor([ids])).logits[0].float(), -1)
+
+    def kv(self, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the K (after RoPE) and V of every position: [num_kv_heads, len(ids), head_dim]."""
+        with torch.no_grad():
+            out = self.model(torch.tensor([ids]), use_cache=True)
+        cache = out.cache if "cache" in out else out.past_key_values   # transformers >= 5.2x: .cache
+        return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> Reference:
+    path = tmp_path_factory.mktemp("qwen3")
+    return Reference(hf_checkpoint(path), path)
+
+
+def make_llm(path, **kwargs) -> LLM:
+    kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": 256, "max_num_seqs": 16, "device": DEVICE, **kwargs}
+    return LLM(str(path), dtype="float32", **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llm(hf) -> LLM:
+    return make_llm(hf.path)
+
+
+@pytest.fixture
+def torch_twins(monkeypatch):
+    """On CPU, run the kernels' torch twins instead of the (slow) Triton interpreter: the
+    kernels themselves are tested above. (On a GPU this changes nothing.)"""
+    monkeypatch.setattr(kernels, "INTERPRET", False)
+
+
+ENGINE = pytest.mark.usefixtures("torch_twins")
+
+
+def generate(llm: LLM, prompts, **params) -> list[request.RequestOutput]:
+    return llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def run_engine(engine: Engine, requests, max_steps: int = 500) -> list[request.RequestOutput]:
+    """Submit (prompt, params) requests to the engine and step it until they all finish."""
+    reqs = [engine.submit(p, params) for p, params in requests]
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished(), f"still unfinished after {max_steps} steps"
+    return [engine.output(r) for r in reqs]
+
+
+def all_blocks_free(llm: LLM) -> bool:
+    return llm.engine.bm.num_free_blocks == llm.engine.bm.num_blocks
+
+
+# Three devices: 1 prefill + 2 decode. On a two-GPU machine two workers share cuda:1.
+WORKER_DEVICES = ["cuda:0", "cuda:1", "cuda:1"] if torch.cuda.device_count() >= 2 else ["cpu"] * 3
+
+
+MIXED_PROMPTS = [prompt(n, 60 + i) for i, n in enumerate([3, 9, 30, 41, 17, 24])]
+
+
+@pytest.fixture
+def worker_env(monkeypatch):
+    """Worker processes inherit the environment: on CPU they run the kernels' torch twins."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def make_cluster(hf, policy: str, num_devices: int, **kwargs) -> LLM:
+    kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": 128, "max_num_seqs": 16, "max_num_batched_tokens": 16,
+              **kwargs}
+    return LLM(str(hf.path), policy=policy, devices=WORKER_DEVICES[:num_devices], dtype="float32", **kwargs)
+
+
+def workers_all_free(llm: LLM, timeout_s: float = 20.0) -> bool:
+    """Whether every worker reports all its KV blocks free and no request held (waiting for
+    the last Release to reach the prefill worker)."""
+    cluster, deadline = llm.cluster, time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        cluster.poll(0.05)
+        live = [w for w in range(len(cluster.devices)) if w not in cluster.dead]
+        if all(w in cluster.status and cluster.status[w].free_blocks == cluster.status[w].num_blocks
+               and cluster.status[w].held == 0 for w in live):
+            return True
+    return False
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:   # a zombie is dead too
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
+# ================================================== config.py: engine settings
+# A bad setting or device is a ValueError naming it, before anything is built.
+
+
+@ENGINE
+@pytest.mark.parametrize("name", ["no-such-model", "qwen3-9b"])
+def test_unknown_model_is_a_value_error(name):
+    """LLM() with a name that is neither a preset nor a folder raises ValueError naming it."""
+    with pytest.raises(ValueError, match=name):
+        LLM(name, device=DEVICE)
+
+
+BAD_CONFIGS = {"block_size": 0, "max_num_batched_tokens": 0, "max_num_seqs": 0, "max_model_len": 0,
+               "num_kv_blocks": 0, "gpu_memory_utilization": 1.5}
+
+
+@ENGINE
+@pytest.mark.parametrize("name", list(BAD_CONFIGS))
+def test_bad_engine_settings_are_a_value_error(name):
+    """A setting that would make the engine divide by zero or never schedule is refused up front."""
+    with pytest.raises(ValueError, match=name):
+        LLM("tiny", device=DEVICE, **{name: BAD_CONFIGS[name]})
+
+
+@pytest.mark.parametrize("device", ["cuda:99", "tpu", "meta"])
+def test_a_device_this_machine_lacks_is_a_value_error(device):
+    """cuda:99 (more GPUs than there are, or none), a name torch does not know, a device
+    type nanoPD does not run on: each a ValueError naming it, before anything is built."""
+    with pytest.raises(ValueError, match=device):
+        LLM("tiny", device=device)
+
+
+# ============================================== kernels.py: the Triton kernels
+# Each kernel against a dense reference written here and against its torch twin.
 
 
 def make_paged_batch(q_lens, ctx_lens, num_kv_heads, group, head_dim, block_size, dtype, seed=0):
@@ -115,6 +352,8 @@ def dense_attention(q, ks, vs, q_lens, scale):
 # A mixed batch: decodes after long and short contexts, a prefill chunk after a cached
 # prefix, a whole prompt with no context, lengths off the block grid.
 MIXED = {"q_lens": [1, 13, 1, 20, 1], "ctx_lens": [37, 19, 0, 0, 8]}
+
+
 ATTN_CASES = [  # (block_size, head_dim, group, num_kv_heads)
     (16, 64, 1, 2), (8, 128, 3, 2), (16, 128, 4, 1), (8, 64, 8, 1), (16, 64, 3, 1),
 ]
@@ -196,7 +435,6 @@ def test_block_copies(dtype):
     kernels.scatter_blocks(buf, other, ids)
     assert torch.equal(other[ids.long()], cache[ids.long()])
     assert other[[0, 2, 3, 5, 7, 8]].abs().sum() == 0   # nothing else written
-
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -316,8 +554,9 @@ def test_silu_mul(dtype):
     assert rel_err(kernels.silu_mul(x).cpu(), ref.cpu()) < TOL[dtype]
     assert rel_err(kernels.silu_mul_torch(x).cpu(), ref.cpu()) < TOL[dtype]
 
-# ============================================================================= block manager
-# ----------------------------------------------------------------------------- the cache tensor
+
+# ========================= kv_cache.py: the cache tensor and the block manager
+# Small cases, then invariants under random operations.
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
@@ -331,9 +570,6 @@ def test_block_bytes_match_the_tensor(dtype):
     assert kv[3].is_contiguous() and kv[3].nbytes == per_block
     assert blocks_for_memory(kv.nbytes + per_block - 1, per_block) == num_blocks
     assert blocks_for_memory(0, per_block) == 0 and blocks_for_memory(-5, per_block) == 0
-
-
-# ----------------------------------------------------------------------------- small cases
 
 
 def computed(bm, prompt):
@@ -453,9 +689,6 @@ def test_prefix_caching_can_be_disabled():
     prompt = list(range(9))
     bm.free(computed(bm, prompt))
     assert bm.allocate(prompt)[1] == 0 and not bm.cached and not bm.evictable
-
-
-# ----------------------------------------------------------------------------- random operations
 
 
 @dataclass
@@ -601,32 +834,8 @@ def test_random_operations_keep_the_invariants(monkeypatch, hash_fn, prefix_cach
         assert stats["hit_blocks"] > 200 and stats["dedup"] > 0
 
 
-# ============================================================================= model vs HF transformers
-
-BLOCK_SIZE = 8
-VOCAB = 256
-
-
-def hf_checkpoint(path, tie=False, heads=4, kv_heads=2, rope=None, max_shard_size="1GB"):
-    """A random fp32 HF Qwen3 (no EOS token) saved to path. Norm weights are randomised too, so
-    a misplaced q_norm/k_norm or RMSNorm shows in the logits; weights of std 0.1 give wide
-    argmax margins, so greedy comparisons are stable."""
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32,
-                         max_position_embeddings=512, tie_word_embeddings=tie,
-                         rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0})
-    torch.manual_seed(0)
-    hf = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.1)
-    hf.save_pretrained(path, max_shard_size=max_shard_size)
-    return hf
-
-
-def hf_logits(hf, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0]
+# ============================================= model.py: Qwen3 and its loading
+# Logits against HF transformers' Qwen3 on the same checkpoint.
 
 
 class PagedRunner:
@@ -667,10 +876,6 @@ class PagedRunner:
 def assert_close(ours: torch.Tensor, ref: torch.Tensor, tol=1e-4):
     err = ((ours - ref).abs().max() / ref.abs().max()).item()
     assert err < tol, f"max error {err:.2e} (relative to max |logit|)"
-
-
-def prompt(n, seed):
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 VARIANTS = {"untied": {}, "tied-gqa3": {"tie": True, "heads": 6, "kv_heads": 2}}
@@ -779,138 +984,65 @@ def test_presets():
         assert abs(sum(p.numel() for p in shapes.parameters()) / 1e9 - billions) < 0.005
 
 
-# ============================================================================= the engine
-"""Engine tests: Scheduler, ModelRunner, sample(), Engine, LLM and the CLI, against HF's greedy
-tokens, beams, logprobs and K/V, a plain-torch sampling distribution, or properties (block
-accounting, stop reasons, metrics order)."""
-
-HERE = Path(__file__).resolve().parent
+# =================================== request.py: requests and their validation
+# A bad request is a ValueError naming the problem and changes nothing.
 
 
-PROMPTS = [prompt(n, seed) for seed, n in enumerate([5, 17, 33, 40])]
+BAD_REQUESTS = {
+    "empty prompt": ([], {}, "empty"),
+    "token id too large": ([1, VOCAB], {}, "vocabulary"),
+    "negative token id": ([-1, 3], {}, "vocabulary"),
+    "too long": (prompt(500, seed=50), {"max_tokens": 13}, "max_model_len"),
+    "max_tokens 0": ([1, 2], {"max_tokens": 0}, "max_tokens"),
+    "n 0": ([1, 2], {"n": 0}, "n must"),
+    "negative temperature": ([1, 2], {"temperature": -0.5}, "temperature"),
+    "top_p 0": ([1, 2], {"top_p": 0.0}, "top_p"),
+    "top_p 1.5": ([1, 2], {"top_p": 1.5}, "top_p"),
+    "top_k 0": ([1, 2], {"top_k": 0}, "top_k"),
+    "logprobs over vocab": ([1, 2], {"logprobs": VOCAB + 1}, "logprobs"),
+}
 
 
-# ----------------------------------------------------------------------------- the reference
-
-
-def with_eos(src: Path, dst: Path, eos: int) -> str:
-    """A copy of checkpoint src whose config names eos as its EOS token."""
-    shutil.copytree(src, dst)
-    config = json.loads((dst / "config.json").read_text())
-    config["eos_token_id"] = eos
-    (dst / "config.json").write_text(json.dumps(config))
-    return str(dst)
-
-
-class Reference:
-    """HF transformers on the checkpoint: greedy tokens, beams and per-position log-probs."""
-
-    def __init__(self, model: Qwen3ForCausalLM, path: Path):
-        self.model, self.path = model, path
-        self._greedy: dict[tuple, list[int]] = {}
-
-    def _generate(self, ids: list[int], **kwargs) -> torch.Tensor:
-        # An explicit attention mask: without one, HF masks every prompt token equal to pad_token_id.
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            return self.model.generate(x, attention_mask=torch.ones_like(x), pad_token_id=0, **kwargs)
-
-    def greedy(self, ids: list[int], k: int) -> list[int]:
-        key = (tuple(ids), k)
-        if key not in self._greedy:
-            out = self._generate(ids, do_sample=False, min_new_tokens=k, max_new_tokens=k)
-            self._greedy[key] = out[0, len(ids):].tolist()
-        return self._greedy[key]
-
-    def beams(self, ids: list[int], width: int, k: int, eos: int | None = None) -> list[list[int]]:
-        """All width beams, best first, each cut after its EOS."""
-        fixed = {} if eos is not None else {"min_new_tokens": k}
-        out = self._generate(ids, do_sample=False, num_beams=width, max_new_tokens=k, num_return_sequences=width,
-                             eos_token_id=eos, **fixed)
-        beams = [b[len(ids):].tolist() for b in out]
-        return [b[:b.index(eos) + 1] if eos in b else b for b in beams]
-
-    def logprobs(self, ids: list[int]) -> torch.Tensor:
-        """log_softmax of the logits at every position of ids [len(ids), vocab]."""
-        with torch.no_grad():
-            return torch.log_softmax(self.model(torch.tensor([ids])).logits[0].float(), -1)
-
-    def kv(self, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, the K (after RoPE) and V of every position: [num_kv_heads, len(ids), head_dim]."""
-        with torch.no_grad():
-            out = self.model(torch.tensor([ids]), use_cache=True)
-        cache = out.cache if "cache" in out else out.past_key_values   # transformers >= 5.2x: .cache
-        return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
-
-
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory) -> Reference:
-    path = tmp_path_factory.mktemp("qwen3")
-    return Reference(hf_checkpoint(path), path)
-
-
-def make_llm(path, **kwargs) -> LLM:
-    kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": 256, "max_num_seqs": 16, "device": DEVICE, **kwargs}
-    return LLM(str(path), dtype="float32", **kwargs)
-
-
-@pytest.fixture(scope="module")
-def llm(hf) -> LLM:
-    return make_llm(hf.path)
-
-
-@pytest.fixture
-def torch_twins(monkeypatch):
-    """On CPU, run the kernels' torch twins instead of the (slow) Triton interpreter: the
-    kernels themselves are tested above. (On a GPU this changes nothing.)"""
-    monkeypatch.setattr(kernels, "INTERPRET", False)
-
-
-ENGINE = pytest.mark.usefixtures("torch_twins")
-
-
-def generate(llm: LLM, prompts, **params) -> list[request.RequestOutput]:
-    return llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
-
-
-def tokens(outputs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def run_engine(engine: Engine, requests, max_steps: int = 500) -> list[request.RequestOutput]:
-    """Submit (prompt, params) requests to the engine and step it until they all finish."""
-    reqs = [engine.submit(p, params) for p, params in requests]
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            break
+@ENGINE
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_submit_rejects_bad_input(hf, case):
+    """Engine.submit raises a ValueError naming the problem and leaves the queues as they were."""
+    ids, params, words = BAD_REQUESTS[case]
+    engine = make_llm(hf.path, num_kv_blocks=128).engine
+    queued = engine.submit(PROMPTS[0], SamplingParams(max_tokens=2))
+    before = (list(engine.scheduler.waiting), list(engine.scheduler.running), engine.bm.num_free_blocks)
+    with pytest.raises(ValueError, match=words):
+        engine.submit(ids, SamplingParams(**params))
+    assert (list(engine.scheduler.waiting), list(engine.scheduler.running), engine.bm.num_free_blocks) == before
+    while engine.has_unfinished():
         engine.step()
-    assert not engine.has_unfinished(), f"still unfinished after {max_steps} steps"
-    return [engine.output(r) for r in reqs]
-
-
-def all_blocks_free(llm: LLM) -> bool:
-    return llm.engine.bm.num_free_blocks == llm.engine.bm.num_blocks
-
-
-# ----------------------------------------------------------------------------- greedy vs HF
+    assert engine.output(queued).finished
 
 
 @ENGINE
-def test_greedy_batch_matches_hf(hf, llm):
-    """One generate call over prompts of 5, 17, 33 and 40 tokens gives HF's greedy tokens."""
-    outs = generate(llm, PROMPTS, max_tokens=12)
-    assert tokens(outs) == [hf.greedy(p, 12) for p in PROMPTS]
-    assert all(o.outputs[0].finish_reason == "length" for o in outs)
-    assert all_blocks_free(llm)
+def test_request_larger_than_the_cache_is_rejected(hf):
+    """A request needing more blocks than the whole cache is rejected; one that fits runs."""
+    llm = make_llm(hf.path, num_kv_blocks=4)   # 32 token slots
+    with pytest.raises(ValueError, match="KV blocks"):
+        llm.engine.submit(prompt(30, seed=2), SamplingParams(max_tokens=5))
+    p = prompt(20, seed=2)
+    assert tokens(generate(llm, [p], max_tokens=12)) == [hf.greedy(p, 12)]
 
 
 @ENGINE
-def test_greedy_through_triton_kernels_matches_hf(hf, monkeypatch):
-    """End to end through the Triton kernels (the interpreter on CPU): HF's greedy tokens."""
-    monkeypatch.setattr(kernels, "INTERPRET", os.environ.get("TRITON_INTERPRET") == "1")
-    llm = make_llm(hf.path, num_kv_blocks=32)
-    prompts = [PROMPTS[0], PROMPTS[1]]
-    assert tokens(generate(llm, prompts, max_tokens=6)) == [hf.greedy(p, 6) for p in prompts]
+def test_string_prompt_is_its_utf8_bytes():
+    """With the byte tokenizer a string prompt is its UTF-8 bytes, and .text decodes the output."""
+    llm = LLM("tiny", device=DEVICE, num_kv_blocks=64, max_num_seqs=16)
+    text = "Grüße, naïve café ✓"
+    by_text, by_ids = generate(llm, [text, list(text.encode("utf-8"))], max_tokens=10)
+    assert by_text.prompt_token_ids == list(text.encode("utf-8")) and by_text.prompt == text
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
+    ids = by_text.outputs[0].token_ids
+    assert by_text.outputs[0].text == bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
+
+
+# =========== scheduler.py: batching, chunked prefill, preemption, prefix cache
+# Each against HF's greedy tokens, with the scheduler's own counts.
 
 
 @ENGINE
@@ -927,27 +1059,6 @@ def test_chunked_prefill_matches_hf(hf, monkeypatch, budget):
     assert tokens(generate(llm, PROMPTS, max_tokens=12)) == [hf.greedy(p, 12) for p in PROMPTS]
     assert max(step_tokens) == budget
     assert all_blocks_free(llm)
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs are captured on GPUs only")
-def test_piecewise_graphs_match_hf(hf, monkeypatch):
-    """Under a 24-token budget every step with prefill tokens (chunks beside decodes) runs on
-    the piecewise CUDA graphs of the smallest size that holds it (8, 16 or 24 tokens), never
-    the eager forward, and the tokens are HF's greedy tokens."""
-    llm = make_llm(hf.path, max_num_batched_tokens=24)
-    runner_ = llm.engine.runner
-    assert runner_.piece_sizes == [8, 16, 24]
-    steps, replay, eager = [], runner_._replay_pieces, []
-
-    def counting_replay(ids, positions, meta, padded):
-        steps.append((len(ids), padded))
-        return replay(ids, positions, meta, padded)
-    monkeypatch.setattr(runner_, "_replay_pieces", counting_replay)
-    monkeypatch.setattr(runner_.model, "forward", lambda *a: eager.append(1))
-    assert tokens(generate(llm, PROMPTS, max_tokens=12)) == [hf.greedy(p, 12) for p in PROMPTS]
-    assert steps and not eager
-    assert all(padded == min(s for s in (8, 16, 24) if s >= n) for n, padded in steps)
-    assert any(n < padded for n, padded in steps)   # padding tokens took part
 
 
 @ENGINE
@@ -998,7 +1109,272 @@ def test_max_num_seqs_caps_every_step(hf, monkeypatch, n):
     assert max(sizes) == 2
 
 
-# ----------------------------------------------------------------------------- beam search
+@ENGINE
+def test_imports_in_flight_hold_their_seats(hf):
+    """Seats (max_num_seqs) count the sequences whose KV is being copied in: while two
+    imports hold both seats no prompt is admitted; a cancelled import frees its seat and
+    blocks, and the prompt then runs to HF's greedy tokens."""
+    engine = make_llm(hf.path, max_num_seqs=2).engine
+    tables = [engine.start_import(i, prompt(9, seed=90 + i))[0] for i in range(2)]
+    assert engine.start_import(2, prompt(9, seed=92)) is None   # no seat left
+    rid = engine.submit(PROMPTS[0], SamplingParams(max_tokens=4))
+    engine.step()
+    assert not engine.scheduler.running and len(engine.scheduler.waiting) == 1
+    for table in tables:
+        engine.cancel_import(table)
+    assert engine.bm.num_free_blocks == engine.bm.num_blocks
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.output(rid).outputs[0].token_ids == hf.greedy(PROMPTS[0], 4)
+
+
+# =========================================== sampler.py: sampling and logprobs
+# Against a plain-torch distribution, HF's logits and logprobs.
+
+
+@ENGINE
+def test_sample_matches_reference_distribution():
+    """sample() draws from softmax(logits / T) cut to the top 5, then to top_p 0.9, renormalised."""
+    logits = torch.tensor([1.0, 2.2, 0.3, 1.9, -0.4, 1.6, 1.2, 0.9, -1.5, 2.0])
+    temperature, top_k, top_p, rows = 0.7, 5, 0.9, 20000
+    # The reference, in plain torch: top-k, renormalise, then the smallest set reaching top_p.
+    probs = torch.softmax(logits.double() / temperature, -1)
+    values, order = probs.topk(top_k)
+    values = values / values.sum()
+    kept, mass = [], 0.0
+    for token, p in zip(order.tolist(), values.tolist()):
+        kept.append(token)
+        mass += p
+        if mass >= top_p:
+            break
+    assert 2 <= len(kept) < top_k   # both cuts matter
+    expect = torch.zeros_like(probs)
+    expect[kept] = probs[kept] / probs[kept].sum()
+
+    torch.manual_seed(0)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    drawn = sampler.sample(logits.to(DEVICE).expand(rows, -1).contiguous(), [params] * rows, [None] * rows)
+    freq = torch.bincount(drawn.cpu(), minlength=len(logits)).double() / rows
+    std_err = (expect * (1 - expect) / rows).sqrt()
+    assert ((freq - expect).abs() <= 5 * std_err).all(), (freq, expect)
+    assert freq[[t for t in range(len(logits)) if t not in kept]].sum() == 0
+
+
+@ENGINE
+def test_seeded_sample_rows_do_not_depend_on_other_rows():
+    """sample(): a row with its own generator draws the same tokens whatever the other rows hold."""
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    params = [SamplingParams(temperature=1.0)] * 6
+    draws = []
+    for other in range(3):
+        torch.manual_seed(other)   # the unseeded rows' noise
+        gens = [torch.Generator(DEVICE).manual_seed(99)] + [None] * 5
+        rows = torch.randn(5, 50, generator=torch.Generator().manual_seed(other)).to(DEVICE)
+        batch = torch.cat([logits[None], rows])
+        draws.append([sampler.sample(batch, params, gens)[0].item() for _ in range(10)])
+    assert draws[0] == draws[1] == draws[2]
+    assert len(set(draws[0])) > 1   # it did sample
+
+
+@ENGINE
+def test_seeded_sampling_ignores_batch_composition(llm):
+    """A seeded request samples the same tokens alone and among unseeded ones; another seed, others."""
+    seeded = SamplingParams(temperature=0.8, seed=1234, max_tokens=10)
+    alone = run_engine(llm.engine, [(PROMPTS[1], seeded)])[0]
+    crowd = run_engine(llm.engine, [(PROMPTS[3], SamplingParams(temperature=1.0, max_tokens=14)),
+                                    (PROMPTS[2], SamplingParams(temperature=1.0, top_k=5, max_tokens=4)),
+                                    (PROMPTS[1], seeded),
+                                    (PROMPTS[0], SamplingParams(temperature=0.5, max_tokens=12))])[2]
+    assert crowd.outputs[0].token_ids == alone.outputs[0].token_ids
+    other = run_engine(llm.engine, [(PROMPTS[1], SamplingParams(temperature=0.8, seed=1235, max_tokens=10))])[0]
+    assert other.outputs[0].token_ids != alone.outputs[0].token_ids
+
+
+@ENGINE
+@pytest.mark.parametrize("params", [{"top_k": 1}, {"top_p": 1e-6}], ids=["top_k=1", "top_p=1e-6"])
+def test_sampling_restricted_to_one_token_is_greedy(hf, llm, params):
+    """Sampling at temperature 1 from only the most likely token gives HF's greedy tokens."""
+    outs = generate(llm, PROMPTS, max_tokens=8, temperature=1.0, **params)
+    assert tokens(outs) == [hf.greedy(p, 8) for p in PROMPTS]
+
+
+@ENGINE
+def test_top_k_samples_among_the_k_largest_hf_logits(hf, llm):
+    """With top_k=3 every sampled token is among the 3 largest HF logits of its step."""
+    prompts = PROMPTS[:3]
+    outs = generate(llm, prompts, max_tokens=12, temperature=2.0, top_k=3, seed=5)
+    not_argmax = 0
+    for p, ids in zip(prompts, tokens(outs), strict=True):
+        ref = hf.logprobs(p + ids)
+        for i, t in enumerate(ids):
+            row = ref[len(p) - 1 + i]
+            assert t in row.topk(3).indices.tolist()
+            not_argmax += t != row.argmax().item()
+    assert not_argmax > 0   # it did sample
+
+
+@ENGINE
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprobs_match_hf(hf, llm, temperature):
+    """logprobs=3: each step holds its token and the top 3, equal to HF's log_softmax; the sum is cumulative."""
+    prompts = PROMPTS[:2]
+    outs = generate(llm, prompts, max_tokens=8, logprobs=3, temperature=temperature, seed=7)
+    for p, out in zip(prompts, outs, strict=True):
+        c = out.outputs[0]
+        ref = hf.logprobs(p + c.token_ids)
+        assert len(c.logprobs) == len(c.token_ids) == 8
+        for i, (t, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+            row = ref[len(p) - 1 + i]
+            assert set(entry) == set(row.topk(3).indices.tolist()) | {t}
+            assert all(abs(v - row[k].item()) < 1e-4 for k, v in entry.items())
+        expect = sum(ref[len(p) - 1 + i, t].item() for i, t in enumerate(c.token_ids))
+        assert c.cumulative_logprob == pytest.approx(expect, abs=1e-4)
+
+
+# ================================================= runner.py: the model runner
+# Through the Triton kernels and the piecewise CUDA graphs: HF's greedy tokens.
+
+
+@ENGINE
+def test_greedy_through_triton_kernels_matches_hf(hf, monkeypatch):
+    """End to end through the Triton kernels (the interpreter on CPU): HF's greedy tokens."""
+    monkeypatch.setattr(kernels, "INTERPRET", os.environ.get("TRITON_INTERPRET") == "1")
+    llm = make_llm(hf.path, num_kv_blocks=32)
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    assert tokens(generate(llm, prompts, max_tokens=6)) == [hf.greedy(p, 6) for p in prompts]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs are captured on GPUs only")
+def test_piecewise_graphs_match_hf(hf, monkeypatch):
+    """Under a 24-token budget every step with prefill tokens (chunks beside decodes) runs on
+    the piecewise CUDA graphs of the smallest size that holds it (8, 16 or 24 tokens), never
+    the eager forward, and the tokens are HF's greedy tokens."""
+    llm = make_llm(hf.path, max_num_batched_tokens=24)
+    runner_ = llm.engine.runner
+    assert runner_.piece_sizes == [8, 16, 24]
+    steps, replay, eager = [], runner_._replay_pieces, []
+
+    def counting_replay(ids, positions, meta, padded):
+        steps.append((len(ids), padded))
+        return replay(ids, positions, meta, padded)
+    monkeypatch.setattr(runner_, "_replay_pieces", counting_replay)
+    monkeypatch.setattr(runner_.model, "forward", lambda *a: eager.append(1))
+    assert tokens(generate(llm, PROMPTS, max_tokens=12)) == [hf.greedy(p, 12) for p in PROMPTS]
+    assert steps and not eager
+    assert all(padded == min(s for s in (8, 16, 24) if s >= n) for n, padded in steps)
+    assert any(n < padded for n, padded in steps)   # padding tokens took part
+
+
+# ================================= engine.py: steps, n > 1, beam search, stops
+# Against HF's greedy tokens, beams, logprobs and K/V, and the engine's block accounting.
+
+
+@ENGINE
+def test_greedy_batch_matches_hf(hf, llm):
+    """One generate call over prompts of 5, 17, 33 and 40 tokens gives HF's greedy tokens."""
+    outs = generate(llm, PROMPTS, max_tokens=12)
+    assert tokens(outs) == [hf.greedy(p, 12) for p in PROMPTS]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert all_blocks_free(llm)
+
+
+@ENGINE
+def test_steps_overlap_and_a_stop_seen_late_drops_the_extra_token(hf, monkeypatch):
+    """Step N+1 is launched before the host reads step N's tokens: decodes take their input
+    token on the device. A stop token the host sees one step late still ends its output at
+    the stop (HF's greedy tokens up to it); the token sampled after it and its blocks go."""
+    llm = make_llm(hf.path)
+    refs = [hf.greedy(p, 12) for p in PROMPTS]
+    stop = refs[0][4]
+    launched, run = [], llm.engine.runner.run
+
+    def recording_run(batch, draws, beam_rows, beam_k, prev_tokens=None):
+        launched.append((sum(s.token_ids[-1] == request.PENDING for s in batch.seqs), prev_tokens is not None))
+        return run(batch, draws, beam_rows, beam_k, prev_tokens)
+    monkeypatch.setattr(llm.engine.runner, "run", recording_run)
+    outs = generate(llm, PROMPTS, max_tokens=12, stop_token_ids=[stop])
+    for out, ref in zip(outs, refs):
+        expect = ref[:ref.index(stop) + 1] if stop in ref else ref
+        assert (out.outputs[0].token_ids, out.outputs[0].finish_reason) == (expect, "stop" if stop in ref else "length")
+    overlapped = [has_prev for pending, has_prev in launched if pending]
+    assert len(overlapped) >= 10 and all(overlapped)
+    assert all_blocks_free(llm) and not llm.engine.scheduler.running
+
+
+@ENGINE
+def test_stop_token_and_max_tokens(hf, llm):
+    """A stop token ends the output at its first occurrence ("stop"); max_tokens ends it with "length"."""
+    p = PROMPTS[2]
+    ref = hf.greedy(p, 12)
+    stop = ref[3]
+    out = generate(llm, [p], max_tokens=12, stop_token_ids=[stop])[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == (ref[:ref.index(stop) + 1], "stop")
+    out = generate(llm, [p], max_tokens=5)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == (ref[:5], "length")
+
+
+@ENGINE
+def test_eos_stops_unless_ignored(hf, tmp_path):
+    """The checkpoint's EOS ends generation ("stop"); with ignore_eos it runs to max_tokens."""
+    p = PROMPTS[1]
+    ref = hf.greedy(p, 10)
+    eos = ref[2]
+    llm = make_llm(with_eos(hf.path, tmp_path / "eos", eos))
+    out = generate(llm, [p], max_tokens=10)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == (ref[:ref.index(eos) + 1], "stop")
+    out = generate(llm, [p], max_tokens=10, ignore_eos=True)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason) == (ref, "length")
+
+
+@ENGINE
+def test_parallel_sampling_prefills_once_and_shares_blocks(hf):
+    """n=3: one prefill; the children share the prompt's blocks, copy the partial one on write,
+    and every block holds HF's K/V for its sequence."""
+    llm = make_llm(hf.path)
+    engine, ids = llm.engine, prompt(20, seed=11)   # 2 full blocks and a partial one
+    rid = engine.submit(ids, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6))
+    req = engine.requests[rid]
+    while len(req.seqs) < 3:
+        engine.step()
+    tables = [list(s.block_table) for s in req.seqs]
+    assert all(t == tables[0] for t in tables) and len(tables[0]) == 3
+    assert engine.bm.num_blocks - engine.bm.num_free_blocks == 3   # forking took no block
+
+    engine.step()   # each child writes its first token into the shared partial block
+    tables = [list(s.block_table) for s in req.seqs]
+    assert all(t[:2] == tables[0][:2] for t in tables)
+    assert len({t[2] for t in tables}) == 3
+    assert engine.bm.num_blocks - engine.bm.num_free_blocks == 2 + 3
+    kv = engine.runner.kv_cache.cpu()
+    for seq, table in zip(req.seqs, tables):
+        context = ids + seq.output_ids[:1]   # the 21 positions now in the cache
+        for layer, (k, v) in enumerate(hf.kv(context)):
+            for pos in range(len(context)):
+                block, offset = table[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+                torch.testing.assert_close(kv[block, layer, 0, :, offset], k[:, pos], atol=1e-5, rtol=1e-4)
+                torch.testing.assert_close(kv[block, layer, 1, :, offset], v[:, pos], atol=1e-5, rtol=1e-4)
+
+    while engine.has_unfinished():
+        engine.step()
+    completions = [c.token_ids for c in engine.output(rid).outputs]
+    assert len(completions) == 3 and len({tuple(c) for c in completions}) == 3
+    assert engine.num_prefill_tokens == len(ids)
+    assert all_blocks_free(llm)
+
+
+@ENGINE
+def test_parallel_sampling_logprobs_match_hf(hf, llm):
+    """n=3: each completion's token logprobs are HF's given that completion's own prefix."""
+    p = prompt(13, seed=12)
+    out = generate(llm, [p], max_tokens=10, n=3, temperature=1.0, seed=8, logprobs=0)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    for c in out.outputs:
+        ref = hf.logprobs(p + c.token_ids)
+        got = [entry[t] for t, entry in zip(c.token_ids, c.logprobs, strict=True)]
+        expect = [ref[len(p) - 1 + i, t].item() for i, t in enumerate(c.token_ids)]
+        assert got == pytest.approx(expect, abs=1e-4)
+    assert all_blocks_free(llm)
 
 
 @ENGINE
@@ -1067,316 +1443,6 @@ def test_beam_search_in_a_small_cache_finishes_or_is_rejected(hf):
     assert [c.token_ids for c in engine.output(req).outputs] == hf.beams(p, 3, 8)
 
 
-# ----------------------------------------------------------------------------- sampling
-
-
-@ENGINE
-def test_seeded_sampling_ignores_batch_composition(llm):
-    """A seeded request samples the same tokens alone and among unseeded ones; another seed, others."""
-    seeded = SamplingParams(temperature=0.8, seed=1234, max_tokens=10)
-    alone = run_engine(llm.engine, [(PROMPTS[1], seeded)])[0]
-    crowd = run_engine(llm.engine, [(PROMPTS[3], SamplingParams(temperature=1.0, max_tokens=14)),
-                                    (PROMPTS[2], SamplingParams(temperature=1.0, top_k=5, max_tokens=4)),
-                                    (PROMPTS[1], seeded),
-                                    (PROMPTS[0], SamplingParams(temperature=0.5, max_tokens=12))])[2]
-    assert crowd.outputs[0].token_ids == alone.outputs[0].token_ids
-    other = run_engine(llm.engine, [(PROMPTS[1], SamplingParams(temperature=0.8, seed=1235, max_tokens=10))])[0]
-    assert other.outputs[0].token_ids != alone.outputs[0].token_ids
-
-
-@ENGINE
-@pytest.mark.parametrize("params", [{"top_k": 1}, {"top_p": 1e-6}], ids=["top_k=1", "top_p=1e-6"])
-def test_sampling_restricted_to_one_token_is_greedy(hf, llm, params):
-    """Sampling at temperature 1 from only the most likely token gives HF's greedy tokens."""
-    outs = generate(llm, PROMPTS, max_tokens=8, temperature=1.0, **params)
-    assert tokens(outs) == [hf.greedy(p, 8) for p in PROMPTS]
-
-
-@ENGINE
-def test_top_k_samples_among_the_k_largest_hf_logits(hf, llm):
-    """With top_k=3 every sampled token is among the 3 largest HF logits of its step."""
-    prompts = PROMPTS[:3]
-    outs = generate(llm, prompts, max_tokens=12, temperature=2.0, top_k=3, seed=5)
-    not_argmax = 0
-    for p, ids in zip(prompts, tokens(outs), strict=True):
-        ref = hf.logprobs(p + ids)
-        for i, t in enumerate(ids):
-            row = ref[len(p) - 1 + i]
-            assert t in row.topk(3).indices.tolist()
-            not_argmax += t != row.argmax().item()
-    assert not_argmax > 0   # it did sample
-
-
-@ENGINE
-def test_sample_matches_reference_distribution():
-    """sample() draws from softmax(logits / T) cut to the top 5, then to top_p 0.9, renormalised."""
-    logits = torch.tensor([1.0, 2.2, 0.3, 1.9, -0.4, 1.6, 1.2, 0.9, -1.5, 2.0])
-    temperature, top_k, top_p, rows = 0.7, 5, 0.9, 20000
-    # The reference, in plain torch: top-k, renormalise, then the smallest set reaching top_p.
-    probs = torch.softmax(logits.double() / temperature, -1)
-    values, order = probs.topk(top_k)
-    values = values / values.sum()
-    kept, mass = [], 0.0
-    for token, p in zip(order.tolist(), values.tolist()):
-        kept.append(token)
-        mass += p
-        if mass >= top_p:
-            break
-    assert 2 <= len(kept) < top_k   # both cuts matter
-    expect = torch.zeros_like(probs)
-    expect[kept] = probs[kept] / probs[kept].sum()
-
-    torch.manual_seed(0)
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    drawn = sampler.sample(logits.to(DEVICE).expand(rows, -1).contiguous(), [params] * rows, [None] * rows)
-    freq = torch.bincount(drawn.cpu(), minlength=len(logits)).double() / rows
-    std_err = (expect * (1 - expect) / rows).sqrt()
-    assert ((freq - expect).abs() <= 5 * std_err).all(), (freq, expect)
-    assert freq[[t for t in range(len(logits)) if t not in kept]].sum() == 0
-
-
-@ENGINE
-def test_seeded_sample_rows_do_not_depend_on_other_rows():
-    """sample(): a row with its own generator draws the same tokens whatever the other rows hold."""
-    logits = torch.randn(50, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    params = [SamplingParams(temperature=1.0)] * 6
-    draws = []
-    for other in range(3):
-        torch.manual_seed(other)   # the unseeded rows' noise
-        gens = [torch.Generator(DEVICE).manual_seed(99)] + [None] * 5
-        rows = torch.randn(5, 50, generator=torch.Generator().manual_seed(other)).to(DEVICE)
-        batch = torch.cat([logits[None], rows])
-        draws.append([sampler.sample(batch, params, gens)[0].item() for _ in range(10)])
-    assert draws[0] == draws[1] == draws[2]
-    assert len(set(draws[0])) > 1   # it did sample
-
-
-# ----------------------------------------------------------------------------- logprobs
-
-
-@ENGINE
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_logprobs_match_hf(hf, llm, temperature):
-    """logprobs=3: each step holds its token and the top 3, equal to HF's log_softmax; the sum is cumulative."""
-    prompts = PROMPTS[:2]
-    outs = generate(llm, prompts, max_tokens=8, logprobs=3, temperature=temperature, seed=7)
-    for p, out in zip(prompts, outs, strict=True):
-        c = out.outputs[0]
-        ref = hf.logprobs(p + c.token_ids)
-        assert len(c.logprobs) == len(c.token_ids) == 8
-        for i, (t, entry) in enumerate(zip(c.token_ids, c.logprobs)):
-            row = ref[len(p) - 1 + i]
-            assert set(entry) == set(row.topk(3).indices.tolist()) | {t}
-            assert all(abs(v - row[k].item()) < 1e-4 for k, v in entry.items())
-        expect = sum(ref[len(p) - 1 + i, t].item() for i, t in enumerate(c.token_ids))
-        assert c.cumulative_logprob == pytest.approx(expect, abs=1e-4)
-
-
-# ----------------------------------------------------------------------------- parallel sampling (n > 1)
-
-
-@ENGINE
-def test_parallel_sampling_prefills_once_and_shares_blocks(hf):
-    """n=3: one prefill; the children share the prompt's blocks, copy the partial one on write,
-    and every block holds HF's K/V for its sequence."""
-    llm = make_llm(hf.path)
-    engine, ids = llm.engine, prompt(20, seed=11)   # 2 full blocks and a partial one
-    rid = engine.submit(ids, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6))
-    req = engine.requests[rid]
-    while len(req.seqs) < 3:
-        engine.step()
-    tables = [list(s.block_table) for s in req.seqs]
-    assert all(t == tables[0] for t in tables) and len(tables[0]) == 3
-    assert engine.bm.num_blocks - engine.bm.num_free_blocks == 3   # forking took no block
-
-    engine.step()   # each child writes its first token into the shared partial block
-    tables = [list(s.block_table) for s in req.seqs]
-    assert all(t[:2] == tables[0][:2] for t in tables)
-    assert len({t[2] for t in tables}) == 3
-    assert engine.bm.num_blocks - engine.bm.num_free_blocks == 2 + 3
-    kv = engine.runner.kv_cache.cpu()
-    for seq, table in zip(req.seqs, tables):
-        context = ids + seq.output_ids[:1]   # the 21 positions now in the cache
-        for layer, (k, v) in enumerate(hf.kv(context)):
-            for pos in range(len(context)):
-                block, offset = table[pos // BLOCK_SIZE], pos % BLOCK_SIZE
-                torch.testing.assert_close(kv[block, layer, 0, :, offset], k[:, pos], atol=1e-5, rtol=1e-4)
-                torch.testing.assert_close(kv[block, layer, 1, :, offset], v[:, pos], atol=1e-5, rtol=1e-4)
-
-    while engine.has_unfinished():
-        engine.step()
-    completions = [c.token_ids for c in engine.output(rid).outputs]
-    assert len(completions) == 3 and len({tuple(c) for c in completions}) == 3
-    assert engine.num_prefill_tokens == len(ids)
-    assert all_blocks_free(llm)
-
-
-@ENGINE
-def test_parallel_sampling_logprobs_match_hf(hf, llm):
-    """n=3: each completion's token logprobs are HF's given that completion's own prefix."""
-    p = prompt(13, seed=12)
-    out = generate(llm, [p], max_tokens=10, n=3, temperature=1.0, seed=8, logprobs=0)[0]
-    assert [c.index for c in out.outputs] == [0, 1, 2]
-    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
-    for c in out.outputs:
-        ref = hf.logprobs(p + c.token_ids)
-        got = [entry[t] for t, entry in zip(c.token_ids, c.logprobs, strict=True)]
-        expect = [ref[len(p) - 1 + i, t].item() for i, t in enumerate(c.token_ids)]
-        assert got == pytest.approx(expect, abs=1e-4)
-    assert all_blocks_free(llm)
-
-
-# ----------------------------------------------------------------------------- stop conditions
-
-
-@ENGINE
-def test_stop_token_and_max_tokens(hf, llm):
-    """A stop token ends the output at its first occurrence ("stop"); max_tokens ends it with "length"."""
-    p = PROMPTS[2]
-    ref = hf.greedy(p, 12)
-    stop = ref[3]
-    out = generate(llm, [p], max_tokens=12, stop_token_ids=[stop])[0].outputs[0]
-    assert (out.token_ids, out.finish_reason) == (ref[:ref.index(stop) + 1], "stop")
-    out = generate(llm, [p], max_tokens=5)[0].outputs[0]
-    assert (out.token_ids, out.finish_reason) == (ref[:5], "length")
-
-
-@ENGINE
-def test_steps_overlap_and_a_stop_seen_late_drops_the_extra_token(hf, monkeypatch):
-    """Step N+1 is launched before the host reads step N's tokens: decodes take their input
-    token on the device. A stop token the host sees one step late still ends its output at
-    the stop (HF's greedy tokens up to it); the token sampled after it and its blocks go."""
-    llm = make_llm(hf.path)
-    refs = [hf.greedy(p, 12) for p in PROMPTS]
-    stop = refs[0][4]
-    launched, run = [], llm.engine.runner.run
-
-    def recording_run(batch, draws, beam_rows, beam_k, prev_tokens=None):
-        launched.append((sum(s.token_ids[-1] == request.PENDING for s in batch.seqs), prev_tokens is not None))
-        return run(batch, draws, beam_rows, beam_k, prev_tokens)
-    monkeypatch.setattr(llm.engine.runner, "run", recording_run)
-    outs = generate(llm, PROMPTS, max_tokens=12, stop_token_ids=[stop])
-    for out, ref in zip(outs, refs):
-        expect = ref[:ref.index(stop) + 1] if stop in ref else ref
-        assert (out.outputs[0].token_ids, out.outputs[0].finish_reason) == (expect, "stop" if stop in ref else "length")
-    overlapped = [has_prev for pending, has_prev in launched if pending]
-    assert len(overlapped) >= 10 and all(overlapped)
-    assert all_blocks_free(llm) and not llm.engine.scheduler.running
-
-
-@ENGINE
-def test_eos_stops_unless_ignored(hf, tmp_path):
-    """The checkpoint's EOS ends generation ("stop"); with ignore_eos it runs to max_tokens."""
-    p = PROMPTS[1]
-    ref = hf.greedy(p, 10)
-    eos = ref[2]
-    llm = make_llm(with_eos(hf.path, tmp_path / "eos", eos))
-    out = generate(llm, [p], max_tokens=10)[0].outputs[0]
-    assert (out.token_ids, out.finish_reason) == (ref[:ref.index(eos) + 1], "stop")
-    out = generate(llm, [p], max_tokens=10, ignore_eos=True)[0].outputs[0]
-    assert (out.token_ids, out.finish_reason) == (ref, "length")
-
-
-# ----------------------------------------------------------------------------- bad input
-
-
-BAD_REQUESTS = {
-    "empty prompt": ([], {}, "empty"),
-    "token id too large": ([1, VOCAB], {}, "vocabulary"),
-    "negative token id": ([-1, 3], {}, "vocabulary"),
-    "too long": (prompt(500, seed=50), {"max_tokens": 13}, "max_model_len"),
-    "max_tokens 0": ([1, 2], {"max_tokens": 0}, "max_tokens"),
-    "n 0": ([1, 2], {"n": 0}, "n must"),
-    "negative temperature": ([1, 2], {"temperature": -0.5}, "temperature"),
-    "top_p 0": ([1, 2], {"top_p": 0.0}, "top_p"),
-    "top_p 1.5": ([1, 2], {"top_p": 1.5}, "top_p"),
-    "top_k 0": ([1, 2], {"top_k": 0}, "top_k"),
-    "logprobs over vocab": ([1, 2], {"logprobs": VOCAB + 1}, "logprobs"),
-}
-
-
-@ENGINE
-@pytest.mark.parametrize("case", list(BAD_REQUESTS))
-def test_submit_rejects_bad_input(hf, case):
-    """Engine.submit raises a ValueError naming the problem and leaves the queues as they were."""
-    ids, params, words = BAD_REQUESTS[case]
-    engine = make_llm(hf.path, num_kv_blocks=128).engine
-    queued = engine.submit(PROMPTS[0], SamplingParams(max_tokens=2))
-    before = (list(engine.scheduler.waiting), list(engine.scheduler.running), engine.bm.num_free_blocks)
-    with pytest.raises(ValueError, match=words):
-        engine.submit(ids, SamplingParams(**params))
-    assert (list(engine.scheduler.waiting), list(engine.scheduler.running), engine.bm.num_free_blocks) == before
-    while engine.has_unfinished():
-        engine.step()
-    assert engine.output(queued).finished
-
-
-@ENGINE
-@pytest.mark.parametrize("name", ["no-such-model", "qwen3-9b"])
-def test_unknown_model_is_a_value_error(name):
-    """LLM() with a name that is neither a preset nor a folder raises ValueError naming it."""
-    with pytest.raises(ValueError, match=name):
-        LLM(name, device=DEVICE)
-
-
-BAD_CONFIGS = {"block_size": 0, "max_num_batched_tokens": 0, "max_num_seqs": 0, "max_model_len": 0,
-               "num_kv_blocks": 0, "gpu_memory_utilization": 1.5}
-
-
-@ENGINE
-@pytest.mark.parametrize("name", list(BAD_CONFIGS))
-def test_bad_engine_settings_are_a_value_error(name):
-    """A setting that would make the engine divide by zero or never schedule is refused up front."""
-    with pytest.raises(ValueError, match=name):
-        LLM("tiny", device=DEVICE, **{name: BAD_CONFIGS[name]})
-
-
-@pytest.mark.parametrize("device", ["cuda:99", "tpu", "meta"])
-def test_a_device_this_machine_lacks_is_a_value_error(device):
-    """cuda:99 (more GPUs than there are, or none), a name torch does not know, a device
-    type nanoPD does not run on: each a ValueError naming it, before anything is built."""
-    with pytest.raises(ValueError, match=device):
-        LLM("tiny", device=device)
-
-
-@ENGINE
-def test_request_larger_than_the_cache_is_rejected(hf):
-    """A request needing more blocks than the whole cache is rejected; one that fits runs."""
-    llm = make_llm(hf.path, num_kv_blocks=4)   # 32 token slots
-    with pytest.raises(ValueError, match="KV blocks"):
-        llm.engine.submit(prompt(30, seed=2), SamplingParams(max_tokens=5))
-    p = prompt(20, seed=2)
-    assert tokens(generate(llm, [p], max_tokens=12)) == [hf.greedy(p, 12)]
-
-
-@ENGINE
-def test_bad_request_fails_alone_in_generate(hf, llm):
-    """In LLM.generate a bad request gets .error and no outputs; the others match HF."""
-    good = [PROMPTS[1], PROMPTS[3]]
-    outs = generate(llm, [good[0], [], [3, VOCAB + 7], good[1], prompt(510, seed=51)], max_tokens=6)
-    for i, words in [(1, "empty"), (2, "vocabulary"), (4, "max_model_len")]:
-        assert isinstance(outs[i].error, ValueError) and words in str(outs[i].error)
-        assert outs[i].outputs == []
-    assert outs[0].error is None and outs[3].error is None
-    assert tokens([outs[0], outs[3]]) == [hf.greedy(p, 6) for p in good]
-    assert all_blocks_free(llm)
-
-
-# ----------------------------------------------------------------------------- strings, metrics
-
-
-@ENGINE
-def test_string_prompt_is_its_utf8_bytes():
-    """With the byte tokenizer a string prompt is its UTF-8 bytes, and .text decodes the output."""
-    llm = LLM("tiny", device=DEVICE, num_kv_blocks=64, max_num_seqs=16)
-    text = "Grüße, naïve café ✓"
-    by_text, by_ids = generate(llm, [text, list(text.encode("utf-8"))], max_tokens=10)
-    assert by_text.prompt_token_ids == list(text.encode("utf-8")) and by_text.prompt == text
-    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
-    ids = by_text.outputs[0].token_ids
-    assert by_text.outputs[0].text == bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
-
-
 @ENGINE
 def test_metrics_are_ordered(hf, llm):
     """arrival <= first scheduled <= first token <= finish for every request, beams included."""
@@ -1387,64 +1453,8 @@ def test_metrics_are_ordered(hf, llm):
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finish_time
 
 
-# ----------------------------------------------------------------------------- the CLI
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="0")
-    return subprocess.run([sys.executable, "nanopd.py", *args], cwd=HERE, env=env, capture_output=True,
-                          timeout=120, check=False)
-
-
-@ENGINE
-def test_cli_generates():
-    """`nanopd.py --model tiny` exits 0 and reports the tokens it generated."""
-    run = cli("--model", "tiny", "--prompt", "hi", "--max-tokens", "8")
-    assert run.returncode == 0, run.stderr.decode()
-    assert b"[8 tokens in" in run.stdout
-
-
-@ENGINE
-def test_cli_streams_hf_greedy_text(hf):
-    """The CLI's streamed text is the UTF-8 decoding of HF's greedy tokens for the prompt."""
-    # HF's greedy output for "abc" starts with the two bytes of U+0612.
-    ref = hf.greedy(list(b"abc"), 12)
-    run = cli("--model", str(hf.path), "--dtype", "float32", "--prompt", "abc", "--max-tokens", "12")
-    assert run.returncode == 0, run.stderr.decode()
-    streamed = run.stdout[run.stdout.index(b"\n") + 1:run.stdout.rindex(b"\n[12 tokens")]
-    assert streamed.decode() == bytes(ref).decode("utf-8", errors="replace")
-
-
-@ENGINE
-@pytest.mark.parametrize("args, words", [(["--temperature", "-1"], "temperature"),
-                                         (["--model", "no-such-model"], "no-such-model")])
-def test_cli_bad_value_is_an_error_message(args, words):
-    """A bad flag value exits non-zero with a one-line error naming it, not a traceback."""
-    run = cli("--max-tokens", "4", *args)
-    assert run.returncode != 0
-    assert words in run.stderr.decode() and b"Traceback" not in run.stderr
-
-
-# ============================================================================= workers
-"""Worker tests: the policies on worker processes give HF's greedy tokens; a handoff moves
-the prompt's K/V byte for byte (and HF's K/V); blocks all come back; a killed worker
-ends or retries its requests in bounded time; no process outlives its LLM."""
-
-# Three devices: 1 prefill + 2 decode. On a two-GPU machine two workers share cuda:1.
-WORKER_DEVICES = ["cuda:0", "cuda:1", "cuda:1"] if torch.cuda.device_count() >= 2 else ["cpu"] * 3
-MIXED_PROMPTS = [prompt(n, 60 + i) for i, n in enumerate([3, 9, 30, 41, 17, 24])]
-
-
-@pytest.fixture
-def worker_env(monkeypatch):
-    """Worker processes inherit the environment: on CPU they run the kernels' torch twins."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-
-
-def make_cluster(hf, policy: str, num_devices: int, **kwargs) -> LLM:
-    kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": 128, "max_num_seqs": 16, "max_num_batched_tokens": 16,
-              **kwargs}
-    return LLM(str(hf.path), policy=policy, devices=WORKER_DEVICES[:num_devices], dtype="float32", **kwargs)
+# ======================= transport.py, workers.py: the handoff, in one process
+# A Worker driven by the test: the KV moves byte for byte, parked blocks expire, bad requests are rejected.
 
 
 class Reports(queue.Queue):
@@ -1464,83 +1474,6 @@ def reported(worker: workers.Worker) -> list:
     while not worker.outbox.empty():
         events += worker.outbox.get()
     return events
-
-
-
-def workers_all_free(llm: LLM, timeout_s: float = 20.0) -> bool:
-    """Whether every worker reports all its KV blocks free and no request held (waiting for
-    the last Release to reach the prefill worker)."""
-    cluster, deadline = llm.cluster, time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        cluster.poll(0.05)
-        live = [w for w in range(len(cluster.devices)) if w not in cluster.dead]
-        if all(w in cluster.status and cluster.status[w].free_blocks == cluster.status[w].num_blocks
-               and cluster.status[w].held == 0 for w in live):
-            return True
-    return False
-
-
-@pytest.mark.usefixtures("worker_env")
-@pytest.mark.parametrize("policy, num_devices, transport", [("collocated", 2, "p2p"), ("disaggregated", 2, "p2p"),
-                                                            ("disaggregated", 3, "p2p"), ("disaggregated", 2, "relay")])
-def test_policies_on_worker_processes_give_hf_greedy_tokens(hf, policy, num_devices, transport):
-    """Prompts of 3 to 41 tokens (chunked under a 16-token budget) give HF's greedy tokens on
-    every policy; disaggregated ones go prefill worker -> decode worker, with each phase's
-    time recorded; a bad request fails alone; afterwards every worker's blocks are free."""
-    with make_cluster(hf, policy, num_devices, transport=transport) as llm:
-        outs = generate(llm, MIXED_PROMPTS + [[]], max_tokens=10)
-        assert tokens(outs[:-1]) == [hf.greedy(p, 10) for p in MIXED_PROMPTS]
-        assert isinstance(outs[-1].error, ValueError) and "empty" in str(outs[-1].error)
-        for out in outs[:-1]:
-            phases = out.metrics.phases()
-            assert all(v >= 0 for v in phases.values())
-            if policy == "collocated":
-                assert len(out.metrics.path) == 1 and phases["transfer"] == 0
-            else:
-                assert out.metrics.path[0] == 0 and out.metrics.path[1] >= 1
-                assert out.metrics.kv_bytes_moved > 0 and out.metrics.kv_copy_time >= 0
-        if num_devices == 3:   # both decode workers took requests
-            assert {o.metrics.path[1] for o in outs[:-1]} == {1, 2}
-        assert workers_all_free(llm)
-
-
-@pytest.mark.usefixtures("worker_env", "torch_twins")
-def test_disaggregated_sampling_matches_the_single_engine(hf):
-    """Seeded sampling, n > 1 and logprobs across a handoff: the same tokens and logprobs as
-    one engine on the same kind of device (the random stream moves with the request); beam
-    search through the workers gives HF's beams."""
-    params = {"max_tokens": 8, "temperature": 1.0, "seed": 11, "n": 2, "logprobs": 2}
-    ref = generate(make_llm(hf.path, device=WORKER_DEVICES[0]), PROMPTS[:2], **params)
-    with make_cluster(hf, "disaggregated", 2) as cluster:
-        outs = generate(cluster, PROMPTS[:2], **params)
-        beams = cluster.beam_search(PROMPTS[:2], beam_width=3, max_tokens=6, use_tqdm=False)
-    for out, r in zip(outs, ref):
-        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in r.outputs]
-        for c, rc in zip(out.outputs, r.outputs):
-            assert c.cumulative_logprob == pytest.approx(rc.cumulative_logprob, abs=1e-4)
-    # Beam search runs whole on one worker: HF's beams.
-    for out, p in zip(beams, PROMPTS[:2]):
-        assert [c.token_ids for c in out.outputs] == hf.beams(p, 3, 6)
-
-
-@pytest.mark.usefixtures("worker_env")
-def test_handoff_waits_for_a_seat_and_says_so(hf):
-    """Disaggregated, one seat per worker: the second request's KV is pulled only once the
-    first request's decode frees the decode worker's seat. Its metrics count that time as
-    a wait for a seat, not as transfer (the router refits the transfer rate on the rest),
-    and the first request, which found the seat free, waited less."""
-    with make_cluster(hf, "disaggregated", 2, max_num_seqs=1) as llm:
-        cluster = llm.cluster
-        first = cluster.submit(MIXED_PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True))
-        second = cluster.submit(MIXED_PROMPTS[1], SamplingParams(max_tokens=4, ignore_eos=True))
-        ended, deadline = set(), time.monotonic() + 120
-        while len(ended) < 2:
-            assert time.monotonic() < deadline
-            ended |= set(cluster.poll(0.05))
-        a, b = cluster.output(first).metrics, cluster.output(second).metrics
-    assert b.imported_time > a.finish_time
-    assert b.phases()["seat_wait"] > b.phases()["transfer"] >= 0
-    assert a.phases()["seat_wait"] < b.phases()["seat_wait"]
 
 
 @ENGINE
@@ -1632,126 +1565,9 @@ def test_a_worker_rejects_a_bad_request_and_lives_on(hf):
     assert ends[1].output.outputs[0].token_ids == hf.greedy(PROMPTS[0], 4)
 
 
-@pytest.mark.usefixtures("worker_env")
-@pytest.mark.parametrize("policy, num_devices, victim", [("collocated", 2, 1), ("disaggregated", 3, 1),
-                                                         ("disaggregated", 3, 0), ("adaptive", 2, 1)])
-def test_a_killed_worker_ends_or_retries_its_requests(hf, policy, num_devices, victim):
-    """Kill a worker mid-run, while it decodes some requests and others (long prompts) are
-    still being prefilled: every request ends within a bounded time, with HF's greedy
-    tokens (restarted on a live worker) or, when no live worker can serve it (the only
-    prefill worker died), with a RuntimeError naming the dead worker; no process is left."""
-    import signal
-    extra = {"profile": HardwareParams(alpha=0.02, beta=1.0, batch_thresh=2, slope=0.1, gamma=0.5, transfer_rate=0.005)
-             } if policy == "adaptive" else {}
-    llm = make_cluster(hf, policy, num_devices, max_model_len=512, **extra)
-    cluster = llm.cluster
-    prompts = [prompt(12, seed=80 + i) for i in range(4)] + [prompt(150, seed=90 + i) for i in range(3)]
-    rids = [cluster.submit(p, SamplingParams(max_tokens=300)) for p in prompts[:4]]
-    deadline = time.monotonic() + 60
-    while not any(cluster.active[r].tokens and cluster.active[r].phase == "decode" or policy != "disaggregated"
-                  and cluster.active[r].tokens and cluster.active[r].worker == victim for r in rids):
-        assert time.monotonic() < deadline, "nothing was decoding"
-        cluster.poll(0.01)
-    rids += [cluster.submit(p, SamplingParams(max_tokens=300)) for p in prompts[4:]]
-    os.kill(cluster.workers.procs[victim].pid, signal.SIGKILL)
-    ended, start = set(), time.monotonic()
-    while len(ended) < len(rids) and time.monotonic() - start < 120:
-        ended |= set(cluster.poll(0.05))
-    assert ended == set(rids), "a request never ended"
-    outs = [cluster.output(r) for r in rids]
-    for o, p in zip(outs, prompts):
-        if o.error is None:
-            assert o.outputs[0].token_ids == hf.greedy(p, 300)
-        else:
-            assert isinstance(o.error, RuntimeError) and f"worker {victim}" in str(o.error)
-    failed = [o for o in outs if o.error is not None]
-    if victim == 0 and policy == "disaggregated":   # the only prefill worker: its queue cannot be served
-        assert all(o.error is not None for o in outs[4:])
-    else:
-        assert not failed
-    llm.close()
-    assert not any(p.is_alive() for p in cluster.workers.procs)
-
-
-SHUTDOWN_SCRIPT = """
-import os, signal, sys, time
-os.environ["TRITON_INTERPRET"] = "0"
-# Ctrl-C raises KeyboardInterrupt, as in a terminal, even when the tests run as a background
-# job (which starts every child with SIGINT ignored, and then Python installs no handler).
-signal.signal(signal.SIGINT, signal.default_int_handler)
-sys.path.insert(0, {here!r})
-from nanopd import LLM, SamplingParams
-if __name__ == "__main__":
-    llm = LLM("tiny", policy="disaggregated", devices=["cpu", "cpu"], num_kv_blocks=64, max_model_len=512)
-    print(" ".join(str(p.pid) for p in llm.cluster.workers.procs), flush=True)
-    if sys.argv[1] == "raise":
-        raise RuntimeError("the caller fails")
-    while True:   # until Ctrl-C
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=400), use_tqdm=False)
-"""
-
-
-@pytest.mark.parametrize("how", ["raise", "ctrl-c"])
-def test_no_worker_outlives_its_caller(tmp_path, how):
-    """A script that dies of an exception, or of Ctrl-C mid-generate, leaves no worker process."""
-    import signal
-    script, stderr = tmp_path / "serve.py", tmp_path / "stderr.txt"
-    script.write_text(SHUTDOWN_SCRIPT.format(here=str(HERE)))
-    with open(stderr, "wb") as err:   # a file, not a pipe nobody reads: a full pipe would block the script
-        proc = subprocess.Popen([sys.executable, str(script), "raise" if how == "raise" else "loop"],
-                                stdout=subprocess.PIPE, stderr=err)
-    pids = [int(p) for p in proc.stdout.readline().split()]
-    try:
-        assert len(pids) == 2, stderr.read_text()[-3000:]
-        if how == "ctrl-c":
-            time.sleep(1.0)
-            proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the script did not exit within 60 s; its stderr:\n" + stderr.read_text()[-3000:])
-        assert proc.returncode != 0
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and any(alive(pid) for pid in pids):
-            time.sleep(0.1)
-        assert not any(alive(pid) for pid in pids)
-    finally:   # whatever failed, leave nothing running
-        proc.kill()
-        proc.wait()
-        for pid in filter(alive, pids):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        with open(f"/proc/{pid}/stat") as f:   # a zombie is dead too
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except (ProcessLookupError, FileNotFoundError):
-        return False
-
-
-@pytest.mark.parametrize("kwargs, words", [({"policy": "round-robin"}, "policy"),
-                                           ({"policy": "disaggregated", "devices": ["cpu"]}, "num_prefill"),
-                                           ({"policy": "disaggregated", "num_prefill": 2}, "num_prefill"),
-                                           ({"policy": "collocated", "transport": "pigeon"}, "transport"),
-                                           ({"policy": "collocated", "devices": []}, "devices"),
-                                           ({"policy": "collocated", "devices": ["cpu", "tpu:0"]}, "tpu:0"),
-                                           ({"policy": "collocated", "devices": ["cpu", "cuda:99"]}, "cuda:99"),
-                                           ({"policy": "collocated", "devices": ["cpu", "cuda:0"]}, "cuda"),
-                                           ({"policy": None, "num_prefill": 2}, "only apply with a policy")])
-def test_bad_cluster_settings_are_a_value_error(kwargs, words):
-    kwargs = {"devices": ["cpu", "cpu"], **kwargs}
-    with pytest.raises(ValueError, match=words):
-        LLM("tiny", device="cpu", **kwargs)
-
-
-# ============================================================================= router
-"""Router tests: the cost model reduces to DESIGN.md's rule; the output-length predictor's
-posterior converges and its interval covers what it says; the router learns correct
-parameters from synthetic timings after a wrong start, and changes paths with load."""
-
+# ================= router.py: the cost model, the length predictor, the router
+# The cost model reduces to the design rule (docs/router.md) and matches a first-come-first-served simulation; the
+# predictor's posterior converges and covers; the router refits wrong parameters from synthetic timings.
 
 
 def random_params(rng: random.Random) -> HardwareParams:
@@ -1909,9 +1725,173 @@ def test_router_changes_path_with_load():
     assert predicted == pytest.approx(router.cost.disaggregated_ms(2048, 128, split[1], split[0]))
 
 
-# ----------------------------------------------------------------------------- the adaptive policy and the profiler
+# ================================ cluster.py: the policies on worker processes
+# Every policy gives HF's greedy tokens; handoffs report their phases; a killed worker ends or retries its
+# requests; blocks all come back.
 
-import profiler
+
+@pytest.mark.usefixtures("worker_env")
+@pytest.mark.parametrize("policy, num_devices, transport", [("collocated", 2, "p2p"), ("disaggregated", 2, "p2p"),
+                                                            ("disaggregated", 3, "p2p"), ("disaggregated", 2, "relay")])
+def test_policies_on_worker_processes_give_hf_greedy_tokens(hf, policy, num_devices, transport):
+    """Prompts of 3 to 41 tokens (chunked under a 16-token budget) give HF's greedy tokens on
+    every policy; disaggregated ones go prefill worker -> decode worker, with each phase's
+    time recorded; a bad request fails alone; afterwards every worker's blocks are free."""
+    with make_cluster(hf, policy, num_devices, transport=transport) as llm:
+        outs = generate(llm, MIXED_PROMPTS + [[]], max_tokens=10)
+        assert tokens(outs[:-1]) == [hf.greedy(p, 10) for p in MIXED_PROMPTS]
+        assert isinstance(outs[-1].error, ValueError) and "empty" in str(outs[-1].error)
+        for out in outs[:-1]:
+            phases = out.metrics.phases()
+            assert all(v >= 0 for v in phases.values())
+            if policy == "collocated":
+                assert len(out.metrics.path) == 1 and phases["transfer"] == 0
+            else:
+                assert out.metrics.path[0] == 0 and out.metrics.path[1] >= 1
+                assert out.metrics.kv_bytes_moved > 0 and out.metrics.kv_copy_time >= 0
+        if num_devices == 3:   # both decode workers took requests
+            assert {o.metrics.path[1] for o in outs[:-1]} == {1, 2}
+        assert workers_all_free(llm)
+
+
+@pytest.mark.usefixtures("worker_env", "torch_twins")
+def test_disaggregated_sampling_matches_the_single_engine(hf):
+    """Seeded sampling, n > 1 and logprobs across a handoff: the same tokens and logprobs as
+    one engine on the same kind of device (the random stream moves with the request); beam
+    search through the workers gives HF's beams."""
+    params = {"max_tokens": 8, "temperature": 1.0, "seed": 11, "n": 2, "logprobs": 2}
+    ref = generate(make_llm(hf.path, device=WORKER_DEVICES[0]), PROMPTS[:2], **params)
+    with make_cluster(hf, "disaggregated", 2) as cluster:
+        outs = generate(cluster, PROMPTS[:2], **params)
+        beams = cluster.beam_search(PROMPTS[:2], beam_width=3, max_tokens=6, use_tqdm=False)
+    for out, r in zip(outs, ref):
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in r.outputs]
+        for c, rc in zip(out.outputs, r.outputs):
+            assert c.cumulative_logprob == pytest.approx(rc.cumulative_logprob, abs=1e-4)
+    # Beam search runs whole on one worker: HF's beams.
+    for out, p in zip(beams, PROMPTS[:2]):
+        assert [c.token_ids for c in out.outputs] == hf.beams(p, 3, 6)
+
+
+@pytest.mark.usefixtures("worker_env")
+def test_handoff_waits_for_a_seat_and_says_so(hf):
+    """Disaggregated, one seat per worker: the second request's KV is pulled only once the
+    first request's decode frees the decode worker's seat. Its metrics count that time as
+    a wait for a seat, not as transfer (the router refits the transfer rate on the rest),
+    and the first request, which found the seat free, waited less."""
+    with make_cluster(hf, "disaggregated", 2, max_num_seqs=1) as llm:
+        cluster = llm.cluster
+        first = cluster.submit(MIXED_PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True))
+        second = cluster.submit(MIXED_PROMPTS[1], SamplingParams(max_tokens=4, ignore_eos=True))
+        ended, deadline = set(), time.monotonic() + 120
+        while len(ended) < 2:
+            assert time.monotonic() < deadline
+            ended |= set(cluster.poll(0.05))
+        a, b = cluster.output(first).metrics, cluster.output(second).metrics
+    assert b.imported_time > a.finish_time
+    assert b.phases()["seat_wait"] > b.phases()["transfer"] >= 0
+    assert a.phases()["seat_wait"] < b.phases()["seat_wait"]
+
+
+# Prefill is slow and the decode step grows fast past a batch of 1, interference and
+# transfers are cheap: a prompt goes where the prefill queue is shortest and is decoded
+# where the batch is smallest.
+ROUTER_TEST_PARAMS = HardwareParams(alpha=0.2, beta=1.0, batch_thresh=1, slope=5.0, gamma=0.001,
+                                    transfer_rate=0.001)
+
+
+@pytest.mark.usefixtures("worker_env")
+def test_adaptive_gives_hf_tokens_on_both_paths_and_learns(hf):
+    """Adaptive on two workers: HF's greedy tokens on both paths. The first request goes to
+    an idle worker (collocated); while it decodes, a second is collocated on the other
+    worker and a third, sent right after, is prefilled beside the first request's decode
+    (no queue there) and decoded on the second worker (no decodes yet), since the second
+    prompt is queued there. Every finished request updates the output-length predictor, and
+    the steps the workers time refit the router's step model."""
+    params = dataclasses.replace(ROUTER_TEST_PARAMS)
+    with make_cluster(hf, "adaptive", 2, profile=params) as llm:
+        cluster, router = llm.cluster, llm.cluster.router
+        first = cluster.submit(MIXED_PROMPTS[0], SamplingParams(max_tokens=60))
+        deadline = time.monotonic() + 60
+        while not cluster.active[first].tokens:
+            assert time.monotonic() < deadline
+            cluster.poll(0.01)
+        later = [cluster.submit(p, SamplingParams(max_tokens=10)) for p in MIXED_PROMPTS[3:1:-1]]
+        ended = set()
+        while len(ended) < 3:
+            assert time.monotonic() < deadline + 60
+            ended |= set(cluster.poll(0.05))
+        outs = [cluster.output(r) for r in [first] + later]
+        assert tokens(outs) == [hf.greedy(MIXED_PROMPTS[0], 60)] + [hf.greedy(p, 10) for p in MIXED_PROMPTS[3:1:-1]]
+        a, b = outs[0].metrics.path[0], 1 - outs[0].metrics.path[0]
+        assert [o.metrics.path for o in outs] == [(a,), (b,), (a, b)]
+        # Each output carries the loads it was routed under.
+        assert outs[0].metrics.routed[1].decode_batch == 0
+        assert outs[2].metrics.routed[1].decode_batch == 1
+        assert outs[2].metrics.routed[2].queued_prefill_tokens == len(MIXED_PROMPTS[3])
+        assert len(router.errors) == 3 == router.predictor.pooled.n
+        assert router.cost.p.beta != params.beta   # only the steps the workers timed refit beta
+        assert workers_all_free(llm)
+
+
+@pytest.mark.usefixtures("worker_env")
+@pytest.mark.parametrize("policy, num_devices, victim", [("collocated", 2, 1), ("disaggregated", 3, 1),
+                                                         ("disaggregated", 3, 0), ("adaptive", 2, 1)])
+def test_a_killed_worker_ends_or_retries_its_requests(hf, policy, num_devices, victim):
+    """Kill a worker mid-run, while it decodes some requests and others (long prompts) are
+    still being prefilled: every request ends within a bounded time, with HF's greedy
+    tokens (restarted on a live worker) or, when no live worker can serve it (the only
+    prefill worker died), with a RuntimeError naming the dead worker; no process is left."""
+    import signal
+    extra = {"profile": HardwareParams(alpha=0.02, beta=1.0, batch_thresh=2, slope=0.1, gamma=0.5, transfer_rate=0.005)
+             } if policy == "adaptive" else {}
+    llm = make_cluster(hf, policy, num_devices, max_model_len=512, **extra)
+    cluster = llm.cluster
+    prompts = [prompt(12, seed=80 + i) for i in range(4)] + [prompt(150, seed=90 + i) for i in range(3)]
+    rids = [cluster.submit(p, SamplingParams(max_tokens=300)) for p in prompts[:4]]
+    deadline = time.monotonic() + 60
+    while not any(cluster.active[r].tokens and cluster.active[r].phase == "decode" or policy != "disaggregated"
+                  and cluster.active[r].tokens and cluster.active[r].worker == victim for r in rids):
+        assert time.monotonic() < deadline, "nothing was decoding"
+        cluster.poll(0.01)
+    rids += [cluster.submit(p, SamplingParams(max_tokens=300)) for p in prompts[4:]]
+    os.kill(cluster.workers.procs[victim].pid, signal.SIGKILL)
+    ended, start = set(), time.monotonic()
+    while len(ended) < len(rids) and time.monotonic() - start < 120:
+        ended |= set(cluster.poll(0.05))
+    assert ended == set(rids), "a request never ended"
+    outs = [cluster.output(r) for r in rids]
+    for o, p in zip(outs, prompts):
+        if o.error is None:
+            assert o.outputs[0].token_ids == hf.greedy(p, 300)
+        else:
+            assert isinstance(o.error, RuntimeError) and f"worker {victim}" in str(o.error)
+    failed = [o for o in outs if o.error is not None]
+    if victim == 0 and policy == "disaggregated":   # the only prefill worker: its queue cannot be served
+        assert all(o.error is not None for o in outs[4:])
+    else:
+        assert not failed
+    llm.close()
+    assert not any(p.is_alive() for p in cluster.workers.procs)
+
+
+@pytest.mark.parametrize("kwargs, words", [({"policy": "round-robin"}, "policy"),
+                                           ({"policy": "disaggregated", "devices": ["cpu"]}, "num_prefill"),
+                                           ({"policy": "disaggregated", "num_prefill": 2}, "num_prefill"),
+                                           ({"policy": "collocated", "transport": "pigeon"}, "transport"),
+                                           ({"policy": "collocated", "devices": []}, "devices"),
+                                           ({"policy": "collocated", "devices": ["cpu", "tpu:0"]}, "tpu:0"),
+                                           ({"policy": "collocated", "devices": ["cpu", "cuda:99"]}, "cuda:99"),
+                                           ({"policy": "collocated", "devices": ["cpu", "cuda:0"]}, "cuda"),
+                                           ({"policy": None, "num_prefill": 2}, "only apply with a policy")])
+def test_bad_cluster_settings_are_a_value_error(kwargs, words):
+    kwargs = {"devices": ["cpu", "cpu"], **kwargs}
+    with pytest.raises(ValueError, match=words):
+        LLM("tiny", device="cpu", **kwargs)
+
+
+# =================================================== profiler.py: the profiler
+# Its fits recover known parameters; its CLI measures the workers and caches.
 
 
 def test_profiler_fits_recover_known_parameters():
@@ -1958,48 +1938,110 @@ def test_profiler_cli_measures_the_workers_and_caches(tmp_path):
     assert runs[0].stdout == runs[1].stdout   # the same profile, read back
 
 
-# Prefill is slow and the decode step grows fast past a batch of 1, interference and
-# transfers are cheap: a prompt goes where the prefill queue is shortest and is decoded
-# where the batch is smallest.
-ROUTER_TEST_PARAMS = HardwareParams(alpha=0.2, beta=1.0, batch_thresh=1, slope=5.0, gamma=0.001,
-                                    transfer_rate=0.001)
+# ========================================== nanopd.py: the LLM API and the CLI
+# A bad prompt fails alone; the CLI streams HF's text; no worker outlives its caller.
 
 
-@pytest.mark.usefixtures("worker_env")
-def test_adaptive_gives_hf_tokens_on_both_paths_and_learns(hf):
-    """Adaptive on two workers: HF's greedy tokens on both paths. The first request goes to
-    an idle worker (collocated); while it decodes, a second is collocated on the other
-    worker and a third, sent right after, is prefilled beside the first request's decode
-    (no queue there) and decoded on the second worker (no decodes yet), since the second
-    prompt is queued there. Every finished request updates the output-length predictor, and
-    the steps the workers time refit the router's step model."""
-    params = dataclasses.replace(ROUTER_TEST_PARAMS)
-    with make_cluster(hf, "adaptive", 2, profile=params) as llm:
-        cluster, router = llm.cluster, llm.cluster.router
-        first = cluster.submit(MIXED_PROMPTS[0], SamplingParams(max_tokens=60))
-        deadline = time.monotonic() + 60
-        while not cluster.active[first].tokens:
-            assert time.monotonic() < deadline
-            cluster.poll(0.01)
-        later = [cluster.submit(p, SamplingParams(max_tokens=10)) for p in MIXED_PROMPTS[3:1:-1]]
-        ended = set()
-        while len(ended) < 3:
-            assert time.monotonic() < deadline + 60
-            ended |= set(cluster.poll(0.05))
-        outs = [cluster.output(r) for r in [first] + later]
-        assert tokens(outs) == [hf.greedy(MIXED_PROMPTS[0], 60)] + [hf.greedy(p, 10) for p in MIXED_PROMPTS[3:1:-1]]
-        a, b = outs[0].metrics.path[0], 1 - outs[0].metrics.path[0]
-        assert [o.metrics.path for o in outs] == [(a,), (b,), (a, b)]
-        # Each output carries the loads it was routed under.
-        assert outs[0].metrics.routed[1].decode_batch == 0
-        assert outs[2].metrics.routed[1].decode_batch == 1
-        assert outs[2].metrics.routed[2].queued_prefill_tokens == len(MIXED_PROMPTS[3])
-        assert len(router.errors) == 3 == router.predictor.pooled.n
-        assert router.cost.p.beta != params.beta   # only the steps the workers timed refit beta
-        assert workers_all_free(llm)
+@ENGINE
+def test_bad_request_fails_alone_in_generate(hf, llm):
+    """In LLM.generate a bad request gets .error and no outputs; the others match HF."""
+    good = [PROMPTS[1], PROMPTS[3]]
+    outs = generate(llm, [good[0], [], [3, VOCAB + 7], good[1], prompt(510, seed=51)], max_tokens=6)
+    for i, words in [(1, "empty"), (2, "vocabulary"), (4, "max_model_len")]:
+        assert isinstance(outs[i].error, ValueError) and words in str(outs[i].error)
+        assert outs[i].outputs == []
+    assert outs[0].error is None and outs[3].error is None
+    assert tokens([outs[0], outs[3]]) == [hf.greedy(p, 6) for p in good]
+    assert all_blocks_free(llm)
 
 
-# ----------------------------------------------------------------------------- the serving benchmark
+def cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="0")
+    return subprocess.run([sys.executable, "nanopd.py", *args], cwd=HERE, env=env, capture_output=True,
+                          timeout=120, check=False)
+
+
+@ENGINE
+def test_cli_generates():
+    """`nanopd.py --model tiny` exits 0 and reports the tokens it generated."""
+    run = cli("--model", "tiny", "--prompt", "hi", "--max-tokens", "8")
+    assert run.returncode == 0, run.stderr.decode()
+    assert b"[8 tokens in" in run.stdout
+
+
+@ENGINE
+def test_cli_streams_hf_greedy_text(hf):
+    """The CLI's streamed text is the UTF-8 decoding of HF's greedy tokens for the prompt."""
+    # HF's greedy output for "abc" starts with the two bytes of U+0612.
+    ref = hf.greedy(list(b"abc"), 12)
+    run = cli("--model", str(hf.path), "--dtype", "float32", "--prompt", "abc", "--max-tokens", "12")
+    assert run.returncode == 0, run.stderr.decode()
+    streamed = run.stdout[run.stdout.index(b"\n") + 1:run.stdout.rindex(b"\n[12 tokens")]
+    assert streamed.decode() == bytes(ref).decode("utf-8", errors="replace")
+
+
+@ENGINE
+@pytest.mark.parametrize("args, words", [(["--temperature", "-1"], "temperature"),
+                                         (["--model", "no-such-model"], "no-such-model")])
+def test_cli_bad_value_is_an_error_message(args, words):
+    """A bad flag value exits non-zero with a one-line error naming it, not a traceback."""
+    run = cli("--max-tokens", "4", *args)
+    assert run.returncode != 0
+    assert words in run.stderr.decode() and b"Traceback" not in run.stderr
+
+
+SHUTDOWN_SCRIPT = """
+import os, signal, sys, time
+os.environ["TRITON_INTERPRET"] = "0"
+# Ctrl-C raises KeyboardInterrupt, as in a terminal, even when the tests run as a background
+# job (which starts every child with SIGINT ignored, and then Python installs no handler).
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.path.insert(0, {here!r})
+from nanopd import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM("tiny", policy="disaggregated", devices=["cpu", "cpu"], num_kv_blocks=64, max_model_len=512)
+    print(" ".join(str(p.pid) for p in llm.cluster.workers.procs), flush=True)
+    if sys.argv[1] == "raise":
+        raise RuntimeError("the caller fails")
+    while True:   # until Ctrl-C
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=400), use_tqdm=False)
+"""
+
+
+@pytest.mark.parametrize("how", ["raise", "ctrl-c"])
+def test_no_worker_outlives_its_caller(tmp_path, how):
+    """A script that dies of an exception, or of Ctrl-C mid-generate, leaves no worker process."""
+    import signal
+    script, stderr = tmp_path / "serve.py", tmp_path / "stderr.txt"
+    script.write_text(SHUTDOWN_SCRIPT.format(here=str(HERE)))
+    with open(stderr, "wb") as err:   # a file, not a pipe nobody reads: a full pipe would block the script
+        proc = subprocess.Popen([sys.executable, str(script), "raise" if how == "raise" else "loop"],
+                                stdout=subprocess.PIPE, stderr=err)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    try:
+        assert len(pids) == 2, stderr.read_text()[-3000:]
+        if how == "ctrl-c":
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the script did not exit within 60 s; its stderr:\n" + stderr.read_text()[-3000:])
+        assert proc.returncode != 0
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in pids)
+    finally:   # whatever failed, leave nothing running
+        proc.kill()
+        proc.wait()
+        for pid in filter(alive, pids):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+# ============================================= bench.py: the serving benchmark
+# Bad flags are one line; a sweep of every policy runs on CPU workers.
 
 
 @pytest.mark.usefixtures("worker_env")
@@ -2032,3 +2074,86 @@ def test_bench_sweep_smoke(tmp_path):
     for png in ("latency_throughput_vs_rate.png", "goodput.png", "latency_cdf.png", "router_choices.png"):
         assert (tmp_path / "out" / png).stat().st_size > 1000
     assert b"| adaptive | fixed | 4 |" in run.stdout and b"goodput" in run.stdout
+
+
+# ====================================== the repository: layers, short functions, citations
+# Properties of the source itself, read with ast (nothing is imported).
+
+MODULES = sorted(p for p in HERE.glob("*.py") if not p.name.startswith("test_"))
+
+
+def file_map() -> list[str]:
+    """The modules in the order of the README's file map."""
+    return re.findall(r"^\| `(\w+)\.py` \|", (HERE / "README.md").read_text(), re.MULTILINE)
+
+
+def imports_of(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_each_module_imports_only_the_modules_above_it_in_the_file_map():
+    """The README's file map is the order of the layers: reading it top down, every file
+    uses only files already read, so there is no import circle."""
+    order = file_map()
+    assert sorted(order) == sorted(p.stem for p in MODULES), "the file map lists every module once"
+    for i, name in enumerate(order):
+        ours = imports_of(HERE / f"{name}.py") & set(order)
+        assert ours <= set(order[:i]), f"{name}.py imports {sorted(ours - set(order[:i]))}, below it"
+
+
+def test_no_function_is_longer_than_60_lines_outside_triton_kernels():
+    long = []
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                kernel = any("jit" in ast.unparse(d) for d in node.decorator_list)
+                if not kernel and node.end_lineno - node.lineno + 1 > 60:
+                    long.append(f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long
+
+
+def symbols_of(path: Path) -> set[str]:
+    """Top-level names of a module, and Class.member for its classes' members."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef):
+                    names.add(f"{node.name}.{item.name}")
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    names.add(f"{node.name}.{item.target.id}")
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def test_every_symbol_the_docs_cite_exists():
+    """README.md, docs/ and results/README.md point at the code as `file.py:Symbol`; each
+    such file and symbol exists."""
+    pages = [HERE / "README.md", HERE / "results" / "README.md", *sorted((HERE / "docs").glob("*.md"))]
+    cited, missing = 0, []
+    for page in pages:
+        for file, symbol in re.findall(r"\b(\w+\.py):([A-Za-z_][\w.]*\w)", page.read_text()):
+            cited += 1
+            if not (HERE / file).is_file() or symbol not in symbols_of(HERE / file):
+                missing.append(f"{page.relative_to(HERE)}: {file}:{symbol}")
+    assert not missing
+    assert cited > 50   # the docs do point at the code
+
+
+def test_the_docs_speak_of_the_project_only():
+    """No lab notebook in the README, the docs or the code's comments."""
+    files = [HERE / "README.md", HERE / "results" / "README.md", *(HERE / "docs").glob("*.md"), *MODULES]
+    words = re.compile(r"\b(this|previous|last) session\b|\bthrowaway\b|\bscratch/", re.IGNORECASE)
+    hits = [f"{f.name}:{i + 1}" for f in files for i, line in enumerate(f.read_text().splitlines())
+            if words.search(line)]
+    assert not hits
