@@ -89,7 +89,7 @@ def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec], desc:
     from nanopd import SamplingParams
     cluster, pending, results = llm.cluster, {}, []
     start, i = time.perf_counter(), 0
-    with tqdm(total=len(specs), desc=desc, leave=False) as bar:
+    with tqdm(total=len(specs), desc=desc, leave=False, disable=None) as bar:   # only on a terminal
         while i < len(specs) or pending:
             now = time.perf_counter() - start
             while i < len(specs) and specs[i].arrival <= now:
@@ -255,7 +255,7 @@ class Run:
     out: Path
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", default="adaptive", choices=["collocated", "disaggregated", "adaptive", "all"])
     p.add_argument("--mode", default="poisson", choices=["static", "poisson", "sweep"])
@@ -272,8 +272,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256, help="seats per worker (every policy)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step; "
                    "default 8192 on GPUs, 256 on CPUs")
-    p.add_argument("--out", default="results", help="folder for results.json and the plots")
-    return p.parse_args()
+    p.add_argument("--out", default="runs/bench", help="folder for results.json and the plots (runs/ is not "
+                   "tracked; results/ holds the measurements the docs quote)")
+    return p.parse_args(argv)
 
 
 def make_run(args: argparse.Namespace) -> Run:
@@ -286,19 +287,44 @@ def make_run(args: argparse.Namespace) -> Run:
     elif args.mode == "static":
         rates = [0.0]
     else:
-        rates = [args.rate if args.rate is not None else (8.0 if gpu else 4.0)]
+        rates = [default(args.rate, 8.0 if gpu else 4.0)]
     run = Run(mode=args.mode, policies=["collocated", "disaggregated", "adaptive"] if args.policy == "all" else [args.policy],
               workloads=args.workload, rates=rates,
-              duration=args.duration if args.duration is not None else (60.0 if gpu else 15.0),
-              count=args.num_requests if args.num_requests is not None else (512 if gpu else 64),
+              duration=default(args.duration, 60.0 if gpu else 15.0), count=default(args.num_requests, 512 if gpu else 64),
               model=args.model or ("qwen3-8b" if gpu else "tiny"), devices=devices, scale=1.0 if gpu else 1 / 8,
-              ttft_slo=args.ttft_slo or (2.0 if gpu else 0.5), tpot_slo=args.tpot_slo or (0.1 if gpu else 0.05),
+              ttft_slo=default(args.ttft_slo, 2.0 if gpu else 0.5), tpot_slo=default(args.tpot_slo, 0.1 if gpu else 0.05),
               engine={"max_num_seqs": args.max_num_seqs, "max_model_len": 4096,
-                      "max_num_batched_tokens": args.max_num_batched_tokens or (8192 if gpu else 256)},
+                      "max_num_batched_tokens": default(args.max_num_batched_tokens, 8192 if gpu else 256)},
               seed=args.seed, out=Path(args.out))
-    if (args.mode != "static" and min(rates) <= 0) or run.duration <= 0 or run.count < 1:
-        raise SystemExit("error: --rate/--rates and --duration must be above 0, --num-requests at least 1")
+    check_run(run)
     return run
+
+
+def default(value, fallback):
+    """A flag's value, or its default when it was not given (0 is a value, not a default)."""
+    return fallback if value is None else value
+
+
+MAX_REQUESTS = 1_000_000   # per workload and rate: past it a run would take hours and its memory
+
+
+def check_run(run: Run) -> None:
+    """SystemExit with one line naming the flag, for a run that could not run or never end."""
+    for flag, values in (("--rate/--rates", run.rates if run.mode != "static" else []), ("--duration", [run.duration]),
+                         ("--ttft-slo", [run.ttft_slo]), ("--tpot-slo", [run.tpot_slo])):
+        bad = [v for v in values if not (math.isfinite(v) and v > 0)]
+        if bad:
+            raise SystemExit(f"error: {flag} must be above 0 and finite, got {bad[0]:g}")
+    if run.count < 1:
+        raise SystemExit(f"error: --num-requests must be at least 1, got {run.count}")
+    if max(run.rates) * run.duration > MAX_REQUESTS or run.count > MAX_REQUESTS:
+        raise SystemExit(f"error: --rate x --duration (or --num-requests) asks for more than {MAX_REQUESTS:,} requests")
+    try:   # the results must have somewhere to go before any time is spent serving
+        run.out.mkdir(parents=True, exist_ok=True)
+        (run.out / ".writable").touch()
+        (run.out / ".writable").unlink()
+    except OSError as e:
+        raise SystemExit(f"error: --out {run.out}: {e.strerror or e}") from None
 
 
 def run_policy(run: Run, policy: str) -> tuple[list[dict], list[Result], dict]:

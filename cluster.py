@@ -16,19 +16,25 @@ time, they end with a RuntimeError in RequestOutput.error. Nothing waits on a de
 worker. close() (also run at exit and when the object is collected) stops every worker.
 """
 
+import ast
 import collections
 import dataclasses
 import itertools
+import multiprocessing
+import os
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from config import EngineConfig, check_device
+from config import EngineConfig, check_device, check_int, check_real
 from kv_cache import cdiv
 from messages import (
+    Abort,
     Done,
     Drop,
     Expired,
@@ -46,10 +52,10 @@ from messages import (
     Tokens,
 )
 from model import load_config, load_tokenizer
-from request import RequestMetrics, RequestOutput, SamplingParams, check_request
+from request import RequestMetrics, RequestOutput, SamplingParams, check_request, tokenize
 from router import Observation, Router, WorkerLoad
 from transport import TRANSPORTS
-from workers import WorkerProcesses, stop_processes
+from workers import HEARTBEAT_S, WorkerProcesses, stop_processes
 
 POLICIES = ("collocated", "disaggregated", "adaptive")
 PREFILL_RATE_WINDOW_S = 2.0   # the prefill rate counts the steps reported this long ago at most
@@ -82,14 +88,17 @@ class CentralScheduler:
     (nanopd.LLM does it, from the profiler's measurements)."""
 
     def __init__(self, model: str, policy: str, devices: list[str], num_prefill: int = 1,
-                 transport: str = "p2p", startup_timeout_s: float = 600.0, **engine_kwargs):
-        check_cluster(policy, devices, num_prefill, transport)
+                 transport: str = "p2p", worker_timeout_s: float = 60.0, startup_timeout_s: float = 600.0,
+                 **engine_kwargs):
+        check_cluster(policy, devices, num_prefill, transport, worker_timeout_s)
+        check_main_module()
         self.cfg = EngineConfig(model=model, **engine_kwargs)
         self.cfg.validate()
         config = load_config(model)
         self.cfg.max_model_len = min(self.cfg.max_model_len, config.max_position_embeddings)
         self.vocab_size, self.tokenizer = config.vocab_size, load_tokenizer(model)
         self.policy, self.devices, self.transport = policy, list(devices), transport
+        self.worker_timeout_s = worker_timeout_s
         self.roles = (["prefill"] * num_prefill + ["decode"] * (len(devices) - num_prefill)
                       if policy == "disaggregated" else ["collocated"] * len(devices))
         self.workers = WorkerProcesses(self.cfg, self.devices, self._sources(), transport, policy == "adaptive",
@@ -102,6 +111,7 @@ class CentralScheduler:
         self.errors: dict[int, str] = {}      # worker -> the traceback it reported
         self.status: dict[int, Status] = {}   # worker -> its last Status
         self.measured: dict[int, dict] = {}
+        self.heard: dict[int, float] = {}     # worker -> when its last reports came
         self.prefilled: collections.deque[tuple[float, int]] = collections.deque()   # (time, tokens) steps prefilled
         self.prefilled_tokens = 0   # ... their sum
         self.router: Router | None = None
@@ -119,7 +129,7 @@ class CentralScheduler:
     def _wait_ready(self, timeout_s: float) -> int:
         """Block until every worker reports Ready; the smallest cache's room in blocks."""
         rooms, deadline = {}, time.monotonic() + timeout_s
-        with tqdm(total=len(self.devices), desc="starting workers", leave=False) as bar:
+        with tqdm(total=len(self.devices), desc="starting workers", leave=False, disable=None) as bar:
             while len(rooms) < len(self.devices):
                 for w, reports in self.workers.receive(0.5, skip=set()):
                     for msg in reports:
@@ -132,10 +142,22 @@ class CentralScheduler:
                 failed = self.workers.exited()
                 if failed or time.monotonic() > deadline:
                     self.close()
-                    i = failed[0] if failed else None
-                    why = self.errors.get(i, "no traceback") if failed else f"not ready after {timeout_s:.0f} s"
-                    raise RuntimeError(f"worker {i} ({self.devices[i] if failed else '?'}) did not start: {why}")
+                    raise self._start_error(failed[0] if failed else None, timeout_s)
+        self.heard = dict.fromkeys(range(len(self.devices)), time.monotonic())
         return min(rooms.values())
+
+    def _start_error(self, w: int | None, timeout_s: float) -> Exception:
+        """Why the cluster could not start: a worker's own ValueError (a setting its device
+        cannot meet) as a ValueError, anything else as a RuntimeError naming the worker."""
+        if w is None:
+            return RuntimeError(f"a worker was not ready after {timeout_s:.0f} s")
+        last = (self.errors.get(w, "").strip().splitlines() or [""])[-1]
+        if last.startswith("ValueError: "):
+            return ValueError(f"worker {w} ({self.devices[w]}): {last.removeprefix('ValueError: ')}")
+        if not last:   # it died before it could say why: most often in the spawn bootstrap
+            last = (f"exit code {self.workers.procs[w].exitcode}, before it ran (a script that starts "
+                    "workers must do so under `if __name__ == \"__main__\":`)")
+        return RuntimeError(f"worker {w} ({self.devices[w]}) did not start: {last}")
 
     def close(self) -> None:
         self._close()
@@ -145,10 +167,10 @@ class CentralScheduler:
     def submit(self, prompt: str | list[int], params: SamplingParams, beam_width: int = 0,
                length_penalty: float = 1.0) -> int:
         """Validate (ValueError, as the single engine) and dispatch a request; its id."""
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        check_request(ids, params, beam_width, self.vocab_size, self.cfg, self.room)
-        t = Tracked(next(self._ids), prompt if isinstance(prompt, str) else None, ids, params,
-                    RequestMetrics(time.perf_counter()), beam_width, length_penalty)
+        text, ids = tokenize(prompt, self.tokenizer)
+        check_request(ids, params, beam_width, self.vocab_size, self.cfg, self.room, length_penalty)
+        t = Tracked(next(self._ids), text, ids, params, RequestMetrics(time.perf_counter()), beam_width,
+                    length_penalty)
         self.active[t.request_id] = t
         if self.policy != "collocated" and params.n > 1 and not beam_width:
             self._split_samples(t)
@@ -232,13 +254,24 @@ class CentralScheduler:
         """Handle what the workers reported, waiting up to timeout for it; the ids of the
         requests that ended since the last poll (submit's ids), wherever they ended."""
         for w, reports in self.workers.receive(timeout, skip=set(self.dead)):
+            self.heard[w] = time.monotonic()
             for msg in reports:
                 self._on_report(w, msg)
         for w in self.workers.exited():
             if w not in self.dead:
                 self._worker_died(w)
+        self._check_silent()
         ended, self.ended = self.ended, []
         return ended
+
+    def _check_silent(self) -> None:
+        """A live worker reports at least every workers.HEARTBEAT_S, busy or idle; one silent
+        for worker_timeout_s (stopped, hung, or starved) is killed and treated as dead."""
+        now = time.monotonic()
+        for w, heard in self.heard.items():
+            if w not in self.dead and now - heard > self.worker_timeout_s:
+                self.workers.procs[w].kill()
+                self._worker_died(w, f"no report for {now - heard:.0f} s (worker_timeout_s={self.worker_timeout_s:g})")
 
     def _on_report(self, w: int, msg) -> None:
         """Handle one report of worker w."""
@@ -365,9 +398,10 @@ class CentralScheduler:
         t.output = RequestOutput(t.request_id, t.prompt, t.prompt_token_ids, [], t.metrics, error=error)
         self._end(t)
 
-    def _worker_died(self, w: int) -> None:
+    def _worker_died(self, w: int, why: str | None = None) -> None:
         """Every request w held starts again from its prompt on a live worker, or fails."""
-        why = self.errors.get(w, "").strip().splitlines()[-1:] or [f"exit code {self.workers.procs[w].exitcode}"]
+        why = [why] if why else (self.errors.get(w, "").strip().splitlines()[-1:]
+                                 or [f"exit code {self.workers.procs[w].exitcode}"])
         self.dead[w] = why[0]
         for t in list(self.active.values()):
             if t.samples or t.phase == "done":
@@ -390,6 +424,18 @@ class CentralScheduler:
     def output(self, request_id: int) -> RequestOutput:
         """An ended request's output; the cluster forgets it."""
         return self.done.pop(request_id).output
+
+    def abort(self, request_ids: list[int]) -> None:
+        """End these requests now and forget them: every worker that may hold one (its
+        worker, and the prefill worker where its KV may be parked) is told to drop it."""
+        for request_id in request_ids:
+            self.done.pop(request_id, None)
+            t = self.active.pop(request_id, None)
+            if t is None:
+                continue
+            self.abort(t.samples)
+            for w in {t.worker, t.prefill_worker} - {None} - set(self.dead):
+                self.workers.send(w, Abort(request_id))
 
     # -- for the profiler
 
@@ -425,16 +471,41 @@ def default_devices() -> list[str]:
     return [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu", "cpu"]
 
 
-def check_cluster(policy: str, devices: list[str], num_prefill: int, transport: str) -> None:
+def check_cluster(policy: str, devices: list[str], num_prefill: int, transport: str,
+                  worker_timeout_s: float) -> None:
     """Raise a ValueError naming the first bad cluster setting, before any worker starts."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
     if transport not in TRANSPORTS:
         raise ValueError(f"transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
-    if not devices:
-        raise ValueError("devices is empty")
+    if not isinstance(devices, list | tuple) or not devices:
+        raise ValueError(f"devices must be a non-empty list of device names, got {devices!r}")
+    check_int("num_prefill", num_prefill, low=0)
+    check_real("worker_timeout_s", worker_timeout_s)
+    if worker_timeout_s <= 2 * HEARTBEAT_S:
+        raise ValueError(f"worker_timeout_s must be above {2 * HEARTBEAT_S:g} s (the workers' heartbeat "
+                         f"is {HEARTBEAT_S:g} s), got {worker_timeout_s}")
     if len({check_device(d).type for d in devices}) > 1:   # the KV handoff shares caches of one kind
         raise ValueError(f"devices {list(devices)} mix cpu and cuda")
     if policy == "disaggregated" and not 0 < num_prefill < len(devices):
         raise ValueError(f"disaggregated needs 1 <= num_prefill < len(devices), got num_prefill={num_prefill} "
                          f"with {len(devices)} devices")
+
+
+def check_main_module() -> None:
+    """Worker processes are started with spawn, which runs the caller's script again in
+    each of them: unless the script starts the workers under `if __name__ == "__main__":`,
+    every worker would start workers of its own. Refuse before starting any."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(multiprocessing.current_process(), "_inheriting", False):   # we are such a worker
+        raise RuntimeError("nanoPD workers are being started while a worker process starts: put the code "
+                           "that creates LLM(policy=...) under `if __name__ == \"__main__\":`")
+    if path is None or not path.endswith(".py") or not os.path.isfile(path):
+        return   # an interactive session, python -c, a notebook: nothing is run again
+    tree = ast.parse(Path(path).read_text())
+    guarded = any(isinstance(node, ast.If) and "__name__" in ast.unparse(node.test) for node in tree.body)
+    if not guarded:
+        raise ValueError(f"{path} has no `if __name__ == \"__main__\":` block: worker processes are started with "
+                         "spawn, which runs the script again in each of them; put the code that creates "
+                         "LLM(policy=...) under that block")

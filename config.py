@@ -6,6 +6,8 @@ the cluster (cluster.py) validates it once in the parent and hands each worker a
 with its own device.
 """
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -30,15 +32,40 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Raise a ValueError naming the first bad setting."""
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be at least 1 (or None to size it), got {self.num_kv_blocks}")
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a preset name or a checkpoint folder, got {self.model!r}")
+        for name in ("max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+            check_int(name, getattr(self, name), low=1)
+        if self.block_size > self.max_model_len:   # a block holds token slots of one sequence
+            raise ValueError(f"block_size ({self.block_size}) must be at most max_model_len ({self.max_model_len})")
+        if self.num_kv_blocks is not None:
+            check_int("num_kv_blocks", self.num_kv_blocks, low=1)
+        check_real("gpu_memory_utilization", self.gpu_memory_utilization)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        check_int("seed", self.seed, low=0, high=2 ** 63 - 1)
         check_device(self.device)
         resolve_dtype(self.dtype, self.device)
+
+
+def check_int(name: str, value, low: int | None = None, high: int | None = None) -> None:
+    """A ValueError naming `name` unless value is an integer (not a bool) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"at least {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
+
+
+def check_real(name: str, value, low: float | None = None) -> None:
+    """A ValueError naming `name` unless value is a finite real number, at least low."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device | None) -> torch.dtype:
@@ -57,6 +84,8 @@ def check_device(device: str | torch.device | None) -> torch.device | None:
     """The device, or a ValueError naming it if this machine has no such device (None: the default)."""
     if device is None:
         return None
+    if not isinstance(device, str | torch.device):
+        raise ValueError(f"device must be a name like 'cpu' or 'cuda:0', got {device!r}")
     try:
         d = torch.device(device)
     except (RuntimeError, TypeError):

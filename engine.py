@@ -37,6 +37,7 @@ from request import (
     Sequence,
     Status,
     check_request,
+    tokenize,
 )
 from runner import Draw, ModelRunner, StepOutput
 from scheduler import Batch, Scheduler
@@ -108,10 +109,9 @@ class Engine:
     def submit(self, prompt: str | list[int], params: SamplingParams, beam_width: int = 0,
                length_penalty: float = 1.0, request_id: int | None = None, prefill_only: bool = False) -> int:
         """Validate and queue a request; its id. A bad one raises ValueError and changes nothing."""
-        text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        text, ids = tokenize(prompt, self.tokenizer)
         check_request(ids, params, beam_width, self.model.config.vocab_size, self.cfg,
-                      self.bm.num_blocks - self.bm.watermark_blocks)
+                      self.bm.num_blocks - self.bm.watermark_blocks, length_penalty)
         req = Request(next(self._request_ids) if request_id is None else request_id, text, ids, params,
                       RequestMetrics(time.perf_counter()), beam_width=beam_width, length_penalty=length_penalty,
                       prefill_only=prefill_only)
@@ -179,7 +179,7 @@ class Engine:
         """Forget a parked request and free its blocks (its KV has been copied, or never will be)."""
         req = self.requests.get(request_id)
         if req is not None and req.parked:
-            self.scheduler.free(req.seqs[0].block_table)
+            self._release(req)
             del self.requests[request_id]
 
     # -- one step: launch it, then finish the previous one while the device computes
@@ -188,15 +188,54 @@ class Engine:
         """Schedule and launch a batch, then finish the step launched before it, whose
         sampled tokens were copied to the host meanwhile: the host's bookkeeping overlaps
         the device's work instead of leaving it idle. Returns the ids of the requests that
-        finished (a prefill_only one: prefilled and parked)."""
+        finished (a prefill_only one: prefilled and parked). A step that raises ends the
+        requests it carried with that error; the engine goes on serving the others."""
         batch = self.scheduler.schedule()
-        launched = self._launch(batch) if batch.seqs else None
-        finished = self._finish(self.in_flight) if self.in_flight else []
+        try:
+            launched = self._launch(batch) if batch.seqs else None
+            finished = self._finish(self.in_flight) if self.in_flight else []
+        except Exception as e:  # noqa: BLE001 (the requests end with it; nothing else is lost)
+            return self._fail_step(batch, e)
         self.in_flight = launched
         if launched is not None and launched.beams:   # beam search chooses on the host, now
             finished += self._finish(launched)
             self.in_flight = None
         return [r.request_id for r in finished]
+
+    def _fail_step(self, batch: Batch, error: Exception) -> list[int]:
+        """End every request of the batch and of the step in flight with error, freeing all
+        they hold; their ids."""
+        step, self.in_flight = self.in_flight, None
+        involved = {s.request: None for s in batch.seqs}
+        if step is not None:
+            involved.update({s.request: None for s in step.seqs + [t for t, _ in step.targets]})
+        ended = []
+        for req in involved:
+            if req.request_id in self.requests and req.metrics.finish_time is None:
+                self._release(req)
+                req.error, req.metrics.finish_time = error, time.perf_counter()
+                ended.append(req.request_id)
+        return ended
+
+    def _release(self, req: Request) -> None:
+        """Finish every sequence of req and give back every block it holds."""
+        for seq in req.seqs:
+            if seq.status != Status.FINISHED:
+                self.scheduler.finish(seq)
+        if req.parked:
+            self.scheduler.free(req.seqs[0].block_table)
+
+    def abort(self, request_ids: list[int]) -> None:
+        """End these requests now and forget them, wherever they are (waiting, running,
+        parked); their blocks go back. A step in flight drops their tokens."""
+        for request_id in request_ids:
+            req = self.requests.pop(request_id, None)
+            if req is not None:
+                self._release(req)
+        step = self.in_flight
+        if step is not None and all(s.request.request_id not in self.requests
+                                    for s in step.seqs + [t for t, _ in step.targets]):
+            self.in_flight = None   # nothing left to take from it
 
     def poll(self, timeout: float = 0.0) -> list[int]:
         """Run a step if there is work; the ids of requests that ended (LLM's loop)."""
@@ -368,16 +407,14 @@ class Engine:
         return new
 
     def output(self, request_id: int) -> RequestOutput:
-        """A finished request's output; the engine forgets it."""
+        """A finished request's output (none but its .error if it failed); the engine forgets it."""
         req = self.requests.pop(request_id)
-
-        def text(ids):
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
         want_lp = req.params.logprobs is not None or req.beam_width > 0
-        outs = [CompletionOutput(i if req.beam_width else s.index, s.output_ids, text(s.output_ids),
-                                 s.finish_reason, s.cumulative_logprob if want_lp else None,
+        seqs = [] if req.error else req.seqs if req.beam_width else sorted(req.seqs, key=lambda s: s.index)
+        outs = [CompletionOutput(i if req.beam_width else s.index, s.output_ids,
+                                 self.tokenizer.decode(s.output_ids, skip_special_tokens=True), s.finish_reason,
+                                 s.cumulative_logprob if want_lp else None,
                                  s.logprobs if req.params.logprobs is not None else None)
-                for i, s in enumerate(sorted(req.seqs, key=lambda s: s.index) if not req.beam_width
-                                      else req.seqs)]
+                for i, s in enumerate(seqs)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.metrics,
-                             finished=req.finished)
+                             finished=req.finished, error=req.error)

@@ -7,7 +7,7 @@ mid-write can break only its own pipe; a queue shared by all could stay locked).
 never travel here: KV caches are shared once at start-up (workers.py), so a handoff names
 block ids only.
 
-    central scheduler --Submit/Import/Release/Drop/Measure/Stop--> worker
+    central scheduler --Submit/Import/Release/Drop/Abort/Measure/Stop--> worker
     central scheduler <--Ready/Status/Tokens/Handoff/Imported/Done/...-- worker
 """
 
@@ -56,6 +56,12 @@ class Drop:
 
 
 @dataclass
+class Abort:
+    """End this request here and forget it, wherever it is (the caller gave up on it)."""
+    request_id: int
+
+
+@dataclass
 class Measure:
     """Run timing.measure_engine(**spec) on the idle engine and report the timings."""
     spec: dict
@@ -85,7 +91,8 @@ class Failed:
 
 @dataclass
 class Status:
-    """Sent with every round that did anything: what the router and the tests read."""
+    """Sent with every round that did anything, and at least every HEARTBEAT_S: what the
+    router reads, and the sign of life the central scheduler's worker timeout waits for."""
     free_blocks: int
     num_blocks: int
     held: int                           # requests running, parked or importing here

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -234,7 +234,10 @@ def load_config(name_or_path: str) -> PretrainedConfig:
         raise ValueError(f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder")
     if not (folder / "config.json").is_file():
         raise ValueError(f"checkpoint folder {folder} has no config.json")
-    config = AutoConfig.from_pretrained(folder)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as e:   # unreadable JSON, unknown model type, ...
+        raise ValueError(f"{folder / 'config.json'} cannot be read as a model config: {e}") from None
     if config.model_type != "qwen3":
         raise ValueError(f"{folder}: model_type {config.model_type!r} is not qwen3")
     return config
@@ -244,7 +247,10 @@ def checkpoint_files(folder: Path) -> list[Path]:
     """The safetensors files: those the shard index names, else every *.safetensors."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+        try:
+            files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a safetensors shard index: {e!r}") from None
     else:
         files = sorted(folder.glob("*.safetensors"))
     if not files or not all(f.is_file() for f in files):
@@ -273,19 +279,27 @@ def load_weights(model: Qwen3, files: list[Path]) -> None:
     params = dict(model.named_parameters())   # a tied lm_head is listed once, as embed_tokens
     rows_filled = dict.fromkeys(params, 0)     # counts rows, so a missing q/k/v or gate/up shows
     for file in files:
-        with safe_open(file, framework="pt", device=str(model.device)) as f:
-            for hf_name in f.keys():   # noqa: SIM118 (safe_open is not iterable)
-                if hf_name == "lm_head.weight" and model.config.tie_word_embeddings:
-                    continue
-                name, dst = _destination(model, params, hf_name)
-                tensor = f.get_tensor(hf_name)
-                if tensor.shape != dst.shape:
-                    raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-                dst.copy_(tensor)
-                rows_filled[name] += tensor.shape[0]
+        try:
+            load_file_into(model, params, file, rows_filled)
+        except (SafetensorError, OSError, RuntimeError) as e:   # truncated, garbage, unreadable
+            raise ValueError(f"{file} cannot be read as safetensors: {e}") from None
     missing = [name for name, p in params.items() if rows_filled[name] != p.shape[0]]
     if missing:
         raise ValueError(f"checkpoint lacks weights for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+
+
+def load_file_into(model: Qwen3, params: dict[str, nn.Parameter], file: Path, rows_filled: dict[str, int]) -> None:
+    """Copy one safetensors file's tensors into their parameters, counting the rows filled."""
+    with safe_open(file, framework="pt", device=str(model.device)) as f:
+        for hf_name in f.keys():   # noqa: SIM118 (safe_open is not iterable)
+            if hf_name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue
+            name, dst = _destination(model, params, hf_name)
+            tensor = f.get_tensor(hf_name)
+            if tensor.shape != dst.shape:
+                raise ValueError(f"{file.name}: {hf_name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            rows_filled[name] += tensor.shape[0]
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ profiler.py). Both offer submit / poll / output, and LLM drives either with one 
 
 import argparse
 import dataclasses
+import numbers
 import time
 from typing import Self
 
@@ -20,8 +21,9 @@ import torch
 from tqdm import tqdm
 
 from cluster import CentralScheduler, default_devices
-from config import EngineConfig
+from config import EngineConfig, check_int
 from engine import Engine
+from model import PRESETS
 from profiler import profile_cluster
 from request import RequestMetrics, RequestOutput, SamplingParams
 from router import HardwareParams, Router
@@ -36,14 +38,16 @@ class LLM:
     "disaggregated" or "adaptive" it serves the same calls on worker processes, one per
     entry of devices (a CentralScheduler); close() stops them (so does exiting, or
     `with LLM(...)`). Under adaptive, profile gives the router's starting parameters
-    (HardwareParams), or None to measure them (profiler.py), or False for no router."""
+    (HardwareParams), or None to measure them (profiler.py), or False for no router. A
+    worker silent for worker_timeout_s is treated as dead (docs/workers.md)."""
 
     def __init__(self, model: str = "tiny", policy: str | None = None, devices: list[str] | None = None,
                  num_prefill: int = 1, transport: str = "p2p", profile: HardwareParams | bool | None = None,
-                 **kwargs):
+                 worker_timeout_s: float = 60.0, **kwargs):
         if policy is None:
             given = [name for name, value, default in [("devices", devices, None), ("num_prefill", num_prefill, 1),
-                                                       ("transport", transport, "p2p"), ("profile", profile, None)]
+                                                       ("transport", transport, "p2p"), ("profile", profile, None),
+                                                       ("worker_timeout_s", worker_timeout_s, 60.0)]
                      if value != default]
             if given:
                 raise ValueError(f"{', '.join(given)} only apply with a policy (collocated, disaggregated, adaptive); "
@@ -51,7 +55,7 @@ class LLM:
             self.backend: Engine | CentralScheduler = Engine(EngineConfig(model=model, **kwargs))
             return
         devices = default_devices() if devices is None else devices
-        self.backend = CentralScheduler(model, policy, devices, num_prefill, transport, **kwargs)
+        self.backend = CentralScheduler(model, policy, devices, num_prefill, transport, worker_timeout_s, **kwargs)
         if policy == "adaptive" and profile is not False:
             try:
                 params = profile if isinstance(profile, HardwareParams) else profile_cluster(self.backend).params
@@ -82,40 +86,55 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in the order of prompts. A prompt that fails validation gets an output with
         .error set (a ValueError saying why) and no completions; the others still run."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return self._run([(p, params or SamplingParams(), {}) for p in prompts], use_tqdm)
+        return self._run([(p, params or SamplingParams(), {}) for p in as_prompt_list(prompts)], use_tqdm)
 
     def beam_search(self, prompts: list[str] | list[list[int]], beam_width: int, max_tokens: int,
                     ignore_eos: bool = False, length_penalty: float = 1.0,
                     use_tqdm: bool = True) -> list[RequestOutput]:
         """Beams best first (score = cumulative logprob / output length ** length_penalty);
         outputs[j].cumulative_logprob holds each beam's sum of token logprobs."""
-        if beam_width < 1:
-            raise ValueError(f"beam_width must be at least 1, got {beam_width}")
+        check_int("beam_width", beam_width, low=1)
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
         extra = {"beam_width": beam_width, "length_penalty": length_penalty}
-        return self._run([(p, params, extra) for p in prompts], use_tqdm)
+        return self._run([(p, params, extra) for p in as_prompt_list(prompts)], use_tqdm)
 
     def _run(self, work: list[tuple], use_tqdm: bool) -> list[RequestOutput]:
-        """Submit every (prompt, params, extra), then poll until each has ended."""
+        """Submit every (prompt, params, extra), then poll until each has ended. If this is
+        interrupted (Ctrl-C), the requests still running are aborted: the engine is left
+        empty and usable."""
         backend, outputs, ids = self.backend, [None] * len(work), {}
         for i, (prompt, params, extra) in enumerate(work):
             try:
                 ids[backend.submit(prompt, params, **extra)] = i
             except ValueError as e:
-                ids_ = prompt if isinstance(prompt, list) else []
-                outputs[i] = RequestOutput(-1, prompt if isinstance(prompt, str) else None, ids_, [],
+                outputs[i] = RequestOutput(-1, prompt if isinstance(prompt, str) else None,
+                                           prompt if isinstance(prompt, list) else [], [],
                                            RequestMetrics(time.perf_counter()), error=e)
-        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm or len(ids) < 2) as bar:
-            pending = set(ids)
-            while pending:
-                for request_id in backend.poll(0.05):
-                    if request_id in pending:
-                        outputs[ids[request_id]] = backend.output(request_id)
-                        pending.discard(request_id)
-                        bar.update()
+        pending = set(ids)
+        # disable=None: the bar shows only on a terminal
+        with tqdm(total=len(ids), desc="generating", disable=True if not use_tqdm or len(ids) < 2 else None) as bar:
+            try:
+                while pending:
+                    for request_id in backend.poll(0.05):
+                        if request_id in pending:
+                            outputs[ids[request_id]] = backend.output(request_id)
+                            pending.discard(request_id)
+                            bar.update()
+            except BaseException:
+                backend.abort(list(pending))
+                raise
         return outputs
+
+
+def as_prompt_list(prompts) -> list:
+    """generate's prompts as a list: one prompt (a string or a list of token ids) or a list
+    of them. Each prompt is checked when it is submitted, and a bad one fails alone."""
+    if isinstance(prompts, str) or (isinstance(prompts, list | tuple) and prompts
+                                    and all(isinstance(t, numbers.Integral) for t in prompts)):
+        return [prompts]
+    if isinstance(prompts, list | tuple):
+        return list(prompts)
+    raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
 
 
 def main() -> None:
@@ -131,14 +150,16 @@ def main() -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     args = p.parse_args()
     try:
-        engine = Engine(EngineConfig(model=args.model, dtype=args.dtype))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)
+        params.validate()   # before the model is built: a bad flag is one line, at once
+        engine = Engine(EngineConfig(model=args.model, dtype=args.dtype))
         request_id = engine.submit(args.prompt, params)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     prompt_len = len(engine.requests[request_id].prompt_token_ids)
-    print(f"{args.model} on {engine.model.device} ({engine.model.dtype}), "
+    random = " (random weights: the text means nothing)" if args.model in PRESETS else ""
+    print(f"{args.model}{random} on {engine.model.device} ({engine.model.dtype}), "
           f"{engine.runner.num_blocks} KV blocks; prompt: {prompt_len} tokens")
     ids, printed, start = [], "", time.perf_counter()
     while engine.has_unfinished():

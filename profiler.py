@@ -16,11 +16,15 @@
 
 Named profiler.py, not profile.py: that would shadow the standard library's `profile`, and
 then cProfile and torch.compile break. Results are cached as JSON (~/.cache/nanopd), keyed
-by device, model and engine settings, so a second start is instant.
+by what they were measured on (cache_key: devices, settings, model, versions, code), so a
+second start is instant and a change of any of these measures again. The engine timings
+are taken on a worker (timing.measure_engine, sent as a Measure message); the handoffs
+are real requests through the cluster.
 """
 
 import argparse
 import hashlib
+import itertools
 import json
 import statistics
 import time
@@ -28,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import triton
 
 from cluster import CentralScheduler, default_devices
 from router import HardwareParams
@@ -52,21 +57,32 @@ def relative_rms(pred: list[float], ys: list[float]) -> float:
 
 
 def least_squares(columns: list[list[float]], ys: list[float]) -> list[float]:
-    a = torch.tensor(columns, dtype=torch.float64).T
-    return torch.linalg.lstsq(a, torch.tensor(ys, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
+    """The coefficients c >= 0 minimising |ys - sum_i c_i columns_i|^2: a cost or a rate is
+    never negative, so the fit is constrained rather than clamped afterwards. Exact for the
+    few columns a fit here has: at the optimum the positive coefficients are the
+    unconstrained least squares of their own columns, so it is the best, among all subsets
+    of columns, of the subset fits that come out nonnegative."""
+    y = torch.tensor(ys, dtype=torch.float64)
+    a = torch.tensor(columns, dtype=torch.float64).T   # [points, columns]
+    best, best_err = [0.0] * len(columns), float(y @ y)
+    for subset in itertools.chain.from_iterable(itertools.combinations(range(len(columns)), k)
+                                                for k in range(1, len(columns) + 1)):
+        coef = torch.linalg.lstsq(a[:, subset], y[:, None]).solution[:, 0]
+        err = float(((a[:, subset] @ coef - y) ** 2).sum())
+        if bool((coef >= 0).all()) and err < best_err:
+            best, best_err = [0.0] * len(columns), err
+            for i, c in zip(subset, coef.tolist()):
+                best[i] = c
+    return best
 
 
 def fit_prefill(lengths: list[int], ms: list[float]) -> tuple[float, float, float, float]:
     """(alpha0, alpha, alpha2, error) for ms = alpha0 + alpha * L (+ alpha2 * L^2 when that
-    halves the error and adds over 5% at the longest length); alpha0 >= 0. Fitted by
-    relative error: short prefills matter as much as long ones."""
+    halves the error and adds over 5% at the longest length), all >= 0. Fitted by relative
+    error: short prefills matter as much as long ones."""
     def solve(quadratic: bool) -> tuple[list[float], float]:
         columns = [[1.0] * len(lengths), lengths] + ([[n * n for n in lengths]] if quadratic else [])
-        columns = [[c / y for c, y in zip(col, ms)] for col in columns]
-        ones = [1.0] * len(ms)
-        coef = least_squares(columns, ones)
-        if coef[0] < 0:   # no negative fixed cost: fit without one
-            coef = [0.0, *least_squares(columns[1:], ones)]
+        coef = least_squares([[c / y for c, y in zip(col, ms)] for col in columns], [1.0] * len(ms))
         coef += [0.0] * (3 - len(coef))
         return coef, relative_rms([coef[0] + coef[1] * n + coef[2] * n * n for n in lengths], ms)
     (linear, err), (quadratic, err2) = solve(False), solve(True)
@@ -76,46 +92,46 @@ def fit_prefill(lengths: list[int], ms: list[float]) -> tuple[float, float, floa
 
 
 def fit_knee(batches: list[int], ms: list[float], tolerance: float = 0.01) -> tuple[float, float, float, float]:
-    """(beta, batch_thresh, slope, error) for ms = beta + slope * max(0, batch - knee), the
-    knee searched over the measured batch sizes (flat, then linear). Where the step grows
-    gently, several knees fit about equally well and the best by a hair is noise: the
-    largest knee whose error is within `tolerance` (relative RMS) of the best is taken, so
-    the flat part runs as far as the data allow and the knee does not jump between starts."""
+    """(beta, batch_thresh, slope, error) for ms = beta + slope * max(0, batch - knee), beta
+    and slope >= 0, the knee searched over the measured batch sizes (flat, then linear).
+    Where the step grows gently, several knees fit about equally well and the best by a
+    hair is noise: the largest knee whose error is within `tolerance` (relative RMS) of the
+    best is taken, so the flat part runs as far as the data allow and the knee does not
+    jump between starts."""
     fits = []
     for knee in batches:
         excess = [max(0, b - knee) for b in batches]
         beta, slope = least_squares([[1.0] * len(batches), excess], ms)
-        slope = max(slope, 0.0)
         fits.append((beta, float(knee), slope, relative_rms([beta + slope * e for e in excess], ms)))
     best = min(f[3] for f in fits)
     return max((f for f in fits if f[3] <= best + tolerance), key=lambda f: f[1])
 
 
 def fit_gamma(chunks: list[int], extra_ms: list[float]) -> tuple[float, float]:
-    """(gamma, error): extra step time = gamma * chunk tokens."""
+    """(gamma >= 0, error): extra step time = gamma * chunk tokens."""
     (gamma,) = least_squares([chunks], extra_ms)
     return gamma, relative_rms([gamma * c for c in chunks], [max(e, 1e-9) for e in extra_ms])
 
 
 def fit(timings: dict, handoffs: list[tuple[int, int, float, float]]) -> Profile:
-    """The parameters from timing.measure_engine's timings and real handoffs (prompt tokens, bytes
-    moved, copy seconds, handoff ms)."""
+    """The parameters from timing.measure_engine's timings and real handoffs (prompt tokens,
+    bytes moved, copy seconds, handoff ms). Every one is >= 0."""
     alpha0, alpha, alpha2, e_prefill = fit_prefill(timings["lengths"], timings["prefill_ms"])
-    # kv: what the longer context adds per token of context; then the knee of what is left.
+    # kv: what the longer context adds, per token of context in the batch; then the knee of the rest.
     short = dict(zip(timings["batches"], timings["decode_ms"]))
     extra_context = timings["long_context"] - timings["context"]
-    kv = max(0.0, statistics.median([(t - short[b]) / (b * extra_context)
-                                     for b, t in zip(timings["kv_batches"], timings["long_decode_ms"])] or [0.0]))
+    pairs = list(zip(timings["kv_batches"], timings["long_decode_ms"]))
+    (kv,) = least_squares([[b * extra_context for b, _ in pairs]], [t - short[b] for b, t in pairs]) if pairs else (0.0,)
     beta, knee, slope, e_decode = fit_knee(timings["batches"], [t - kv * b * timings["context"]
                                                                 for b, t in zip(timings["batches"], timings["decode_ms"])])
     gamma, e_gamma = fit_gamma(timings["chunks"], timings["extra_ms"])
     if handoffs:
         bandwidth = statistics.median(b / s / 1e9 for _, b, s, _ in handoffs)
-        rate = statistics.median(ms / n for n, _, _, ms in handoffs)
+        rate = max(0.0, statistics.median(ms / n for n, _, _, ms in handoffs))   # a measured duration
     else:   # one device: no handoffs; the rate only matters where there are two
         bandwidth, rate = float("nan"), float("inf")
     params = HardwareParams(alpha=alpha, alpha2=alpha2, alpha0=alpha0, beta=beta, batch_thresh=max(knee, 1.0),
-                            slope=slope, gamma=max(gamma, 0.0), transfer_rate=rate, kv=kv)
+                            slope=slope, gamma=gamma, transfer_rate=rate, kv=kv)
     return Profile(params, bandwidth, {"prefill": e_prefill, "decode": e_decode, "gamma": e_gamma})
 
 
@@ -130,12 +146,17 @@ CPU_SPEC = {"lengths": [8, 16, 32, 64], "batches": [1, 2, 4, 8, 16], "chunks": [
 
 
 def cache_key(cluster: CentralScheduler) -> dict:
-    cfg = cluster.cfg
-    name = torch.cuda.get_device_name(cluster.devices[0]) if cluster.devices[0].startswith("cuda") else "cpu"
-    # version: bumped when what a profile holds changes (3: alpha0, and handoffs that really move KV)
-    return {"version": 3, "device": name, "devices": len(cluster.devices), "model": cfg.model, "dtype": str(cfg.dtype),
-            "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs,
-            "max_num_batched_tokens": cfg.max_num_batched_tokens, "transport": cluster.transport}
+    """Everything a profile depends on: the devices, the engine settings, the model, the
+    transport, the library versions, and the code itself (a digest of nanoPD's modules), so
+    a profile of other hardware, settings or code is never reused."""
+    devices = [torch.cuda.get_device_name(d) if d.startswith("cuda") else "cpu" for d in cluster.devices]
+    code = hashlib.sha1()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        if not path.name.startswith("test_"):
+            code.update(path.read_bytes())
+    settings = {k: str(v) for k, v in asdict(cluster.cfg).items() if k not in ("device", "seed")}
+    return {"devices": devices, "transport": cluster.transport, **settings, "torch": torch.__version__,
+            "triton": triton.__version__, "code": code.hexdigest()[:16]}
 
 
 def profile_cluster(cluster: CentralScheduler, use_cache: bool = True) -> Profile:

@@ -5,12 +5,13 @@ through before any engine or worker sees it.
 """
 
 import itertools
+import numbers
 from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
 
-from config import EngineConfig
+from config import EngineConfig, check_int, check_real
 from kv_cache import cdiv
 
 # ----------------------------------------------------------------------------- what a user asks for and gets
@@ -29,18 +30,26 @@ class SamplingParams:
     logprobs: int | None = None        # also return this many top alternatives per token
 
     def validate(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        """Raise a ValueError naming the first field that is of the wrong type or out of range."""
+        check_int("max_tokens", self.max_tokens, low=1)
+        check_int("n", self.n, low=1)
+        check_real("temperature", self.temperature, low=0.0)
+        check_real("top_p", self.top_p, low=0.0)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (no limit) or positive, got {self.top_k}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        check_int("top_k", self.top_k, low=-1)
+        if self.top_k == 0:
+            raise ValueError("top_k must be -1 (no limit) or positive, got 0")
+        if self.seed is not None:   # child j draws from seed + j, a 64-bit generator seed
+            check_int("seed", self.seed, low=0, high=2 ** 63 - self.n)
+        if not isinstance(self.stop_token_ids, list | tuple):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        for t in self.stop_token_ids:
+            check_int("stop_token_ids", t)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, low=0)
 
 
 @dataclass
@@ -94,11 +103,27 @@ class RequestOutput:
     error: Exception | None = None     # why it failed (ValueError: rejected); outputs is then empty
 
 
+def tokenize(prompt, tokenizer) -> tuple[str | None, list[int]]:
+    """(the text, or None, and the token ids) of a prompt: a string or a list of token ids."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, list | tuple):
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                raise ValueError(f"a prompt's token ids must be integers, got {t!r}")
+        return None, [int(t) for t in prompt]
+    raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+
+
 def check_request(ids: list[int], params: SamplingParams, beam_width: int, vocab: int, cfg: EngineConfig,
-                  room_blocks: int) -> None:
+                  room_blocks: int, length_penalty: float = 1.0) -> None:
     """Raise a ValueError naming what is wrong with a request; room_blocks is the KV cache's
     size less its watermark (the most one request may ever hold)."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     params.validate()
+    check_int("beam_width", beam_width, low=0)
+    check_real("length_penalty", length_penalty)
     if not ids:
         raise ValueError("the prompt is empty")
     bad = [t for t in ids if not 0 <= t < vocab]
@@ -185,6 +210,7 @@ class Request:
     forked: bool = False                # n > 1: children are forked after the first token
     prefill_only: bool = False          # a prefill worker's: stop after the first token, keep the blocks
     num_streamed: int = 0               # output tokens already handed out by Engine.new_tokens
+    error: Exception | None = None      # why it ended without its completions
 
     @property
     def finished(self) -> bool:

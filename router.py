@@ -236,6 +236,12 @@ class RecursiveLeastSquares:
         self.P = (self.P - torch.outer(gain, px)) / self.forget
         self.P = (self.P + self.P.T) / 2   # rounding would otherwise let it drift from symmetric
 
+    def physical(self) -> list[float]:
+        """The estimate as the cost model uses it: every cost and rate >= 0 (noise can carry
+        the unconstrained estimate below zero, and a negative cost would make a busy worker
+        look fast)."""
+        return self.theta.clamp(min=0.0).tolist()
+
 
 @dataclass
 class Observation:
@@ -317,7 +323,7 @@ class Router:
             self.fit_prefill.update([1.0, n], o.prefill_ms - p.alpha2 * n * n)
         if o.prefill_worker != o.decode_worker:
             self.fit_transfer.update([o.prompt_len], o.transfer_ms)
-        (p.alpha0, p.alpha), (p.transfer_rate,) = self.fit_prefill.theta.tolist(), self.fit_transfer.theta.tolist()
+        (p.alpha0, p.alpha), (p.transfer_rate,) = self.fit_prefill.physical(), self.fit_transfer.physical()
 
     def observe_step(self, decodes: int, context_tokens: int, prefill_tokens: int, ms: float) -> None:
         """Learn from one step a worker timed (steps without decodes say nothing about them)."""
@@ -325,4 +331,4 @@ class Router:
             return
         p = self.cost.p
         self.fit_step.update([1.0, max(0.0, decodes - p.batch_thresh), context_tokens, prefill_tokens], ms)
-        p.beta, p.slope, p.kv, p.gamma = self.fit_step.theta.tolist()
+        p.beta, p.slope, p.kv, p.gamma = self.fit_step.physical()

@@ -17,6 +17,7 @@ the previous step's sampled tokens.
 
 import gc
 import itertools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -114,16 +115,25 @@ class ModelRunner:
         if self.device.type == "cuda":   # the streams, graphs and memory queries below mean this device
             torch.cuda.set_device(self.device)
         self.max_blocks_per_seq = cdiv(cfg.max_model_len, cfg.block_size)
-        self.num_blocks = cfg.num_kv_blocks or self._blocks_that_fit()
-        self.kv_cache = allocate_kv_cache(self.num_blocks, model.num_layers, model.num_kv_heads,
-                                          cfg.block_size, model.head_dim, model.dtype, self.device)
+        try:
+            self.num_blocks = self._check_fits(cfg.num_kv_blocks or self._blocks_that_fit())
+            self.kv_cache = allocate_kv_cache(self.num_blocks, model.num_layers, model.num_kv_heads,
+                                              cfg.block_size, model.head_dim, model.dtype, self.device)
+            self._set_up_steps()
+        except torch.OutOfMemoryError as e:
+            raise ValueError(f"these engine settings need more memory than {self.device} has "
+                             f"({str(e).splitlines()[0]}): lower max_num_seqs, max_num_batched_tokens or "
+                             "num_kv_blocks, or raise gpu_memory_utilization") from None
+
+    def _set_up_steps(self) -> None:
+        """The pinned buffers and (unless enforce_eager) the CUDA graphs of the steps."""
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # decode: batch -> graph
         self.graph_sizes: list[int] = []
         self.piece_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}   # mixed: tokens -> one per piece
         self.piece_sizes: list[int] = []
         if self.device.type == "cuda":
             self.uploads, self.downloads = PinnedRing(), PinnedRing()
-        if self.device.type == "cuda" and not cfg.enforce_eager:
+        if self.device.type == "cuda" and not self.cfg.enforce_eager:
             self._capture_all_graphs()
 
     def upload(self, data: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -282,7 +292,7 @@ class ModelRunner:
 
     def _capture_decode_graphs(self, sizes: list[int], pool, stream: torch.cuda.Stream):
         st = self.static
-        for bs in tqdm(sorted(sizes, reverse=True), desc="capturing decode CUDA graphs", leave=False):
+        for bs in tqdm(sorted(sizes, reverse=True), desc="capturing decode CUDA graphs", leave=False, disable=None):
             meta = AttentionMetadata(
                 slot_mapping=st["slots"][:bs], block_tables=st["tables"][:bs], cu_q_lens=st["cu"][:bs + 1],
                 ctx_lens=st["ctx"][:bs], max_q_len=1, num_decodes=bs,
@@ -311,7 +321,8 @@ class ModelRunner:
                 st["q"][:t].copy_(out)
                 st["residual"][:t].copy_(residual)
 
-        for t in tqdm(sorted(sizes, reverse=True), desc="capturing piecewise CUDA graphs", leave=False):
+        for t in tqdm(sorted(sizes, reverse=True), desc="capturing piecewise CUDA graphs", leave=False,
+                      disable=None):
             graphs = []
             for i in range(m.num_layers + 1):
                 graph, _ = self._capture(lambda i=i, t=t: piece(i, t), pool, stream)
@@ -360,6 +371,22 @@ class ModelRunner:
         st["slots"][:n].copy_(slot_mapping)
 
     # -- KV cache sizing
+
+    def _check_fits(self, num_blocks: int) -> int:
+        """num_blocks, or a ValueError naming num_kv_blocks if a cache that size cannot fit in
+        the device's free memory (on a CPU, the machine's available memory)."""
+        m = self.model
+        need = num_blocks * kv_bytes_per_block(m.num_layers, m.num_kv_heads, self.cfg.block_size, m.head_dim, m.dtype)
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        elif hasattr(os, "sysconf") and "SC_AVPHYS_PAGES" in os.sysconf_names:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        else:
+            return num_blocks
+        if need > free:
+            raise ValueError(f"num_kv_blocks={num_blocks} needs {need / 2**30:.1f} GiB of KV cache; "
+                             f"{self.device} has {free / 2**30:.1f} GiB free")
+        return num_blocks
 
     def _blocks_that_fit(self) -> int:
         cfg, m = self.cfg, self.model

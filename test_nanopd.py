@@ -28,6 +28,7 @@ Interpreter arithmetic on bf16 is wrong, so bf16 is tested on the GPU only.
 import ast
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -38,6 +39,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -49,6 +51,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -60,6 +64,7 @@ import profiler
 import request
 import sampler
 import workers
+from config import EngineConfig
 from engine import Engine
 from kv_cache import (
     BlockManager,
@@ -293,6 +298,68 @@ def test_a_device_this_machine_lacks_is_a_value_error(device):
     type nanoPD does not run on: each a ValueError naming it, before anything is built."""
     with pytest.raises(ValueError, match=device):
         LLM("tiny", device=device)
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_real(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# What each setting accepts, written from EngineConfig's documentation: the oracle the
+# property tests hold validate() to.
+SETTING_OK = {
+    "block_size": lambda v: is_int(v) and 1 <= v <= 4096, "max_num_batched_tokens": lambda v: is_int(v) and v >= 1,
+    "max_num_seqs": lambda v: is_int(v) and v >= 1, "max_model_len": lambda v: is_int(v) and v >= 16,
+    "num_kv_blocks": lambda v: v is None or (is_int(v) and v >= 1),
+    "gpu_memory_utilization": lambda v: is_real(v) and 0 < v <= 1,
+    "enable_prefix_caching": lambda v: isinstance(v, bool), "enforce_eager": lambda v: isinstance(v, bool),
+    "seed": lambda v: is_int(v) and 0 <= v < 2 ** 63,
+    "dtype": lambda v: v in (None, "float32", "bfloat16", "float16", torch.float32, torch.bfloat16, torch.float16),
+}
+ODD_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.integers(-3, 5000),
+                       st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=4),
+                       st.sampled_from(["float32", "bfloat16", "int8", "float64", torch.float64, torch.float16]),
+                       st.lists(st.integers(0, 9), max_size=2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.sampled_from(sorted(SETTING_OK)), value=ODD_VALUES)
+def test_engine_settings_accept_exactly_what_they_document(name, value):
+    """Every setting, given any value: accepted exactly when the documentation allows it,
+    otherwise a ValueError naming the setting (max_model_len is 16 here, below block_size
+    16 only if block_size is larger)."""
+    cfg = EngineConfig(**{"max_model_len": 4096, "block_size": 16, name: value})
+    ok = SETTING_OK[name](value) and cfg.block_size <= cfg.max_model_len
+    if ok:
+        cfg.validate()
+    else:
+        with pytest.raises(ValueError, match=name if name != "max_model_len" else "max_model_len|block_size"):
+            cfg.validate()
+
+
+@pytest.mark.usefixtures("worker_env")
+def test_a_bad_setting_with_a_policy_fails_before_any_worker_starts():
+    """dtype='int8' (or torch.float64, refused like 'float64') under a policy is a ValueError
+    from LLM(...) itself: no worker process is started."""
+    import multiprocessing
+    before = len(multiprocessing.active_children())
+    for dtype in ("int8", torch.float64):
+        with pytest.raises(ValueError, match="dtype"):
+            LLM("tiny", policy="collocated", devices=["cpu", "cpu"], dtype=dtype)
+    assert len(multiprocessing.active_children()) == before
+
+
+@ENGINE
+def test_a_cache_larger_than_memory_is_a_value_error():
+    """num_kv_blocks=10**9 (16 TB of the tiny model's KV) is refused naming num_kv_blocks,
+    before anything is allocated; on worker processes too, as a ValueError naming the worker."""
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        LLM("tiny", device=DEVICE, num_kv_blocks=10 ** 9)
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        LLM("tiny", policy="collocated", devices=["cpu", "cpu"], num_kv_blocks=10 ** 9)
 
 
 # ============================================== kernels.py: the Triton kernels
@@ -984,6 +1051,20 @@ def test_presets():
         assert abs(sum(p.numel() for p in shapes.parameters()) / 1e9 - billions) < 0.005
 
 
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "config"])
+def test_a_damaged_checkpoint_is_a_value_error_naming_the_file(tmp_path, damage):
+    """A truncated or garbage model.safetensors, or an unreadable config.json: a ValueError
+    naming the file, from load_model and as one line from the CLI."""
+    hf_checkpoint(tmp_path)
+    victim = tmp_path / ("config.json" if damage == "config" else "model.safetensors")
+    data = victim.read_bytes()
+    victim.write_bytes(data[:len(data) // 2] if damage == "truncated" else b"\x13garbage{" * 10)
+    with pytest.raises(ValueError, match=victim.name):
+        qwen.load_model(str(tmp_path), dtype=torch.float32, device=DEVICE)
+    run = cli("--model", str(tmp_path), "--max-tokens", "2")
+    assert run.returncode != 0 and victim.name.encode() in run.stderr and b"Traceback" not in run.stderr
+
+
 # =================================== request.py: requests and their validation
 # A bad request is a ValueError naming the problem and changes nothing.
 
@@ -1039,6 +1120,76 @@ def test_string_prompt_is_its_utf8_bytes():
     assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
     ids = by_text.outputs[0].token_ids
     assert by_text.outputs[0].text == bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
+
+
+# What each sampling field accepts, from SamplingParams's documentation (n = 1).
+PARAM_OK = {
+    "max_tokens": lambda v: is_int(v) and v >= 1, "temperature": lambda v: is_real(v) and v >= 0,
+    "top_p": lambda v: is_real(v) and 0 < v <= 1, "top_k": lambda v: is_int(v) and (v == -1 or v >= 1),
+    "seed": lambda v: v is None or (is_int(v) and 0 <= v < 2 ** 63), "n": lambda v: is_int(v) and v >= 1,
+    "stop_token_ids": lambda v: isinstance(v, list) and all(is_int(t) for t in v),
+    "ignore_eos": lambda v: isinstance(v, bool), "logprobs": lambda v: v is None or (is_int(v) and v >= 0),
+}
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.sampled_from(sorted(PARAM_OK)), value=ODD_VALUES)
+def test_sampling_params_accept_exactly_what_they_document(name, value):
+    """temperature nan, max_tokens 2.5, stop_token_ids None, seed 2**70, ...: a ValueError
+    naming the field; every documented value passes."""
+    params = SamplingParams(**{name: value})
+    if PARAM_OK[name](value):
+        params.validate()
+    else:
+        with pytest.raises(ValueError, match=name):
+            params.validate()
+
+
+ODD_PROMPTS = st.one_of(
+    st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),           # fine
+    st.text(alphabet="ab é✓", max_size=6),                                   # fine unless empty
+    st.lists(st.integers(-3, VOCAB + 3), max_size=4),                        # out of the vocabulary, empty
+    st.lists(st.floats(allow_nan=True), min_size=1, max_size=2),             # float token ids
+    st.lists(st.booleans(), min_size=1, max_size=2), st.none(), st.integers(), st.dictionaries(st.text(), st.none()))
+
+
+def prompt_ids(p) -> list[int] | None:
+    """The token ids of a prompt the engine must accept (byte tokenizer), None for a bad one."""
+    if isinstance(p, str):
+        return list(p.encode()) or None
+    if isinstance(p, list) and p and all(is_int(t) and 0 <= t < VOCAB for t in p):
+        return p
+    return None
+
+
+@ENGINE
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompts=st.lists(ODD_PROMPTS, min_size=1, max_size=4), bad=st.sampled_from(sorted(PARAM_OK)),
+       value=ODD_VALUES)
+def test_generate_serves_the_good_and_fails_the_bad_alone(hf, llm, prompts, bad, value):
+    """Odd prompts (None, floats, bools, out of the vocabulary, empty) and odd sampling
+    values: each bad request gets a ValueError in its .error and no completions, each good
+    one HF's greedy tokens; the engine holds nothing afterwards."""
+    prompts = [PROMPTS[0], *prompts]   # a list of prompts (a list of ints alone would be one prompt)
+    outs = generate(llm, prompts, max_tokens=3)
+    for p, out in zip(prompts, outs, strict=True):
+        ids = prompt_ids(p)
+        if ids is None:
+            assert isinstance(out.error, ValueError) and out.outputs == []
+        else:
+            assert out.error is None and out.outputs[0].token_ids == hf.greedy(ids, 3)
+    params = SamplingParams(**{"max_tokens": 3, bad: value})
+    out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    assert (out.error is None) == PARAM_OK[bad](value) or (bad == "logprobs" and value > VOCAB)
+    assert all_blocks_free(llm) and not llm.engine.requests
+
+
+@ENGINE
+def test_generate_rejects_what_is_not_a_list_of_prompts(llm):
+    for prompts in (None, 3, {"a": 1}):
+        with pytest.raises(ValueError, match="prompts"):
+            llm.generate(prompts)
+    assert llm.generate([]) == []
 
 
 # =========== scheduler.py: batching, chunked prefill, preemption, prefix cache
@@ -1453,6 +1604,45 @@ def test_metrics_are_ordered(hf, llm):
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finish_time
 
 
+@ENGINE
+def test_a_step_that_raises_ends_its_requests_and_the_engine_serves_on(hf, monkeypatch):
+    """A fault inside a step (here: the stop check raising for one request's token) ends the
+    requests of that step with the error and frees their blocks; the engine is not
+    poisoned: requests submitted after it get HF's greedy tokens."""
+    llm = make_llm(hf.path)
+    engine, check = llm.engine, llm.engine._check_stop
+
+    def faulty(seq, index):
+        if seq.request.params.max_tokens == 7:
+            raise RuntimeError("a fault in the step")
+        return check(seq, index)
+    monkeypatch.setattr(engine, "_check_stop", faulty)
+    outs = generate(llm, [PROMPTS[0], PROMPTS[1]], max_tokens=7)
+    assert all(isinstance(o.error, RuntimeError) and o.outputs == [] for o in outs)
+    assert all_blocks_free(llm) and not engine.requests and not engine.scheduler.has_work()
+    assert tokens(generate(llm, PROMPTS[2:], max_tokens=6)) == [hf.greedy(p, 6) for p in PROMPTS[2:]]
+
+
+@ENGINE
+def test_ctrl_c_during_generate_leaves_the_engine_empty_and_usable(hf, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) in the middle of generate: it propagates, the requests in
+    flight are aborted (no blocks held, nothing queued), and the next generate runs only its
+    own requests, with HF's greedy tokens."""
+    llm = make_llm(hf.path)
+    engine, step, calls = llm.engine, llm.engine.step, []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step()
+    monkeypatch.setattr(engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        generate(llm, PROMPTS * 8, max_tokens=20)
+    assert all_blocks_free(llm) and not engine.requests and not engine.has_unfinished()
+    assert tokens(generate(llm, PROMPTS[:2], max_tokens=5)) == [hf.greedy(p, 5) for p in PROMPTS[:2]]
+
+
 # ======================= transport.py, workers.py: the handoff, in one process
 # A Worker driven by the test: the KV moves byte for byte, parked blocks expire, bad requests are rejected.
 
@@ -1563,6 +1753,50 @@ def test_a_worker_rejects_a_bad_request_and_lives_on(hf):
     assert [(type(e), e.request_id) for e in ends] == [(messages.Rejected, 0), (messages.Done, 1)]
     assert "max_model_len" in ends[0].error
     assert ends[1].output.outputs[0].token_ids == hf.greedy(PROMPTS[0], 4)
+
+
+@ENGINE
+def test_a_worker_whose_step_fails_reports_the_error_and_lives_on(hf, monkeypatch):
+    """In a worker, a step that raises ends its requests with the error (reported Done with
+    .error), not the worker: the next request is served with HF's greedy tokens."""
+    worker = in_process_worker(make_llm(hf.path).engine)
+    check = worker.engine._check_stop
+    monkeypatch.setattr(worker.engine, "_check_stop", lambda seq, i: (_ for _ in ()).throw(RuntimeError("fault"))
+                        if seq.request.request_id == 0 else check(seq, i))
+    worker.inbox.put(messages.Submit(0, PROMPTS[0], SamplingParams(max_tokens=4)))
+    worker.inbox.put(messages.Submit(1, PROMPTS[1], SamplingParams(max_tokens=4)))
+    events = []
+    for _ in range(50):
+        worker.step(wait=False)
+        events += reported(worker)
+    done = {e.request_id: e.output for e in events if isinstance(e, messages.Done)}
+    assert isinstance(done[0].error, RuntimeError)
+    assert done[1].error is None or isinstance(done[1].error, RuntimeError)   # it may have shared the step
+    worker.inbox.put(messages.Submit(2, PROMPTS[2], SamplingParams(max_tokens=4)))
+    for _ in range(50):
+        worker.step(wait=False)
+        events += reported(worker)
+    done = {e.request_id: e.output for e in events if isinstance(e, messages.Done)}
+    assert done[2].outputs[0].token_ids == hf.greedy(PROMPTS[2], 4)
+    assert worker.engine.bm.num_free_blocks == worker.engine.bm.num_blocks
+
+
+@ENGINE
+def test_abort_frees_a_request_wherever_it_is(hf):
+    """Abort ends a request running, another parked after its prefill: both are forgotten
+    and every block comes back."""
+    worker = in_process_worker(make_llm(hf.path).engine)
+    worker.inbox.put(messages.Submit(0, PROMPTS[2], SamplingParams(max_tokens=50)))
+    worker.inbox.put(messages.Submit(1, PROMPTS[3], SamplingParams(max_tokens=8), prefill_only=True))
+    for _ in range(6):
+        worker.step(wait=False)
+    assert worker.engine.requests[1].parked and worker.engine.bm.num_free_blocks < worker.engine.bm.num_blocks
+    worker.inbox.put(messages.Abort(0))
+    worker.inbox.put(messages.Abort(1))
+    for _ in range(3):
+        worker.step(wait=False)
+    assert not worker.engine.requests and not worker.engine.has_unfinished()
+    assert worker.engine.bm.num_free_blocks == worker.engine.bm.num_blocks
 
 
 # ================= router.py: the cost model, the length predictor, the router
@@ -1867,10 +2101,13 @@ def test_a_killed_worker_ends_or_retries_its_requests(hf, policy, num_devices, v
         else:
             assert isinstance(o.error, RuntimeError) and f"worker {victim}" in str(o.error)
     failed = [o for o in outs if o.error is not None]
+    after = finishes_within(60, lambda: generate(llm, [prompts[0]], max_tokens=5))[0]
     if victim == 0 and policy == "disaggregated":   # the only prefill worker: its queue cannot be served
         assert all(o.error is not None for o in outs[4:])
+        assert isinstance(after.error, RuntimeError) and f"worker {victim}" in str(after.error)   # at once
     else:
         assert not failed
+        assert after.outputs[0].token_ids == hf.greedy(prompts[0], 5)   # the live workers serve on
     llm.close()
     assert not any(p.is_alive() for p in cluster.workers.procs)
 
@@ -1888,6 +2125,83 @@ def test_bad_cluster_settings_are_a_value_error(kwargs, words):
     kwargs = {"devices": ["cpu", "cpu"], **kwargs}
     with pytest.raises(ValueError, match=words):
         LLM("tiny", device="cpu", **kwargs)
+
+
+def finishes_within(seconds: float, fn):
+    """fn()'s result, or a test failure if it takes longer (it runs on a thread, so a hang
+    fails the test instead of stalling the run)."""
+    box = queue.Queue()
+    thread = threading.Thread(target=lambda: box.put(fn()), daemon=True)
+    thread.start()
+    try:
+        return box.get(timeout=seconds)
+    except queue.Empty:
+        pytest.fail(f"did not finish within {seconds} s")
+
+
+@pytest.mark.usefixtures("worker_env")
+@pytest.mark.parametrize("policy, victims", [("disaggregated", [0]), ("disaggregated", [1]), ("collocated", [0, 1])])
+def test_generate_after_the_workers_it_needs_died_fails_fast(hf, policy, victims):
+    """The only prefill worker, the only decode worker, or every worker killed: the next
+    generate ends at once, each request with a RuntimeError naming a dead worker."""
+    import signal
+    with make_cluster(hf, policy, 2) as llm:
+        for w in victims:
+            os.kill(llm.cluster.workers.procs[w].pid, signal.SIGKILL)
+        while not set(victims) <= set(llm.cluster.dead):
+            llm.cluster.poll(0.05)
+        outs = finishes_within(30, lambda: generate(llm, [PROMPTS[0], "hi"], max_tokens=4))
+    for out in outs:
+        assert isinstance(out.error, RuntimeError) and any(f"worker {w}" in str(out.error) for w in victims)
+
+
+@pytest.mark.usefixtures("worker_env")
+@pytest.mark.parametrize("policy, num_devices, victim", [("collocated", 2, 1), ("disaggregated", 3, 1),
+                                                         ("adaptive", 2, 1)])
+def test_a_stopped_worker_is_found_out_and_its_requests_move(hf, policy, num_devices, victim):
+    """SIGSTOP a worker mid-run: it stops reporting, and once worker_timeout_s (3 s here)
+    passes it is killed and treated as dead; every request ends (HF's greedy tokens,
+    restarted on a live worker), the next generate serves, and no process is left."""
+    import signal
+    extra = {"profile": ROUTER_TEST_PARAMS} if policy == "adaptive" else {}
+    llm = make_cluster(hf, policy, num_devices, worker_timeout_s=3.0, **extra)
+    cluster = llm.cluster
+    rids = [cluster.submit(p, SamplingParams(max_tokens=200)) for p in MIXED_PROMPTS]
+    deadline = time.monotonic() + 60
+    while not any(cluster.active[r].tokens and cluster.active[r].worker == victim for r in rids):
+        assert time.monotonic() < deadline, "nothing ran on the victim"
+        cluster.poll(0.01)
+    os.kill(cluster.workers.procs[victim].pid, signal.SIGSTOP)
+    ended, start = set(), time.monotonic()
+    while len(ended) < len(rids):
+        assert time.monotonic() - start < 90, "a request never ended"
+        ended |= set(cluster.poll(0.05))
+    assert victim in cluster.dead and "no report" in cluster.dead[victim]
+    for r, p in zip(rids, MIXED_PROMPTS):
+        assert cluster.output(r).outputs[0].token_ids == hf.greedy(p, 200)
+    assert tokens(generate(llm, MIXED_PROMPTS[:2], max_tokens=5)) == [hf.greedy(p, 5) for p in MIXED_PROMPTS[:2]]
+    llm.close()
+    assert not any(alive(p.pid) for p in cluster.workers.procs)
+
+
+@pytest.mark.usefixtures("worker_env")
+def test_ctrl_c_during_generate_on_workers_leaves_them_empty_and_usable(hf, monkeypatch):
+    """Ctrl-C in the middle of a generate on worker processes: the requests in flight are
+    aborted on their workers (every block comes back), and the next generate serves."""
+    with make_cluster(hf, "disaggregated", 2) as llm:
+        poll, calls = llm.cluster.poll, []
+
+        def interrupted(timeout=0.05):
+            calls.append(1)
+            if len(calls) == 20:
+                raise KeyboardInterrupt
+            return poll(timeout)
+        monkeypatch.setattr(llm.cluster, "poll", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            generate(llm, MIXED_PROMPTS * 3, max_tokens=100)
+        monkeypatch.setattr(llm.cluster, "poll", poll)
+        assert workers_all_free(llm) and not llm.cluster.active
+        assert tokens(generate(llm, MIXED_PROMPTS[:2], max_tokens=5)) == [hf.greedy(p, 5) for p in MIXED_PROMPTS[:2]]
 
 
 # =================================================== profiler.py: the profiler
@@ -1938,6 +2252,56 @@ def test_profiler_cli_measures_the_workers_and_caches(tmp_path):
     assert runs[0].stdout == runs[1].stdout   # the same profile, read back
 
 
+@settings(max_examples=200, deadline=None)
+@given(k=st.integers(1, 3), rows=st.integers(2, 8), data=st.data())
+def test_least_squares_is_the_best_nonnegative_fit(k, rows, data):
+    """profiler.least_squares on any data: every coefficient >= 0, and the KKT conditions
+    of the constrained problem hold (the gradient vanishes where a coefficient is positive
+    and points outward where it is zero), so no nonnegative coefficients fit better; and
+    it fits no worse than 1,000 random nonnegative ones."""
+    values = st.floats(-100, 100, allow_nan=False, allow_infinity=False)
+    columns = [data.draw(st.lists(values, min_size=rows, max_size=rows)) for _ in range(k)]
+    ys = data.draw(st.lists(values, min_size=rows, max_size=rows))
+    coef = profiler.least_squares(columns, ys)
+    a, y, c = torch.tensor(columns, dtype=torch.float64).T, torch.tensor(ys, dtype=torch.float64), \
+        torch.tensor(coef, dtype=torch.float64)
+    assert (c >= 0).all()
+    grad = a.T @ (a @ c - y)   # half the gradient of the squared residual
+    scale = 1e-6 * (1 + float(a.abs().max()) ** 2 * (1 + float(c.abs().max())) + float(a.abs().max() * y.abs().max()))
+    assert all(g > -scale if ci == 0 else abs(g) < scale for g, ci in zip(grad.tolist(), coef))
+    err = float(((a @ c - y) ** 2).sum())
+    rng = torch.Generator().manual_seed(0)
+    trials = torch.rand(1000, k, generator=rng, dtype=torch.float64) * (2 * c.max() + 1)
+    assert err <= float(((trials @ a.T - y) ** 2).sum(1).min()) + 1e-6 * (1 + err)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_profiler_fits_are_physical_whatever_the_timings(data):
+    """Timings of any shape (falling with length, noisy, flat): every fitted cost and rate
+    is >= 0, so a queued prompt can never make a worker look faster."""
+    ms = st.floats(0.01, 100)
+    lengths, batches, chunks = [8, 16, 32, 64], [1, 2, 4, 8, 16], [8, 16, 32]
+    timings = {"lengths": lengths, "prefill_ms": data.draw(st.lists(ms, min_size=4, max_size=4)),
+               "batches": batches, "decode_ms": data.draw(st.lists(ms, min_size=5, max_size=5)), "context": 16,
+               "kv_batches": [4, 8], "long_context": 64, "long_decode_ms": data.draw(st.lists(ms, min_size=2, max_size=2)),
+               "chunks": chunks, "extra_ms": data.draw(st.lists(st.floats(-5, 50), min_size=3, max_size=3))}
+    p = profiler.fit(timings, [(64, 1e6, 1e-4, data.draw(st.floats(0, 5)))]).params
+    assert all(v >= 0 for v in dataclasses.asdict(p).values())
+
+
+def test_the_profile_cache_key_names_what_was_measured():
+    """Another setting, transport, device or code is another key: a profile is only reused
+    for what it measured."""
+    fake = type("Fake", (), {"cfg": EngineConfig(model="tiny"), "devices": ["cpu", "cpu"], "transport": "p2p"})
+    key = profiler.cache_key(fake)
+    assert key == profiler.cache_key(fake)
+    assert {"code", "torch", "triton", "devices", "transport", "max_num_seqs", "block_size", "dtype"} <= set(key)
+    for change in ({"cfg": EngineConfig(model="tiny", max_num_seqs=8)}, {"transport": "relay"},
+                   {"devices": ["cpu"]}, {"cfg": EngineConfig(model="qwen3-0.6b")}):
+        assert profiler.cache_key(type("Other", (fake,), change)) != key
+
+
 # ========================================== nanopd.py: the LLM API and the CLI
 # A bad prompt fails alone; the CLI streams HF's text; no worker outlives its caller.
 
@@ -1966,7 +2330,8 @@ def test_cli_generates():
     """`nanopd.py --model tiny` exits 0 and reports the tokens it generated."""
     run = cli("--model", "tiny", "--prompt", "hi", "--max-tokens", "8")
     assert run.returncode == 0, run.stderr.decode()
-    assert b"[8 tokens in" in run.stdout
+    assert b"[8 tokens in" in run.stdout and b"random weights" in run.stdout
+    assert b"\r" not in run.stderr   # no progress bar when stderr is not a terminal
 
 
 @ENGINE
@@ -1981,8 +2346,9 @@ def test_cli_streams_hf_greedy_text(hf):
 
 
 @ENGINE
-@pytest.mark.parametrize("args, words", [(["--temperature", "-1"], "temperature"),
-                                         (["--model", "no-such-model"], "no-such-model")])
+@pytest.mark.parametrize("args, words", [(["--temperature", "-1"], "temperature"), (["--temperature", "nan"], "temperature"),
+                                         (["--seed", str(2 ** 70)], "seed"), (["--max-tokens", "0"], "max_tokens"),
+                                         (["--dtype", "int8"], "dtype"), (["--model", "no-such-model"], "no-such-model")])
 def test_cli_bad_value_is_an_error_message(args, words):
     """A bad flag value exits non-zero with a one-line error naming it, not a traceback."""
     run = cli("--max-tokens", "4", *args)
@@ -2040,6 +2406,28 @@ def test_no_worker_outlives_its_caller(tmp_path, how):
                 os.kill(pid, signal.SIGKILL)
 
 
+UNGUARDED_SCRIPT = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, {here!r})
+from nanopd import LLM, SamplingParams
+llm = LLM("tiny", policy="collocated", devices=["cpu", "cpu"], num_kv_blocks=64)
+print(llm.generate(["hi"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids)
+"""
+
+
+def test_a_script_without_a_main_guard_gets_one_clear_line(tmp_path):
+    """Workers are started with spawn, which runs the caller's script again: a script that
+    creates LLM(policy=...) outside `if __name__ == "__main__":` is told so in one error,
+    before any worker starts, instead of a flood of bootstrap tracebacks."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT.format(here=str(HERE)))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=120, check=False)
+    err = run.stderr.decode()
+    assert run.returncode != 0 and '__name__ == "__main__"' in err
+    assert "bootstrapping" not in err and err.count("Traceback") <= 1
+
+
 # ============================================= bench.py: the serving benchmark
 # Bad flags are one line; a sweep of every policy runs on CPU workers.
 
@@ -2051,7 +2439,9 @@ def test_bench_bad_arguments_are_a_one_line_error(args):
     """A rate, duration or request count that could give no run is refused, naming the flags."""
     run = subprocess.run([sys.executable, "bench.py", *args, "--devices", "cpu", "cpu"], cwd=HERE,
                          capture_output=True, timeout=120, check=False)
-    assert run.returncode != 0 and b"must be above 0" in run.stderr and b"Traceback" not in run.stderr
+    flag = next(a for a in reversed(args) if a.startswith("--")).encode()
+    assert run.returncode != 0 and b"must be" in run.stderr and flag in run.stderr and b"Traceback" not in run.stderr
+    assert run.stderr.count(b"\n") == 1
 
 
 def test_bench_sweep_smoke(tmp_path):
@@ -2074,6 +2464,40 @@ def test_bench_sweep_smoke(tmp_path):
     for png in ("latency_throughput_vs_rate.png", "goodput.png", "latency_cdf.png", "router_choices.png"):
         assert (tmp_path / "out" / png).stat().st_size > 1000
     assert b"| adaptive | fixed | 4 |" in run.stdout and b"goodput" in run.stdout
+    assert b"\r" not in run.stderr   # progress bars stay quiet when stderr is not a terminal
+
+
+BENCH_FLAGS = {"--rate": 4.0, "--duration": 15.0, "--ttft-slo": 0.5, "--tpot-slo": 0.05}   # the CPU defaults
+
+
+@settings(max_examples=150, deadline=None)
+@given(flag=st.sampled_from(sorted(BENCH_FLAGS)),
+       value=st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10, 10 ** 7)))
+def test_bench_flags_give_a_run_or_one_line_naming_the_flag(tmp_path_factory, flag, value):
+    """Any number for a flag (nan, inf, negative, huge): bench.py either plans a run that
+    ends (finite, positive, at most bench.MAX_REQUESTS requests) or exits with one line
+    naming the flag, before starting anything."""
+    import bench
+    out = tmp_path_factory.mktemp("bench")
+    settings_ = {**BENCH_FLAGS, flag: float(value)}
+    ok = all(math.isfinite(v) and v > 0 for v in settings_.values()) \
+        and settings_["--rate"] * settings_["--duration"] <= bench.MAX_REQUESTS
+    argv = [f"{flag}={value}", "--devices", "cpu", "cpu", "--out", str(out)]
+    if ok:
+        run = bench.make_run(bench.parse_args(argv))
+        assert getattr(run, {"--rate": "rates"}.get(flag, flag[2:].replace("-", "_"))) in ([float(value)], float(value))
+    else:
+        with pytest.raises(SystemExit, match=flag.split("-")[-1] if flag != "--rate" else "rate|requests"):
+            bench.make_run(bench.parse_args(argv))
+
+
+def test_bench_refuses_an_out_folder_it_cannot_write_and_writes_into_an_ignored_one_by_default():
+    import bench
+    with pytest.raises(SystemExit, match="--out /proc/x"):
+        bench.make_run(bench.parse_args(["--out", "/proc/x", "--devices", "cpu", "cpu"]))
+    default = Path(bench.parse_args([]).out)
+    ignored = [line.strip().strip("/") for line in (HERE / ".gitignore").read_text().splitlines()]
+    assert default.parts[0] in ignored   # the main command leaves a clean checkout
 
 
 # ====================================== the repository: layers, short functions, citations
@@ -2118,6 +2542,7 @@ def test_no_function_is_longer_than_60_lines_outside_triton_kernels():
     assert not long
 
 
+@functools.cache
 def symbols_of(path: Path) -> set[str]:
     """Top-level names of a module, and Class.member for its classes' members."""
     names = set()

@@ -25,6 +25,7 @@ import dataclasses
 import multiprocessing.connection
 import os
 import queue
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from config import EngineConfig
 from engine import Engine, LaunchedStep
 from kv_cache import cdiv
 from messages import (
+    Abort,
     Done,
     Drop,
     Expired,
@@ -59,6 +61,7 @@ from transport import TRANSPORTS, Pull
 
 HANDOFF_TIMEOUT_S = 120.0   # parked blocks are freed after this long without a Release
 IDLE_WAIT_S = 0.02          # how long an idle worker blocks on its inbox before looking again
+HEARTBEAT_S = 1.0           # a worker reports at least this often, busy or idle
 
 
 # ----------------------------------------------------------------------------- the worker loop
@@ -88,6 +91,7 @@ class Worker:
         self.reports: list = []                        # this round's, sent at its end
         self.report_steps = report_steps               # time every step for the router (adaptive only)
         self.last_collected: float | None = None       # when the engine last returned a step's tokens
+        self.last_sent = 0.0                           # when the last reports went out
 
     def run(self) -> None:
         parent = mp.parent_process()
@@ -116,12 +120,13 @@ class Worker:
             if self.report_steps:
                 self._time_step(collecting)
         self._expire_parked()
-        if self.reports or msgs:
+        now = time.perf_counter()
+        if self.reports or msgs or now - self.last_sent > HEARTBEAT_S:
             bm = self.engine.bm
             self.reports.append(Status(bm.num_free_blocks, bm.num_blocks,
                                        len(self.engine.requests) + len(self.transfers)))
             self.outbox.send(self.reports)
-            self.reports = []
+            self.reports, self.last_sent = [], now
         return True
 
     def _receive(self, block: bool) -> list:
@@ -148,6 +153,9 @@ class Worker:
                 self.engine.release(msg.request_id)
             case Drop():
                 self._drop(msg.request_id)
+            case Abort():
+                self._drop(msg.request_id)
+                self.engine.abort([msg.request_id])
             case Measure():
                 self.reports.append(Measured(measure_engine(self.engine, **msg.spec)))
 
@@ -251,6 +259,9 @@ class WorkerSpec:
 def worker_main(spec: WorkerSpec, inbox, outbox, readers: list, share_queue) -> None:
     """Entry point of a worker process. readers: the share queues of the workers that will
     pull from this one's cache; share_queue: where the caches it pulls from arrive."""
+    # Ctrl-C is the caller's: it stops or aborts its requests and tells the workers; a
+    # terminal's SIGINT reaches the whole process group, and would kill them mid-serve.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         device = torch.device(spec.cfg.device)
         if device.type == "cuda":
