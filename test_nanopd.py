@@ -227,8 +227,11 @@ def all_blocks_free(llm: LLM) -> bool:
     return llm.engine.bm.num_free_blocks == llm.engine.bm.num_blocks
 
 
-# Three devices: 1 prefill + 2 decode. On a two-GPU machine two workers share cuda:1.
-WORKER_DEVICES = ["cuda:0", "cuda:1", "cuda:1"] if torch.cuda.device_count() >= 2 else ["cpu"] * 3
+# Three devices: 1 prefill + 2 decode. On a two-GPU machine two workers share cuda:1; on
+# one GPU all three share it (the handoff is then a copy within one device); without a GPU,
+# CPU workers.
+WORKER_DEVICES = ([f"cuda:{min(i, torch.cuda.device_count() - 1)}" for i in (0, 1, 1)] if torch.cuda.is_available()
+                  else ["cpu"] * 3)
 
 
 MIXED_PROMPTS = [prompt(n, 60 + i) for i, n in enumerate([3, 9, 30, 41, 17, 24])]
