@@ -42,26 +42,36 @@ WORKLOADS = {
     "sharegpt": lambda rng: (lognormal_int(rng, 256, 1.0, 8, 2048), lognormal_int(rng, 192, 0.8, 8, 1024)),
     # 128 in, 128 out: the shape of vLLM's and the engine benchmark's throughput figure.
     "fixed": lambda rng: (128, 128),
+    "phased": None,   # PHASES in turn, PHASE_S each (make_requests)
 }
+# The phased workload: long prompts at the given rate, then ShareGPT-like requests at three
+# times it (shorter, so the same GPUs serve more of them), and so on; the mix moves under
+# the policies, as a day's traffic does.
+PHASES = (("long", 1.0), ("sharegpt", 3.0))
+PHASE_S = 10.0
 
 
 @dataclass
 class Spec:
-    """One request of a run: when it arrives (s after the start) and its lengths."""
+    """One request of a run: when it arrives (s after the start), its lengths, and the mix
+    that drew it (the workload, or the phase of the phased one)."""
     arrival: float
     prompt_ids: list[int]
     max_tokens: int
+    phase: str = ""
 
 
 def make_requests(workload: str, rate: float, duration: float, count: int, seed: int, vocab: int,
                   scale: float) -> list[Spec]:
-    """Poisson arrivals at rate per second for duration seconds (rate 0: `count` at once)."""
+    """Poisson arrivals at rate per second for duration seconds (rate 0: `count` at once).
+    The phased workload draws from PHASES in turn, PHASE_S seconds each, at its rates."""
     rng, t, specs = random.Random(seed), 0.0, []
     while (rate > 0 and t < duration) or (rate <= 0 and len(specs) < count):
-        prompt_len, out_len = WORKLOADS[workload](rng)
+        mix, factor = PHASES[int(t // PHASE_S) % len(PHASES)] if workload == "phased" else (workload, 1.0)
+        prompt_len, out_len = WORKLOADS[mix](rng)
         prompt_len, out_len = max(4, int(prompt_len * scale)), max(2, int(out_len * scale))
-        specs.append(Spec(t if rate > 0 else 0.0, [rng.randrange(vocab) for _ in range(prompt_len)], out_len))
-        t += rng.expovariate(rate) if rate > 0 else 0.0
+        specs.append(Spec(t if rate > 0 else 0.0, [rng.randrange(vocab) for _ in range(prompt_len)], out_len, mix))
+        t += rng.expovariate(rate * factor) if rate > 0 else 0.0
     return specs
 
 
@@ -82,6 +92,8 @@ class Result:
     path: list[int]
     error: str | None = None
     routed: dict = field(default_factory=dict)   # adaptive: the load it was routed under
+    phase: str = ""                              # the mix that drew it (phased: the phase)
+    arrival: float = 0.0                         # s after the run's start
 
 
 def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec], desc: str) -> tuple[list[Result], float]:
@@ -110,7 +122,8 @@ def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec], desc:
                     ttft=(m.first_token_time or m.finish_time) - m.arrival_time,
                     tpot=(m.finish_time - m.first_token_time) / max(1, n - 1) if m.first_token_time else 0.0,
                     e2e=m.finish_time - m.arrival_time, path=list(m.path),
-                    error=None if out.error is None else str(out.error), routed=routed))
+                    error=None if out.error is None else str(out.error), routed=routed, phase=spec.phase,
+                    arrival=spec.arrival))
                 bar.update()
     return results, time.perf_counter() - start
 
@@ -164,7 +177,7 @@ def print_table(rows: list[dict]) -> None:
               f"| {r['disaggregated_share']:.0%} |")
 
 
-def plot(rows: list[dict], results: list[Result], goodput: dict, out: Path) -> list[str]:
+def plot(rows: list[dict], results: list[Result], goodput: dict, timelines: list[dict], out: Path) -> list[str]:
     """The PNGs a reader would rather look at than read; their file names."""
     import matplotlib
     matplotlib.use("Agg")
@@ -187,6 +200,8 @@ def plot(rows: list[dict], results: list[Result], goodput: dict, out: Path) -> l
                title="the adaptive router's choices over load")
         ax.legend()
         figures["router_choices.png"] = fig
+    if timelines:
+        figures["roles_over_time.png"] = plot_roles(plt, timelines)
     for name, fig in figures.items():
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
@@ -208,6 +223,28 @@ def plot_vs_rate(plt, rows: list[dict]):
     axes[1].set(xlabel="arrival rate (requests/s)", ylabel="output tokens/s", title="throughput vs rate")
     for ax in axes:
         ax.legend(fontsize=8)
+    return fig
+
+
+def plot_roles(plt, timelines: list[dict]):
+    """Each worker's role in the adaptive policy's regime over each run (one panel a run);
+    the phased workload's phases shaded behind."""
+    colors = {"both": "C0", "prefill": "C1", "decode": "C2"}
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(9, 1.2 + 1.1 * len(timelines)), squeeze=False)
+    for ax, tl in zip(axes[:, 0], timelines):
+        if tl["workload"] == "phased":
+            for k in range(int(tl["seconds"] // PHASE_S) + 1):
+                if k % 2:
+                    ax.axvspan(k * PHASE_S, (k + 1) * PHASE_S, color="0.92")
+        ends = [c["time"] for c in tl["changes"][1:]] + [tl["seconds"]]
+        for change, end in zip(tl["changes"], ends):
+            for w, role in change["roles"].items():
+                ax.barh(int(w), end - change["time"], left=change["time"], color=colors[role], height=0.6)
+        ax.set(xlim=(0, tl["seconds"]), ylabel="worker", title=f"{tl['workload']} @ {tl['rate']:g} req/s")
+        ax.set_yticks(sorted({int(w) for c in tl["changes"] for w in c["roles"]}))
+    axes[-1, 0].set(xlabel="seconds into the run")
+    axes[0, 0].legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c, label=r) for r, c in colors.items()],
+                      fontsize=8, loc="upper right")
     return fig
 
 
@@ -253,6 +290,7 @@ class Run:
     engine: dict                # engine settings, the same for every policy
     seed: int
     out: Path
+    slo: tuple[float, float] | None = None   # given explicitly: the adaptive router routes for it
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -267,7 +305,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="default: qwen3-8b on GPUs, tiny on CPUs")
     p.add_argument("--devices", nargs="+", default=None, help="default: every GPU, or two CPU workers")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ttft-slo", type=float, default=None, help="seconds; default 2.0 on GPUs, 0.5 on CPUs")
+    p.add_argument("--ttft-slo", type=float, default=None, help="seconds; default 2.0 on GPUs, 0.5 on CPUs. "
+                   "Given (or --tpot-slo), the adaptive policy routes for goodput under it")
     p.add_argument("--tpot-slo", type=float, default=None, help="seconds; default 0.1 on GPUs, 0.05 on CPUs")
     p.add_argument("--max-num-seqs", type=int, default=256, help="seats per worker (every policy)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step; "
@@ -295,7 +334,9 @@ def make_run(args: argparse.Namespace) -> Run:
               ttft_slo=default(args.ttft_slo, 2.0 if gpu else 0.5), tpot_slo=default(args.tpot_slo, 0.1 if gpu else 0.05),
               engine={"max_num_seqs": args.max_num_seqs, "max_model_len": 4096,
                       "max_num_batched_tokens": default(args.max_num_batched_tokens, 8192 if gpu else 256)},
-              seed=args.seed, out=Path(args.out))
+              seed=args.seed, out=Path(args.out),
+              slo=None if args.ttft_slo is None and args.tpot_slo is None else
+              (default(args.ttft_slo, 2.0 if gpu else 0.5), default(args.tpot_slo, 0.1 if gpu else 0.05)))
     check_run(run)
     return run
 
@@ -327,15 +368,17 @@ def check_run(run: Run) -> None:
         raise SystemExit(f"error: --out {run.out}: {e.strerror or e}") from None
 
 
-def run_policy(run: Run, policy: str) -> tuple[list[dict], list[Result], dict]:
-    """Every workload at every rate under one policy, one start-up: the summary rows, every
-    request's result, and the router's calibration (adaptive)."""
+def run_policy(run: Run, policy: str) -> tuple[list[dict], list[Result], dict, list[dict]]:
+    """Every workload at every rate under one policy, one start-up: the summary rows (the
+    phased workload's also per phase), every request's result, the router's calibration
+    and the regimes it went through (adaptive)."""
     from nanopd import LLM
     try:
-        llm = LLM(run.model, policy=policy, devices=run.devices, **run.engine)
+        llm = LLM(run.model, policy=policy, devices=run.devices, slo=run.slo if policy == "adaptive" else None,
+                  **run.engine)
     except ValueError as e:   # bad --model, --devices for the policy, ...: say so, no traceback
         raise SystemExit(f"error: {e}") from None
-    rows, results = [], []
+    rows, results, timelines = [], [], []
     with llm:
         vocab = llm.cluster.vocab_size
         # Not counted: a few of the workload's requests and one of the longest prompt any
@@ -347,12 +390,33 @@ def run_policy(run: Run, policy: str) -> tuple[list[dict], list[Result], dict]:
         for workload in run.workloads:
             for rate in run.rates:
                 specs = make_requests(workload, rate, run.duration, run.count, run.seed, vocab, run.scale)
+                start = time.perf_counter()
                 got, seconds = serve(llm, policy, workload, rate, specs,
                                      f"{policy} {workload} @ {'static' if rate <= 0 else rate}")
                 results += got
                 rows.append({"policy": policy, "workload": workload, "rate": rate,
                              **summarize(got, seconds, run.ttft_slo, run.tpot_slo)})
-        return rows, results, calibration(llm.cluster.router)
+                if workload == "phased":   # each phase apart, over its share of the run
+                    rows += [{"policy": policy, "workload": f"phased:{name}", "rate": rate,
+                              **summarize([r for r in got if r.phase == name], seconds / len(PHASES),
+                                          run.ttft_slo, run.tpot_slo)} for name, _ in PHASES]
+                if llm.cluster.planner is not None:
+                    timelines.append({"policy": policy, "workload": workload, "rate": rate,
+                                      **regime_timeline(llm.cluster.planner, start, seconds)})
+        return rows, results, calibration(llm.cluster.router), timelines
+
+
+def regime_timeline(planner, start: float, seconds: float) -> dict:
+    """The regime and each worker's role over a run (times in s after its start), and the
+    forecasts behind each change."""
+    before = [e for e in planner.log if e.time < start]
+    changes = [{"time": 0.0, "regime": str(before[-1].regime) if before else f"{len(planner.roles)} both",
+                "roles": before[-1].roles if before else dict.fromkeys(planner.roles, "both")}]
+    changes += [{"time": e.time - start, "regime": str(e.regime), "roles": e.roles,
+                 "forecasts": [{"regime": str(f.regime), "e2e_ms": f.e2e_ms, "load": f.load,
+                                "slo_attainment": f.slo_attainment} for f in e.forecasts]}
+                for e in planner.log if start <= e.time <= start + seconds]
+    return {"seconds": seconds, "changes": changes}
 
 
 def calibration(router) -> dict:
@@ -365,7 +429,7 @@ def calibration(router) -> dict:
                           for i in range(10)]}
 
 
-def report(run: Run, rows: list[dict], results: list[Result], calib: dict) -> None:
+def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timelines: list[dict]) -> None:
     """The table and goodput on stdout; results.json and the plots under run.out."""
     for r in rows:
         r["label"] = label(r["policy"], r["workload"], rows)
@@ -381,14 +445,14 @@ def report(run: Run, rows: list[dict], results: list[Result], calib: dict) -> No
               f"{calib['median_rel_error']:.1%} (by decile of the run: "
               f"{', '.join(f'{e:.0%}' for e in calib['by_decile'])})")
     run.out.mkdir(parents=True, exist_ok=True)
-    files = plot(rows, results, goodput, run.out)
+    files = plot(rows, results, goodput, timelines, run.out)
     gpu = run.devices[0].startswith("cuda")
     meta = {"model": run.model, "devices": run.devices, "workloads": run.workloads,
             "mode": run.mode, "seed": run.seed, "ttft_slo": run.ttft_slo, "tpot_slo": run.tpot_slo, "length_scale": run.scale,
             "device_name": torch.cuda.get_device_name() if gpu else "cpu"}
     # One line, six significant digits: a sweep holds some 15,000 requests' timings.
     (run.out / "results.json").write_text(json.dumps(six_digits(
-        {"meta": meta, "summary": rows, "goodput": goodput, "router_calibration": calib,
+        {"meta": meta, "summary": rows, "goodput": goodput, "router_calibration": calib, "regimes": timelines,
          "requests": [r.__dict__ for r in results]}), separators=(",", ":")))
     print(f"wrote {run.out / 'results.json'} and {', '.join(files)}")
 
@@ -398,11 +462,11 @@ def main() -> None:
         import microbench
         return microbench.main()
     run = make_run(parse_args())
-    rows, results, calib = [], [], {}
+    rows, results, calib, timelines = [], [], {}, []
     for policy in run.policies:
-        got_rows, got, c = run_policy(run, policy)
-        rows, results, calib = rows + got_rows, results + got, c or calib
-    report(run, rows, results, calib)
+        got_rows, got, c, t = run_policy(run, policy)
+        rows, results, calib, timelines = rows + got_rows, results + got, c or calib, timelines + t
+    report(run, rows, results, calib, timelines)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import ast
 import collections
 import dataclasses
 import itertools
+import logging
 import multiprocessing
 import os
 import sys
@@ -46,18 +47,21 @@ from messages import (
     Ready,
     Rejected,
     Release,
+    SetPrefillBudget,
     Status,
     StepTimed,
     Submit,
     Tokens,
 )
 from model import load_config, load_tokenizer
+from planner import Planner
 from request import RequestMetrics, RequestOutput, SamplingParams, check_request, tokenize
 from router import Observation, Router, WorkerLoad
 from transport import TRANSPORTS
 from workers import HEARTBEAT_S, WorkerProcesses, stop_processes
 
 POLICIES = ("collocated", "disaggregated", "adaptive")
+log = logging.getLogger("nanopd")
 PREFILL_RATE_WINDOW_S = 2.0   # the prefill rate counts the steps reported this long ago at most
 
 
@@ -88,9 +92,9 @@ class CentralScheduler:
     (nanopd.LLM does it, from the profiler's measurements)."""
 
     def __init__(self, model: str, policy: str, devices: list[str], num_prefill: int = 1,
-                 transport: str = "p2p", worker_timeout_s: float = 60.0, startup_timeout_s: float = 600.0,
-                 **engine_kwargs):
-        check_cluster(policy, devices, num_prefill, transport, worker_timeout_s)
+                 transport: str = "p2p", worker_timeout_s: float = 60.0, slo: tuple[float, float] | None = None,
+                 startup_timeout_s: float = 600.0, **engine_kwargs):
+        check_cluster(policy, devices, num_prefill, transport, worker_timeout_s, slo)
         check_main_module()
         self.cfg = EngineConfig(model=model, **engine_kwargs)
         self.cfg.validate()
@@ -115,6 +119,10 @@ class CentralScheduler:
         self.prefilled: collections.deque[tuple[float, int]] = collections.deque()   # (time, tokens) steps prefilled
         self.prefilled_tokens = 0   # ... their sum
         self.router: Router | None = None
+        # adaptive: each worker's role in the regime, replanned as the arrivals change
+        self.planner = Planner(list(range(len(devices))), slo) if policy == "adaptive" else None
+        self.budgets_sent: dict[int, int | None] = {}
+        self.batches: collections.deque[tuple[float, dict[int, int]]] = collections.deque()   # (time, decode batches)
         self.ended: list[int] = []            # ids ended since the last poll, wherever they ended
         self._ids = itertools.count()
         self.room = self._wait_ready(startup_timeout_s)
@@ -172,6 +180,8 @@ class CentralScheduler:
         t = Tracked(next(self._ids), text, ids, params, RequestMetrics(time.perf_counter()), beam_width,
                     length_penalty)
         self.active[t.request_id] = t
+        if self.planner is not None and self.router is not None:
+            self.planner.arrived(time.perf_counter(), len(ids), self.router.predictor.predict(len(ids), params.max_tokens).mean)
         if self.policy != "collocated" and params.n > 1 and not beam_width:
             self._split_samples(t)
         else:
@@ -213,8 +223,9 @@ class CentralScheduler:
         elif self.router is not None and not t.beam_width:
             loads = self.worker_loads(live)
             blocks = cdiv(len(t.prompt_token_ids) + t.params.max_tokens, self.cfg.block_size)
-            w, t.decode_worker, predicted = self.router.route(len(t.prompt_token_ids), t.params.max_tokens, loads,
-                                                              blocks)
+            w, t.decode_worker, predicted = self.router.route(
+                len(t.prompt_token_ids), t.params.max_tokens, loads, blocks, self.planner.takers("prefill", live),
+                self.planner.takers("decode", live))
             t.metrics.routed = (predicted, loads[w], loads[t.decode_worker])
         else:
             w = min(live, key=self._load)
@@ -234,8 +245,10 @@ class CentralScheduler:
         while self.prefilled and now - self.prefilled[0][0] > PREFILL_RATE_WINDOW_S:
             self.prefilled_tokens -= self.prefilled.popleft()[1]
         rate = self.prefilled_tokens / (PREFILL_RATE_WINDOW_S * 1e3) / max(1, len(self.devices) - len(self.dead))
+        budgets = self.planner.budgets if self.planner is not None else {}
         loads = {w: WorkerLoad(free_blocks=self.status[w].free_blocks if w in self.status else self.room,
-                               prefill_rate=rate, seats=self.cfg.max_num_seqs) for w in workers}
+                               prefill_rate=rate, seats=self.cfg.max_num_seqs, prefill_budget=budgets.get(w))
+                 for w in workers}
         for t in self.active.values():
             load = loads.get(t.worker)
             if load is None:
@@ -246,7 +259,20 @@ class CentralScheduler:
             elif t.phase != "done":
                 load.decode_batch += 1
                 load.context_tokens += len(t.prompt_token_ids) + len(t.tokens)
+        self._batch_growth(now, loads)
         return loads
+
+    def _batch_growth(self, now: float, loads: dict[int, WorkerLoad]) -> None:
+        """Each worker's decode batch growth, sequences per ms, over the last
+        PREFILL_RATE_WINDOW_S: past saturation the batches grow while a request decodes."""
+        if not self.batches or now - self.batches[-1][0] > 0.1:
+            self.batches.append((now, {w: ld.decode_batch for w, ld in loads.items()}))
+        while len(self.batches) > 1 and now - self.batches[1][0] > PREFILL_RATE_WINDOW_S:
+            self.batches.popleft()
+        then, batches = self.batches[0]
+        if now - then > 0.5:   # a shorter span says more about noise than growth
+            for w, ld in loads.items():
+                ld.batch_growth = (ld.decode_batch - batches.get(w, ld.decode_batch)) / ((now - then) * 1e3)
 
     # -- reports from the workers
 
@@ -261,8 +287,21 @@ class CentralScheduler:
             if w not in self.dead:
                 self._worker_died(w)
         self._check_silent()
+        if self.planner is not None and self.router is not None:
+            self._replan()
         ended, self.ended = self.ended, []
         return ended
+
+    def _replan(self) -> None:
+        """Let the planner replan the regime (every planner.PLAN_INTERVAL_S); send the
+        workers whose prefill budget changed their new one."""
+        live = [w for w in range(len(self.devices)) if w not in self.dead]
+        if self.planner.plan(self.router.cost, self.worker_loads(live), self.cfg.max_num_seqs, time.perf_counter()):
+            for w, budget in self.planner.budgets.items():
+                if self.budgets_sent.get(w) != budget:
+                    self.workers.send(w, SetPrefillBudget(budget))
+                    self.budgets_sent[w] = budget
+            log.info("regime %s, roles %s, budgets %s", self.planner.regime, self.planner.roles, self.planner.budgets)
 
     def _check_silent(self) -> None:
         """A live worker reports at least every workers.HEARTBEAT_S, busy or idle; one silent
@@ -331,6 +370,8 @@ class CentralScheduler:
         t.metrics.first_scheduled_time, t.metrics.first_token_time = msg.first_scheduled_time, msg.first_token_time
         t.tokens = imp.token_ids[imp.num_prompt_tokens:]
         decoders = self._live("decode" if self.policy == "disaggregated" else "collocated")
+        if self.planner is not None:
+            decoders = self.planner.takers("decode", decoders)
         if not decoders:
             self.workers.send(w, Release(t.request_id))
             return self._fail(t, RuntimeError(f"no live decode worker (dead: {self._dead_summary()})"))
@@ -472,7 +513,7 @@ def default_devices() -> list[str]:
 
 
 def check_cluster(policy: str, devices: list[str], num_prefill: int, transport: str,
-                  worker_timeout_s: float) -> None:
+                  worker_timeout_s: float, slo: tuple[float, float] | None = None) -> None:
     """Raise a ValueError naming the first bad cluster setting, before any worker starts."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
@@ -485,6 +526,15 @@ def check_cluster(policy: str, devices: list[str], num_prefill: int, transport: 
     if worker_timeout_s <= 2 * HEARTBEAT_S:
         raise ValueError(f"worker_timeout_s must be above {2 * HEARTBEAT_S:g} s (the workers' heartbeat "
                          f"is {HEARTBEAT_S:g} s), got {worker_timeout_s}")
+    if slo is not None:
+        if policy != "adaptive":
+            raise ValueError(f"slo applies to the adaptive policy (it steers its router), not to {policy}")
+        if not isinstance(slo, list | tuple) or len(slo) != 2:
+            raise ValueError(f"slo must be (ttft_s, tpot_s), got {slo!r}")
+        for name, value in zip(("slo's ttft_s", "slo's tpot_s"), slo):
+            check_real(name, value)
+            if value <= 0:
+                raise ValueError(f"{name} must be above 0, got {value}")
     if len({check_device(d).type for d in devices}) > 1:   # the KV handoff shares caches of one kind
         raise ValueError(f"devices {list(devices)} mix cpu and cuda")
     if policy == "disaggregated" and not 0 < num_prefill < len(devices):

@@ -146,13 +146,15 @@ class Engine:
 
     # -- the handoff: a prefill worker parks, a decode worker imports (workers.py)
 
-    def start_import(self, request_id: int, token_ids: list[int], own: bool = False) -> tuple[list[int], int] | None:
+    def start_import(self, request_id: int, token_ids: list[int], order: int, own: bool = False
+                     ) -> tuple[list[int], int] | None:
         """A seat and blocks for a request prefilled elsewhere whose KV is about to be copied
         in: its block table and how many leading tokens the prefix cache already holds.
         own=True: this engine prefilled and parked it, and its blocks stay where they are.
-        None while no seat or not enough blocks are free."""
+        None while no seat or not enough blocks are free, or a prompt that arrived before
+        it (order: request.arrival_order) waits for a seat."""
         parked = self.requests[request_id].seqs[0].block_table if own else None
-        return self.scheduler.start_import(token_ids, parked)
+        return self.scheduler.start_import(token_ids, order, parked)
 
     def cancel_import(self, block_table: list[int]) -> None:
         """An import started but dropped (its source died): seat and blocks go back."""

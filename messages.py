@@ -7,7 +7,7 @@ mid-write can break only its own pipe; a queue shared by all could stay locked).
 never travel here: KV caches are shared once at start-up (workers.py), so a handoff names
 block ids only.
 
-    central scheduler --Submit/Import/Release/Drop/Abort/Measure/Stop--> worker
+    central scheduler --Submit/Import/Release/Drop/Abort/SetPrefillBudget/Measure/Stop--> worker
     central scheduler <--Ready/Status/Tokens/Handoff/Imported/Done/...-- worker
 """
 
@@ -59,6 +59,13 @@ class Drop:
 class Abort:
     """End this request here and forget it, wherever it is (the caller gave up on it)."""
     request_id: int
+
+
+@dataclass
+class SetPrefillBudget:
+    """From now on at most this many prompt tokens per step (None: no cap beyond the step's
+    token budget): part of the worker's role in the adaptive policy's regime (planner.py)."""
+    tokens: int | None
 
 
 @dataclass

@@ -38,16 +38,18 @@ class LLM:
     "disaggregated" or "adaptive" it serves the same calls on worker processes, one per
     entry of devices (a CentralScheduler); close() stops them (so does exiting, or
     `with LLM(...)`). Under adaptive, profile gives the router's starting parameters
-    (HardwareParams), or None to measure them (profiler.py), or False for no router. A
-    worker silent for worker_timeout_s is treated as dead (docs/workers.md)."""
+    (HardwareParams), or None to measure them (profiler.py), or False for no router, and
+    slo=(ttft_s, tpot_s) makes it route and plan for goodput (requests meeting both)
+    rather than latency (docs/router.md). A worker silent for worker_timeout_s is treated
+    as dead (docs/workers.md)."""
 
     def __init__(self, model: str = "tiny", policy: str | None = None, devices: list[str] | None = None,
                  num_prefill: int = 1, transport: str = "p2p", profile: HardwareParams | bool | None = None,
-                 worker_timeout_s: float = 60.0, **kwargs):
+                 worker_timeout_s: float = 60.0, slo: tuple[float, float] | None = None, **kwargs):
         if policy is None:
             given = [name for name, value, default in [("devices", devices, None), ("num_prefill", num_prefill, 1),
                                                        ("transport", transport, "p2p"), ("profile", profile, None),
-                                                       ("worker_timeout_s", worker_timeout_s, 60.0)]
+                                                       ("worker_timeout_s", worker_timeout_s, 60.0), ("slo", slo, None)]
                      if value != default]
             if given:
                 raise ValueError(f"{', '.join(given)} only apply with a policy (collocated, disaggregated, adaptive); "
@@ -55,14 +57,14 @@ class LLM:
             self.backend: Engine | CentralScheduler = Engine(EngineConfig(model=model, **kwargs))
             return
         devices = default_devices() if devices is None else devices
-        self.backend = CentralScheduler(model, policy, devices, num_prefill, transport, worker_timeout_s, **kwargs)
+        self.backend = CentralScheduler(model, policy, devices, num_prefill, transport, worker_timeout_s, slo, **kwargs)
         if policy == "adaptive" and profile is not False:
             try:
                 params = profile if isinstance(profile, HardwareParams) else profile_cluster(self.backend).params
             except BaseException:
                 self.backend.close()
                 raise
-            self.backend.router = Router(dataclasses.replace(params))
+            self.backend.router = Router(dataclasses.replace(params), slo=slo)
 
     @property
     def engine(self) -> Engine | None:

@@ -155,8 +155,14 @@ class Status(Enum):
     FINISHED = 2
 
 
-_seq_ids = itertools.count()
+_arrivals = itertools.count()
 PENDING = -1   # a sampled token the host has not received yet
+
+
+def arrival_order() -> int:
+    """A number that grows with every arrival in this process (a sequence, or an import
+    waiting for a seat): first come, first served compares these."""
+    return next(_arrivals)
 
 
 @dataclass(eq=False)
@@ -166,7 +172,7 @@ class Sequence:
     index: int                          # which completion of its request
     token_ids: list[int]
     num_prompt_tokens: int
-    seq_id: int = field(default_factory=lambda: next(_seq_ids))   # arrival order, for FCFS
+    seq_id: int = field(default_factory=arrival_order)   # arrival order, for FCFS
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0               # tokens whose K/V are in the cache

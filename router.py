@@ -45,6 +45,7 @@ class HardwareParams:
 
 
 MAX_PREFILL_SHARE = 0.9   # of a worker's time spent on prefills beside its decodes: past it, none would finish
+GROWTH_SEGMENTS = 16      # pieces a decode under a moving batch is integrated in
 
 
 @dataclass
@@ -62,6 +63,11 @@ class WorkerLoad:
     prefill_rate: float = 0.0
     seats: int = 1 << 30             # sequences it runs at once (max_num_seqs); the rest wait
     queued_prefills: int = 0         # prompts those queued tokens belong to
+    # Sequences per ms its decode batch grows by: decodes started there lately less those
+    # that ended. Past saturation it is positive, and a request decoding there will share
+    # its steps with more sequences than it sees now; while queues drain, negative.
+    batch_growth: float = 0.0
+    prefill_budget: int | None = None   # prompt tokens per step it may carry (planner.py), None: any
 
 
 # ----------------------------------------------------------------------------- cost model
@@ -84,11 +90,21 @@ class CostModel:
         """out_len steps on w, whose batch gains this request (its context L to L + out_len),
         beside the prompts w keeps prefilling meanwhile: over a decode of T ms, w prefills
         rate * T prompt tokens, each adding gamma to a step, so T = out_len * step + gamma *
-        rate * T. At most `seats` sequences share a step."""
-        running = min(w.decode_batch + 1, w.seats)
-        others = w.context_tokens * (running - 1) / max(1, w.decode_batch)
-        step = self.decode_step_ms(running, others + prompt_len + out_len / 2)
-        return out_len * step / (1.0 - min(self.p.gamma * w.prefill_rate, MAX_PREFILL_SHARE))
+        rate * T. Meanwhile the batch moves by batch_growth per ms, so each step is longer (or
+        shorter) than the one before: dt / dstep = step(batch + growth t), integrated over
+        GROWTH_SEGMENTS pieces. At most `seats` sequences share a step."""
+        stretch = 1.0 - min(self.p.gamma * w.prefill_rate, MAX_PREFILL_SHARE)
+        per_seq = w.context_tokens / max(1, w.decode_batch)
+
+        def step_at(t: float) -> float:   # a step t ms into the decode, stretched
+            running = min(max(1.0, w.decode_batch + 1 + w.batch_growth * t), w.seats)
+            return self.decode_step_ms(running, per_seq * (running - 1) + prompt_len + out_len / 2) / stretch
+        if not w.batch_growth:
+            return out_len * step_at(0.0)
+        t, k = 0.0, out_len / GROWTH_SEGMENTS   # dt/dstep = step_at(t), by the midpoint rule
+        for _ in range(GROWTH_SEGMENTS):
+            t += k * step_at(t + k * step_at(t) / 2)
+        return t
 
     def seat_wait_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
         """The wait for a seat on w, which a prompt needs to be prefilled there and a
@@ -113,14 +129,29 @@ class CostModel:
         term): a cost to the others, weighed in the choice of path, not in this latency."""
         return self.p.gamma * prompt_len * load / self.p.batch_thresh
 
+    def prefill_on(self, w: WorkerLoad, tokens: float) -> float:
+        """Prefilling `tokens` on w: at once, or, under a prefill budget of b tokens per step,
+        in ceil(tokens / b) of w's decode steps, each carrying b of them."""
+        if w.prefill_budget is None:
+            return self.prefill_ms(tokens)
+        step = self.decode_step_ms(w.decode_batch, w.context_tokens) + self.p.gamma * w.prefill_budget
+        return math.ceil(tokens / max(1, w.prefill_budget)) * step
+
+    def path_ms(self, prompt_len: int, out_len: float, prefill: WorkerLoad, decode: WorkerLoad | None
+                ) -> tuple[float, float]:
+        """(time to the first token, time from it to the last) on a path: decode None is the
+        collocated one. A seat on each worker in turn: one to be prefilled, one to decode."""
+        ttft = self.seat_wait_ms(prompt_len, out_len, prefill) + self.prefill_on(
+            prefill, prefill.queued_prefill_tokens + prompt_len)
+        if decode is None:
+            return ttft, self.steps_ms(prompt_len, out_len, prefill)
+        return ttft, self.p.transfer_rate * prompt_len + self.decode_ms(prompt_len, out_len, decode)
+
     def collocated_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
-        return self.prefill_ms(w.queued_prefill_tokens + prompt_len) + self.decode_ms(prompt_len, out_len, w)
+        return sum(self.path_ms(prompt_len, out_len, w, None))
 
     def disaggregated_ms(self, prompt_len: int, out_len: float, prefill: WorkerLoad, decode: WorkerLoad) -> float:
-        """A seat on each worker in turn: one to be prefilled, one to decode."""
-        return (self.seat_wait_ms(prompt_len, out_len, prefill) + self.prefill_ms(prefill.queued_prefill_tokens + prompt_len)
-                + self.p.transfer_rate * prompt_len
-                + self.decode_ms(prompt_len, out_len, decode))
+        return sum(self.path_ms(prompt_len, out_len, prefill, decode))
 
 
 # ----------------------------------------------------------------------------- output lengths
@@ -275,8 +306,10 @@ class Router:
     on a noisy estimate flattens the slopes, so the router learns the slopes from steps,
     whose shapes are exact. batch_thresh and alpha2 stay as profiled."""
 
-    def __init__(self, params: HardwareParams, predictor: OutputLengthPredictor | None = None):
+    def __init__(self, params: HardwareParams, predictor: OutputLengthPredictor | None = None,
+                 slo: tuple[float, float] | None = None):
         self.cost = CostModel(params)
+        self.slo = slo   # (TTFT s, TPOT s): route for goodput instead of latency
         self.predictor = predictor or OutputLengthPredictor()
         p = params
         self.fit_prefill = RecursiveLeastSquares([p.alpha0, p.alpha], [1e-1, 1e-3])
@@ -285,23 +318,29 @@ class Router:
         self.errors: list[float] = []         # |route()'s prediction - measured| / measured, per request
         self.model_errors: list[float] = []   # the same with the true output length (the cost model alone)
 
-    def route(self, prompt_len: int, max_tokens: int, loads: dict[int, WorkerLoad],
-              needed_blocks: int = 0) -> tuple[int, int, float]:
-        """(prefill worker, decode worker, predicted ms) of the cheapest path: the same worker
-        twice is the collocated path. Decode workers without needed_blocks free are passed over while
-        another has them."""
+    def route(self, prompt_len: int, max_tokens: int, loads: dict[int, WorkerLoad], needed_blocks: int = 0,
+              prefill_workers: list[int] | None = None, decode_workers: list[int] | None = None
+              ) -> tuple[int, int, float]:
+        """(prefill worker, decode worker, predicted ms) of the best path: the same worker
+        twice is the collocated path. The prefill worker is one of prefill_workers, the
+        decode worker one of decode_workers (the regime's roles; default: any of loads);
+        decode workers without needed_blocks free are passed over while another has them.
+        Best is the cheapest: predicted latency plus the prefill's interference with the
+        decodes on its worker. Under an SLO, the cheapest of the paths predicted to meet
+        both targets; if none does, the one that costs the others least (its interference)."""
         out = self.predictor.predict(prompt_len, max_tokens).mean
-        roomy = {w: ld for w, ld in loads.items() if ld.free_blocks >= needed_blocks} or loads
-        best, best_cost = None, math.inf
-        for p, lp in loads.items():
-            harm = self.cost.interference_ms(prompt_len, lp.decode_batch)   # to p's decodes, either path
-            for d, ld in roomy.items():
-                ms = (self.cost.collocated_ms(prompt_len, out, lp) if p == d
-                      else self.cost.disaggregated_ms(prompt_len, out, lp, ld))
-                cost = ms + harm
-                if cost < best_cost:
-                    best, best_cost = (p, d, ms), cost
-        return best
+        prefill_workers = prefill_workers or list(loads)
+        decoders = decode_workers or list(loads)
+        decoders = [d for d in decoders if loads[d].free_blocks >= needed_blocks] or decoders
+        options = []   # (meets the SLO, cost, latency, p, d)
+        for p in prefill_workers:
+            harm = self.cost.interference_ms(prompt_len, loads[p].decode_batch)   # to p's decodes, either path
+            for d in decoders:
+                ttft, rest = self.cost.path_ms(prompt_len, out, loads[p], None if p == d else loads[d])
+                meets = self.slo is None or (ttft <= self.slo[0] * 1e3 and rest <= self.slo[1] * 1e3 * max(1, out - 1))
+                options.append((meets, (ttft + rest + harm) if meets else harm, ttft + rest, p, d))
+        meets, _, ms, p, d = min(options, key=lambda o: (not o[0], o[1]))
+        return p, d, ms
 
     def predicted_ms(self, o: Observation) -> float:
         if o.prefill_worker == o.decode_worker:

@@ -36,6 +36,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()   # ordered by seq_id: first come, first served
         self.running: list[Sequence] = []          # in admission order; the last is preempted first
         self.importing = 0                         # seats held by imports whose KV is being copied in
+        self.oldest_import: int | None = None      # arrival order of the oldest import waiting for a seat
+        self.prefill_budget: int | None = None     # prompt tokens per step, if capped (planner.py)
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -51,6 +53,9 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         batch, budget = Batch(), self.max_num_batched_tokens
+        # Prompt tokens (chunks, new sequences) may also be capped per step (prefill_budget),
+        # so that a step carrying them stays short for the decodes beside it.
+        prompt_room = budget if self.prefill_budget is None else self.prefill_budget
         # Running decodes first (each waits on one token), then unfinished prompt chunks. A
         # sequence whose token in flight is its last (max_tokens) only waits to finish.
         decodes = [s for s in self.running if s.num_pending == 1 and s.num_outputs < s.request.params.max_tokens
@@ -61,7 +66,9 @@ class Scheduler:
                 break
             if seq.status != Status.RUNNING:   # preempted to make room for an earlier one
                 continue
-            n = min(seq.num_pending, budget)
+            n = min(seq.num_pending, budget, prompt_room if seq.num_pending > 1 else budget)
+            if n == 0:
+                continue
             copies = self._append_slots(seq, n, batch)
             if copies is None:
                 continue
@@ -69,11 +76,12 @@ class Scheduler:
             batch.seqs.append(seq)
             batch.num_new.append(n)
             budget -= n
+            prompt_room -= n if seq.num_pending > 1 else 0
         # Then new (or preempted) sequences, first come first served, while budget and seats remain.
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and prompt_room > 0:
             seq = self.waiting[0]
             if len(self.running) + self.importing + self._seats(seq) > self.max_num_seqs \
-                    or not self.bm.can_allocate(seq.token_ids):
+                    or not self.bm.can_allocate(seq.token_ids) or self._import_first(seq):
                 break
             self.waiting.popleft()
             seq.block_table, seq.num_computed = self.bm.allocate(seq.token_ids)
@@ -83,11 +91,15 @@ class Scheduler:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = time.perf_counter()
                 metrics.num_cached_tokens = seq.num_computed
-            n = min(seq.num_pending, budget)
+            n = min(seq.num_pending, budget, prompt_room)
             batch.seqs.append(seq)
             batch.num_new.append(n)
-            budget -= n
+            budget, prompt_room = budget - n, prompt_room - n
         return batch
+
+    def _import_first(self, seq: Sequence) -> bool:
+        """An import that arrived before seq is waiting for a seat: it goes first."""
+        return self.oldest_import is not None and self.oldest_import < seq.seq_id
 
     def _seats(self, seq: Sequence) -> int:
         """Running sequences this one will become: n > 1 and beams fork after the prompt."""
@@ -126,11 +138,15 @@ class Scheduler:
         None if they do not fit (beside the watermark)."""
         return self.bm.allocate(token_ids) if self.bm.can_allocate(token_ids) else None
 
-    def start_import(self, token_ids: list[int], block_table: list[int] | None = None
+    def start_import(self, token_ids: list[int], order: int, block_table: list[int] | None = None
                      ) -> tuple[list[int], int] | None:
         """A seat, and blocks, for a sequence whose K/V is about to be copied in from another
-        worker (block_table given: it is already here). None while none is free."""
+        worker (block_table given: it is already here), which arrived `order`-th (see
+        request.arrival_order). None while none is free, or while a prompt that arrived
+        earlier waits for a seat: seats go first come, first served."""
         if len(self.running) + self.importing >= self.max_num_seqs:
+            return None
+        if self.waiting and self.waiting[0].seq_id < order:   # a prompt that came first goes first
             return None
         room = (block_table, 0) if block_table is not None else self.allocate(token_ids)
         self.importing += room is not None

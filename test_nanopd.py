@@ -29,6 +29,7 @@ import ast
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import os
@@ -60,6 +61,7 @@ import kernels
 import kv_cache
 import messages
 import model as qwen
+import planner
 import profiler
 import request
 import sampler
@@ -1183,7 +1185,11 @@ def test_generate_serves_the_good_and_fails_the_bad_alone(hf, llm, prompts, bad,
             assert out.error is None and out.outputs[0].token_ids == hf.greedy(ids, 3)
     params = SamplingParams(**{"max_tokens": 3, bad: value})
     out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
-    assert (out.error is None) == PARAM_OK[bad](value) or (bad == "logprobs" and value > VOCAB)
+    # Beyond the field's own range, the request must fit the engine: the vocabulary, the
+    # seats (max_num_seqs 16) and max_model_len (512) of this llm.
+    fits = {"logprobs": lambda v: v is None or v <= VOCAB, "n": lambda v: v <= 16,
+            "max_tokens": lambda v: v + len(PROMPTS[0]) <= 512}
+    assert (out.error is None) == (PARAM_OK[bad](value) and fits.get(bad, lambda v: True)(value))
     assert all_blocks_free(llm) and not llm.engine.requests
 
 
@@ -1269,8 +1275,8 @@ def test_imports_in_flight_hold_their_seats(hf):
     imports hold both seats no prompt is admitted; a cancelled import frees its seat and
     blocks, and the prompt then runs to HF's greedy tokens."""
     engine = make_llm(hf.path, max_num_seqs=2).engine
-    tables = [engine.start_import(i, prompt(9, seed=90 + i))[0] for i in range(2)]
-    assert engine.start_import(2, prompt(9, seed=92)) is None   # no seat left
+    tables = [engine.start_import(i, prompt(9, seed=90 + i), request.arrival_order())[0] for i in range(2)]
+    assert engine.start_import(2, prompt(9, seed=92), request.arrival_order()) is None   # no seat left
     rid = engine.submit(PROMPTS[0], SamplingParams(max_tokens=4))
     engine.step()
     assert not engine.scheduler.running and len(engine.scheduler.waiting) == 1
@@ -1280,6 +1286,55 @@ def test_imports_in_flight_hold_their_seats(hf):
     while engine.has_unfinished():
         engine.step()
     assert engine.output(rid).outputs[0].token_ids == hf.greedy(PROMPTS[0], 4)
+
+
+@ENGINE
+def test_a_prefill_budget_caps_the_prompt_tokens_of_every_step(hf, monkeypatch):
+    """scheduler.prefill_budget = 5: no step carries more than 5 prompt tokens (decodes
+    beside them are not counted), and the tokens are still HF's greedy ones."""
+    llm = make_llm(hf.path)
+    llm.engine.scheduler.prefill_budget = 5
+    prompt_tokens, run = [], llm.engine.runner.run
+
+    def counting_run(batch, *args):
+        prompt_tokens.append(sum(min(n, s.num_prompt_tokens - s.num_computed) for s, n in zip(batch.seqs, batch.num_new)
+                                 if s.num_computed < s.num_prompt_tokens))
+        return run(batch, *args)
+    monkeypatch.setattr(llm.engine.runner, "run", counting_run)
+    assert tokens(generate(llm, PROMPTS, max_tokens=6)) == [hf.greedy(p, 6) for p in PROMPTS]
+    assert max(prompt_tokens) == 5 and all_blocks_free(llm)
+
+
+@ENGINE
+def test_seats_go_first_come_first_served_between_prompts_and_imports(hf):
+    """One seat, taken. A prompt that came before an import gets the seat first, and an
+    import that came before a prompt does."""
+    for prompt_first in (True, False):
+        engine = make_llm(hf.path, max_num_seqs=1).engine
+        busy = engine.submit(PROMPTS[0], SamplingParams(max_tokens=3))
+        engine.step()
+        if prompt_first:
+            waiting = engine.submit(PROMPTS[1], SamplingParams(max_tokens=2))
+        order = request.arrival_order()   # the import arrives now
+        engine.scheduler.oldest_import = order
+        if not prompt_first:
+            waiting = engine.submit(PROMPTS[1], SamplingParams(max_tokens=2))
+        while busy in engine.requests and not engine.requests[busy].finished:
+            engine.step()
+        room = engine.start_import(99, prompt(9, seed=93), order)
+        if prompt_first:
+            assert room is None   # the prompt's turn
+            engine.step()
+            assert engine.requests[waiting].seqs[0].status == request.Status.RUNNING
+        else:
+            assert room is not None   # the import's turn; the prompt waits for it
+            engine.scheduler.oldest_import = None
+            engine.step()
+            assert engine.requests[waiting].seqs[0].status == request.Status.WAITING
+            engine.cancel_import(room[0])
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.output(waiting).outputs[0].token_ids == hf.greedy(PROMPTS[1], 2)
 
 
 # =========================================== sampler.py: sampling and logprobs
@@ -1962,6 +2017,150 @@ def test_router_changes_path_with_load():
     assert predicted == pytest.approx(router.cost.disaggregated_ms(2048, 128, split[1], split[0]))
 
 
+def test_the_decode_prediction_follows_a_growing_batch():
+    """Past saturation a worker's batch grows while a request decodes: with batch_growth g
+    the predicted decode is what stepping through it one step at a time gives, the batch
+    N + g t at each step (within 2%); a draining batch (g < 0) decodes faster."""
+    rng = random.Random(7)
+    for _ in range(200):
+        p = random_params(rng)
+        p.kv = rng.uniform(0, 1e-4)
+        cost = CostModel(p)
+        w = WorkerLoad(decode_batch=rng.randint(0, 200), context_tokens=0, seats=rng.randint(16, 512),
+                       batch_growth=rng.uniform(-0.02, 0.05))
+        out = rng.randint(16, 512)
+        t = 0.0
+        for _ in range(out):   # brute force: one step at a time
+            t += cost.decode_step_ms(min(max(1.0, w.decode_batch + 1 + w.batch_growth * t), w.seats))
+        assert cost.steps_ms(0, out, w) == pytest.approx(t, rel=0.02)
+
+
+def test_under_an_slo_the_router_takes_a_path_that_meets_it():
+    """With an SLO the router prefers a path predicted to meet both targets, even if another
+    is faster on the whole; when none can, it takes the one that costs the others least."""
+    # Worker 0: a long prompt queue and no decodes; worker 1 the reverse; moving KV is dear.
+    p = HardwareParams(alpha=0.05, beta=8.0, batch_thresh=32, slope=0.12, gamma=0.03, transfer_rate=2.0)
+    loads = {0: WorkerLoad(queued_prefill_tokens=20000), 1: WorkerLoad(decode_batch=180)}
+    plain = Router(dataclasses.replace(p)).route(512, 64, loads)
+    cost = CostModel(p)
+    assert plain[:2] == (0, 0) and cost.path_ms(512, 64, loads[0], None)[0] > 500   # fastest, but a late first token
+    router = Router(dataclasses.replace(p), slo=(0.5, 0.05))   # TTFT 0.5 s rules out prefilling on 0
+    chosen = router.route(512, 64, loads)
+    ttft, _ = cost.path_ms(512, 64, loads[chosen[0]], None if chosen[0] == chosen[1] else loads[chosen[1]])
+    assert chosen[0] == 1 and ttft <= 500 and chosen[:2] != plain[:2]
+    hopeless = Router(dataclasses.replace(p), slo=(0.001, 0.0001))
+    p_, _, _ = hopeless.route(512, 64, loads)
+    assert p_ == min(loads, key=lambda w: cost.interference_ms(512, loads[w].decode_batch))
+
+
+# ---------------------------------------------------------------------------- planner.py: regimes
+# (in the router's section: the planner is the router's other half; it has no module of tests of its own)
+
+
+def random_mix(rng: random.Random, rate_per_s: float) -> planner.Mix:
+    lens = [(rng.randint(16, 4096), rng.uniform(8, 512)) for _ in range(rng.randint(8, 60))]
+    return planner.Mix(rate_per_s / 1e3, [n for n, _ in lens], [o for _, o in lens])
+
+
+def test_forecast_queues_match_a_simulated_queue():
+    """The forecast's M/G/1 mean wait (Pollaczek-Khinchine) against a first-come,
+    first-served queue simulated request by request (Lindley's recursion), with the mix's
+    service times; and the decode batch against the smallest root of Little's law found by
+    scanning."""
+    rng = random.Random(11)
+    for _ in range(5):
+        service = [rng.uniform(1, 40) for _ in range(30)]
+        rate = rng.uniform(0.2, 0.8) / statistics.mean(service)
+        wait_model, _ = planner.mg1_wait(rate, statistics.mean(service), statistics.mean(s * s for s in service))
+        w = total = 0.0
+        gen = random.Random(rng.random())
+        for _ in range(200_000):
+            s = gen.choice(service)
+            total += w
+            w = max(0.0, w + s - gen.expovariate(rate))
+        assert total / 200_000 == pytest.approx(wait_model, rel=0.06)
+    for _ in range(100):
+        p = random_params(rng)
+        cost, rate, out, ctx, u = CostModel(p), rng.uniform(0.001, 0.2), rng.uniform(8, 512), rng.uniform(0, 2000), \
+            rng.uniform(0, 0.5)
+        n, load = planner.decode_state(cost, rate, out, ctx, u, seats=512)
+        def demand(x, rate=rate, out=out, cost=cost, ctx=ctx, u=u):
+            return rate * out * cost.decode_step_ms(x, x * ctx) / (1 - u)
+        roots = [x / 100 for x in range(51200) if demand(x / 100) <= x / 100]
+        if load < 1:
+            assert roots and n == pytest.approx(roots[0], abs=0.011)
+        else:
+            assert demand(512) >= 512
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10 ** 6), n=st.integers(2, 4), rate=st.floats(1, 400), with_slo=st.booleans())
+def test_the_planner_ranks_as_brute_force_over_every_role_assignment(seed, n, rate, with_slo):
+    """Random hardware parameters, mixes and rates: the planner's best regime is the best of
+    a brute-force search over every assignment of a role to each worker (3^n of them, with
+    and without budgets under an SLO), each forecast with the same cost model; and
+    assign_roles gives each worker the role the regime counts."""
+    rng = random.Random(seed)
+    cost, mix = CostModel(random_params(rng)), random_mix(rng, rate)
+    slo = (rng.uniform(0.2, 5), rng.uniform(0.01, 0.3)) if with_slo else None
+    best = planner.rank(cost, mix, 256, n, slo)[0]
+    keys = []
+    for roles in itertools.product(("both", "prefill", "decode"), repeat=n):
+        if not {"both", "prefill"} & set(roles) or not {"both", "decode"} & set(roles):
+            continue   # nobody prefills, or nobody decodes
+        for budgeted in ((False, True) if slo and "both" in roles else (False,)):
+            regime = planner.Regime(roles.count("both"), roles.count("prefill"), roles.count("decode"), budgeted)
+            keys.append(planner.forecast(cost, regime, mix, 256, slo).key())
+    assert best.key() == min(keys)
+    loads = {w: WorkerLoad(decode_batch=rng.randint(0, 50)) for w in range(n)}
+    assigned = planner.assign_roles(best.regime, loads)
+    assert sorted(assigned.values()) == sorted(best.regime.roles())
+
+
+@settings(max_examples=100, deadline=None)
+@given(seed=st.integers(0, 10 ** 6))
+def test_the_prefill_budget_keeps_every_step_under_the_tpot_target(seed):
+    """Under an SLO, a budgeted both-worker's step with a full prefill budget lasts at most
+    the TPOT target (in the forecast, and the budget the planner sends a live worker), so
+    its requests' TPOT meets the target."""
+    rng = random.Random(seed)
+    cost, mix = CostModel(random_params(rng)), random_mix(rng, rng.uniform(1, 100))
+    slo = (rng.uniform(0.5, 5), rng.uniform(0.02, 0.3))
+    f = planner.forecast(cost, planner.Regime(2, 0, 0, budgeted=True), mix, 256, slo)
+    both = f.roles["both"]
+    if both.budget > planner.MIN_BUDGET:
+        assert both.step_ms + cost.p.gamma * both.budget <= slo[1] * 1e3 * (1 + 1e-9)
+        assert both.tpot_ms <= slo[1] * 1e3 * (1 + 1e-9)
+    plan = planner.Planner([0, 1], slo)
+    plan.regime = planner.Regime(2, 0, 0, budgeted=True)
+    loads = {w: WorkerLoad(decode_batch=rng.randint(0, 300), context_tokens=rng.randint(0, 10 ** 5)) for w in (0, 1)}
+    plan.set_budgets(cost, loads)
+    for w, budget in plan.budgets.items():
+        step = cost.decode_step_ms(loads[w].decode_batch, loads[w].context_tokens)
+        assert budget == planner.MIN_BUDGET or step + cost.p.gamma * budget <= slo[1] * 1e3 * (1 + 1e-9)
+
+
+def test_the_planner_switches_with_hysteresis_and_logs_why():
+    """Long prompts at a rate where one GPU's prefills would stretch the other's decodes:
+    the planner leaves 'every worker both' for one prefill and one decode worker, logging
+    the forecasts that chose it; a mix that is only slightly better elsewhere moves nothing."""
+    p = HardwareParams(alpha=0.022, alpha0=2.09, beta=5.05, batch_thresh=16, slope=0.0135, kv=4e-5, gamma=0.0234,
+                       transfer_rate=0.0042)
+    cost, rng = CostModel(p), random.Random(3)
+    plan = planner.Planner([0, 1])
+    for i in range(240):   # 24 requests/s of 1024-2048 prompt tokens for 10 s
+        plan.arrived(i / 24, rng.randint(1024, 2048), rng.randint(32, 256))
+    loads = {0: WorkerLoad(decode_batch=3), 1: WorkerLoad(decode_batch=9)}
+    assert plan.plan(cost, loads, 256, now=10.0)
+    assert plan.regime == planner.Regime(0, 1, 1) and plan.roles == {0: "prefill", 1: "decode"}
+    entry = plan.log[-1]
+    assert entry.regime == plan.regime and entry.forecasts[0].regime == plan.regime
+    assert entry.forecasts[0].e2e_ms < 0.95 * next(f.e2e_ms for f in entry.forecasts if f.regime.both == 2)
+    assert not plan.plan(cost, loads, 256, now=10.5)   # not yet time to plan again
+    assert plan.takers("prefill", [0, 1]) == [0] and plan.takers("decode", [0, 1]) == [1]
+    assert plan.takers("decode", [0]) == [0]   # the decode worker died: the live one does it
+
+
 # ================================ cluster.py: the policies on worker processes
 # Every policy gives HF's greedy tokens; handoffs report their phases; a killed worker ends or retries its
 # requests; blocks all come back.
@@ -2205,6 +2404,43 @@ def test_ctrl_c_during_generate_on_workers_leaves_them_empty_and_usable(hf, monk
         monkeypatch.setattr(llm.cluster, "poll", poll)
         assert workers_all_free(llm) and not llm.cluster.active
         assert tokens(generate(llm, MIXED_PROMPTS[:2], max_tokens=5)) == [hf.greedy(p, 5) for p in MIXED_PROMPTS[:2]]
+
+
+@pytest.mark.usefixtures("worker_env")
+def test_a_role_change_mid_run_keeps_every_request_and_its_tokens(hf):
+    """Adaptive on two workers: requests run with both workers mixed; mid-run the regime
+    makes one worker prefill and the other decode, and later both mixed again under a
+    4-token prefill budget. Nothing is lost or restarted: every request gives HF's greedy
+    tokens, the requests sent under the split follow its roles, and every block comes back."""
+    with make_cluster(hf, "adaptive", 2, profile=ROUTER_TEST_PARAMS, slo=(30.0, 10.0)) as llm:
+        cluster = llm.cluster
+        first = [cluster.submit(p, SamplingParams(max_tokens=40)) for p in MIXED_PROMPTS[:3]]
+        deadline = time.monotonic() + 60
+        while not all(cluster.active[r].tokens for r in first):
+            assert time.monotonic() < deadline
+            cluster.poll(0.01)
+        loads = cluster.worker_loads([0, 1])
+        cluster.planner.switch(planner.Regime(0, 1, 1), loads, time.perf_counter(), [])
+        prefiller = next(w for w, r in cluster.planner.roles.items() if r == "prefill")
+        second = [cluster.submit(p, SamplingParams(max_tokens=12)) for p in MIXED_PROMPTS[3:]]
+        ended = set()
+        while not set(second) <= ended:
+            assert time.monotonic() < deadline + 60
+            ended |= set(cluster.poll(0.01))
+        cluster.planner.switch(planner.Regime(2, 0, 0, budgeted=True), loads, time.perf_counter(), [])
+        cluster.planner.budgets = {0: 4, 1: 4}
+        for w in (0, 1):
+            cluster.workers.send(w, messages.SetPrefillBudget(4))
+        third = [cluster.submit(p, SamplingParams(max_tokens=8)) for p in MIXED_PROMPTS[:2]]
+        while not set(first + third) <= ended:
+            assert time.monotonic() < deadline + 120
+            ended |= set(cluster.poll(0.01))
+        outs = {r: cluster.output(r) for r in first + second + third}
+        assert [outs[r].outputs[0].token_ids for r in first] == [hf.greedy(p, 40) for p in MIXED_PROMPTS[:3]]
+        assert [outs[r].outputs[0].token_ids for r in second] == [hf.greedy(p, 12) for p in MIXED_PROMPTS[3:]]
+        assert [outs[r].outputs[0].token_ids for r in third] == [hf.greedy(p, 8) for p in MIXED_PROMPTS[:2]]
+        assert all(outs[r].metrics.path == (prefiller, 1 - prefiller) for r in second)
+        assert workers_all_free(llm)
 
 
 # =================================================== profiler.py: the profiler
@@ -2468,6 +2704,23 @@ def test_bench_sweep_smoke(tmp_path):
         assert (tmp_path / "out" / png).stat().st_size > 1000
     assert b"| adaptive | fixed | 4 |" in run.stdout and b"goodput" in run.stdout
     assert b"\r" not in run.stderr   # progress bars stay quiet when stderr is not a terminal
+
+
+def test_the_phased_workload_draws_each_phase_from_its_mix():
+    """bench.py's phased workload: requests arriving in the k-th PHASE_S seconds come from
+    phase k's mix (long prompts of 1024-2048 tokens, or the ShareGPT-like ones), at that
+    phase's rate (Poisson counts within 5 standard deviations)."""
+    import bench
+    rate, duration = 20.0, 4 * bench.PHASE_S
+    specs = bench.make_requests("phased", rate, duration, 0, seed=5, vocab=VOCAB, scale=1.0)
+    for k in range(4):
+        name, factor = bench.PHASES[k % len(bench.PHASES)]
+        mine = [s for s in specs if k * bench.PHASE_S <= s.arrival < (k + 1) * bench.PHASE_S]
+        assert mine and all(s.phase == name for s in mine)
+        if name == "long":
+            assert all(1024 <= len(s.prompt_ids) <= 2048 for s in mine)
+        expected = rate * factor * bench.PHASE_S
+        assert abs(len(mine) - expected) < 5 * expected ** 0.5
 
 
 BENCH_FLAGS = {"--rate": 4.0, "--duration": 15.0, "--ttft-slo": 0.5, "--tpot-slo": 0.05}   # the CPU defaults

@@ -28,7 +28,7 @@ import queue
 import signal
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.multiprocessing as mp
@@ -50,12 +50,14 @@ from messages import (
     Ready,
     Rejected,
     Release,
+    SetPrefillBudget,
     Status,
     StepTimed,
     Stop,
     Submit,
     Tokens,
 )
+from request import arrival_order
 from timing import measure_engine
 from transport import TRANSPORTS, Pull
 
@@ -72,6 +74,7 @@ class Transfer:
     """An Import on this worker: waiting for a seat and blocks, then its copy in flight."""
     msg: Import
     arrived: float                      # when the Import came in
+    order: int = field(default_factory=arrival_order)   # first come, first served with the prompts here
     block_table: list[int] | None = None   # ours, once started
     pull: Pull | None = None
     seat_wait: float = 0.0              # seconds it waited for a seat and blocks
@@ -156,6 +159,8 @@ class Worker:
             case Abort():
                 self._drop(msg.request_id)
                 self.engine.abort([msg.request_id])
+            case SetPrefillBudget():
+                self.engine.scheduler.prefill_budget = msg.tokens
             case Measure():
                 self.reports.append(Measured(measure_engine(self.engine, **msg.spec)))
 
@@ -186,14 +191,13 @@ class Worker:
     def _start_imports(self) -> None:
         """Seats and blocks for waiting imports, first come first served, and their copies."""
         eng = self.engine
-        for t in self.transfers:
-            if t.block_table is not None:
-                continue
+        waiting = [t for t in self.transfers if t.block_table is None]
+        for t in waiting:
             m = t.msg
             own = m.src == self.index   # our own parked request (adaptive): it keeps its blocks
-            room = eng.start_import(m.request_id, m.token_ids, own)
+            room = eng.start_import(m.request_id, m.token_ids, t.order, own)
             if room is None:
-                return   # waits until decodes finish and free room
+                break   # waits until decodes finish and free room
             t.block_table, cached = room
             t.seat_wait = time.perf_counter() - t.arrived
             if own:
@@ -203,6 +207,8 @@ class Worker:
             first, last = cached // eng.cfg.block_size, cdiv(m.num_prompt_tokens, eng.cfg.block_size)
             t.pull = self.transport.pull(self.peer_caches[m.src], m.src_blocks[first:last], eng.runner.kv_cache,
                                          t.block_table[first:last])
+        # The prompts queued here wait for the oldest import still waiting: its seat comes first.
+        eng.scheduler.oldest_import = next((t.order for t in self.transfers if t.block_table is None), None)
 
     def _finish_imports(self) -> None:
         """Imports whose copy has completed join the decode batch; the others keep copying
