@@ -236,6 +236,8 @@ def plot_roles(plt, timelines: list[dict]):
             for k in range(int(tl["seconds"] // PHASE_S) + 1):
                 if k % 2:
                     ax.axvspan(k * PHASE_S, (k + 1) * PHASE_S, color="0.92")
+                ax.text((k + 0.5) * PHASE_S, 1.02, PHASES[k % len(PHASES)][0], transform=ax.get_xaxis_transform(),
+                        ha="center", fontsize=7)
         ends = [c["time"] for c in tl["changes"][1:]] + [tl["seconds"]]
         for change, end in zip(tl["changes"], ends):
             for w, role in change["roles"].items():
