@@ -16,18 +16,13 @@ time, they end with a RuntimeError in RequestOutput.error. Nothing waits on a de
 worker. close() (also run at exit and when the object is collected) stops every worker.
 """
 
-import ast
 import collections
 import dataclasses
 import itertools
 import logging
-import multiprocessing
-import os
-import sys
 import time
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -95,7 +90,6 @@ class CentralScheduler:
                  transport: str = "p2p", worker_timeout_s: float = 60.0, slo: tuple[float, float] | None = None,
                  startup_timeout_s: float = 600.0, **engine_kwargs):
         check_cluster(policy, devices, num_prefill, transport, worker_timeout_s, slo)
-        check_main_module()
         self.cfg = EngineConfig(model=model, **engine_kwargs)
         self.cfg.validate()
         config = load_config(model)
@@ -181,7 +175,8 @@ class CentralScheduler:
                     length_penalty)
         self.active[t.request_id] = t
         if self.planner is not None and self.router is not None:
-            self.planner.arrived(time.perf_counter(), len(ids), self.router.predictor.predict(len(ids), params.max_tokens).mean)
+            predicted = self.router.predictor.predict(len(ids), params.max_tokens).mean
+            self.planner.arrived(time.perf_counter(), len(ids), predicted)
         if self.policy != "collocated" and params.n > 1 and not beam_width:
             self._split_samples(t)
         else:
@@ -239,15 +234,17 @@ class CentralScheduler:
     def worker_loads(self, workers: list[int]) -> dict[int, WorkerLoad]:
         """What the router weighs, per worker: prompts waiting for prefill, sequences
         decoding, free blocks, seats, and the prompt tokens per ms the workers' steps
-        prefilled lately, per worker (router.WorkerLoad says why not each worker's own).
-        One pass over the active requests."""
+        prefilled lately, shared by the workers that take prompts (router.WorkerLoad says
+        why not each worker's own). One pass over the active requests."""
         now = time.perf_counter()
         while self.prefilled and now - self.prefilled[0][0] > PREFILL_RATE_WINDOW_S:
             self.prefilled_tokens -= self.prefilled.popleft()[1]
-        rate = self.prefilled_tokens / (PREFILL_RATE_WINDOW_S * 1e3) / max(1, len(self.devices) - len(self.dead))
+        takers = self.planner.takers("prefill", workers) if self.planner is not None else workers
+        rate = self.prefilled_tokens / (PREFILL_RATE_WINDOW_S * 1e3) / max(1, len(takers))
         budgets = self.planner.budgets if self.planner is not None else {}
         loads = {w: WorkerLoad(free_blocks=self.status[w].free_blocks if w in self.status else self.room,
-                               prefill_rate=rate, seats=self.cfg.max_num_seqs, prefill_budget=budgets.get(w))
+                               prefill_rate=rate if w in takers else 0.0, seats=self.cfg.max_num_seqs,
+                               prefill_budget=budgets.get(w))
                  for w in workers}
         for t in self.active.values():
             load = loads.get(t.worker)
@@ -540,22 +537,3 @@ def check_cluster(policy: str, devices: list[str], num_prefill: int, transport: 
     if policy == "disaggregated" and not 0 < num_prefill < len(devices):
         raise ValueError(f"disaggregated needs 1 <= num_prefill < len(devices), got num_prefill={num_prefill} "
                          f"with {len(devices)} devices")
-
-
-def check_main_module() -> None:
-    """Worker processes are started with spawn, which runs the caller's script again in
-    each of them: unless the script starts the workers under `if __name__ == "__main__":`,
-    every worker would start workers of its own. Refuse before starting any."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if getattr(multiprocessing.current_process(), "_inheriting", False):   # we are such a worker
-        raise RuntimeError("nanoPD workers are being started while a worker process starts: put the code "
-                           "that creates LLM(policy=...) under `if __name__ == \"__main__\":`")
-    if path is None or not path.endswith(".py") or not os.path.isfile(path):
-        return   # an interactive session, python -c, a notebook: nothing is run again
-    tree = ast.parse(Path(path).read_text())
-    guarded = any(isinstance(node, ast.If) and "__name__" in ast.unparse(node.test) for node in tree.body)
-    if not guarded:
-        raise ValueError(f"{path} has no `if __name__ == \"__main__\":` block: worker processes are started with "
-                         "spawn, which runs the script again in each of them; put the code that creates "
-                         "LLM(policy=...) under that block")

@@ -21,14 +21,17 @@ policy every step a worker runs is reported too, with its shape and time (StepTi
 the router refits its model of a step on them (router.py).
 """
 
+import ast
 import dataclasses
 import multiprocessing.connection
 import os
 import queue
 import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -306,6 +309,7 @@ class WorkerProcesses:
 
     def __init__(self, cfg: EngineConfig, devices: list[str], sources: list[list[int]], transport: str,
                  report_steps: bool, names: list[str]):
+        check_main_module()
         ctx = torch.multiprocessing.get_context("spawn")
         pipes = [ctx.Pipe(duplex=False) for _ in devices]
         self.reports = [reader for reader, _ in pipes]
@@ -372,3 +376,22 @@ def stop_processes(procs: list, inboxes: list, reports: list, timeout_s: float =
         q.close()
     for reader in reports:
         reader.close()
+
+
+def check_main_module() -> None:
+    """Worker processes are started with spawn, which runs the caller's script again in
+    each of them: unless the script starts the workers under `if __name__ == "__main__":`,
+    every worker would start workers of its own. Refuse before starting any."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if getattr(multiprocessing.current_process(), "_inheriting", False):   # we are such a worker
+        raise RuntimeError("nanoPD workers are being started while a worker process starts: put the code "
+                           "that creates LLM(policy=...) under `if __name__ == \"__main__\":`")
+    if path is None or not path.endswith(".py") or not os.path.isfile(path):
+        return   # an interactive session, python -c, a notebook: nothing is run again
+    tree = ast.parse(Path(path).read_text())
+    guarded = any(isinstance(node, ast.If) and "__name__" in ast.unparse(node.test) for node in tree.body)
+    if not guarded:
+        raise ValueError(f"{path} has no `if __name__ == \"__main__\":` block: worker processes are started with "
+                         "spawn, which runs the script again in each of them; put the code that creates "
+                         "LLM(policy=...) under that block")
