@@ -43,6 +43,7 @@ HYSTERESIS = 0.05        # a regime must be predicted this much better to replac
 PLAN_INTERVAL_S = 2.0    # how often the cluster asks the planner
 MIX_WINDOW_S = 10.0      # the arrivals a plan is for: those of the last this many seconds
 MIN_ARRIVALS = 8         # fewer say too little to plan on
+MIX_CHANGE = 0.5         # a rate or mean prompt length this far (50%) off the window's is a new mix
 MIN_BUDGET = 16          # prompt tokens per step a budgeted worker always takes
 
 
@@ -303,6 +304,7 @@ class Planner:
             self.switch(Regime(both=len(loads)), loads, now, [])
         while self.arrivals and now - self.arrivals[0][0] > MIX_WINDOW_S:
             self.arrivals.popleft()
+        self.forget_a_changed_mix(now)
         if len(self.arrivals) >= MIN_ARRIVALS:
             span = max(now - self.arrivals[0][0], PLAN_INTERVAL_S)
             mix = Mix(len(self.arrivals) / (span * 1e3), [a[1] for a in self.arrivals], [a[2] for a in self.arrivals])
@@ -312,6 +314,21 @@ class Planner:
                 self.switch(forecasts[0].regime, loads, now, forecasts)
         self.set_budgets(cost, loads)
         return (self.roles, self.budgets) != before
+
+    def forget_a_changed_mix(self, now: float) -> None:
+        """On a clear change in the arrivals (the last PLAN_INTERVAL_S's rate or mean prompt
+        length off the window's by more than MIX_CHANGE), plan for the new mix alone: drop
+        the arrivals before it rather than wait MIX_WINDOW_S for them to age out."""
+        recent = [a for a in self.arrivals if now - a[0] <= PLAN_INTERVAL_S]
+        older = [a for a in self.arrivals if now - a[0] > PLAN_INTERVAL_S]
+        if len(recent) < MIN_ARRIVALS or len(older) < MIN_ARRIVALS:
+            return
+        span = max(now - older[0][0] - PLAN_INTERVAL_S, PLAN_INTERVAL_S)
+        rate_ratio = (len(recent) / PLAN_INTERVAL_S) / (len(older) / span)
+        length_ratio = (sum(a[1] for a in recent) / len(recent)) / (sum(a[1] for a in older) / len(older))
+        if max(rate_ratio, 1 / rate_ratio, length_ratio, 1 / length_ratio) > 1 + MIX_CHANGE:
+            while self.arrivals and now - self.arrivals[0][0] > PLAN_INTERVAL_S:
+                self.arrivals.popleft()
 
     def switch(self, regime: Regime, loads: dict[int, WorkerLoad], now: float, forecasts: list[Forecast]) -> None:
         self.regime, self.roles = regime, assign_roles(regime, loads)

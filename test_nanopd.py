@@ -2161,6 +2161,24 @@ def test_the_planner_switches_with_hysteresis_and_logs_why():
     assert plan.takers("decode", [0]) == [0]   # the decode worker died: the live one does it
 
 
+def test_the_planner_follows_a_clear_change_of_mix_at_once():
+    """Ten seconds of short prompts, then two of long ones at the same rate: at the next plan
+    the planner forgets the old mix (it changed clearly) and splits the workers, instead of
+    averaging the two for the ten seconds the old arrivals take to age out."""
+    p = HardwareParams(alpha=0.022, alpha0=2.09, beta=5.05, batch_thresh=16, slope=0.0135, kv=4e-5, gamma=0.0234,
+                       transfer_rate=0.0042)
+    cost, rng = CostModel(p), random.Random(4)
+    plan, loads = planner.Planner([0, 1]), {0: WorkerLoad(), 1: WorkerLoad()}
+    for i in range(240):
+        plan.arrived(i / 24, rng.randint(64, 256), rng.randint(32, 256))
+    plan.plan(cost, loads, 256, now=10.0)
+    assert plan.regime == planner.Regime(2, 0, 0)
+    for i in range(48):
+        plan.arrived(10 + i / 24, rng.randint(1024, 2048), rng.randint(32, 256))
+    assert plan.plan(cost, loads, 256, now=12.0) and plan.regime == planner.Regime(0, 1, 1)
+    assert len(plan.arrivals) <= 48
+
+
 # ================================ cluster.py: the policies on worker processes
 # Every policy gives HF's greedy tokens; handoffs report their phases; a killed worker ends or retries its
 # requests; blocks all come back.
