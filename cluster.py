@@ -47,6 +47,7 @@ from messages import (
     StepTimed,
     Submit,
     Tokens,
+    ToWorker,
 )
 from model import load_config, load_tokenizer
 from planner import Planner
@@ -125,6 +126,8 @@ class CentralScheduler:
         """Whose KV cache each worker reads: decode workers every prefill worker's; under
         adaptive, every worker every other's."""
         n = len(self.devices)
+        if not TRANSPORTS[self.transport].shares_caches:   # two-sided: nothing is shared
+            return [[] for _ in range(n)]
         return [[j for j in range(n) if j != i and (self.policy == "adaptive" or
                  (self.roles[i], self.roles[j]) == ("decode", "prefill"))] for i in range(n)]
 
@@ -332,6 +335,8 @@ class CentralScheduler:
                 self._on_imported(w, msg)
             case Done():
                 self._on_done(w, msg)
+            case ToWorker() if msg.worker not in self.dead:
+                self.workers.send(msg.worker, msg.msg)
             case Rejected() if self._current(w, msg.request_id):
                 self._fail(self.active[msg.request_id], ValueError(msg.error))
             case Expired() if self._current(w, msg.request_id, prefill_side=True):
@@ -534,6 +539,8 @@ def check_cluster(policy: str, devices: list[str], num_prefill: int, transport: 
                 raise ValueError(f"{name} must be above 0, got {value}")
     if len({check_device(d).type for d in devices}) > 1:   # the KV handoff shares caches of one kind
         raise ValueError(f"devices {list(devices)} mix cpu and cuda")
+    if transport == "distributed" and str(devices[0]).startswith("cuda") and len(set(map(str, devices))) < len(devices):
+        raise ValueError(f"the distributed transport (NCCL) needs a GPU of its own per worker, got {list(devices)}")
     if policy == "disaggregated" and not 0 < num_prefill < len(devices):
         raise ValueError(f"disaggregated needs 1 <= num_prefill < len(devices), got num_prefill={num_prefill} "
                          f"with {len(devices)} devices")

@@ -7,8 +7,8 @@ mid-write can break only its own pipe; a queue shared by all could stay locked).
 never travel here: KV caches are shared once at start-up (workers.py), so a handoff names
 block ids only.
 
-    central scheduler --Submit/Import/Release/Drop/Abort/SetPrefillBudget/Measure/Stop--> worker
-    central scheduler <--Ready/Status/Tokens/Handoff/Imported/Done/...-- worker
+    central scheduler --Submit/Import/Release/Drop/Abort/SendKV/SetPrefillBudget/Measure/Stop--> worker
+    central scheduler <--Ready/Status/Tokens/Handoff/Imported/Done/ToWorker/...-- worker
 """
 
 from dataclasses import dataclass, field
@@ -59,6 +59,16 @@ class Drop:
 class Abort:
     """End this request here and forget it, wherever it is (the caller gave up on it)."""
     request_id: int
+
+
+@dataclass
+class SendKV:
+    """To the worker a request was prefilled on, under a two-sided transport (distributed):
+    send these runs (first block, length) of its cache to worker dst, in this order, the
+    order dst posted its receives in."""
+    request_id: int
+    dst: int
+    runs: list[tuple[int, int]]
 
 
 @dataclass
@@ -142,6 +152,14 @@ class Imported:
     nbytes: int                         # KV copied
     copy_seconds: float                 # the copy itself
     seat_wait: float                    # seconds the Import waited here for a seat and blocks
+
+
+@dataclass
+class ToWorker:
+    """A message for another worker, which the central scheduler forwards (a worker's only
+    channel is to the central scheduler)."""
+    worker: int
+    msg: object
 
 
 @dataclass

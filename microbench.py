@@ -492,7 +492,7 @@ def transport_alone(transport, src_cache: torch.Tensor, dst_cache: torch.Tensor,
                                    ("scattered", list(range(0, 2 * blocks, 2)), dst_blocks[1:2 * blocks:2])):
         secs = []
         for _ in range(6):
-            pull = transport.pull(src_cache, src_ids, dst_cache, dst_ids)
+            pull = transport.pull(0, src_cache, src_ids, dst_cache, dst_ids)
             pull.done.synchronize()
             pull.ready()   # reads the copy's time off its events
             secs.append(pull.seconds)
@@ -526,7 +526,7 @@ def decode_step_while_pulling(model: str, src: str, dst: str, batch: int = 64, c
         start.record()
         for _ in range(n):
             if pull_blocks:
-                transport.pull(src_cache, list(range(pull_blocks)), cache, dst_blocks[:pull_blocks])
+                transport.pull(0, src_cache, list(range(pull_blocks)), cache, dst_blocks[:pull_blocks])
             graph.replay()
         end.record()
         end.synchronize()
@@ -544,7 +544,7 @@ def decode_step_while_pulling(model: str, src: str, dst: str, batch: int = 64, c
         gate = torch.cuda.Event()
         gate.record()
     t = time.perf_counter()
-    pulls = [transport.pull(src_cache, list(range(chunk)), cache, dst_blocks) for _ in range(80)]
+    pulls = [transport.pull(0, src_cache, list(range(chunk)), cache, dst_blocks) for _ in range(80)]
     queued_s = time.perf_counter() - t
     started = pulls[0].done.query()
     torch.cuda.current_stream().wait_event(gate)

@@ -248,7 +248,10 @@ def worker_env(monkeypatch):
 def make_cluster(hf, policy: str, num_devices: int, **kwargs) -> LLM:
     kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": 128, "max_num_seqs": 16, "max_num_batched_tokens": 16,
               **kwargs}
-    return LLM(str(hf.path), policy=policy, devices=WORKER_DEVICES[:num_devices], dtype="float32", **kwargs)
+    devices = WORKER_DEVICES[:num_devices]
+    if kwargs.get("transport") == "distributed" and len(set(devices)) < len(devices):
+        devices = ["cpu"] * num_devices   # NCCL wants a GPU of its own per worker: gloo between CPU workers
+    return LLM(str(hf.path), policy=policy, devices=devices, dtype="float32", **kwargs)
 
 
 def workers_all_free(llm: LLM, timeout_s: float = 20.0) -> bool:
@@ -2186,7 +2189,8 @@ def test_the_planner_follows_a_clear_change_of_mix_at_once():
 
 @pytest.mark.usefixtures("worker_env")
 @pytest.mark.parametrize("policy, num_devices, transport", [("collocated", 2, "p2p"), ("disaggregated", 2, "p2p"),
-                                                            ("disaggregated", 3, "p2p"), ("disaggregated", 2, "relay")])
+                                                            ("disaggregated", 3, "p2p"), ("disaggregated", 2, "relay"),
+                                                            ("disaggregated", 3, "distributed")])
 def test_policies_on_worker_processes_give_hf_greedy_tokens(hf, policy, num_devices, transport):
     """Prompts of 3 to 41 tokens (chunked under a 16-token budget) give HF's greedy tokens on
     every policy; disaggregated ones go prefill worker -> decode worker, with each phase's
@@ -2255,7 +2259,8 @@ ROUTER_TEST_PARAMS = HardwareParams(alpha=0.2, beta=1.0, batch_thresh=1, slope=5
 
 
 @pytest.mark.usefixtures("worker_env")
-def test_adaptive_gives_hf_tokens_on_both_paths_and_learns(hf):
+@pytest.mark.parametrize("transport", ["p2p", "distributed"])
+def test_adaptive_gives_hf_tokens_on_both_paths_and_learns(hf, transport):
     """Adaptive on two workers: HF's greedy tokens on both paths. The first request goes to
     an idle worker (collocated); while it decodes, a second is collocated on the other
     worker and a third, sent right after, is prefilled beside the first request's decode
@@ -2263,7 +2268,7 @@ def test_adaptive_gives_hf_tokens_on_both_paths_and_learns(hf):
     prompt is queued there. Every finished request updates the output-length predictor, and
     the steps the workers time refit the router's step model."""
     params = dataclasses.replace(ROUTER_TEST_PARAMS)
-    with make_cluster(hf, "adaptive", 2, profile=params) as llm:
+    with make_cluster(hf, "adaptive", 2, profile=params, transport=transport) as llm:
         cluster, router = llm.cluster, llm.cluster.router
         first = cluster.submit(MIXED_PROMPTS[0], SamplingParams(max_tokens=60))
         deadline = time.monotonic() + 60

@@ -11,14 +11,22 @@ block-major, so consecutive block ids on both sides are one contiguous copy.
          access); between CPU workers, a copy through shared memory
   relay  through two pinned host buffers, download and upload overlapped, for devices
          that cannot reach each other
+  distributed
+         point-to-point sends and receives of torch.distributed (NCCL between GPUs, gloo
+         between CPUs), for workers that share no memory, on one host or several: the
+         decode side posts a receive per run and asks the prefill side (a SendKV message)
+         to post the matching sends
 """
 
+import contextlib
 import ctypes
 import functools
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 
 def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -36,15 +44,16 @@ def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 class Transport:
     """Copies blocks of another worker's KV cache (shared at start-up) into this worker's.
     pull() only enqueues the copies, on a stream of the transport's own, and returns a Pull
-    whose events complete with them (on CPUs the copy is done on return). A transport for
-    workers on different hosts (torch.distributed send/recv of the same runs) would
-    implement the same copy()."""
+    whose events complete with them (on CPUs the copy is done on return)."""
+    shares_caches = True   # the caches are handed over at start-up (CUDA IPC, shared memory)
 
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def pull(self, src: torch.Tensor, src_blocks: list[int], dst: torch.Tensor, dst_blocks: list[int]) -> "Pull":
+    def pull(self, src_worker: int, src: torch.Tensor | None, src_blocks: list[int], dst: torch.Tensor,
+             dst_blocks: list[int]) -> "Pull":
+        """Copy blocks src_blocks of worker src_worker's cache src into dst_blocks of dst."""
         nbytes = len(dst_blocks) * dst[0].nbytes
         if self.stream is None:
             start = time.perf_counter()
@@ -62,17 +71,30 @@ class Transport:
     def copy(self, src, src_blocks, dst, dst_blocks) -> None:
         raise NotImplementedError
 
+    def send(self, dst_worker: int, cache: torch.Tensor, runs: list[tuple[int, int]]) -> None:
+        """The source side of a transport that needs one (distributed): nothing here."""
+
 
 @dataclass
 class Pull:
-    """A transport's copy in flight: its size and, once done, how long the copy itself took."""
+    """A transport's copy in flight: its size and, once done, how long the copy itself took;
+    and, for a two-sided transport, the runs (first block, length) its source must send, in
+    this order (messages.SendKV)."""
     nbytes: int
     began: torch.cuda.Event | None = None
     done: torch.cuda.Event | None = None
     seconds: float | None = None
+    works: list = field(default_factory=list)   # torch.distributed receives in flight
+    posted: float = 0.0                          # ... since (host clock)
+    source_runs: list[tuple[int, int]] | None = None
+    waited: threading.Event | None = None       # gloo: set by a thread that waits for the works
 
     def ready(self) -> bool:
-        if self.seconds is None and self.done.query():
+        if self.seconds is None and self.works:
+            done = self.waited.is_set() if self.waited is not None else all(w.is_completed() for w in self.works)
+            if done:
+                self.seconds = time.perf_counter() - self.posted
+        elif self.seconds is None and self.done.query():
             self.seconds = self.began.elapsed_time(self.done) / 1e3
         return self.seconds is not None
 
@@ -148,4 +170,48 @@ class RelayTransport(Transport):
             self.freed[k % 2].record(self.stream)
 
 
-TRANSPORTS = {"p2p": P2PTransport, "relay": RelayTransport}
+class DistributedTransport(Transport):
+    """Point-to-point receives (here) and sends (on the source) of torch.distributed, one per
+    run of consecutive blocks, between workers that share no memory: NCCL between GPUs,
+    gloo between CPUs, in the workers' process group (rank = worker index). The decode side
+    posts its receives on the transport's stream and asks the source for the sends (the
+    Pull's SendKV, which the central scheduler forwards); a backend matches the messages of
+    a pair of ranks in the order they were posted, and the source posts its sends in the
+    order of the runs, and serves its SendKVs in the order they come, so each run lands
+    where it should."""
+    shares_caches = False
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.sending: list = []   # NCCL sends in flight
+
+    def pull(self, src_worker: int, src: torch.Tensor | None, src_blocks: list[int], dst: torch.Tensor,
+             dst_blocks: list[int]) -> Pull:
+        runs = block_runs(src_blocks, dst_blocks)
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            works = [dist.irecv(dst[d:d + n], src=src_worker) for _, d, n in runs]
+        return Pull(len(dst_blocks) * dst[0].nbytes, works=works, posted=time.perf_counter(),
+                    source_runs=[(s, n) for s, _, n in runs], waited=self.wait_aside(works))
+
+    def send(self, dst_worker: int, cache: torch.Tensor, runs: list[tuple[int, int]]) -> None:
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            works = [dist.isend(cache[s:s + n], dst=dst_worker) for s, n in runs]
+        if self.wait_aside(works) is None:   # NCCL: kept until done (the blocks stay parked till then anyway)
+            self.sending = [w for w in self.sending if not w.is_completed()] + works
+
+    def wait_aside(self, works: list) -> threading.Event | None:
+        """NCCL's works say when they are done (CUDA events). gloo's only complete in wait(),
+        which blocks: a thread of their own waits for them and sets the event returned."""
+        if self.stream is not None:
+            return None
+        waited = threading.Event()
+
+        def wait() -> None:
+            for w in works:
+                w.wait()
+            waited.set()
+        threading.Thread(target=wait, daemon=True).start()
+        return waited
+
+
+TRANSPORTS = {"p2p": P2PTransport, "relay": RelayTransport, "distributed": DistributedTransport}

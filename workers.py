@@ -23,10 +23,12 @@ the router refits its model of a step on them (router.py).
 
 import ast
 import dataclasses
+import datetime
 import multiprocessing.connection
 import os
 import queue
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from config import EngineConfig
@@ -53,12 +56,14 @@ from messages import (
     Ready,
     Rejected,
     Release,
+    SendKV,
     SetPrefillBudget,
     Status,
     StepTimed,
     Stop,
     Submit,
     Tokens,
+    ToWorker,
 )
 from request import arrival_order
 from timing import measure_engine
@@ -67,6 +72,7 @@ from transport import TRANSPORTS, Pull
 HANDOFF_TIMEOUT_S = 120.0   # parked blocks are freed after this long without a Release
 IDLE_WAIT_S = 0.02          # how long an idle worker blocks on its inbox before looking again
 HEARTBEAT_S = 1.0           # a worker reports at least this often, busy or idle
+GROUP_TIMEOUT_S = 600.0     # the workers' process group: joining it, and its operations
 
 
 # ----------------------------------------------------------------------------- the worker loop
@@ -164,6 +170,8 @@ class Worker:
                 self.engine.abort([msg.request_id])
             case SetPrefillBudget():
                 self.engine.scheduler.prefill_budget = msg.tokens
+            case SendKV():
+                self.transport.send(msg.dst, self.engine.runner.kv_cache, msg.runs)
             case Measure():
                 self.reports.append(Measured(measure_engine(self.engine, **msg.spec)))
 
@@ -208,8 +216,10 @@ class Worker:
                 continue
             # Blocks found in our prefix cache need no copy.
             first, last = cached // eng.cfg.block_size, cdiv(m.num_prompt_tokens, eng.cfg.block_size)
-            t.pull = self.transport.pull(self.peer_caches[m.src], m.src_blocks[first:last], eng.runner.kv_cache,
-                                         t.block_table[first:last])
+            t.pull = self.transport.pull(m.src, self.peer_caches.get(m.src), m.src_blocks[first:last],
+                                         eng.runner.kv_cache, t.block_table[first:last])
+            if t.pull.source_runs is not None:   # a two-sided transport: the source must send
+                self.reports.append(ToWorker(m.src, SendKV(m.request_id, self.index, t.pull.source_runs)))
         # The prompts queued here wait for the oldest import still waiting: its seat comes first.
         eng.scheduler.oldest_import = next((t.order for t in self.transfers if t.block_table is None), None)
 
@@ -263,6 +273,8 @@ class WorkerSpec:
     transport: str
     report_steps: bool                  # send StepTimed (the adaptive router reads them)
     num_sources: int                    # peer caches it will pull from, arriving on its share queue
+    group: str | None = None            # a two-sided transport's process group: its init method
+    world_size: int = 1                 # ... and its ranks (the workers; rank = worker index)
 
 
 def worker_main(spec: WorkerSpec, inbox, outbox, readers: list, share_queue) -> None:
@@ -279,6 +291,10 @@ def worker_main(spec: WorkerSpec, inbox, outbox, readers: list, share_queue) -> 
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // 4))   # several workers share the cores
         engine = Engine(spec.cfg)
         peers = _share_caches(spec, engine.runner.kv_cache, readers, share_queue)
+        if spec.group is not None:   # the workers' process group, for the transport's sends and receives
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=spec.group,
+                                    rank=spec.index, world_size=spec.world_size,
+                                    timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
         outbox.send([Ready(engine.runner.num_blocks, engine.bm.watermark_blocks,
                            engine.runner.kv_cache[0].nbytes // engine.cfg.block_size)])
         Worker(spec.index, engine, inbox, outbox, peers, spec.transport, spec.report_steps).run()
@@ -311,6 +327,8 @@ class WorkerProcesses:
                  report_steps: bool, names: list[str]):
         check_main_module()
         ctx = torch.multiprocessing.get_context("spawn")
+        # A two-sided transport's process group rendezvous on loopback: nothing listens beyond it.
+        group = None if TRANSPORTS[transport].shares_caches else f"tcp://127.0.0.1:{free_port()}"
         pipes = [ctx.Pipe(duplex=False) for _ in devices]
         self.reports = [reader for reader, _ in pipes]
         self.inboxes = [ctx.Queue() for _ in devices]
@@ -319,7 +337,8 @@ class WorkerProcesses:
         self.shares = shares = [ctx.Queue() if sources[i] else None for i in range(len(devices))]
         self.procs = []
         for i, device in enumerate(devices):
-            spec = WorkerSpec(i, dataclasses.replace(cfg, device=device), transport, report_steps, len(sources[i]))
+            spec = WorkerSpec(i, dataclasses.replace(cfg, device=device), transport, report_steps, len(sources[i]),
+                              group, len(devices))
             readers = [shares[j] for j in range(len(devices)) if i in sources[j]]
             self.procs.append(ctx.Process(target=worker_main, args=(spec, self.inboxes[i], pipes[i][1], readers,
                                                                     shares[i]), daemon=True, name=names[i]))
@@ -350,6 +369,13 @@ class WorkerProcesses:
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask every worker to stop, then terminate (and at last kill) the ones that do not."""
         stop_processes(self.procs, self.inboxes, self.reports, timeout_s)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def stop_processes(procs: list, inboxes: list, reports: list, timeout_s: float = 10.0) -> None:
