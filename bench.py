@@ -293,6 +293,7 @@ class Run:
     seed: int
     out: Path
     slo: tuple[float, float] | None = None   # given explicitly: the adaptive router routes for it
+    join: str | None = None     # HOST:PORT for workers on other hosts (hosts.py), instead of devices
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -306,6 +307,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=None, help="static mode; default 512 on GPUs, 64 on CPUs")
     p.add_argument("--model", default=None, help="default: qwen3-8b on GPUs, tiny on CPUs")
     p.add_argument("--devices", nargs="+", default=None, help="default: every GPU, or two CPU workers")
+    p.add_argument("--join", default=None, help="HOST:PORT to listen at for workers torchrun starts on other "
+                   "hosts (hosts.py), instead of --devices")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft-slo", type=float, default=None, help="seconds; default 2.0 on GPUs, 0.5 on CPUs. "
                    "Given (or --tpot-slo), the adaptive policy routes for goodput under it")
@@ -321,8 +324,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_run(args: argparse.Namespace) -> Run:
     """The run the flags ask for; SystemExit with one line if they ask for none."""
     from cluster import default_devices
-    devices = args.devices or default_devices()
-    gpu = devices[0].startswith("cuda")
+    devices = None if args.join else args.devices or default_devices()
+    gpu = devices[0].startswith("cuda") if devices else torch.cuda.is_available()   # --join: as here
     if args.mode == "sweep":
         rates = args.rates or ([2, 4, 8, 16, 32] if gpu else [2, 4, 8])
     elif args.mode == "static":
@@ -336,7 +339,7 @@ def make_run(args: argparse.Namespace) -> Run:
               ttft_slo=default(args.ttft_slo, 2.0 if gpu else 0.5), tpot_slo=default(args.tpot_slo, 0.1 if gpu else 0.05),
               engine={"max_num_seqs": args.max_num_seqs, "max_model_len": 4096,
                       "max_num_batched_tokens": default(args.max_num_batched_tokens, 8192 if gpu else 256)},
-              seed=args.seed, out=Path(args.out),
+              seed=args.seed, out=Path(args.out), join=args.join,
               slo=None if args.ttft_slo is None and args.tpot_slo is None else
               (default(args.ttft_slo, 2.0 if gpu else 0.5), default(args.tpot_slo, 0.1 if gpu else 0.05)))
     check_run(run)
@@ -377,7 +380,7 @@ def run_policy(run: Run, policy: str) -> tuple[list[dict], list[Result], dict, l
     from nanopd import LLM
     try:
         llm = LLM(run.model, policy=policy, devices=run.devices, slo=run.slo if policy == "adaptive" else None,
-                  **run.engine)
+                  join=run.join, **run.engine)
     except ValueError as e:   # bad --model, --devices for the policy, ...: say so, no traceback
         raise SystemExit(f"error: {e}") from None
     rows, results, timelines = [], [], []
@@ -448,8 +451,8 @@ def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timel
               f"{', '.join(f'{e:.0%}' for e in calib['by_decile'])})")
     run.out.mkdir(parents=True, exist_ok=True)
     files = plot(rows, results, goodput, timelines, run.out)
-    gpu = run.devices[0].startswith("cuda")
-    meta = {"model": run.model, "devices": run.devices, "workloads": run.workloads,
+    gpu = run.devices[0].startswith("cuda") if run.devices else torch.cuda.is_available()
+    meta = {"model": run.model, "devices": run.devices or [f"joined at {run.join}"], "workloads": run.workloads,
             "mode": run.mode, "seed": run.seed, "ttft_slo": run.ttft_slo, "tpot_slo": run.tpot_slo, "length_scale": run.scale,
             "device_name": torch.cuda.get_device_name() if gpu else "cpu"}
     # One line, six significant digits: a sweep holds some 15,000 requests' timings.

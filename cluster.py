@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from config import EngineConfig, check_device, check_int, check_real
+from hosts import RemoteWorkers, parse_address
 from kv_cache import cdiv
 from messages import (
     Abort,
@@ -87,23 +88,17 @@ class CentralScheduler:
     module's docstring). Under adaptive, `router` must be set before the first submit
     (nanopd.LLM does it, from the profiler's measurements)."""
 
-    def __init__(self, model: str, policy: str, devices: list[str], num_prefill: int = 1,
+    def __init__(self, model: str, policy: str, devices: list[str] | None, num_prefill: int = 1,
                  transport: str = "p2p", worker_timeout_s: float = 60.0, slo: tuple[float, float] | None = None,
-                 startup_timeout_s: float = 600.0, **engine_kwargs):
-        check_cluster(policy, devices, num_prefill, transport, worker_timeout_s, slo)
+                 join: str | None = None, startup_timeout_s: float = 600.0, **engine_kwargs):
+        check_cluster(policy, devices, num_prefill, transport, worker_timeout_s, slo, join)
         self.cfg = EngineConfig(model=model, **engine_kwargs)
         self.cfg.validate()
         config = load_config(model)
         self.cfg.max_model_len = min(self.cfg.max_model_len, config.max_position_embeddings)
         self.vocab_size, self.tokenizer = config.vocab_size, load_tokenizer(model)
-        self.policy, self.devices, self.transport = policy, list(devices), transport
-        self.worker_timeout_s = worker_timeout_s
-        self.roles = (["prefill"] * num_prefill + ["decode"] * (len(devices) - num_prefill)
-                      if policy == "disaggregated" else ["collocated"] * len(devices))
-        self.workers = WorkerProcesses(self.cfg, self.devices, self._sources(), transport, policy == "adaptive",
-                                       [f"nanopd-{role}-{i}" for i, role in enumerate(self.roles)])
-        w = self.workers
-        self._close = weakref.finalize(self, stop_processes, w.procs, w.inboxes, w.reports)
+        self.policy, self.transport, self.worker_timeout_s = policy, transport, worker_timeout_s
+        self._start_workers(devices, num_prefill, join, startup_timeout_s)
         self.active: dict[int, Tracked] = {}
         self.done: dict[int, Tracked] = {}
         self.dead: dict[int, str] = {}        # worker -> why
@@ -115,12 +110,32 @@ class CentralScheduler:
         self.prefilled_tokens = 0   # ... their sum
         self.router: Router | None = None
         # adaptive: each worker's role in the regime, replanned as the arrivals change
-        self.planner = Planner(list(range(len(devices))), slo) if policy == "adaptive" else None
+        self.planner = Planner(list(range(len(self.devices))), slo) if policy == "adaptive" else None
         self.budgets_sent: dict[int, int | None] = {}
         self.batches: collections.deque[tuple[float, dict[int, int]]] = collections.deque()   # (time, decode batches)
         self.ended: list[int] = []            # ids ended since the last poll, wherever they ended
         self._ids = itertools.count()
         self.room = self._wait_ready(startup_timeout_s)
+
+    def _start_workers(self, devices: list[str] | None, num_prefill: int, join: str | None, timeout_s: float) -> None:
+        """Spawn a worker per device on this host, or listen at `join` for workers torchrun
+        starts on their hosts (hosts.py); their roles under the policy."""
+        report_steps = self.policy == "adaptive"
+        if join is not None:
+            self.workers = RemoteWorkers(join, self.cfg, self.transport, report_steps, timeout_s)
+            self._close = weakref.finalize(self, self.workers.close)
+            devices = [f"worker {w}" for w in range(self.workers.count)]   # named by their Ready
+        self.devices = list(devices)
+        if self.policy == "disaggregated" and not 0 < num_prefill < len(devices):
+            raise ValueError(f"disaggregated needs 1 <= num_prefill < the number of workers, got num_prefill="
+                             f"{num_prefill} with {len(devices)} workers")
+        self.roles = (["prefill"] * num_prefill + ["decode"] * (len(devices) - num_prefill)
+                      if self.policy == "disaggregated" else ["collocated"] * len(devices))
+        if join is None:
+            self.workers = WorkerProcesses(self.cfg, self.devices, self._sources(), self.transport, report_steps,
+                                           [f"nanopd-{role}-{i}" for i, role in enumerate(self.roles)])
+            w = self.workers
+            self._close = weakref.finalize(self, stop_processes, w.procs, w.inboxes, w.reports)
 
     def _sources(self) -> list[list[int]]:
         """Whose KV cache each worker reads: decode workers every prefill worker's; under
@@ -140,6 +155,7 @@ class CentralScheduler:
                     for msg in reports:
                         if isinstance(msg, Ready):
                             rooms[w], self.kv_bytes_per_token = msg.num_blocks - msg.watermark_blocks, msg.kv_bytes_per_token
+                            self.devices[w] = msg.device or self.devices[w]
                             self.status[w] = Status(msg.num_blocks, msg.num_blocks, 0)
                             bar.update()
                         elif isinstance(msg, Failed):
@@ -160,7 +176,7 @@ class CentralScheduler:
         if last.startswith("ValueError: "):
             return ValueError(f"worker {w} ({self.devices[w]}): {last.removeprefix('ValueError: ')}")
         if not last:   # it died before it could say why: most often in the spawn bootstrap
-            last = (f"exit code {self.workers.procs[w].exitcode}, before it ran (a script that starts "
+            last = (f"{self.workers.why(w)}, before it ran (a script that starts "
                     "workers must do so under `if __name__ == \"__main__\":`)")
         return RuntimeError(f"worker {w} ({self.devices[w]}) did not start: {last}")
 
@@ -309,7 +325,7 @@ class CentralScheduler:
         now = time.monotonic()
         for w, heard in self.heard.items():
             if w not in self.dead and now - heard > self.worker_timeout_s:
-                self.workers.procs[w].kill()
+                self.workers.kill(w)
                 self._worker_died(w, f"no report for {now - heard:.0f} s (worker_timeout_s={self.worker_timeout_s:g})")
 
     def _on_report(self, w: int, msg) -> None:
@@ -443,8 +459,7 @@ class CentralScheduler:
 
     def _worker_died(self, w: int, why: str | None = None) -> None:
         """Every request w held starts again from its prompt on a live worker, or fails."""
-        why = [why] if why else (self.errors.get(w, "").strip().splitlines()[-1:]
-                                 or [f"exit code {self.workers.procs[w].exitcode}"])
+        why = [why] if why else (self.errors.get(w, "").strip().splitlines()[-1:] or [self.workers.why(w)])
         self.dead[w] = why[0]
         for t in list(self.active.values()):
             if t.samples or t.phase == "done":
@@ -514,13 +529,18 @@ def default_devices() -> list[str]:
     return [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu", "cpu"]
 
 
-def check_cluster(policy: str, devices: list[str], num_prefill: int, transport: str,
-                  worker_timeout_s: float, slo: tuple[float, float] | None = None) -> None:
+def check_cluster(policy: str, devices: list[str] | None, num_prefill: int, transport: str,
+                  worker_timeout_s: float, slo: tuple[float, float] | None = None, join: str | None = None) -> None:
     """Raise a ValueError naming the first bad cluster setting, before any worker starts."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
     if transport not in TRANSPORTS:
         raise ValueError(f"transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
+    if join is not None:   # the workers are on their hosts, torchrun's: their devices are theirs
+        parse_address(join)
+        if devices is not None or transport != "distributed":
+            raise ValueError("join (workers on other hosts) takes transport='distributed' and no devices")
+        devices = ["cpu"]
     if not isinstance(devices, list | tuple) or not devices:
         raise ValueError(f"devices must be a non-empty list of device names, got {devices!r}")
     check_int("num_prefill", num_prefill, low=0)
@@ -541,6 +561,3 @@ def check_cluster(policy: str, devices: list[str], num_prefill: int, transport: 
         raise ValueError(f"devices {list(devices)} mix cpu and cuda")
     if transport == "distributed" and str(devices[0]).startswith("cuda") and len(set(map(str, devices))) < len(devices):
         raise ValueError(f"the distributed transport (NCCL) needs a GPU of its own per worker, got {list(devices)}")
-    if policy == "disaggregated" and not 0 < num_prefill < len(devices):
-        raise ValueError(f"disaggregated needs 1 <= num_prefill < len(devices), got num_prefill={num_prefill} "
-                         f"with {len(devices)} devices")

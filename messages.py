@@ -98,6 +98,7 @@ class Ready:
     num_blocks: int
     watermark_blocks: int
     kv_bytes_per_token: int
+    device: str = ""                    # where it runs (a remote worker: host/device)
 
 
 @dataclass

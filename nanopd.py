@@ -40,24 +40,31 @@ class LLM:
     `with LLM(...)`). Under adaptive, profile gives the router's starting parameters
     (HardwareParams), or None to measure them (profiler.py), or False for no router, and
     slo=(ttft_s, tpot_s) makes it route and plan for goodput (requests meeting both)
-    rather than latency (docs/router.md). A worker silent for worker_timeout_s is treated
-    as dead (docs/workers.md)."""
+    rather than latency (docs/planner.md). A worker silent for worker_timeout_s is treated
+    as dead (docs/workers.md). join="HOST:PORT" serves on workers torchrun starts on other
+    hosts (hosts.py), over the distributed transport."""
 
     def __init__(self, model: str = "tiny", policy: str | None = None, devices: list[str] | None = None,
                  num_prefill: int = 1, transport: str = "p2p", profile: HardwareParams | bool | None = None,
-                 worker_timeout_s: float = 60.0, slo: tuple[float, float] | None = None, **kwargs):
+                 worker_timeout_s: float = 60.0, slo: tuple[float, float] | None = None, join: str | None = None,
+                 **kwargs):
         if policy is None:
             given = [name for name, value, default in [("devices", devices, None), ("num_prefill", num_prefill, 1),
                                                        ("transport", transport, "p2p"), ("profile", profile, None),
-                                                       ("worker_timeout_s", worker_timeout_s, 60.0), ("slo", slo, None)]
+                                                       ("worker_timeout_s", worker_timeout_s, 60.0), ("slo", slo, None),
+                                                       ("join", join, None)]
                      if value != default]
             if given:
                 raise ValueError(f"{', '.join(given)} only apply with a policy (collocated, disaggregated, adaptive); "
                                  "without one, LLM is a single engine on `device`")
             self.backend: Engine | CentralScheduler = Engine(EngineConfig(model=model, **kwargs))
             return
-        devices = default_devices() if devices is None else devices
-        self.backend = CentralScheduler(model, policy, devices, num_prefill, transport, worker_timeout_s, slo, **kwargs)
+        if join is not None:   # workers torchrun starts on their hosts (hosts.py): they bring their devices
+            transport = "distributed" if transport == "p2p" else transport
+        elif devices is None:
+            devices = default_devices()
+        self.backend = CentralScheduler(model, policy, devices, num_prefill, transport, worker_timeout_s, slo, join,
+                                        **kwargs)
         if policy == "adaptive" and profile is not False:
             try:
                 params = profile if isinstance(profile, HardwareParams) else profile_cluster(self.backend).params

@@ -37,6 +37,7 @@ import queue
 import random
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -1858,6 +1859,105 @@ def test_abort_frees_a_request_wherever_it_is(hf):
         worker.step(wait=False)
     assert not worker.engine.requests and not worker.engine.has_unfinished()
     assert worker.engine.bm.num_free_blocks == worker.engine.bm.num_blocks
+
+
+# ---------------------------------------------------------------------------- hosts.py: workers on several hosts
+
+
+@contextlib.contextmanager
+def two_hosts(processes_per_host: int = 1):
+    """Two torchrun launches on loopback, as two hosts would run them (node ranks 0 and 1),
+    of hosts.py's CPU workers; yields (the address they join at, the two launches). Each
+    launch is killed, workers and all, when the test ends."""
+    def free() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    store, master = free(), free()
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    launches = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
+                                  str(processes_per_host), "--node-rank", str(k), "--master-addr", "127.0.0.1",
+                                  "--master-port", str(master), "hosts.py", "--join", f"127.0.0.1:{store}",
+                                  "--device", "cpu"], cwd=HERE, env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL) for k in (0, 1)]
+    try:
+        yield f"127.0.0.1:{store}", launches
+    finally:   # whatever failed, leave nothing running
+        for launch in launches:
+            kill_host(launch)
+
+
+def host_workers(launch: subprocess.Popen) -> list[int]:
+    """The pids of a torchrun launch's workers (torchrun starts each in a session of its own,
+    so they are found as its children, not its process group)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            state, ppid = stat.read_text().rsplit(")", 1)[1].split()[:2]
+            if int(ppid) == launch.pid and state != "Z":   # a zombie has left
+                children.append(int(stat.parent.name))
+    return children
+
+
+def kill_host(launch: subprocess.Popen) -> None:
+    """Kill a torchrun launch and its workers."""
+    for pid in [launch.pid, *host_workers(launch)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+    launch.wait()
+
+
+def join_cluster(hf, policy: str, address: str, **kwargs) -> LLM:
+    kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": 128, "max_num_seqs": 16, "max_num_batched_tokens": 16,
+              **kwargs}
+    return LLM(str(hf.path), policy=policy, join=address, dtype="float32", **kwargs)
+
+
+@pytest.mark.parametrize("policy", ["disaggregated", "adaptive"])
+def test_workers_on_two_hosts_serve_with_hf_tokens(hf, policy):
+    """Two hosts (two torchrun launches on loopback), a worker each, joined to the central
+    scheduler here: HF's greedy tokens under the disaggregated and the adaptive policy, the
+    KV crossing between them over the distributed transport; closing ends both launches."""
+    extra = {"profile": ROUTER_TEST_PARAMS} if policy == "adaptive" else {}
+    with two_hosts() as (address, launches):
+        with join_cluster(hf, policy, address, **extra) as llm:
+            assert len(llm.cluster.devices) == 2 and all(d.endswith("/cpu") for d in llm.cluster.devices)
+            outs = generate(llm, MIXED_PROMPTS, max_tokens=10)
+            assert tokens(outs) == [hf.greedy(p, 10) for p in MIXED_PROMPTS]
+            if policy == "disaggregated":
+                assert all(o.metrics.path == (0, 1) and o.metrics.kv_bytes_moved > 0 for o in outs)
+            assert workers_all_free(llm)
+        assert [launch.wait(timeout=60) for launch in launches] == [0, 0]
+
+
+def test_a_host_that_dies_ends_its_requests_in_bounded_time(hf):
+    """Kill a whole host (its torchrun launch and worker) mid-run: its worker falls silent,
+    and once worker_timeout_s passes every request ends, restarted on the other host's
+    worker (HF's tokens), or, prefilled there and lost with it, retried; the next generate
+    serves; nothing is left running."""
+    with two_hosts() as (address, launches):
+        llm = join_cluster(hf, "adaptive", address, profile=ROUTER_TEST_PARAMS, worker_timeout_s=3.0)
+        cluster = llm.cluster
+        rids = [cluster.submit(p, SamplingParams(max_tokens=400)) for p in MIXED_PROMPTS]
+        deadline = time.monotonic() + 60
+        while not any(cluster.active[r].tokens and cluster.active[r].worker == 1 for r in rids):
+            assert time.monotonic() < deadline, "nothing ran on host 1"
+            cluster.poll(0.01)
+        kill_host(launches[1])
+        ended = set()
+        while len(ended) < len(rids) or 1 not in cluster.dead:
+            assert time.monotonic() < deadline + 60, "a request never ended"
+            ended |= set(cluster.poll(0.05))
+        assert "no report" in cluster.dead[1]
+        assert [cluster.output(r).outputs[0].token_ids for r in rids] == [hf.greedy(p, 400) for p in MIXED_PROMPTS]
+        assert tokens(generate(llm, MIXED_PROMPTS[:2], max_tokens=5)) == [hf.greedy(p, 5) for p in MIXED_PROMPTS[:2]]
+        llm.close()
+        # Host 0's worker leaves; its torchrun agent then waits at torchelastic's exit barrier
+        # for the dead host's agent (minutes), which is torchrun's business, not ours.
+        deadline = time.monotonic() + 60
+        while host_workers(launches[0]):
+            assert time.monotonic() < deadline, "host 0's worker did not leave"
+            time.sleep(0.1)
 
 
 # ================= router.py: the cost model, the length predictor, the router

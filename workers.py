@@ -275,6 +275,7 @@ class WorkerSpec:
     num_sources: int                    # peer caches it will pull from, arriving on its share queue
     group: str | None = None            # a two-sided transport's process group: its init method
     world_size: int = 1                 # ... and its ranks (the workers; rank = worker index)
+    name: str = ""                      # where it runs, as the central scheduler names it
 
 
 def worker_main(spec: WorkerSpec, inbox, outbox, readers: list, share_queue) -> None:
@@ -296,7 +297,7 @@ def worker_main(spec: WorkerSpec, inbox, outbox, readers: list, share_queue) -> 
                                     rank=spec.index, world_size=spec.world_size,
                                     timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
         outbox.send([Ready(engine.runner.num_blocks, engine.bm.watermark_blocks,
-                           engine.runner.kv_cache[0].nbytes // engine.cfg.block_size)])
+                           engine.runner.kv_cache[0].nbytes // engine.cfg.block_size, spec.name or spec.cfg.device)])
         Worker(spec.index, engine, inbox, outbox, peers, spec.transport, spec.report_steps).run()
     except KeyboardInterrupt:
         pass
@@ -365,6 +366,13 @@ class WorkerProcesses:
     def exited(self) -> list[int]:
         """The workers whose process has ended."""
         return [i for i, p in enumerate(self.procs) if not p.is_alive()]
+
+    def kill(self, w: int) -> None:
+        self.procs[w].kill()
+
+    def why(self, w: int) -> str:
+        """Why a worker that ended without a traceback ended."""
+        return f"exit code {self.procs[w].exitcode}"
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Ask every worker to stop, then terminate (and at last kill) the ones that do not."""

@@ -1,0 +1,157 @@
+"""Workers on several hosts: started on each host by torchrun, joined to the central
+scheduler through a torch.distributed TCPStore that it listens on.
+
+    # the caller's host: the central scheduler (LLM, bench.py) listens at HOST:PORT
+    python bench.py --policy disaggregated --join HOST:PORT
+    # every host with workers, one worker per GPU (here 2 hosts, 2 GPUs each):
+    torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --master-addr HOST --master-port 29500 hosts.py --join HOST:PORT
+    torchrun --nnodes 2 --nproc-per-node 2 --node-rank 1 --master-addr HOST --master-port 29500 hosts.py --join HOST:PORT
+
+Each worker is worker RANK of torchrun's world (its GPU the LOCAL_RANK-th of its host). It
+reads the engine settings the central scheduler published in the store, builds its engine,
+joins torchrun's process group (env://) for the KV transfers (the distributed transport:
+NCCL between GPUs, gloo between CPUs), and then runs the same loop as a worker spawned on
+one host: its inbox and its reports are two mailboxes in the store (StoreChannel) instead
+of a queue and a pipe. Nothing is shared between hosts but the store and the process group;
+the only addresses anything listens on are the two the user gives (the store's, torchrun's).
+
+A remote worker's death is seen as silence (cluster.py's worker timeout), and a worker whose
+store connection breaks (the central scheduler is gone) exits.
+"""
+
+import argparse
+import datetime
+import os
+import pickle
+import queue
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+from config import EngineConfig
+from workers import Stop, WorkerSpec, worker_main
+
+STORE_TIMEOUT_S = 600.0   # a store operation (a worker waiting for the settings, a message's body)
+
+
+class StoreChannel:
+    """One direction of a mailbox in a TCPStore: message n is the key name/n, and the key
+    name counts the messages written. The writer side offers send(); the reader side the
+    get() / get_nowait() of a queue."""
+
+    def __init__(self, store: dist.Store, name: str):
+        self.store, self.name, self.read = store, name, 0
+
+    def send(self, obj) -> None:
+        n = self.store.add(self.name, 1)
+        self.store.set(f"{self.name}/{n}", pickle.dumps(obj))
+
+    def waiting(self) -> bool:
+        return self.store.add(self.name, 0) > self.read
+
+    def recv(self):
+        """The next message (waiting for its body if it is being written); it is deleted."""
+        self.read += 1
+        key = f"{self.name}/{self.read}"
+        data = self.store.get(key)
+        self.store.delete_key(key)
+        return pickle.loads(data)
+
+    def get_nowait(self):
+        if not self.waiting():
+            raise queue.Empty
+        return self.recv()
+
+    def get(self, timeout: float):
+        deadline = time.monotonic() + timeout
+        while not self.waiting():
+            if time.monotonic() > deadline:
+                raise queue.Empty
+            time.sleep(0.001)
+        return self.recv()
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """HOST:PORT -> (host, port), or a ValueError naming the address."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"join address {address!r} is not HOST:PORT")
+    return host, int(port)
+
+
+class RemoteWorkers:
+    """The central scheduler's side of workers started by torchrun on their hosts: the same
+    send / receive / exited / kill / close as workers.WorkerProcesses. It listens on the
+    address given and publishes the engine settings; its number of workers is torchrun's
+    world size, which the first worker to join writes."""
+
+    def __init__(self, address: str, cfg: EngineConfig, transport: str, report_steps: bool, timeout_s: float):
+        host, port = parse_address(address)
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+        self.store.set("config", pickle.dumps((cfg, transport, report_steps)))
+        self.count = int(self.store.get("world_size"))   # waits for the first worker
+        self.inboxes = [StoreChannel(self.store, f"to/{w}") for w in range(self.count)]
+        self.reports = [StoreChannel(self.store, f"from/{w}") for w in range(self.count)]
+        self.stopped: set[int] = set()
+
+    def send(self, w: int, msg) -> None:
+        self.inboxes[w].send(msg)
+
+    def receive(self, timeout: float, skip: set[int]) -> list[tuple[int, list]]:
+        """(worker, its reports of one round) for every round waiting, waiting up to
+        timeout for the first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = [(w, ch.recv()) for w, ch in enumerate(self.reports) if w not in skip and ch.waiting()]
+            if got or time.monotonic() >= deadline:
+                return got
+            time.sleep(0.001)
+
+    def exited(self) -> list[int]:
+        """Remote processes cannot be watched: the workers told to stop. (The others' deaths
+        are seen as silence.)"""
+        return sorted(self.stopped)
+
+    def kill(self, w: int) -> None:
+        """Tell a worker found silent to stop (it cannot be killed from here); it is dead to us."""
+        self.stopped.add(w)
+        self.send(w, Stop())
+
+    def why(self, w: int) -> str:
+        return "stopped"
+
+    def close(self) -> None:
+        for w in range(self.count):
+            try:
+                self.send(w, Stop())
+            except (RuntimeError, OSError):   # the store is gone already
+                pass
+
+
+def join_main(address: str, device: str | None) -> None:
+    """A torchrun worker: join the central scheduler at address and serve until told to stop
+    (or until the store connection breaks: the central scheduler is gone)."""
+    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    host, port = parse_address(address)
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
+    store.set("world_size", str(world))
+    cfg, transport, report_steps = pickle.loads(store.get("config"))
+    device = device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    spec = WorkerSpec(rank, EngineConfig(**{**cfg.__dict__, "device": device}), transport, report_steps, 0,
+                      group="env://", world_size=world, name=f"{socket.gethostname()}/{device}")
+    worker_main(spec, StoreChannel(store, f"to/{rank}"), StoreChannel(store, f"from/{rank}"), [], None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--join", required=True, help="HOST:PORT the central scheduler listens on")
+    p.add_argument("--device", default=None, help="default: cuda:LOCAL_RANK, or cpu without CUDA")
+    args = p.parse_args()
+    join_main(args.join, args.device)
+
+
+if __name__ == "__main__":
+    main()
