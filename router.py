@@ -92,14 +92,18 @@ class CostModel:
         rate * T prompt tokens, each adding gamma to a step, so T = out_len * step + gamma *
         rate * T. Meanwhile the batch moves by batch_growth per ms, so each step is longer (or
         shorter) than the one before: dt / dstep = step(batch + growth t), integrated over
-        GROWTH_SEGMENTS pieces. At most `seats` sequences share a step."""
+        GROWTH_SEGMENTS pieces. At most `seats` sequences share a step.
+        The growth counts only past saturation, while sequences wait for w's seats: below it,
+        starts and ends balance, and a trend over the last seconds is the batch's random swing,
+        which does not go on (taken as a trend, it made every prediction too long)."""
         stretch = 1.0 - min(self.p.gamma * w.prefill_rate, MAX_PREFILL_SHARE)
         per_seq = w.context_tokens / max(1, w.decode_batch)
+        growth = w.batch_growth if self.excess_share(w) > 0 else 0.0
 
         def step_at(t: float) -> float:   # a step t ms into the decode, stretched
-            running = min(max(1.0, w.decode_batch + 1 + w.batch_growth * t), w.seats)
+            running = min(max(1.0, w.decode_batch + 1 + growth * t), w.seats)
             return self.decode_step_ms(running, per_seq * (running - 1) + prompt_len + out_len / 2) / stretch
-        if not w.batch_growth:
+        if not growth:
             return out_len * step_at(0.0)
         t, k = 0.0, out_len / GROWTH_SEGMENTS   # dt/dstep = step_at(t), by the midpoint rule
         for _ in range(GROWTH_SEGMENTS):
