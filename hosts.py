@@ -37,22 +37,25 @@ STORE_TIMEOUT_S = 600.0   # a store operation (a worker waiting for the settings
 
 
 class StoreChannel:
-    """One direction of a mailbox in a TCPStore: message n is the key name/n, and the key
-    name counts the messages written. The writer side offers send(); the reader side the
-    get() / get_nowait() of a queue."""
+    """One direction of a mailbox in a TCPStore, with one writer: message n is the key
+    name/n, and the key name counts the messages written. The writer side offers send();
+    the reader side the get() / get_nowait() of a queue."""
 
     def __init__(self, store: dist.Store, name: str):
-        self.store, self.name, self.read = store, name, 0
+        self.store, self.name, self.read, self.written = store, name, 0, 0
 
     def send(self, obj) -> None:
-        n = self.store.add(self.name, 1)
-        self.store.set(f"{self.name}/{n}", pickle.dumps(obj))
+        # The body first, then the count: a message is counted only once it is whole, so a
+        # reader never waits for the body of a writer that died in between.
+        self.written += 1
+        self.store.set(f"{self.name}/{self.written}", pickle.dumps(obj))
+        self.store.add(self.name, 1)
 
     def waiting(self) -> bool:
         return self.store.add(self.name, 0) > self.read
 
     def recv(self):
-        """The next message (waiting for its body if it is being written); it is deleted."""
+        """The next message, which is counted, so whole; it is deleted."""
         self.read += 1
         key = f"{self.name}/{self.read}"
         data = self.store.get(key)

@@ -21,6 +21,7 @@ block-major, so consecutive block ids on both sides are one contiguous copy.
 import contextlib
 import ctypes
 import functools
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -184,6 +185,19 @@ class DistributedTransport(Transport):
     def __init__(self, device: torch.device):
         super().__init__(device)
         self.sending: list = []   # NCCL sends in flight
+
+    @staticmethod
+    def connect_pairs(rank: int, world_size: int, device: torch.device) -> None:
+        """Exchange one element with every other worker, at start-up. NCCL sets up the link of
+        a pair on its first send or receive, blocking both until the other side comes: done
+        mid-serving, a worker would stall on it. The pairs go in one order everywhere, so no
+        worker waits on one that waits on another."""
+        one = torch.zeros(1, device=device)
+        for i, j in itertools.combinations(range(world_size), 2):
+            if rank == i:
+                dist.send(one, dst=j)
+            elif rank == j:
+                dist.recv(one, src=i)
 
     def pull(self, src_worker: int, src: torch.Tensor | None, src_blocks: list[int], dst: torch.Tensor,
              dst_blocks: list[int]) -> Pull:

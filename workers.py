@@ -67,7 +67,7 @@ from messages import (
 )
 from request import arrival_order
 from timing import measure_engine
-from transport import TRANSPORTS, Pull
+from transport import TRANSPORTS, DistributedTransport, Pull
 
 HANDOFF_TIMEOUT_S = 120.0   # parked blocks are freed after this long without a Release
 IDLE_WAIT_S = 0.02          # how long an idle worker blocks on its inbox before looking again
@@ -296,6 +296,7 @@ def worker_main(spec: WorkerSpec, inbox, outbox, readers: list, share_queue) -> 
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=spec.group,
                                     rank=spec.index, world_size=spec.world_size,
                                     timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+            DistributedTransport.connect_pairs(spec.index, spec.world_size, device)
         outbox.send([Ready(engine.runner.num_blocks, engine.bm.watermark_blocks,
                            engine.runner.kv_cache[0].nbytes // engine.cfg.block_size, spec.name or spec.cfg.device)])
         Worker(spec.index, engine, inbox, outbox, peers, spec.transport, spec.report_steps).run()
