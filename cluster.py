@@ -40,6 +40,7 @@ from messages import (
     Imported,
     Measure,
     Measured,
+    PullFailed,
     Ready,
     Rejected,
     Release,
@@ -355,6 +356,10 @@ class CentralScheduler:
                 self.workers.send(msg.worker, msg.msg)
             case Rejected() if self._current(w, msg.request_id):
                 self._fail(self.active[msg.request_id], ValueError(msg.error))
+            case PullFailed() if (t := self._current(w, msg.request_id)) and t.prefill_worker == msg.src:
+                if msg.src not in self.dead:
+                    self.workers.send(msg.src, Release(t.request_id))   # nobody will pull it now
+                self._retry(t, f"its KV copy from worker {msg.src} to worker {w} failed: {msg.error}")
             case Expired() if self._current(w, msg.request_id, prefill_side=True):
                 t = self.active[msg.request_id]
                 if t.phase == "transfer":   # the decode worker must not pull the freed blocks now
@@ -469,12 +474,17 @@ class CentralScheduler:
             elif t.phase == "transfer" and t.worker == w and t.prefill_worker not in self.dead:
                 self.workers.send(t.prefill_worker, Release(t.request_id))   # nobody will pull it now
             if t.worker == w or (t.phase == "transfer" and t.prefill_worker == w):
-                if t.retried:
-                    self._fail(t, RuntimeError(f"worker {w} ({self.devices[w]}) died: {why[0]}"))
-                else:   # start again from the prompt on a live worker
-                    t.retried, t.tokens, t.worker, t.prefill_worker = True, [], None, None
-                    t.metrics = RequestMetrics(t.metrics.arrival_time)
-                    self._dispatch(t)
+                self._retry(t, f"worker {w} ({self.devices[w]}) died: {why[0]}")
+
+    def _retry(self, t: Tracked, why: str) -> None:
+        """Start the request again from its prompt on a live worker, once; the second time
+        its path breaks it fails, with why."""
+        if t.retried:
+            self._fail(t, RuntimeError(why))
+            return
+        t.retried, t.tokens, t.worker, t.prefill_worker = True, [], None, None
+        t.metrics = RequestMetrics(t.metrics.arrival_time)
+        self._dispatch(t)
 
     def _dead_summary(self) -> str:
         return ", ".join(f"worker {w} ({self.devices[w]}): {why}" for w, why in self.dead.items()) or "none"

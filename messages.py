@@ -156,6 +156,15 @@ class Imported:
 
 
 @dataclass
+class PullFailed:
+    """A decode worker's copy of a request's KV ended in an error (its source went away, or
+    stayed silent too long): the blocks it copied into are freed, the request is not here."""
+    request_id: int
+    src: int                            # the worker it was copied from
+    error: str
+
+
+@dataclass
 class ToWorker:
     """A message for another worker, which the central scheduler forwards (a worker's only
     channel is to the central scheduler)."""

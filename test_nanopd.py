@@ -68,6 +68,7 @@ import planner
 import profiler
 import request
 import sampler
+import transport
 import workers
 from config import EngineConfig
 from engine import Engine
@@ -1781,6 +1782,26 @@ def test_handoff_moves_the_prompt_kv_byte_for_byte(hf, transport):
 
 
 @ENGINE
+def test_a_failed_copy_frees_its_blocks_and_is_reported(hf, monkeypatch):
+    """A copy that ends in an error (the distributed transport's source went away) never
+    joins the batch: the blocks it was copying into are freed, and the decode worker
+    reports PullFailed naming the source, for the central scheduler to retry."""
+    dec = in_process_worker(make_llm(hf.path).engine, 1)
+    monkeypatch.setattr(dec.transport, "pull", lambda *args: transport.Pull(0, error="RuntimeError: reset by peer"))
+    ids = prompt(29, seed=73)
+    dec.inbox.put(messages.Import(5, 0, [0, 1, 2, 3], ids + [7], len(ids), SamplingParams(max_tokens=4)))
+    events = []
+    for _ in range(5):
+        dec.step(wait=False)
+        events += reported(dec)
+    failed = [e for e in events if isinstance(e, messages.PullFailed)]
+    assert failed == [messages.PullFailed(5, 0, "RuntimeError: reset by peer")]
+    assert not any(isinstance(e, (messages.Imported, messages.Tokens, messages.Done)) for e in events)
+    assert 5 not in dec.engine.requests and not dec.engine.has_unfinished()
+    assert dec.engine.bm.num_free_blocks == dec.engine.bm.num_blocks
+
+
+@ENGINE
 def test_a_handoff_nobody_pulls_is_released_after_the_timeout(hf, monkeypatch):
     """A prefill worker frees a parked request's blocks once the handoff timeout passes,
     and says so ("expired"), so a lost decode worker cannot leak them."""
@@ -1861,6 +1882,42 @@ def test_abort_frees_a_request_wherever_it_is(hf):
         worker.step(wait=False)
     assert not worker.engine.requests and not worker.engine.has_unfinished()
     assert worker.engine.bm.num_free_blocks == worker.engine.bm.num_blocks
+
+
+def pull_from_a_peer_that_leaves(rank: int, port: int, results) -> None:
+    """One of two gloo processes: rank 1 joins, connects and leaves without sending; rank 0
+    pulls two runs from it and reports how the pull ended."""
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                         timeout=datetime.timedelta(seconds=60))
+    transport.DistributedTransport.connect_pairs(rank, 2, torch.device("cpu"))
+    if rank == 1:
+        os._exit(0)
+    pull = transport.DistributedTransport(torch.device("cpu")).pull(1, None, [0, 1, 5], torch.zeros(8, 4), [2, 3, 7])
+    deadline = time.monotonic() + 60
+    while not pull.ready() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    results.put((pull.ready(), pull.error, pull.seconds, pull.source_runs))
+    results.close()
+    results.join_thread()   # the put is sent before the process ends
+    os._exit(0)
+
+
+def test_a_distributed_pull_whose_source_leaves_ends_with_an_error():
+    """gloo: a receive from a worker that is gone ends the pull (ready) with an error, not a
+    completed copy, in bounded time; it asked for the runs its blocks make (0-1, 5)."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    results, port = ctx.Queue(), workers.free_port()
+    procs = [ctx.Process(target=pull_from_a_peer_that_leaves, args=(r, port, results)) for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    try:
+        ready, error, seconds, runs = results.get(timeout=120)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            proc.kill()
+    assert ready and error and seconds is None
+    assert runs == [(0, 2), (5, 1)]
 
 
 # ---------------------------------------------------------------------------- hosts.py: workers on several hosts

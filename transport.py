@@ -20,6 +20,7 @@ block-major, so consecutive block ids on both sides are one contiguous copy.
 
 import contextlib
 import ctypes
+import datetime
 import functools
 import itertools
 import threading
@@ -28,6 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+# A gloo receive waits this long for its sends at most: as long as the source keeps a
+# request's blocks parked for it (workers.py's HANDOFF_TIMEOUT_S).
+RECEIVE_TIMEOUT_S = 120.0
 
 
 def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -89,8 +94,12 @@ class Pull:
     posted: float = 0.0                          # ... since (host clock)
     source_runs: list[tuple[int, int]] | None = None
     waited: threading.Event | None = None       # gloo: set by a thread that waits for the works
+    error: str | None = None                    # ... or by the error that ended them (ready, not done)
 
     def ready(self) -> bool:
+        """The copy is over: done, or failed (error); its blocks are not in use any more."""
+        if self.error is not None:
+            return True
         if self.seconds is None and self.works:
             done = self.waited.is_set() if self.waited is not None else all(w.is_completed() for w in self.works)
             if done:
@@ -204,8 +213,10 @@ class DistributedTransport(Transport):
         runs = block_runs(src_blocks, dst_blocks)
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             works = [dist.irecv(dst[d:d + n], src=src_worker) for _, d, n in runs]
-        return Pull(len(dst_blocks) * dst[0].nbytes, works=works, posted=time.perf_counter(),
-                    source_runs=[(s, n) for s, _, n in runs], waited=self.wait_aside(works))
+        pull = Pull(len(dst_blocks) * dst[0].nbytes, works=works, posted=time.perf_counter(),
+                    source_runs=[(s, n) for s, _, n in runs])
+        pull.waited = self.wait_aside(works, pull)
+        return pull
 
     def send(self, dst_worker: int, cache: torch.Tensor, runs: list[tuple[int, int]]) -> None:
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
@@ -213,16 +224,22 @@ class DistributedTransport(Transport):
         if self.wait_aside(works) is None:   # NCCL: kept until done (the blocks stay parked till then anyway)
             self.sending = [w for w in self.sending if not w.is_completed()] + works
 
-    def wait_aside(self, works: list) -> threading.Event | None:
+    def wait_aside(self, works: list, pull: Pull | None = None) -> threading.Event | None:
         """NCCL's works say when they are done (CUDA events). gloo's only complete in wait(),
-        which blocks: a thread of their own waits for them and sets the event returned."""
+        which blocks: a thread of their own waits for them and sets the event returned. A
+        peer that died or stays silent for RECEIVE_TIMEOUT_S ends them with an error, which
+        the pull keeps (a send's is dropped: its blocks stay parked until released)."""
         if self.stream is not None:
             return None
         waited = threading.Event()
 
         def wait() -> None:
-            for w in works:
-                w.wait()
+            try:
+                for w in works:
+                    w.wait(datetime.timedelta(seconds=RECEIVE_TIMEOUT_S))
+            except RuntimeError as e:   # gloo's errors: a closed connection, a timeout
+                if pull is not None:
+                    pull.error = f"{type(e).__name__}: {e}".splitlines()[0]
             waited.set()
         threading.Thread(target=wait, daemon=True).start()
         return waited

@@ -53,6 +53,7 @@ from messages import (
     Imported,
     Measure,
     Measured,
+    PullFailed,
     Ready,
     Rejected,
     Release,
@@ -230,8 +231,10 @@ class Worker:
         for t in self.transfers:
             if t.pull is None or not t.pull.ready():
                 still.append(t)
-            elif t.dropped:
+            elif t.dropped or t.pull.error is not None:   # never read blocks a copy did not fill
                 self.engine.cancel_import(t.block_table)
+                if not t.dropped:
+                    self.reports.append(PullFailed(t.msg.request_id, t.msg.src, t.pull.error))
             else:
                 m = t.msg
                 self.engine.finish_import(m.request_id, m.token_ids, m.num_prompt_tokens, m.params, t.block_table,
