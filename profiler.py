@@ -159,9 +159,24 @@ def cache_key(cluster: CentralScheduler) -> dict:
             "triton": triton.__version__, "code": code.hexdigest()[:16]}
 
 
+def measure_links(cluster: CentralScheduler, lengths: tuple[int, int]) -> dict[str, list[tuple]]:
+    """Real handoffs on every ordered pair of workers, "p>d": (prompt tokens, bytes moved,
+    copy seconds, handoff ms) of a short and a long prompt, after one of each that pays
+    the pair's first-use costs. Fresh random prompts: a repeated one would hit the decode
+    side's prefix cache."""
+    rng, links = torch.Generator().manual_seed(0), {}
+    for p, d in itertools.permutations(range(len(cluster.devices)), 2):
+        handoffs = []
+        for n in lengths * 2:
+            m = cluster.run_on_path(torch.randint(0, cluster.vocab_size, (n,), generator=rng).tolist(), (p, d))
+            handoffs.append((n, m.kv_bytes_moved, m.kv_copy_time, m.phases()["transfer"] * 1e3))
+        links[f"{p}>{d}"] = handoffs[2:]
+    return links
+
+
 def profile_cluster(cluster: CentralScheduler, use_cache: bool = True) -> Profile:
     """Measure (or load from the cache) the parameters on a running CentralScheduler: the
-    engine timings on worker 0, and real handoffs from worker 0 to worker 1."""
+    engine timings on worker 0, and real handoffs between every pair of workers."""
     key = cache_key(cluster)
     path = CACHE / f"profile-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
     if use_cache and path.is_file():
@@ -170,12 +185,10 @@ def profile_cluster(cluster: CentralScheduler, use_cache: bool = True) -> Profil
     start = time.perf_counter()
     spec = GPU_SPEC if cluster.devices[0].startswith("cuda") else CPU_SPEC
     timings = cluster.measure(0, spec)
-    handoffs, rng = [], torch.Generator().manual_seed(0)
-    if len(cluster.devices) > 1:   # fresh random prompts: a repeated one would hit the decode side's prefix cache
-        for n in (512, 2048, 512, 2048) if spec is GPU_SPEC else (16, 64, 16, 64):
-            m = cluster.run_on_path(torch.randint(0, cluster.vocab_size, (n,), generator=rng).tolist(), (0, 1))
-            handoffs.append((n, m.kv_bytes_moved, m.kv_copy_time, m.phases()["transfer"] * 1e3))
-    profile = fit(timings, handoffs[2:] or handoffs)
+    links = measure_links(cluster, (512, 2048) if spec is GPU_SPEC else (16, 64))
+    profile = fit(timings, [h for hs in links.values() for h in hs])
+    if len(links) > 1:   # each pair's own rate: within a host and between hosts differ
+        profile.params.links = {pair: statistics.median(ms / n for n, _, _, ms in hs) for pair, hs in links.items()}
     profile.key, profile.seconds = key, time.perf_counter() - start
     CACHE.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(profile), indent=1))
@@ -192,6 +205,7 @@ def print_profile(profile: Profile) -> None:
             ("kv", f"{p.kv * 1e3:.4f} ms per 1000 tokens of context in the batch", None),
             ("gamma", f"{p.gamma:.5f} ms/token", profile.errors.get("gamma")),
             ("bandwidth", f"{profile.bandwidth_GBps:.1f} GB/s (handoff {p.transfer_rate:.5f} ms/token)", None)]
+    rows += [(f"link {pair}", f"handoff {rate:.5f} ms/token", None) for pair, rate in p.links.items()]
     print("| parameter | value | fit error (relative RMS) |\n| --- | --- | --- |")
     for name, value, err in rows:
         print(f"| {name} | {value} | {'' if err is None else f'{err:.1%}'} |")

@@ -42,6 +42,13 @@ class HardwareParams:
     alpha2: float = 0.0       # prefill's quadratic (attention) term, ms per token^2
     alpha0: float = 0.0       # a prefill's fixed cost, ms: its step reads every weight, however short
     kv: float = 0.0           # decode-step time per token of context in the batch (its KV is read)
+    # transfer_rate of each pair of workers measured apart, by "p>d": a link within a host
+    # is faster than one between hosts. Pairs not in it move at transfer_rate.
+    links: dict[str, float] = field(default_factory=dict)
+
+    def link(self, p: int, d: int) -> float:
+        """ms per prompt token to move a request's KV from worker p to worker d."""
+        return self.links.get(f"{p}>{d}", self.transfer_rate)
 
 
 MAX_PREFILL_SHARE = 0.9   # of a worker's time spent on prefills beside its decodes: past it, none would finish
@@ -141,21 +148,24 @@ class CostModel:
         step = self.decode_step_ms(w.decode_batch, w.context_tokens) + self.p.gamma * w.prefill_budget
         return math.ceil(tokens / max(1, w.prefill_budget)) * step
 
-    def path_ms(self, prompt_len: int, out_len: float, prefill: WorkerLoad, decode: WorkerLoad | None
-                ) -> tuple[float, float]:
+    def path_ms(self, prompt_len: int, out_len: float, prefill: WorkerLoad, decode: WorkerLoad | None,
+                link: float | None = None) -> tuple[float, float]:
         """(time to the first token, time from it to the last) on a path: decode None is the
-        collocated one. A seat on each worker in turn: one to be prefilled, one to decode."""
+        collocated one. A seat on each worker in turn: one to be prefilled, one to decode;
+        between them the KV moves at link ms per prompt token (default transfer_rate)."""
         ttft = self.seat_wait_ms(prompt_len, out_len, prefill) + self.prefill_on(
             prefill, prefill.queued_prefill_tokens + prompt_len)
         if decode is None:
             return ttft, self.steps_ms(prompt_len, out_len, prefill)
-        return ttft, self.p.transfer_rate * prompt_len + self.decode_ms(prompt_len, out_len, decode)
+        link = self.p.transfer_rate if link is None else link
+        return ttft, link * prompt_len + self.decode_ms(prompt_len, out_len, decode)
 
     def collocated_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
         return sum(self.path_ms(prompt_len, out_len, w, None))
 
-    def disaggregated_ms(self, prompt_len: int, out_len: float, prefill: WorkerLoad, decode: WorkerLoad) -> float:
-        return sum(self.path_ms(prompt_len, out_len, prefill, decode))
+    def disaggregated_ms(self, prompt_len: int, out_len: float, prefill: WorkerLoad, decode: WorkerLoad,
+                         link: float | None = None) -> float:
+        return sum(self.path_ms(prompt_len, out_len, prefill, decode, link))
 
 
 # ----------------------------------------------------------------------------- output lengths
@@ -318,6 +328,7 @@ class Router:
         p = params
         self.fit_prefill = RecursiveLeastSquares([p.alpha0, p.alpha], [1e-1, 1e-3])
         self.fit_transfer = RecursiveLeastSquares([p.transfer_rate], [1e-4])
+        self.fit_links: dict[str, RecursiveLeastSquares] = {}
         self.fit_step = RecursiveLeastSquares([p.beta, p.slope, p.kv, p.gamma], [1e-1, 1e-3, 1e-6, 1e-3])
         self.errors: list[float] = []         # |route()'s prediction - measured| / measured, per request
         self.model_errors: list[float] = []   # the same with the true output length (the cost model alone)
@@ -340,7 +351,8 @@ class Router:
         for p in prefill_workers:
             harm = self.cost.interference_ms(prompt_len, loads[p].decode_batch)   # to p's decodes, either path
             for d in decoders:
-                ttft, rest = self.cost.path_ms(prompt_len, out, loads[p], None if p == d else loads[d])
+                ttft, rest = self.cost.path_ms(prompt_len, out, loads[p], None if p == d else loads[d],
+                                               self.cost.p.link(p, d))
                 meets = self.slo is None or (ttft <= self.slo[0] * 1e3 and rest <= self.slo[1] * 1e3 * max(1, out - 1))
                 options.append((meets, (ttft + rest + harm) if meets else harm, ttft + rest, p, d))
         meets, _, ms, p, d = min(options, key=lambda o: (not o[0], o[1]))
@@ -349,7 +361,8 @@ class Router:
     def predicted_ms(self, o: Observation) -> float:
         if o.prefill_worker == o.decode_worker:
             return self.cost.collocated_ms(o.prompt_len, o.output_len, o.load_prefill)
-        return self.cost.disaggregated_ms(o.prompt_len, o.output_len, o.load_prefill, o.load_decode)
+        return self.cost.disaggregated_ms(o.prompt_len, o.output_len, o.load_prefill, o.load_decode,
+                                          self.cost.p.link(o.prefill_worker, o.decode_worker))
 
     def observe(self, o: Observation) -> None:
         """Learn from a finished request: its error is recorded against the prediction
@@ -366,7 +379,18 @@ class Router:
             self.fit_prefill.update([1.0, n], o.prefill_ms - p.alpha2 * n * n)
         if o.prefill_worker != o.decode_worker:
             self.fit_transfer.update([o.prompt_len], o.transfer_ms)
+            self._refit_link(o)
         (p.alpha0, p.alpha), (p.transfer_rate,) = self.fit_prefill.physical(), self.fit_transfer.physical()
+
+    def _refit_link(self, o: Observation) -> None:
+        """A pair's own rate, where the profiler measured pairs apart (links): each pair has
+        a fit of its own, starting from what the profiler measured on it."""
+        key, p = f"{o.prefill_worker}>{o.decode_worker}", self.cost.p
+        if key not in p.links:
+            return
+        fit = self.fit_links.setdefault(key, RecursiveLeastSquares([p.links[key]], [1e-4]))
+        fit.update([o.prompt_len], o.transfer_ms)
+        (p.links[key],) = fit.physical()
 
     def observe_step(self, decodes: int, context_tokens: int, prefill_tokens: int, ms: float) -> None:
         """Learn from one step a worker timed (steps without decodes say nothing about them)."""
