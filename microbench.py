@@ -16,7 +16,7 @@ hardware ceiling measured in the same run (bench.py runs them: `python bench.py 
                             step run eagerly under torch.profiler); --batch, --context
 
   python bench.py transfer  KV handoff between two GPUs through the worker processes:
-                            bandwidth of the real path (p2p and relay) for 128-, 512-
+                            bandwidth of the real path (p2p, relay, distributed) for 128-, 512-
                             and 2048-token requests, one at a time and eight at once,
                             beside a plain device-to-device copy (warm, and after the
                             GPUs idle as between requests) and the transport alone in
@@ -417,6 +417,10 @@ def run_engine(out: str | None, model: str = "qwen3-8b") -> dict:
     except Exception:  # noqa: BLE001 (print it and still write what was measured)
         traceback.print_exc()
     res["rows"] = rows
+    at = {r["transport"]: r for r in rows if r["tokens"] == 2048}
+    res["distributed_vs_p2p_2048"] = at["distributed"]["GBps"] / at["p2p"]["GBps"]
+    print(f"distributed (NCCL) / p2p, 2048 tokens, copy rate: {res['distributed_vs_p2p_2048']:.2f}x; "
+          f"handoff {at['distributed']['handoff_ms']:.2f} ms vs {at['p2p']['handoff_ms']:.2f} ms", flush=True)
     if out:
         with open(out, "w") as f:
             json.dump(res, f, indent=1)
@@ -574,7 +578,7 @@ def run_transfer(out: str | None, model: str = "qwen3-8b", devices: tuple[str, s
     torch.cuda.empty_cache()
     g = torch.Generator().manual_seed(0)
     rows = []
-    for transport in ("p2p", "relay"):
+    for transport in ("p2p", "relay", "distributed"):
         with LLM(model, policy="disaggregated", devices=list(devices), transport=transport, max_num_seqs=64,
                  max_num_batched_tokens=4096, max_model_len=4096) as llm:
             vocab = llm.cluster.vocab_size
@@ -586,7 +590,7 @@ def run_transfer(out: str | None, model: str = "qwen3-8b", devices: tuple[str, s
                 ms = [o.metrics for o in outs[1:]]   # the first one warms up
                 gbs = statistics.median(m.kv_copy_GBps() for m in ms)
                 handoff = statistics.median(m.phases()["transfer"] for m in ms) * 1e3
-                ceiling = res["p2p_GBps"] if transport == "p2p" else min(res["d2h_GBps"], res["h2d_GBps"])
+                ceiling = min(res["d2h_GBps"], res["h2d_GBps"]) if transport == "relay" else res["p2p_GBps"]
                 rows.append({"transport": transport, "tokens": length, "MB": ms[0].kv_bytes_moved / 1e6,
                              "GBps": gbs, "ceiling_GBps": ceiling, "ratio": gbs / ceiling, "handoff_ms": handoff})
                 r = rows[-1]

@@ -2961,6 +2961,21 @@ def test_bench_sweep_smoke(tmp_path):
     assert b"\r" not in run.stderr   # progress bars stay quiet when stderr is not a terminal
 
 
+def test_bench_runs_the_disaggregated_policy_over_the_distributed_transport(tmp_path):
+    """`python bench.py --policy disaggregated --transport distributed` (the multi-host
+    transport, here between two CPU workers on one host): every request is prefilled on one
+    worker and decoded on the other, and results.json names the transport."""
+    env = {**os.environ, "HOME": str(tmp_path), "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, "bench.py", "--policy", "disaggregated", "--transport", "distributed",
+                          "--rate", "4", "--duration", "2", "--model", "tiny", "--devices", "cpu", "cpu",
+                          "--out", str(tmp_path / "out")], cwd=HERE, env=env, capture_output=True, timeout=600,
+                         check=False)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["meta"]["transport"] == "distributed"
+    assert results["requests"] and all(r["error"] is None and r["path"] == [0, 1] for r in results["requests"])
+
+
 def test_the_phased_workload_draws_each_phase_from_its_mix():
     """bench.py's phased workload: requests arriving in the k-th PHASE_S seconds come from
     phase k's mix (long prompts of 1024-2048 tokens, or the ShareGPT-like ones), at that
