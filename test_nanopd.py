@@ -2038,11 +2038,11 @@ def test_a_host_that_dies_ends_its_requests_in_bounded_time(hf):
             assert time.monotonic() < deadline, "nothing ran on host 1"
             cluster.poll(0.01)
         kill_host(launches[1])
-        ended = set()
+        ended, deadline = set(), time.monotonic() + 180   # a bound for a loaded machine, not a timing
         while len(ended) < len(rids) or 1 not in cluster.dead:
             left = [(t.phase, t.worker, t.prefill_worker, len(t.tokens)) for r, t in cluster.active.items()
                     if r in rids and r not in ended]
-            assert time.monotonic() < deadline + 60, f"a request never ended: {left}, dead {cluster.dead}"
+            assert time.monotonic() < deadline, f"a request never ended: {left}, dead {cluster.dead}"
             ended |= set(cluster.poll(0.05))
         assert "no report" in cluster.dead[1]
         assert [cluster.output(r).outputs[0].token_ids for r in rids] == [hf.greedy(p, 400) for p in MIXED_PROMPTS]
