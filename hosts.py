@@ -13,7 +13,8 @@ joins torchrun's process group (env://) for the KV transfers (the distributed tr
 NCCL between GPUs, gloo between CPUs), and then runs the same loop as a worker spawned on
 one host: its inbox and its reports are two mailboxes in the store (StoreChannel) instead
 of a queue and a pipe. Nothing is shared between hosts but the store and the process group;
-the only addresses anything listens on are the two the user gives (the store's, torchrun's).
+the only addresses nanoPD listens on are the two the user gives (the store's, torchrun's),
+and the pairs' links are gloo's or NCCL's own, as in any torch.distributed job.
 
 A remote worker's death is seen as silence (cluster.py's worker timeout), and a worker whose
 store connection breaks (the central scheduler is gone) exits.
