@@ -294,7 +294,7 @@ class Run:
     out: Path
     slo: tuple[float, float] | None = None   # given explicitly: the adaptive router routes for it
     join: str | None = None     # HOST:PORT for workers on other hosts (hosts.py), instead of devices
-    transport: str | None = None   # how KV moves (transport.py); None: LLM's default (p2p, distributed with join)
+    transport: str = "p2p"      # how KV moves (transport.py); distributed with join
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -342,7 +342,8 @@ def make_run(args: argparse.Namespace) -> Run:
               ttft_slo=default(args.ttft_slo, 2.0 if gpu else 0.5), tpot_slo=default(args.tpot_slo, 0.1 if gpu else 0.05),
               engine={"max_num_seqs": args.max_num_seqs, "max_model_len": 4096,
                       "max_num_batched_tokens": default(args.max_num_batched_tokens, 8192 if gpu else 256)},
-              seed=args.seed, out=Path(args.out), join=args.join, transport=args.transport,
+              seed=args.seed, out=Path(args.out), join=args.join,
+              transport=args.transport or ("distributed" if args.join else "p2p"),
               slo=None if args.ttft_slo is None and args.tpot_slo is None else
               (default(args.ttft_slo, 2.0 if gpu else 0.5), default(args.tpot_slo, 0.1 if gpu else 0.05)))
     check_run(run)
@@ -383,7 +384,7 @@ def run_policy(run: Run, policy: str) -> tuple[list[dict], list[Result], dict, l
     from nanopd import LLM
     try:
         llm = LLM(run.model, policy=policy, devices=run.devices, slo=run.slo if policy == "adaptive" else None,
-                  join=run.join, **({"transport": run.transport} if run.transport else {}), **run.engine)
+                  join=run.join, transport=run.transport, **run.engine)
     except ValueError as e:   # bad --model, --devices for the policy, ...: say so, no traceback
         raise SystemExit(f"error: {e}") from None
     rows, results, timelines = [], [], []
@@ -456,7 +457,7 @@ def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timel
     files = plot(rows, results, goodput, timelines, run.out)
     gpu = run.devices[0].startswith("cuda") if run.devices else torch.cuda.is_available()
     meta = {"model": run.model, "devices": run.devices or [f"joined at {run.join}"], "workloads": run.workloads,
-            "transport": run.transport or ("distributed" if run.join else "p2p"), "mode": run.mode, "seed": run.seed, "ttft_slo": run.ttft_slo, "tpot_slo": run.tpot_slo, "length_scale": run.scale,
+            "transport": run.transport, "mode": run.mode, "seed": run.seed, "ttft_slo": run.ttft_slo, "tpot_slo": run.tpot_slo, "length_scale": run.scale,
             "device_name": torch.cuda.get_device_name() if gpu else "cpu"}
     # One line, six significant digits: a sweep holds some 15,000 requests' timings.
     (run.out / "results.json").write_text(json.dumps(six_digits(
