@@ -47,6 +47,7 @@ class Profile:
     errors: dict[str, float] = field(default_factory=dict)   # each fit's relative RMS error
     key: dict = field(default_factory=dict)                   # what it was measured on
     seconds: float = 0.0                                      # how long measuring took
+    timings: dict = field(default_factory=dict)               # the raw timings fitted (timing.measure_engine)
 
 
 # ----------------------------------------------------------------------------- fits
@@ -132,16 +133,16 @@ def fit(timings: dict, handoffs: list[tuple[int, int, float, float]]) -> Profile
         bandwidth, rate = float("nan"), float("inf")
     params = HardwareParams(alpha=alpha, alpha2=alpha2, alpha0=alpha0, beta=beta, batch_thresh=max(knee, 1.0),
                             slope=slope, gamma=gamma, transfer_rate=rate, kv=kv)
-    return Profile(params, bandwidth, {"prefill": e_prefill, "decode": e_decode, "gamma": e_gamma})
+    return Profile(params, bandwidth, {"prefill": e_prefill, "decode": e_decode, "gamma": e_gamma}, timings=timings)
 
 
 # ----------------------------------------------------------------------------- on the live workers
 
 
 GPU_SPEC = {"lengths": [256, 512, 1024, 2048, 4096], "batches": [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256],
-            "chunks": [256, 512, 1024, 2048], "context": 512, "gamma_batch": 32, "long_context": 2048,
+            "chunks": [16, 32, 64, 128, 256, 512, 1024, 2048], "context": 512, "gamma_batch": 32, "long_context": 2048,
             "kv_batches": [16, 64]}
-CPU_SPEC = {"lengths": [8, 16, 32, 64], "batches": [1, 2, 4, 8, 16], "chunks": [8, 16, 32], "context": 16,
+CPU_SPEC = {"lengths": [8, 16, 32, 64], "batches": [1, 2, 4, 8, 16], "chunks": [4, 8, 16, 32], "context": 16,
             "gamma_batch": 4, "long_context": 64, "kv_batches": [4, 8], "reps": 2}
 
 
@@ -181,7 +182,8 @@ def profile_cluster(cluster: CentralScheduler, use_cache: bool = True) -> Profil
     path = CACHE / f"profile-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
     if use_cache and path.is_file():
         data = json.loads(path.read_text())
-        return Profile(HardwareParams(**data["params"]), data["bandwidth_GBps"], data["errors"], key, data["seconds"])
+        return Profile(HardwareParams(**data["params"]), data["bandwidth_GBps"], data["errors"], key, data["seconds"],
+                       data["timings"])
     start = time.perf_counter()
     spec = GPU_SPEC if cluster.devices[0].startswith("cuda") else CPU_SPEC
     timings = cluster.measure(0, spec)

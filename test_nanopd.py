@@ -2938,6 +2938,43 @@ def test_bench_bad_arguments_are_a_one_line_error(args):
     assert run.stderr.count(b"\n") == 1
 
 
+class SlowFrontEnd:
+    """A cluster whose submit takes 50 ms and whose requests end at once: a client loop
+    that falls behind its arrivals."""
+    def __init__(self):
+        self.ended, self.outputs = [], {}
+
+    def submit(self, ids: list[int], params) -> int:
+        time.sleep(0.05)
+        rid, now = len(self.outputs), time.perf_counter()
+        metrics = request.RequestMetrics(now, first_token_time=now, finish_time=now)
+        self.outputs[rid] = request.RequestOutput(rid, None, ids, [request.CompletionOutput(0, [1], "", "length")],
+                                                  metrics)
+        self.ended.append(rid)
+        return rid
+
+    def poll(self, timeout: float) -> list[int]:
+        ended, self.ended = self.ended, []
+        return ended
+
+    def output(self, rid: int):
+        return self.outputs[rid]
+
+
+def test_bench_counts_latency_from_the_arrival_when_the_client_falls_behind():
+    """Six requests that all arrive at once, each submit taking 50 ms: the k-th (from 0) is
+    submitted no sooner than 50k ms after its arrival and ends 50 ms after that, so its
+    latency is at least 50(k + 1) ms, though the server answered it at once, and its lag
+    says the client was behind by 50k ms."""
+    import bench
+    specs = [bench.Spec(0.0, [1, 2], 1) for _ in range(6)]
+    results, _ = bench.serve(type("LLM", (), {"cluster": SlowFrontEnd()}), "collocated", "fixed", 0.0, specs, "")
+    assert len(results) == 6
+    for k, r in enumerate(results):   # in submit order: each ended at once
+        assert r.ttft >= 0.05 * (k + 1) and r.e2e >= 0.05 * (k + 1) and r.lag >= 0.05 * k
+    assert bench.summarize(results, 1.0, 1.0, 1.0)["lag_max"] >= 0.25
+
+
 def test_bench_sweep_smoke(tmp_path):
     """`python bench.py --policy all --mode sweep` on two CPU workers, two workloads: every
     policy serves every request of each at every rate, and the table, results.json and the
