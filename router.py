@@ -140,21 +140,31 @@ class CostModel:
         term): a cost to the others, weighed in the choice of path, not in this latency."""
         return self.p.gamma * prompt_len * load / self.p.batch_thresh
 
-    def prefill_on(self, w: WorkerLoad, tokens: float) -> float:
-        """Prefilling `tokens` on w: at once, or, under a prefill budget of b tokens per step,
-        in ceil(tokens / b) of w's decode steps, each carrying b of them."""
+    def prefill_on(self, w: WorkerLoad, prompt_len: int) -> float:
+        """Prefilling w's queued prompts and then this one: in one go (w's next step takes
+        every prompt waiting; alpha0 once, alpha per token, and alpha2 per prompt, since
+        attention is within a prompt: the queued ones taken as equally long), or, under a
+        prefill budget of b tokens per step, in ceil(tokens / b) of w's decode steps, each
+        carrying b of them."""
+        tokens = w.queued_prefill_tokens + prompt_len
         if w.prefill_budget is None:
-            return self.prefill_ms(tokens)
+            return self.p.alpha0 + self.p.alpha * tokens + self.p.alpha2 * self.squares(w, prompt_len)
         step = self.decode_step_ms(w.decode_batch, w.context_tokens) + self.p.gamma * w.prefill_budget
         return math.ceil(tokens / max(1, w.prefill_budget)) * step
+
+    @staticmethod
+    def squares(w: WorkerLoad, prompt_len: int) -> float:
+        """The sum of the squared prompt lengths of w's queue and this prompt, the queued
+        prompts taken as equally long: what attention's cost grows with."""
+        queued = w.queued_prefill_tokens ** 2 / w.queued_prefills if w.queued_prefills else 0.0
+        return queued + prompt_len ** 2
 
     def path_ms(self, prompt_len: int, out_len: float, prefill: WorkerLoad, decode: WorkerLoad | None,
                 link: float | None = None) -> tuple[float, float]:
         """(time to the first token, time from it to the last) on a path: decode None is the
         collocated one. A seat on each worker in turn: one to be prefilled, one to decode;
         between them the KV moves at link ms per prompt token (default transfer_rate)."""
-        ttft = self.seat_wait_ms(prompt_len, out_len, prefill) + self.prefill_on(
-            prefill, prefill.queued_prefill_tokens + prompt_len)
+        ttft = self.seat_wait_ms(prompt_len, out_len, prefill) + self.prefill_on(prefill, prompt_len)
         if decode is None:
             return ttft, self.steps_ms(prompt_len, out_len, prefill)
         link = self.p.transfer_rate if link is None else link
@@ -308,7 +318,7 @@ class Router:
     """Picks each request's path by predicted cost and refits the cost model online, from
     two kinds of measurement:
       every finished request:  prefill  = alpha0 + alpha * (queued + L)
-                               (plus the profiled alpha2 * (queued + L)^2; not from
+                               (plus the profiled alpha2 per prompt, CostModel.squares; not from
                                requests routed to a worker with no seat free, whose
                                wait says how soon a seat frees, not how fast prefill is)
                                transfer = transfer_rate * L    (disaggregated only)
@@ -376,7 +386,7 @@ class Router:
         p = self.cost.p
         n = o.load_prefill.queued_prefill_tokens + o.prompt_len
         if o.load_prefill.decode_batch < o.load_prefill.seats:   # else it waited for a seat, not for prefills
-            self.fit_prefill.update([1.0, n], o.prefill_ms - p.alpha2 * n * n)
+            self.fit_prefill.update([1.0, n], o.prefill_ms - p.alpha2 * self.cost.squares(o.load_prefill, o.prompt_len))
         if o.prefill_worker != o.decode_worker:
             self.fit_transfer.update([o.prompt_len], o.transfer_ms)
             self._refit_link(o)

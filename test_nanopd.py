@@ -2087,6 +2087,20 @@ def test_cost_model_reduces_to_the_design_rule():
     assert checked > 1900
 
 
+def test_the_prefill_of_a_queue_charges_attention_per_prompt():
+    """A worker with k queued prompts of m tokens each takes them and a new prompt of L
+    tokens into one step: the router's time to the new prompt's first token is that step
+    summed prompt by prompt, alpha0 + sum(alpha L_i + alpha2 L_i^2), not the queue's total
+    length squared."""
+    rng = random.Random(6)
+    for _ in range(50):
+        p = dataclasses.replace(random_params(rng), alpha2=rng.uniform(1e-7, 1e-5), alpha0=rng.uniform(0, 5))
+        k, m, n = rng.randint(0, 16), rng.randint(16, 2048), rng.randint(16, 2048)
+        w = WorkerLoad(queued_prefill_tokens=k * m, queued_prefills=k)
+        step = p.alpha0 + sum(p.alpha * length + p.alpha2 * length ** 2 for length in [m] * k + [n])
+        assert CostModel(p).prefill_on(w, n) == pytest.approx(step)
+
+
 def test_cost_model_seats_match_first_come_first_served_waves():
     """A worker with more sequences than seats: simulated first come, first served (every
     sequence needs out more tokens, so seats free in waves), the newcomer's decode takes
@@ -2325,6 +2339,59 @@ def test_forecast_queues_match_a_simulated_queue():
             assert demand(512) >= 512
 
 
+# The profile measured on both H200s of nvidia-h200-x2 (results/h200x2/profile.txt), and
+# which fixed policy was faster there on E2E p50 (results/README.md, "Per workload at 24
+# req/s" and "ShareGPT-like sweep"): disaggregated by 21% on long prompts and 8% on mixed;
+# collocated on short (7%) and fixed (3%) prompts, and past saturation (96-160 req/s).
+H200X2 = HardwareParams(alpha=0.02202, alpha0=2.09, alpha2=8.21e-7, beta=5.046, batch_thresh=16, slope=0.0135,
+                        kv=4.02e-5, gamma=0.02342, transfer_rate=0.00422)
+
+
+def simulated_prefill_worker(cost: CostModel, rate: float, lens: list[int], n: int, seed: int) -> float:
+    """Mean wait before a prompt's step ends, less that step's alpha0 + w, on a worker whose
+    every step takes all the prompts waiting (Poisson arrivals, rate per ms, lengths drawn
+    from lens), simulated prompt by prompt."""
+    p, rng, t, arrivals = cost.p, random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        arrivals.append((t, rng.choice(lens)))
+    free, i, waits = 0.0, 0, []
+    while i < n:
+        start, batch = max(free, arrivals[i][0]), []
+        while i < n and arrivals[i][0] <= start:
+            batch.append(arrivals[i])
+            i += 1
+        free = start + p.alpha0 + sum(p.alpha * length + p.alpha2 * length ** 2 for _, length in batch)
+        waits += [free - arrived - cost.prefill_ms(length) for arrived, length in batch]
+    return statistics.mean(waits[n // 100:])   # the first arrivals find the worker empty
+
+
+def test_a_prefill_worker_batching_its_queue_waits_as_simulated():
+    """planner.prefill_queue against a simulated batching prefill worker (the H200 profile;
+    prompts long, mixed, ShareGPT-like, short and all of one length): within 20% of the
+    simulated wait plus own prefill from 10% to 80% load. An M/G/1 queue charging alpha0 to
+    every prompt, as if each had a step of its own, waits over three times as long as the
+    simulation for ShareGPT-like prompts at 80%: it takes the worker for nearly saturated."""
+    cost, rng = CostModel(H200X2), random.Random(5)
+    mixes = [[rng.randint(1024, 2048) for _ in range(100)],
+             [rng.randint(64, 256) for _ in range(50)] + [rng.randint(1024, 2048) for _ in range(50)],
+             [min(2048, max(8, round(256 * math.exp(rng.gauss(0, 1))))) for _ in range(200)],
+             [rng.randint(64, 256) for _ in range(100)], [128]]
+    for lens in mixes:
+        work = statistics.mean(H200X2.alpha * n + H200X2.alpha2 * n * n for n in lens)
+        own = statistics.mean(cost.prefill_ms(n) for n in lens)
+        for load in (0.1, 0.3, 0.6, 0.8):
+            wait, rho = planner.prefill_queue(cost, load / work, lens)
+            assert rho == pytest.approx(load)
+            simulated = simulated_prefill_worker(cost, load / work, lens, 100_000, seed=len(lens))
+            assert wait + own == pytest.approx(simulated + own, rel=0.2)
+    sharegpt = mixes[2]
+    rate = 0.8 / statistics.mean(H200X2.alpha * n + H200X2.alpha2 * n * n for n in sharegpt)
+    service = [cost.prefill_ms(n) for n in sharegpt]
+    one_per_step, _ = planner.mg1_wait(rate, statistics.mean(service), statistics.mean(x * x for x in service))
+    assert one_per_step > 3 * simulated_prefill_worker(cost, rate, sharegpt, 100_000, seed=len(sharegpt))
+
+
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10 ** 6), n=st.integers(2, 4), rate=st.floats(1, 400), with_slo=st.booleans())
 def test_the_planner_ranks_as_brute_force_over_every_role_assignment(seed, n, rate, with_slo):
@@ -2391,6 +2458,22 @@ def test_the_planner_switches_with_hysteresis_and_logs_why():
     assert not plan.plan(cost, loads, 256, now=10.5)   # not yet time to plan again
     assert plan.takers("prefill", [0, 1]) == [0] and plan.takers("decode", [0, 1]) == [1]
     assert plan.takers("decode", [0]) == [0]   # the decode worker died: the live one does it
+
+
+@pytest.mark.parametrize("workload, rate, measured_best", [
+    ("long", 24, "disaggregated"), ("mixed", 24, "disaggregated"), ("short", 24, "collocated"),
+    ("fixed", 24, "collocated"), ("sharegpt", 96, "collocated"), ("sharegpt", 160, "collocated")])
+def test_the_planner_picks_the_regime_the_gpus_measured_faster(workload, rate, measured_best):
+    """Given the H200 profile and ten seconds of bench.py's workload, the planner ends in the
+    regime of the fixed policy the GPUs served faster: one prefill and one decode worker
+    where disaggregation won, every worker both where collocation did."""
+    import bench
+    plan = planner.Planner([0, 1])
+    specs = bench.make_requests(workload, rate, 10.0, 0, 0, 1000, 1.0)
+    for spec in specs:
+        plan.arrived(spec.arrival, len(spec.prompt_ids), spec.max_tokens)
+    plan.plan(CostModel(dataclasses.replace(H200X2)), {0: WorkerLoad(), 1: WorkerLoad()}, 256, now=10.0)
+    assert plan.regime == (planner.Regime(0, 1, 1) if measured_best == "disaggregated" else planner.Regime(2, 0, 0))
 
 
 def test_the_planner_follows_a_clear_change_of_mix_at_once():
