@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-# A gloo receive waits this long for its sends at most: as long as the source keeps a
-# request's blocks parked for it (workers.py's HANDOFF_TIMEOUT_S).
+# A gloo receive waits this long for its sends at most; a source keeps a request's blocks
+# parked for a pull as long (workers.py's HANDOFF_TIMEOUT_S is this).
 RECEIVE_TIMEOUT_S = 120.0
 
 

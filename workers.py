@@ -68,9 +68,9 @@ from messages import (
 )
 from request import arrival_order
 from timing import measure_engine
-from transport import TRANSPORTS, DistributedTransport, Pull
+from transport import RECEIVE_TIMEOUT_S, TRANSPORTS, DistributedTransport, Pull
 
-HANDOFF_TIMEOUT_S = 120.0   # parked blocks are freed after this long without a Release
+HANDOFF_TIMEOUT_S = RECEIVE_TIMEOUT_S   # parked blocks are freed after this long without a Release
 IDLE_WAIT_S = 0.02          # how long an idle worker blocks on its inbox before looking again
 HEARTBEAT_S = 1.0           # a worker reports at least this often, busy or idle
 GROUP_TIMEOUT_S = 600.0     # the workers' process group: joining it, and its operations
