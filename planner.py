@@ -331,7 +331,8 @@ class Planner:
             mix = Mix(len(self.arrivals) / (span * 1e3), [a[1] for a in self.arrivals], [a[2] for a in self.arrivals])
             forecasts = rank(cost, mix, seats, len(loads), self.slo)
             current = next((f for f in forecasts if f.regime == self.regime), None)
-            if forecasts[0].regime != self.regime and (current is None or self.clearly_better(forecasts[0], current)):
+            if forecasts[0].regime != self.regime and (current is None or (
+                    self.clearly_better(forecasts[0], current) and self.better_below(cost, forecasts[0], current, mix, seats))):
                 self.switch(forecasts[0].regime, loads, now, forecasts)
         self.set_budgets(cost, loads)
         return (self.roles, self.budgets) != before
@@ -350,6 +351,16 @@ class Planner:
         if max(rate_ratio, 1 / rate_ratio, length_ratio, 1 / length_ratio) > 1 + MIX_CHANGE:
             while self.arrivals and now - self.arrivals[0][0] > PLAN_INTERVAL_S:
                 self.arrivals.popleft()
+
+    def better_below(self, cost: CostModel, new: Forecast, current: Forecast, mix: Mix, seats: int) -> bool:
+        """Whether new is still clearly better than current at one standard error below the
+        rate's estimate: n Poisson arrivals give the rate to about 1 / sqrt(n), and near a
+        worker's limit a forecast swings with the rate (a queue's wait grows as 1 / (1 -
+        rho)); a win that needs the rate as high as the estimate may be a burst's, which a
+        switch (and the switch back) would cost more than it lasts."""
+        low = Mix(mix.rate * (1 - len(mix.prompt_lens) ** -0.5), mix.prompt_lens, mix.output_lens)
+        return self.clearly_better(forecast(cost, new.regime, low, seats, self.slo),
+                                   forecast(cost, current.regime, low, seats, self.slo))
 
     def switch(self, regime: Regime, loads: dict[int, WorkerLoad], now: float, forecasts: list[Forecast]) -> None:
         self.regime, self.roles = regime, assign_roles(regime, loads)

@@ -2476,6 +2476,27 @@ def test_the_planner_picks_the_regime_the_gpus_measured_faster(workload, rate, m
     assert plan.regime == (planner.Regime(0, 1, 1) if measured_best == "disaggregated" else planner.Regime(2, 0, 0))
 
 
+def test_the_planner_follows_phases_but_not_bursts():
+    """bench.py's phased workload at 24 req/s (long prompts, then ShareGPT-like at 72 req/s,
+    ten seconds each) on the H200 profile, planned every 0.5 s: one prefill and one decode
+    worker through the long phase, though its first seconds' arrivals ran 12% above the
+    rate (26.8 per s), where the prefill worker's forecast wait swings with the estimate;
+    every worker both by the end of the ShareGPT-like phase; split again in the next long one."""
+    import bench
+    cost, plan = CostModel(dataclasses.replace(H200X2)), planner.Planner([0, 1])
+    specs, regimes, i = bench.make_requests("phased", 24, 30, 0, 0, 1000, 1.0), {}, 0
+    for step in range(1, 60):
+        now = step / 2
+        while i < len(specs) and specs[i].arrival <= now:
+            plan.arrived(specs[i].arrival, len(specs[i].prompt_ids), specs[i].max_tokens)
+            i += 1
+        plan.plan(cost, {0: WorkerLoad(), 1: WorkerLoad()}, 256, now)
+        regimes[now] = plan.regime
+    split, both = planner.Regime(0, 1, 1), planner.Regime(2, 0, 0)
+    assert all(regimes[t] == split for t in regimes if 2 <= t < 10)
+    assert regimes[19.5] == both and regimes[29.5] == split
+
+
 def test_the_planner_follows_a_clear_change_of_mix_at_once():
     """Ten seconds of short prompts, then two of long ones at the same rate: at the next plan
     the planner forgets the old mix (it changed clearly) and splits the workers, instead of
