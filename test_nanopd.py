@@ -2494,6 +2494,10 @@ def test_the_planner_follows_phases_but_not_bursts():
         regimes[now] = plan.regime
     split, both = planner.Regime(0, 1, 1), planner.Regime(2, 0, 0)
     assert all(regimes[t] == split for t in regimes if 2 <= t < 10)
+    burst = [s for s in specs if s.arrival <= 4.5]   # 125 arrivals from 0.0 s: 27.8 per s
+    lens, outs = [len(s.prompt_ids) for s in burst], [s.max_tokens for s in burst]
+    at = lambda rate: planner.forecast(cost, split, planner.Mix(rate / 1e3, lens, outs), 256).load
+    assert at(len(burst) / (4.5 - burst[0].arrival)) > 1 and at(24) < 0.9
     assert regimes[19.5] == both and regimes[29.5] == split
 
 
