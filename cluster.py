@@ -312,8 +312,11 @@ class CentralScheduler:
     def _replan(self) -> None:
         """Let the planner replan the regime (every planner.PLAN_INTERVAL_S); send the
         workers whose prefill budget changed their new one."""
+        now = time.perf_counter()
+        if not self.planner.due(now):   # the loads pass over every active request: not on every poll
+            return
         live = [w for w in range(len(self.devices)) if w not in self.dead]
-        if self.planner.plan(self.router.cost, self.worker_loads(live), self.cfg.max_num_seqs, time.perf_counter()):
+        if self.planner.plan(self.router.cost, self.worker_loads(live), self.cfg.max_num_seqs, now):
             for w, budget in self.planner.budgets.items():
                 if self.budgets_sent.get(w) != budget:
                     self.workers.send(w, SetPrefillBudget(budget))

@@ -315,10 +315,14 @@ class Planner:
         allowed = ("both", role)
         return [w for w in live if self.roles.get(w) in allowed] or live
 
+    def due(self, now: float) -> bool:
+        """Whether PLAN_INTERVAL_S has passed since the last plan."""
+        return now - self.planned_at >= PLAN_INTERVAL_S
+
     def plan(self, cost: CostModel, loads: dict[int, WorkerLoad], seats: int, now: float) -> bool:
-        """Replan for the live workers (loads' keys) if PLAN_INTERVAL_S has passed; True if a
-        role or a budget changed."""
-        if now - self.planned_at < PLAN_INTERVAL_S:
+        """Replan for the live workers (loads' keys) if it is due; True if a role or a budget
+        changed."""
+        if not self.due(now):
             return False
         self.planned_at, before = now, (dict(self.roles), dict(self.budgets))
         if set(loads) != set(self.roles):   # a worker died: all mixed on the live ones, then plan
