@@ -45,6 +45,7 @@ HYSTERESIS = 0.05        # a regime must be predicted this much better to replac
 PLAN_INTERVAL_S = 2.0    # how often the cluster asks the planner
 MIX_WINDOW_S = 10.0      # the arrivals a plan is for: those of the last this many seconds
 MIN_ARRIVALS = 8         # fewer say too little to plan on
+MIX_SAMPLE = 400         # the lengths a forecast weighs: an even sample of the window's (planning blocks the loop)
 MIX_CHANGE = 0.5         # a rate or mean prompt length this far (50%) off the window's is a new mix
 MIN_BUDGET = 16          # prompt tokens per step a budgeted worker always takes
 
@@ -81,8 +82,9 @@ def regimes(n: int, slo: tuple[float, float] | None = None) -> list[Regime]:
 class Mix:
     """The arrivals a regime is planned for."""
     rate: float                  # requests per ms
-    prompt_lens: list[int]
+    prompt_lens: list[int]       # (a sample of) their lengths
     output_lens: list[float]     # predicted
+    count: int = 0               # the arrivals the rate is measured from (0: as many as the lengths)
 
 
 @dataclass
@@ -332,7 +334,9 @@ class Planner:
         self.forget_a_changed_mix(now)
         if len(self.arrivals) >= MIN_ARRIVALS:
             span = max(now - self.arrivals[0][0], PLAN_INTERVAL_S)
-            mix = Mix(len(self.arrivals) / (span * 1e3), [a[1] for a in self.arrivals], [a[2] for a in self.arrivals])
+            sample = list(self.arrivals)[::-(-len(self.arrivals) // MIX_SAMPLE)]
+            mix = Mix(len(self.arrivals) / (span * 1e3), [a[1] for a in sample], [a[2] for a in sample],
+                      len(self.arrivals))
             forecasts = rank(cost, mix, seats, len(loads), self.slo)
             current = next((f for f in forecasts if f.regime == self.regime), None)
             if forecasts[0].regime != self.regime and (current is None or (
@@ -362,7 +366,7 @@ class Planner:
         worker's limit a forecast swings with the rate (a queue's wait grows as 1 / (1 -
         rho)); a win that needs the rate as high as the estimate may be a burst's, which a
         switch (and the switch back) would cost more than it lasts."""
-        low = Mix(mix.rate * (1 - len(mix.prompt_lens) ** -0.5), mix.prompt_lens, mix.output_lens)
+        low = Mix(mix.rate * (1 - (mix.count or len(mix.prompt_lens)) ** -0.5), mix.prompt_lens, mix.output_lens)
         return self.clearly_better(forecast(cost, new.regime, low, seats, self.slo),
                                    forecast(cost, current.regime, low, seats, self.slo))
 

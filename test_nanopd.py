@@ -2501,6 +2501,23 @@ def test_the_planner_follows_phases_but_not_bursts():
     assert regimes[19.5] == both and regimes[29.5] == split
 
 
+def test_the_planner_forecasts_from_a_bounded_sample_at_the_full_rate(monkeypatch):
+    """Planning runs in the central scheduler's loop: past MIX_SAMPLE arrivals in its window
+    it forecasts from an even sample of their lengths, first to last, at the rate of all of
+    them, and judges a burst by the noise of all of them."""
+    seen = []
+    stay = [planner.Forecast(planner.Regime(2, 0, 0), 1.0, 0.5)]
+    monkeypatch.setattr(planner, "rank", lambda cost, mix, *args: seen.append(mix) or stay)
+    plan = planner.Planner([0, 1])
+    lens = [16 + i * 37 % 1000 for i in range(1000)]
+    for i, n in enumerate(lens):   # 100 per s for 10 s
+        plan.arrived(i / 100, n, 8)
+    plan.plan(CostModel(dataclasses.replace(H200X2)), {0: WorkerLoad(), 1: WorkerLoad()}, 256, now=10.0)
+    (mix,) = seen
+    assert len(mix.prompt_lens) <= planner.MIX_SAMPLE and mix.prompt_lens == lens[::3]
+    assert mix.count == 1000 and mix.rate == pytest.approx(1000 / (10.0 * 1e3))
+
+
 def test_the_planner_follows_a_clear_change_of_mix_at_once():
     """Ten seconds of short prompts, then two of long ones at the same rate: at the next plan
     the planner forgets the old mix (it changed clearly) and splits the workers, instead of
