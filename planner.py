@@ -39,6 +39,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from kv_cache import cdiv
 from router import MAX_PREFILL_SHARE, CostModel, WorkerLoad
 
 HYSTERESIS = 0.05        # a regime must be predicted this much better to replace the current one
@@ -334,7 +335,7 @@ class Planner:
         self.forget_a_changed_mix(now)
         if len(self.arrivals) >= MIN_ARRIVALS:
             span = max(now - self.arrivals[0][0], PLAN_INTERVAL_S)
-            sample = list(self.arrivals)[::-(-len(self.arrivals) // MIX_SAMPLE)]
+            sample = list(self.arrivals)[::cdiv(len(self.arrivals), MIX_SAMPLE)]
             mix = Mix(len(self.arrivals) / (span * 1e3), [a[1] for a in sample], [a[2] for a in sample],
                       len(self.arrivals))
             forecasts = rank(cost, mix, seats, len(loads), self.slo)
