@@ -37,6 +37,7 @@ from messages import (
     Expired,
     Failed,
     Handoff,
+    Heartbeat,
     Imported,
     Measure,
     Measured,
@@ -45,7 +46,6 @@ from messages import (
     Rejected,
     Release,
     SetPrefillBudget,
-    Status,
     StepTimed,
     Submit,
     Tokens,
@@ -104,7 +104,7 @@ class CentralScheduler:
         self.done: dict[int, Tracked] = {}
         self.dead: dict[int, str] = {}        # worker -> why
         self.errors: dict[int, str] = {}      # worker -> the traceback it reported
-        self.status: dict[int, Status] = {}   # worker -> its last Status
+        self.status: dict[int, Heartbeat] = {}   # worker -> its last Heartbeat
         self.measured: dict[int, dict] = {}
         self.heard: dict[int, float] = {}     # worker -> when its last reports came
         self.prefilled: collections.deque[tuple[float, int]] = collections.deque()   # (time, tokens) steps prefilled
@@ -157,7 +157,7 @@ class CentralScheduler:
                         if isinstance(msg, Ready):
                             rooms[w], self.kv_bytes_per_token = msg.num_blocks - msg.watermark_blocks, msg.kv_bytes_per_token
                             self.devices[w] = msg.device or self.devices[w]
-                            self.status[w] = Status(msg.num_blocks, msg.num_blocks, 0)
+                            self.status[w] = Heartbeat(msg.num_blocks, msg.num_blocks)
                             bar.update()
                         elif isinstance(msg, Failed):
                             self.errors[w] = msg.traceback
@@ -337,7 +337,7 @@ class CentralScheduler:
         match msg:
             case Failed():
                 self.errors[w] = msg.traceback
-            case Status():
+            case Heartbeat():
                 self.status[w] = msg
             case StepTimed():
                 self._on_step(msg)

@@ -76,7 +76,6 @@ class Engine:
                                                 enable_prefix_caching=cfg.enable_prefix_caching),
                                    cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[int, Request] = {}      # submitted, output not yet taken
-        self.num_prefill_tokens = 0   # prompt tokens actually computed (prefix hits excluded)
         self.in_flight: LaunchedStep | None = None   # launched, its tokens not yet taken
         self._request_ids = itertools.count()
         if self.model.device.type == "cuda":
@@ -97,7 +96,6 @@ class Engine:
             self.step()
         for request_id in ids:
             self.output(request_id)
-        self.num_prefill_tokens = 0
 
     @property
     def bm(self):
@@ -167,7 +165,7 @@ class Engine:
         token_ids[-1]. It joins the decodes."""
         self.requests.pop(request_id, None)   # our own parked record gives way to the decoding one
         req = Request(request_id, None, token_ids[:num_prompt_tokens], params, RequestMetrics(time.perf_counter()),
-                      forked=True, num_streamed=1)   # the first token was streamed where it was prefilled
+                      num_streamed=1)   # the first token was streamed where it was prefilled
         seq = Sequence(req, 0, list(token_ids), num_prompt_tokens, block_table=block_table,
                        num_computed=num_prompt_tokens, cumulative_logprob=cumulative_logprob,
                        logprobs=list(logprobs), generator=self._generator(req, 0))
@@ -181,7 +179,7 @@ class Engine:
         """Forget a parked request and free its blocks (its KV has been copied, or never will be)."""
         req = self.requests.get(request_id)
         if req is not None and req.parked:
-            self._release(req)
+            self._retire(req)
             del self.requests[request_id]
 
     # -- one step: launch it, then finish the previous one while the device computes
@@ -214,12 +212,12 @@ class Engine:
         ended = []
         for req in involved:
             if req.request_id in self.requests and req.metrics.finish_time is None:
-                self._release(req)
+                self._retire(req)
                 req.error, req.metrics.finish_time = error, time.perf_counter()
                 ended.append(req.request_id)
         return ended
 
-    def _release(self, req: Request) -> None:
+    def _retire(self, req: Request) -> None:
         """Finish every sequence of req and give back every block it holds."""
         for seq in req.seqs:
             if seq.status != Status.FINISHED:
@@ -233,15 +231,19 @@ class Engine:
         for request_id in request_ids:
             req = self.requests.pop(request_id, None)
             if req is not None:
-                self._release(req)
+                self._retire(req)
         step = self.in_flight
         if step is not None and all(s.request.request_id not in self.requests
                                     for s in step.seqs + [t for t, _ in step.targets]):
             self.in_flight = None   # nothing left to take from it
 
     def poll(self, timeout: float = 0.0) -> list[int]:
-        """Run a step if there is work; the ids of requests that ended (LLM's loop)."""
-        return self.step() if self.has_unfinished() else []
+        """Run a step if there is work, else wait timeout seconds; the ids of requests that
+        ended (LLM's loop, which polls a cluster the same way)."""
+        if self.has_unfinished():
+            return self.step()
+        time.sleep(timeout)
+        return []
 
     def _launch(self, batch: Batch) -> LaunchedStep:
         """Run the model on the batch and sample on the device; each sampled sequence gets a
@@ -262,8 +264,6 @@ class Engine:
                                       self.in_flight.output.tokens if self.in_flight else None)
         self.scheduler.computed(batch)
         targets = [batch.seqs[i] if j == 0 else self.fork(batch.seqs[i], j, g) for (i, j), g in zip(plan, gens)]
-        for i, _ in plan:
-            batch.seqs[i].request.forked = True
         for k, seq in enumerate(targets):
             seq.token_ids.append(PENDING)
             seq.pending_row = k
@@ -278,7 +278,6 @@ class Engine:
                 shape.prefill_tokens += min(n, seq.num_prompt_tokens - seq.num_computed)
             else:
                 shape.decodes, shape.context_tokens = shape.decodes + 1, shape.context_tokens + seq.num_computed
-        self.num_prefill_tokens += shape.prefill_tokens
         return shape
 
     def _finish(self, step: LaunchedStep) -> list[Request]:
@@ -315,7 +314,8 @@ class Engine:
         return finished
 
     def _draws(self, seq: Sequence) -> int:
-        return seq.request.params.n if not seq.request.forked else 1
+        """Tokens to draw after seq's last token: n for a prompt's first (one per child), else 1."""
+        return seq.request.params.n if seq.num_outputs == 0 else 1
 
     def _record_logprobs(self, seq: Sequence, token: int, token_logprob: float, top_values: list[float],
                          top_ids: list[int]) -> None:

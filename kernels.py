@@ -4,9 +4,8 @@ The jobs:
   paged_attention  attention for a mixed batch (decodes and prefill chunks) whose
                    K/V live in non-contiguous cache blocks; split-K for long decodes
   copy_rows        move whole cache blocks by id: copy-on-write inside a cache
-                   (copy_blocks), and scattered blocks into one contiguous buffer and
-                   back (gather_blocks / scatter_blocks, timed by bench.py kernels); the
-                   KV handoff between devices is the transports' (transport.py)
+                   (copy_blocks, timed by bench.py kernels); the KV handoff between
+                   devices is the transports' (transport.py)
   linear           a batch of 1-16 rows times a weight matrix (decode): the weights
                    streamed closer to HBM bandwidth than cuBLAS gets there (on CUDA
                    only; its kernel, small_m_linear, also runs under the interpreter)
@@ -465,16 +464,6 @@ def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
     """Copy-on-write: for each (src, dst) row of pairs [P, 2], copy block src to block dst
     (every layer, K and V)."""
     copy_rows(kv_cache, pairs[:, 0], kv_cache, pairs[:, 1])
-
-
-def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, buffer: torch.Tensor) -> None:
-    """buffer[i] = kv_cache[block_ids[i]]: a request's blocks into a contiguous buffer."""
-    copy_rows(kv_cache, block_ids, buffer, torch.arange(len(block_ids), device=block_ids.device))
-
-
-def scatter_blocks(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
-    """kv_cache[block_ids[i]] = buffer[i]: the inverse of gather_blocks."""
-    copy_rows(buffer, torch.arange(len(block_ids), device=block_ids.device), kv_cache, block_ids)
 
 
 def _check_pow2(**dims: int) -> None:

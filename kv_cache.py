@@ -45,7 +45,8 @@ def blocks_for_memory(budget_bytes: int, bytes_per_block: int) -> int:
 
 
 class OutOfBlocks(RuntimeError):
-    """More blocks were asked for than are free; the engine checks can_allocate/can_append first."""
+    """More blocks were asked for than are free: admission checks can_allocate first; a running
+    sequence that cannot grow is preempted (scheduler.py)."""
 
 
 def hash_block(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -133,10 +134,6 @@ class BlockManager:
         return list(block_table)
 
     # -- running sequences --
-
-    def can_append(self, block_table: list[int], start: int, end: int) -> bool:
-        """Whether positions [start, end) can be made writable; may use the watermark."""
-        return self._blocks_to_write(block_table, start, end) <= self.num_free_blocks
 
     def append_slots(self, block_table: list[int], start: int, end: int) -> list[tuple[int, int]]:
         """Make positions [start, end) writable: grow the table to `end` tokens and give

@@ -8,7 +8,7 @@ never travel here: KV caches are shared once at start-up (workers.py), so a hand
 block ids only.
 
     central scheduler --Submit/Import/Release/Drop/Abort/SendKV/SetPrefillBudget/Measure/Stop--> worker
-    central scheduler <--Ready/Status/Tokens/Handoff/Imported/Done/ToWorker/...-- worker
+    central scheduler <--Ready/Heartbeat/Tokens/Handoff/Imported/Done/ToWorker/...-- worker
 """
 
 from dataclasses import dataclass, field
@@ -108,12 +108,11 @@ class Failed:
 
 
 @dataclass
-class Status:
+class Heartbeat:
     """Sent with every round that did anything, and at least every HEARTBEAT_S: what the
     router reads, and the sign of life the central scheduler's worker timeout waits for."""
     free_blocks: int
     num_blocks: int
-    held: int                           # requests running, parked or importing here
 
 
 @dataclass

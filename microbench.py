@@ -2,7 +2,7 @@
 hardware ceiling measured in the same run (bench.py runs them: `python bench.py kernels`).
 
   python bench.py kernels   paged attention, the q/k-norm + RoPE + KV-store kernel, the
-                            block gather and the small-batch linear on the GPU, each
+                            block copies and the small-batch linear on the GPU, each
                             beside a reference measured in the same run (SDPA on a
                             contiguous cache, a plain device copy, cuBLAS); and a
                             decode step's attention overlapped with its GEMMs, beside
@@ -123,19 +123,21 @@ def bench_rope_store_kv(num_tokens=16384, hq=32, hkv=8, d=128, block_size=16):
             "ratio": t_copy / t_ours, "rel_err": err, "ref": "copy_"}
 
 
-def bench_gather(num_blocks=128, cache_blocks=2048, layers=36, hkv=8, d=128, block_size=16):
-    """One 2048-token Qwen3-8B request's blocks (all layers, ~302 MB) into a contiguous buffer."""
+def bench_copy_blocks(num_blocks=128, cache_blocks=2048, layers=36, hkv=8, d=128, block_size=16):
+    """Copy-on-write of 128 scattered Qwen3-8B blocks (all layers, ~302 MB) to 128 others,
+    beside one contiguous copy of as many bytes."""
     dev, dt = "cuda", torch.bfloat16
     cache = torch.randn(cache_blocks, layers, 2, hkv, block_size, d, device=dev, dtype=dt)
-    ids = torch.randperm(cache_blocks, device=dev)[:num_blocks].int()
-    buf = torch.empty(num_blocks, *cache.shape[1:], device=dev, dtype=dt)
-    kernels.gather_blocks(cache, ids, buf)
-    ok = torch.equal(buf, cache[ids.long()])
-    src = cache[:num_blocks]
-    t_ours = time_ms(lambda: kernels.gather_blocks(cache, ids, buf))
+    ids = torch.randperm(cache_blocks, device=dev)[:2 * num_blocks].int()
+    pairs = ids.view(2, num_blocks).T.contiguous()   # [num_blocks, 2]: (src, dst), all distinct
+    expect = cache[pairs[:, 0].long()].clone()
+    kernels.copy_blocks(cache, pairs)
+    ok = torch.equal(cache[pairs[:, 1].long()], expect)
+    src, buf = cache[:num_blocks], torch.empty(num_blocks, *cache.shape[1:], device=dev, dtype=dt)
+    t_ours = time_ms(lambda: kernels.copy_blocks(cache, pairs))
     t_copy = time_ms(lambda: buf.copy_(src))
     gb = 2 * buf.numel() * buf.element_size() / 1e9
-    return {"case": f"gather {num_blocks} blocks ({gb / 2 * 1e3:.0f} MB)", "ours_ms": t_ours, "ref_ms": t_copy,
+    return {"case": f"copy_blocks {num_blocks} blocks ({gb / 2 * 1e3:.0f} MB)", "ours_ms": t_ours, "ref_ms": t_copy,
                 "unit": "GB/s", "ours_rate": gb / t_ours * 1e3, "ref_rate": gb / t_copy * 1e3,
                 "ratio": t_copy / t_ours, "rel_err": 0.0 if ok else float("nan"), "ref": "copy_"}
 
@@ -236,7 +238,7 @@ def bench_split_batch_overlap(batch: int = 1024, context: int = 192, layers: int
 def run_kernels(out: str | None) -> list[dict]:
     cases = [lambda: bench_attention(1, 4096, True), lambda: bench_attention(64, 4096, True),
              lambda: bench_attention(256, 2048, True), lambda: bench_attention(1, 2048, False),
-             lambda: bench_attention(1, 8192, False), bench_rope_store_kv, bench_gather,
+             lambda: bench_attention(1, 8192, False), bench_rope_store_kv, bench_copy_blocks,
              lambda: bench_small_m_linear("qkv", 6144, 4096), lambda: bench_small_m_linear("o_proj", 4096, 4096),
              lambda: bench_small_m_linear("gate_up", 24576, 4096), lambda: bench_small_m_linear("down", 4096, 12288),
              bench_split_batch_overlap]

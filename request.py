@@ -172,7 +172,7 @@ class Sequence:
     index: int                          # which completion of its request
     token_ids: list[int]
     num_prompt_tokens: int
-    seq_id: int = field(default_factory=arrival_order)   # arrival order, for FCFS
+    arrival: int = field(default_factory=arrival_order)   # when it arrived (request.arrival_order), for FCFS
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0               # tokens whose K/V are in the cache
@@ -213,7 +213,6 @@ class Request:
     length_penalty: float = 1.0
     seqs: list[Sequence] = field(default_factory=list)        # live and finished completions
     beams_done: list[Sequence] = field(default_factory=list)  # beam search: finished hypotheses
-    forked: bool = False                # n > 1: children are forked after the first token
     prefill_only: bool = False          # a prefill worker's: stop after the first token, keep the blocks
     num_streamed: int = 0               # output tokens already handed out by Engine.new_tokens
     error: Exception | None = None      # why it ended without its completions

@@ -9,7 +9,7 @@
                           and each step really cost: the predictor is updated, and the
                           cost model's parameters are refitted by recursive least squares
 
-The rule underneath (DESIGN.md): disaggregation adds transfer_rate x L (the prompt's KV
+The rule underneath (docs/router.md): disaggregation adds transfer_rate x L (the prompt's KV
 crossing the link); collocation adds gamma x L x load / batch_thresh (the prompt's
 prefill slowing the load decodes sharing its steps, which cost more once the batch is
 past the knee). Disaggregation wins when gamma / transfer_rate > batch_thresh / load.
@@ -136,8 +136,8 @@ class CostModel:
         return self.steps_ms(prompt_len, out_len, w) * (1.0 + self.excess_share(w))
 
     def interference_ms(self, prompt_len: int, load: int) -> float:
-        """What the prompt's prefill costs the load decodes sharing its steps (DESIGN.md's
-        term): a cost to the others, weighed in the choice of path, not in this latency."""
+        """What the prompt's prefill costs the load decodes sharing its steps (docs/router.md's
+        interference term): a cost to the others, weighed in the choice of path, not in this latency."""
         return self.p.gamma * prompt_len * load / self.p.batch_thresh
 
     def prefill_on(self, w: WorkerLoad, prompt_len: int) -> float:

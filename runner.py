@@ -141,7 +141,7 @@ class ModelRunner:
         t = torch.tensor(data, dtype=dtype)
         return self.uploads.to_device(t, self.device) if self.device.type == "cuda" else t
 
-    def _upload(self, *lists: list[int]) -> list[torch.Tensor]:
+    def _upload_many(self, *lists: list[int]) -> list[torch.Tensor]:
         """Integer lists -> int32 tensors on the device, all in one copy."""
         return list(self.upload(list(itertools.chain.from_iterable(lists))).split([len(x) for x in lists]))
 
@@ -164,7 +164,7 @@ class ModelRunner:
             ctx.append(start)
         width = max(len(t) for t in tables)
         flat_tables = [b for t in tables for b in itertools.chain(t, itertools.repeat(0, width - len(t)))]
-        ids, positions, slots, cu, ctx, flat_tables, fills = self._upload(
+        ids, positions, slots, cu, ctx, flat_tables, fills = self._upload_many(
             ids, positions, slots, cu, ctx, flat_tables, fills)
         if len(fills):
             dst, src = fills.view(-1, 2).unbind(1)
@@ -212,7 +212,7 @@ class ModelRunner:
 
     def _forward(self, batch: Batch, rows: list[int], prev_tokens: torch.Tensor | None) -> torch.Tensor:
         """Hidden states [len(rows), hidden] of the last new token of batch.seqs[rows]."""
-        pairs, rows = self._upload([b for pair in batch.copies for b in pair], rows)
+        pairs, rows = self._upload_many([b for pair in batch.copies for b in pair], rows)
         if batch.copies:
             kernels.copy_blocks(self.kv_cache, pairs.view(-1, 2))
         num_seqs, num_tokens = len(batch.seqs), sum(batch.num_new)

@@ -33,7 +33,7 @@ class Scheduler:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()   # ordered by seq_id: first come, first served
+        self.waiting: deque[Sequence] = deque()   # ordered by arrival: first come, first served
         self.running: list[Sequence] = []          # in admission order; the last is preempted first
         self.importing = 0                         # seats held by imports whose KV is being copied in
         self.oldest_import: int | None = None      # arrival order of the oldest import waiting for a seat
@@ -42,11 +42,11 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        if not self.waiting or self.waiting[-1].seq_id < seq.seq_id:   # a new arrival
+        if not self.waiting or self.waiting[-1].arrival < seq.arrival:   # a new arrival
             self.waiting.append(seq)
         else:   # a preempted sequence goes back to its place in arrival order
-            keys = [s.seq_id for s in self.waiting]
-            self.waiting.insert(bisect.bisect(keys, seq.seq_id), seq)
+            keys = [s.arrival for s in self.waiting]
+            self.waiting.insert(bisect.bisect(keys, seq.arrival), seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -99,12 +99,12 @@ class Scheduler:
 
     def _import_first(self, seq: Sequence) -> bool:
         """An import that arrived before seq is waiting for a seat: it goes first."""
-        return self.oldest_import is not None and self.oldest_import < seq.seq_id
+        return self.oldest_import is not None and self.oldest_import < seq.arrival
 
     def _seats(self, seq: Sequence) -> int:
         """Running sequences this one will become: n > 1 and beams fork after the prompt."""
         req = seq.request
-        return 1 if req.forked or seq.num_prompt_tokens < len(seq.token_ids) else max(req.params.n, req.beam_width)
+        return 1 if seq.num_outputs else max(req.params.n, req.beam_width)
 
     def _append_slots(self, seq: Sequence, n: int, batch: Batch) -> list[tuple[int, int]] | None:
         """Room for seq's next n tokens (and its copy-on-write pairs), preempting the newest
@@ -146,7 +146,7 @@ class Scheduler:
         earlier waits for a seat: seats go first come, first served."""
         if len(self.running) + self.importing >= self.max_num_seqs:
             return None
-        if self.waiting and self.waiting[0].seq_id < order:   # a prompt that came first goes first
+        if self.waiting and self.waiting[0].arrival < order:   # a prompt that came first goes first
             return None
         room = (block_table, 0) if block_table is not None else self.allocate(token_ids)
         self.importing += room is not None

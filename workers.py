@@ -2,7 +2,7 @@
 the handoff of a request's KV from a prefill worker to a decode worker.
 
     central scheduler (cluster.py)
-        | Submit / Import / Release / Drop          ^ Tokens, Done, Handoff, Imported, Status, ...
+        | Submit / Import / Release / Drop          ^ Tokens, Done, Handoff, Imported, Heartbeat, ...
         v  (one inbox queue per worker)             |  (one pipe per worker)
     worker 0 (prefill, cuda:0)  ==KV blocks==>  worker 1 (decode, cuda:1)
 
@@ -49,6 +49,7 @@ from messages import (
     Expired,
     Failed,
     Handoff,
+    Heartbeat,
     Import,
     Imported,
     Measure,
@@ -59,7 +60,6 @@ from messages import (
     Release,
     SendKV,
     SetPrefillBudget,
-    Status,
     StepTimed,
     Stop,
     Submit,
@@ -136,8 +136,7 @@ class Worker:
         now = time.perf_counter()
         if self.reports or msgs or now - self.last_sent > HEARTBEAT_S:
             bm = self.engine.bm
-            self.reports.append(Status(bm.num_free_blocks, bm.num_blocks,
-                                       len(self.engine.requests) + len(self.transfers)))
+            self.reports.append(Heartbeat(bm.num_free_blocks, bm.num_blocks))
             self.outbox.send(self.reports)
             self.reports, self.last_sent = [], now
         return True
