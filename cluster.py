@@ -190,7 +190,7 @@ class CentralScheduler:
                length_penalty: float = 1.0) -> int:
         """Validate (ValueError, as the single engine) and dispatch a request; its id."""
         text, ids = tokenize(prompt, self.tokenizer)
-        check_request(ids, params, beam_width, self.vocab_size, self.cfg, self.room, length_penalty)
+        params = check_request(ids, params, beam_width, self.vocab_size, self.cfg, self.room, length_penalty)
         t = Tracked(next(self._ids), text, ids, params, RequestMetrics(time.perf_counter()), beam_width,
                     length_penalty)
         self.active[t.request_id] = t
@@ -523,8 +523,8 @@ class CentralScheduler:
 
     def run_on_path(self, prompt_ids: list[int], path: tuple[int, int], max_tokens: int = 2) -> RequestMetrics:
         """Serve one request on a given (prefill worker, decode worker); its metrics."""
-        t = Tracked(next(self._ids), None, prompt_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                    RequestMetrics(time.perf_counter()))
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        t = Tracked(next(self._ids), None, prompt_ids, params, RequestMetrics(time.perf_counter()))
         self.active[t.request_id] = t
         self._dispatch(t, path)
         while t.request_id not in self.done:

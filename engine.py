@@ -26,7 +26,7 @@ import torch
 
 from config import EngineConfig
 from kv_cache import BlockManager
-from model import load_model, load_tokenizer
+from model import Detokenizer, load_model, load_tokenizer
 from request import (
     PENDING,
     CompletionOutput,
@@ -87,10 +87,12 @@ class Engine:
         pays a one-off cost: CUDA loads a kernel's module at its first launch, Triton
         compiles (or loads) a kernel at its first use, the first copies set up their
         buffers. Such a cost inside a step also delays every message the worker has not
-        read yet (an Import waits in the inbox while the step runs)."""
+        read yet (an Import waits in the inbox while the step runs). The sampled one has
+        penalties and min_tokens too, so their kernels are compiled here as well."""
         n = max(1, min(2, self.cfg.max_model_len - 2))
-        params = [SamplingParams(max_tokens=2, ignore_eos=True, logprobs=1),
-                  SamplingParams(max_tokens=2, ignore_eos=True, temperature=1.0, top_k=2, top_p=0.9, seed=0)]
+        params = [SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0, logprobs=1),
+                  SamplingParams(max_tokens=2, ignore_eos=True, temperature=1.0, top_k=2, top_p=0.9, seed=0,
+                                 min_tokens=1, repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1)]
         ids = [self.submit([0] * n, p, request_id=-1 - i) for i, p in enumerate(params)]
         while self.has_unfinished():
             self.step()
@@ -108,8 +110,8 @@ class Engine:
                length_penalty: float = 1.0, request_id: int | None = None, prefill_only: bool = False) -> int:
         """Validate and queue a request; its id. A bad one raises ValueError and changes nothing."""
         text, ids = tokenize(prompt, self.tokenizer)
-        check_request(ids, params, beam_width, self.model.config.vocab_size, self.cfg,
-                      self.bm.num_blocks - self.bm.watermark_blocks, length_penalty)
+        params = check_request(ids, params, beam_width, self.model.config.vocab_size, self.cfg,
+                               self.bm.num_blocks - self.bm.watermark_blocks, length_penalty)
         req = Request(next(self._request_ids) if request_id is None else request_id, text, ids, params,
                       RequestMetrics(time.perf_counter()), beam_width=beam_width, length_penalty=length_penalty,
                       prefill_only=prefill_only)
@@ -221,9 +223,15 @@ class Engine:
         """Finish every sequence of req and give back every block it holds."""
         for seq in req.seqs:
             if seq.status != Status.FINISHED:
-                self.scheduler.finish(seq)
+                self._end(seq)
         if req.parked:
             self.scheduler.free(req.seqs[0].block_table)
+
+    def _end(self, seq: Sequence, free: bool = True) -> None:
+        """seq is finished: the scheduler retires it (free=False keeps its blocks, a parked
+        prefill's), and its token counts, if the penalties kept any, go back."""
+        self.scheduler.finish(seq, free=free)
+        self.runner.token_counts.forget(seq)
 
     def abort(self, request_ids: list[int]) -> None:
         """End these requests now and forget them, wherever they are (waiting, running,
@@ -258,7 +266,8 @@ class Engine:
         plan = [(i, j) for i in done if not batch.seqs[i].request.beam_width
                 for j in range(self._draws(batch.seqs[i]))]
         gens = [batch.seqs[i].generator if j == 0 else self._generator(batch.seqs[i].request, j) for i, j in plan]
-        draws = [Draw(i, batch.seqs[i].request.params, g) for (i, _), g in zip(plan, gens)]
+        draws = [Draw(i, batch.seqs[i].request.params, g, batch.seqs[i], j > 0, self._banned(batch.seqs[i]))
+                 for (i, j), g in zip(plan, gens)]
         beam_k = 2 * max((s.request.beam_width for s in step.beams), default=0)
         step.output = self.runner.run(batch, draws, beam_rows, beam_k,
                                       self.in_flight.output.tokens if self.in_flight else None)
@@ -313,6 +322,13 @@ class Engine:
                 finished.append(req)
         return finished
 
+    def _banned(self, seq: Sequence) -> list[int]:
+        """The tokens seq's next token may not be: before min_tokens, EOS and the stop ids."""
+        params = seq.request.params
+        if seq.num_outputs >= params.min_tokens:
+            return []
+        return list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(self.eos_ids))
+
     def _draws(self, seq: Sequence) -> int:
         """Tokens to draw after seq's last token: n for a prompt's first (one per child), else 1."""
         return seq.request.params.n if seq.num_outputs == 0 else 1
@@ -326,12 +342,14 @@ class Engine:
         seq.cumulative_logprob += token_logprob
 
     def _check_stop(self, seq: Sequence, index: int) -> None:
-        """Finish seq if its token at index ends it; a later token, already sampled by the
-        step running now, is dropped."""
-        params, token = seq.request.params, seq.token_ids[index]
-        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
+        """Finish seq if its token at index ends it (from min_tokens on: EOS, a stop token, a
+        stop string completed in the text; or max_tokens); a later token, already sampled
+        by the step running now, is dropped."""
+        params, num_outputs = seq.request.params, index + 1 - seq.num_prompt_tokens
+        new_text = self._add_text(seq, index) if params.stop else ""
+        if num_outputs >= params.min_tokens and self._stops(seq, seq.token_ids[index], new_text):
             seq.finish_reason = "stop"
-        elif index + 1 - seq.num_prompt_tokens >= params.max_tokens:
+        elif num_outputs >= params.max_tokens:
             seq.finish_reason = "length"
         elif not seq.request.prefill_only:
             return
@@ -339,7 +357,38 @@ class Engine:
         seq.pending_row = None
         # A prefill worker's request ends after its first token with finish_reason None
         # (parked): its blocks stay until a decode worker has pulled them (release).
-        self.scheduler.finish(seq, free=seq.finish_reason is not None)
+        self._end(seq, free=seq.finish_reason is not None)
+
+    def _add_text(self, seq: Sequence, index: int) -> str:
+        """Detokenize seq's output up to its token at index; the text that token added. The
+        detokenizer starts at the first check (after an import or a fork, from the tokens
+        the sequence came with)."""
+        if seq.detokenizer is None:
+            seq.detokenizer = Detokenizer(self.tokenizer, seq.token_ids[seq.num_prompt_tokens:index])
+        return seq.detokenizer.add(seq.token_ids[index])
+
+    def _stops(self, seq: Sequence, token: int, new_text: str) -> bool:
+        """Whether token (which added new_text to the output's text) ends seq: EOS, a stop
+        token (stop_reason: its id) or a stop string (stop_reason: the string; text_end:
+        where the output's text ends, before the string unless include_stop_str_in_output).
+        A stop string may span tokens: it is looked for in the new text and the few
+        characters before it, the earliest occurrence first."""
+        params = seq.request.params
+        if token in params.stop_token_ids:
+            seq.stop_reason = token
+            return True
+        if token in self.eos_ids and not params.ignore_eos:
+            return True
+        if not new_text:
+            return False
+        text = seq.detokenizer.text
+        start = max(0, len(text) - len(new_text) - max(map(len, params.stop)) + 1)
+        found = min(((at, s) for s in params.stop if (at := text.find(s, start)) >= 0), default=None)
+        if found is None:
+            return False
+        at, seq.stop_reason = found
+        seq.text_end = at + len(found[1]) * params.include_stop_str_in_output
+        return True
 
     # -- beam search: fork the best continuations, free the rest (HF's algorithm)
 
@@ -382,7 +431,7 @@ class Engine:
             req.seqs = req.beams_done
 
     def _drop_beam(self, req: Request, seq: Sequence) -> None:
-        self.scheduler.finish(seq)   # its blocks go back (shared ones stay with the other beams)
+        self._end(seq)   # its blocks go back (shared ones stay with the other beams)
         req.seqs.remove(seq)
 
     def _finished_beam(self, parent: Sequence, token: int, score: float, reason: str) -> Sequence:
@@ -408,15 +457,20 @@ class Engine:
                 req.num_streamed = known - seq.num_prompt_tokens
         return new
 
+    def _text(self, seq: Sequence) -> str:
+        """The completion's text: cut where its stop string was found, else its tokens decoded."""
+        if isinstance(seq.stop_reason, str):
+            return seq.detokenizer.text[:seq.text_end]
+        return self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+
     def output(self, request_id: int) -> RequestOutput:
         """A finished request's output (none but its .error if it failed); the engine forgets it."""
         req = self.requests.pop(request_id)
         want_lp = req.params.logprobs is not None or req.beam_width > 0
         seqs = [] if req.error else req.seqs if req.beam_width else sorted(req.seqs, key=lambda s: s.index)
-        outs = [CompletionOutput(i if req.beam_width else s.index, s.output_ids,
-                                 self.tokenizer.decode(s.output_ids, skip_special_tokens=True), s.finish_reason,
+        outs = [CompletionOutput(i if req.beam_width else s.index, s.output_ids, self._text(s), s.finish_reason,
                                  s.cumulative_logprob if want_lp else None,
-                                 s.logprobs if req.params.logprobs is not None else None)
+                                 s.logprobs if req.params.logprobs is not None else None, s.stop_reason)
                 for i, s in enumerate(seqs)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.metrics,
                              finished=req.finished, error=req.error)

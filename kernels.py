@@ -466,6 +466,55 @@ def copy_blocks(kv_cache: torch.Tensor, pairs: torch.Tensor) -> None:
     copy_rows(kv_cache, pairs[:, 0], kv_cache, pairs[:, 1])
 
 
+# ----------------------------------------------------------------------------- sampling penalties
+
+
+@triton.jit
+def _penalties_kernel(logits_ptr, draws_ptr, rows_ptr, knobs_ptr, counts_ptr, in_prompt_ptr, vocab,
+                      BLOCK: tl.constexpr):
+    # Program (i, chunk) penalises BLOCK logits of row draws[i], reading statistics row rows[i].
+    i, chunk = tl.program_id(0), tl.program_id(1)
+    draw = tl.load(draws_ptr + i).to(tl.int64)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    repetition = tl.load(knobs_ptr + 3 * i)
+    presence = tl.load(knobs_ptr + 3 * i + 1)
+    frequency = tl.load(knobs_ptr + 3 * i + 2)
+    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < vocab
+    x = tl.load(logits_ptr + draw * vocab + offs, mask=mask)
+    count = tl.load(counts_ptr + row * vocab + offs, mask=mask, other=0)
+    in_prompt = tl.load(in_prompt_ptr + row * vocab + offs, mask=mask, other=0)
+    x = tl.where((count > 0) | (in_prompt != 0), tl.where(x > 0, x / repetition, x * repetition), x)
+    x = x - frequency * count.to(tl.float32) - presence * (count > 0).to(tl.float32)
+    tl.store(logits_ptr + draw * vocab + offs, x, mask=mask)
+
+
+def apply_penalties(logits: torch.Tensor, draws: torch.Tensor, rows: torch.Tensor, knobs: torch.Tensor,
+                    counts: torch.Tensor, in_prompt: torch.Tensor) -> None:
+    """In place, for each i: row draws[i] of logits [D, vocab] (float32) gets the penalties
+    knobs[i] = (repetition, presence, frequency) [P, 3], from its sequence's statistics row
+    rows[i] of counts [R, vocab] (int32: output tokens) and in_prompt [R, vocab] (uint8).
+    As vLLM and HF define them: a logit of a token seen in the prompt or the output is
+    divided by the repetition penalty if positive, multiplied if not; then each output
+    token's logit loses frequency x its count and presence once. One launch for the step."""
+    if not _use_triton(logits):
+        return apply_penalties_torch(logits, draws, rows, knobs, counts, in_prompt)
+    assert logits.shape[1] == counts.shape[1] == in_prompt.shape[1] and logits.is_contiguous()
+    vocab, block = logits.shape[1], 4096 if logits.is_cuda else 1024
+    grid = (len(draws), triton.cdiv(vocab, block))
+    if grid[0]:
+        _penalties_kernel[grid](logits, draws, rows, knobs, counts, in_prompt, vocab, BLOCK=block, num_warps=8)
+
+
+def apply_penalties_torch(logits: torch.Tensor, draws: torch.Tensor, rows: torch.Tensor, knobs: torch.Tensor,
+                          counts: torch.Tensor, in_prompt: torch.Tensor) -> None:
+    draws, rows = draws.long(), rows.long()
+    x, count = logits[draws], counts[rows]
+    repetition, presence, frequency = knobs[:, :, None].unbind(1)
+    x = torch.where((count > 0) | (in_prompt[rows] != 0), torch.where(x > 0, x / repetition, x * repetition), x)
+    logits[draws] = x - frequency * count - presence * (count > 0).float()
+
+
 def _check_pow2(**dims: int) -> None:
     for name, n in dims.items():
         if n & (n - 1):

@@ -346,13 +346,39 @@ def load_model(name_or_path: str, dtype: torch.dtype | str | None = None,
 
 
 class ByteTokenizer:
-    """For random-weight presets (and checkpoints without tokenizer files): UTF-8 bytes."""
+    """For random-weight presets (and checkpoints without tokenizer files): UTF-8 bytes.
+    A model's vocabulary is larger than 256: an id past the bytes decodes to a visible
+    placeholder, "⟨id⟩", unless it is a special token (bos, eos) and those are skipped."""
 
-    def encode(self, text: str) -> list[int]:
+    chat_template: str | None = None   # none of its own: LLM.chat takes one (chat_template=...)
+
+    def __init__(self, special_ids: set[int] = frozenset()):
+        self.special_ids = set(special_ids)
+
+    def encode(self, text: str, **_) -> list[int]:
         return list(text.encode())
 
-    def decode(self, ids: list[int], **_) -> str:
-        return bytes(i for i in ids if i < 256).decode(errors="replace")
+    def decode(self, ids: list[int], skip_special_tokens: bool = False, **_) -> str:
+        pieces, run = [], bytearray()
+        for i in ids:
+            if i < 256:
+                run.append(i)
+                continue
+            pieces.append(run.decode(errors="replace"))
+            run = bytearray()
+            if not (skip_special_tokens and i in self.special_ids):
+                pieces.append(f"⟨{i}⟩")
+        return "".join(pieces) + run.decode(errors="replace")
+
+    def apply_chat_template(self, conversation: list[dict], chat_template: str | None = None,
+                            add_generation_prompt: bool = False, tokenize: bool = False, **kwargs) -> str:
+        """The conversation rendered by a Jinja chat template, as HF tokenizers render theirs."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+        if chat_template is None:
+            raise ValueError("the byte tokenizer has no chat template: pass chat_template=...")
+        text, _ = render_jinja_template([conversation], chat_template=chat_template,
+                                        add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.encode(text[0]) if tokenize else text[0]
 
 
 def load_tokenizer(name_or_path: str):
@@ -361,4 +387,33 @@ def load_tokenizer(name_or_path: str):
     if folder.is_dir() and any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(folder)
-    return ByteTokenizer()
+    config = load_config(name_or_path)
+    ids = [config.bos_token_id, config.eos_token_id, getattr(config, "pad_token_id", None)]
+    return ByteTokenizer({j for i in ids if i is not None for j in (i if isinstance(i, list) else [i])})
+
+
+class Detokenizer:
+    """The text of a growing list of token ids, one token at a time (for stop strings).
+    A token's text may depend on the tokens before it (a character split over byte-level
+    pieces, a leading space), so each new piece of text is the decode of a short window
+    less the decode of the window's start; while the window ends in an incomplete
+    character (U+FFFD) the text waits for the next token. The window restarts after each
+    piece, so every add decodes a few tokens, not the whole output."""
+
+    def __init__(self, tokenizer, ids: list[int] = ()):
+        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+        self.prefix = self.read = 0   # the window is ids[prefix:]; ids[prefix:read] is already text
+        for token in ids:
+            self.add(token)
+
+    def add(self, token: int) -> str:
+        """Take the next token; the text it completes (often "", at the end of a character)."""
+        self.ids.append(token)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        after = decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return ""
+        self.text += after[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]

@@ -1,8 +1,11 @@
 """nanoPD's front: the offline LLM API and the command line.
 
     from nanopd import LLM, SamplingParams
-    outs = LLM("tiny").generate(["Hello"], SamplingParams(max_tokens=32))
+    outs = LLM("tiny").generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
     outs = LLM("qwen3-8b", policy="disaggregated", devices=["cuda:0", "cuda:1"]).generate(...)
+
+The calls are vLLM's: generate(prompts, sampling_params), chat(messages, sampling_params),
+get_tokenizer(), with SamplingParams of vLLM's fields and defaults (request.py).
 
 Without a policy, LLM runs one Engine (engine.py) in this process. With one, a
 CentralScheduler (cluster.py) starts a worker process per device (workers.py) and routes
@@ -13,6 +16,7 @@ profiler.py). Both offer submit / poll / output, and LLM drives either with one 
 
 import argparse
 import dataclasses
+import difflib
 import numbers
 import time
 from typing import Self
@@ -23,7 +27,7 @@ from tqdm import tqdm
 from cluster import CentralScheduler, default_devices
 from config import EngineConfig, check_int
 from engine import Engine
-from model import PRESETS
+from model import PRESETS, Detokenizer
 from profiler import profile_cluster
 from request import RequestMetrics, RequestOutput, SamplingParams
 from router import HardwareParams, Router
@@ -48,6 +52,8 @@ class LLM:
                  num_prefill: int = 1, transport: str = "p2p", profile: HardwareParams | bool | None = None,
                  worker_timeout_s: float = 60.0, slo: tuple[float, float] | None = None, join: str | None = None,
                  **kwargs):
+        check_settings(kwargs)
+        self.closed = False
         if policy is None:
             given = [name for name, value, default in [("devices", devices, None), ("num_prefill", num_prefill, 1),
                                                        ("transport", transport, "p2p"), ("profile", profile, None),
@@ -82,8 +88,14 @@ class LLM:
         return self.backend if isinstance(self.backend, CentralScheduler) else None
 
     def close(self) -> None:
+        self.closed = True
         if self.cluster is not None:
             self.cluster.close()
+
+    def get_tokenizer(self):
+        """The tokenizer prompts are encoded with: the checkpoint's own (an HF tokenizer),
+        or the presets' UTF-8 bytes (model.py:ByteTokenizer)."""
+        return self.backend.tokenizer
 
     def __enter__(self) -> Self:
         return self
@@ -91,11 +103,34 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def generate(self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None,
+    def generate(self, prompts: list[str] | list[list[int]] | str,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in the order of prompts. A prompt that fails validation gets an output with
-        .error set (a ValueError saying why) and no completions; the others still run."""
-        return self._run([(p, params or SamplingParams(), {}) for p in as_prompt_list(prompts)], use_tqdm)
+        """Outputs in the order of prompts. sampling_params: one for every prompt, or a list
+        of one per prompt; None is SamplingParams() (vLLM's defaults). A prompt that fails
+        validation gets an output with .error set (a ValueError saying why) and no
+        completions; the others still run. Each request keeps its own copy of its params."""
+        prompts = as_prompt_list(prompts)
+        per_prompt = params_per_prompt(sampling_params, len(prompts))
+        return self._run([(p, sp, {}) for p, sp in zip(prompts, per_prompt)], use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """generate on conversations ([{"role": ..., "content": ...}, ...], or a list of them)
+        rendered by the tokenizer's chat template (or chat_template, a Jinja template), as
+        vLLM's LLM.chat: the rendered text is the prompt, tokenized without special tokens."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        if (chat_template or getattr(tokenizer, "chat_template", None)) is None:
+            raise ValueError(f"the tokenizer of {self.backend.cfg.model} has no chat template: pass chat_template=... "
+                             "(a Jinja template, as in the tokenizer_config.json of chat models)")
+        texts = [tokenizer.apply_chat_template(c, chat_template=chat_template, tokenize=False,
+                                               add_generation_prompt=add_generation_prompt) for c in conversations]
+        outs = self.generate([tokenizer.encode(t, add_special_tokens=False) for t in texts], sampling_params, use_tqdm)
+        for out, text in zip(outs, texts):
+            out.prompt = text
+        return outs
 
     def beam_search(self, prompts: list[str] | list[list[int]], beam_width: int, max_tokens: int,
                     ignore_eos: bool = False, length_penalty: float = 1.0,
@@ -103,7 +138,7 @@ class LLM:
         """Beams best first (score = cumulative logprob / output length ** length_penalty);
         outputs[j].cumulative_logprob holds each beam's sum of token logprobs."""
         check_int("beam_width", beam_width, low=1)
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0)
         extra = {"beam_width": beam_width, "length_penalty": length_penalty}
         return self._run([(p, params, extra) for p in as_prompt_list(prompts)], use_tqdm)
 
@@ -111,6 +146,8 @@ class LLM:
         """Submit every (prompt, params, extra), then poll until each has ended. If this is
         interrupted (Ctrl-C), the requests still running are aborted: the engine is left
         empty and usable."""
+        if self.closed:
+            raise RuntimeError("this LLM is closed: create a new LLM(...) to generate again")
         backend, outputs, ids = self.backend, [None] * len(work), {}
         for i, (prompt, params, extra) in enumerate(work):
             try:
@@ -135,6 +172,32 @@ class LLM:
         return outputs
 
 
+def check_settings(kwargs: dict) -> None:
+    """A ValueError for a keyword LLM does not take, naming the nearest one it does."""
+    fields = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
+    for name in kwargs:
+        if name not in fields:
+            near = difflib.get_close_matches(name, fields + list(LLM_KEYWORDS), n=1, cutoff=0.5)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ValueError(f"LLM() got an unknown setting {name!r}{hint} (the settings are LLM's keywords and "
+                             f"EngineConfig's fields: {', '.join(fields)})")
+
+
+LLM_KEYWORDS = ("policy", "devices", "num_prefill", "transport", "profile", "worker_timeout_s", "slo", "join")
+
+
+def params_per_prompt(sampling_params, n: int) -> list:
+    """generate's sampling_params as one per prompt (each is checked when its prompt is submitted)."""
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, list | tuple):
+        if len(sampling_params) != n:
+            raise ValueError(f"sampling_params is a list of {len(sampling_params)}, for {n} prompts: "
+                             "give one SamplingParams, or one per prompt")
+        return list(sampling_params)
+    return [sampling_params] * n
+
+
 def as_prompt_list(prompts) -> list:
     """generate's prompts as a list: one prompt (a string or a list of token ids) or a list
     of them. Each prompt is checked when it is submitted, and a bad one fails alone."""
@@ -147,16 +210,21 @@ def as_prompt_list(prompts) -> list:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="nanoPD: generate text, streaming it as it comes")
+    p = argparse.ArgumentParser(description="nanoPD: generate text, streaming it as it comes",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="qwen3-8b" if torch.cuda.is_available() else "tiny",
-                   help="preset (tiny, qwen3-0.6b, qwen3-8b) or a local HF checkpoint folder")
-    p.add_argument("--prompt", default="The quick brown fox")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+                   help="preset (tiny, qwen3-0.6b, qwen3-8b: the real architecture with random weights, so the "
+                        "text means nothing; bytes for tokens, ids past 255 shown as ⟨id⟩) or a local HF "
+                        "checkpoint folder; the default is qwen3-8b on a GPU, tiny without one")
+    p.add_argument("--prompt", default="The quick brown fox", help="the prompt text")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (always the most likely token)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this probability")
+    p.add_argument("--top-k", type=int, default=-1, help="sample from the k most likely tokens; -1: all")
+    p.add_argument("--seed", type=int, default=None, help="the request's random stream (sampling only); "
+                   "none: a fresh one")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16; none: bfloat16 on a GPU, "
+                   "float32 on a CPU")
     args = p.parse_args()
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -170,15 +238,14 @@ def main() -> None:
     random = " (random weights: the text means nothing)" if args.model in PRESETS else ""
     print(f"{args.model}{random} on {engine.model.device} ({engine.model.dtype}), "
           f"{engine.runner.num_blocks} KV blocks; prompt: {prompt_len} tokens")
-    ids, printed, start = [], "", time.perf_counter()
+    ids, text, start = [], Detokenizer(engine.tokenizer), time.perf_counter()
     while engine.has_unfinished():
         engine.step()
-        ids += engine.new_tokens().get(request_id, [])
-        text = engine.tokenizer.decode(ids, skip_special_tokens=True)
-        if engine.has_unfinished():   # a trailing U+FFFD may be a character still missing bytes
-            text = text.rstrip("\ufffd")
-        print(text[len(printed):], end="", flush=True)
-        printed = text
+        for token in engine.new_tokens().get(request_id, []):
+            ids.append(token)
+            print(text.add(token), end="", flush=True)
+    # what the detokenizer still held back: a last character left incomplete
+    print(engine.tokenizer.decode(ids, skip_special_tokens=True)[len(text.text):], end="")
     elapsed = time.perf_counter() - start
     print(f"\n[{len(ids)} tokens in {elapsed:.2f} s: {len(ids) / elapsed:.1f} tokens/s]")
 

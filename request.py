@@ -4,6 +4,7 @@ streams it becomes (Sequence), and check_request, the one validation every reque
 through before any engine or worker sees it.
 """
 
+import dataclasses
 import itertools
 import numbers
 from dataclasses import dataclass, field
@@ -13,25 +14,33 @@ import torch
 
 from config import EngineConfig, check_int, check_real
 from kv_cache import cdiv
+from model import Detokenizer
 
 # ----------------------------------------------------------------------------- what a user asks for and gets
 
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 32
-    temperature: float = 0.0           # 0: greedy
+    """How to sample a request's completions: vLLM's SamplingParams, with its names and
+    defaults (temperature 1.0: pass temperature=0 for greedy decoding)."""
+    n: int = 1                         # completions per prompt
+    temperature: float = 1.0           # 0 (or below SAMPLING_EPS): greedy
     top_p: float = 1.0
     top_k: int = -1                    # -1: no limit
     seed: int | None = None            # same seed, same tokens, whatever else is in the batch
-    n: int = 1                         # completions per prompt
+    max_tokens: int = 16
+    min_tokens: int = 0                # no EOS, stop token or stop string before this many tokens
+    stop: str | list[str] | None = None   # stop strings, matched on the text as it grows
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    repetition_penalty: float = 1.0    # > 1 discourages every token of the prompt and output
+    presence_penalty: float = 0.0      # subtracted once from each token already in the output
+    frequency_penalty: float = 0.0     # subtracted per occurrence in the output
     logprobs: int | None = None        # also return this many top alternatives per token
 
     def validate(self) -> None:
         """Raise a ValueError naming the first field that is of the wrong type or out of range."""
-        check_int("max_tokens", self.max_tokens, low=1)
         check_int("n", self.n, low=1)
         check_real("temperature", self.temperature, low=0.0)
         check_real("top_p", self.top_p, low=0.0)
@@ -42,14 +51,58 @@ class SamplingParams:
             raise ValueError("top_k must be -1 (no limit) or positive, got 0")
         if self.seed is not None:   # child j draws from seed + j, a 64-bit generator seed
             check_int("seed", self.seed, low=0, high=2 ** 63 - self.n)
+        check_int("max_tokens", self.max_tokens, low=1)
+        check_int("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
+        if not isinstance(self.stop, str | list | tuple | None) or \
+                not all(isinstance(s, str) and s for s in stop_strings(self.stop)):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, list | tuple):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         for t in self.stop_token_ids:
             check_int("stop_token_ids", t)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        for name in ("include_stop_str_in_output", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        check_real("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be above 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            check_real(name, getattr(self, name))
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, low=0)
+
+    def normalized(self) -> "SamplingParams":
+        """A validated copy in plain Python values (a numpy integer becomes an int, stop a
+        list): what a request keeps from submit on, so the caller may change or reuse its
+        SamplingParams meanwhile, and nothing downstream meets an unexpected type."""
+        self.validate()
+        as_int = {name: int(getattr(self, name)) for name in ("n", "top_k", "max_tokens", "min_tokens")}
+        as_float = {name: float(getattr(self, name)) for name in
+                    ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty")}
+        return dataclasses.replace(
+            self, **as_int, **as_float, seed=None if self.seed is None else int(self.seed),
+            logprobs=None if self.logprobs is None else int(self.logprobs), stop=stop_strings(self.stop),
+            stop_token_ids=[int(t) for t in self.stop_token_ids])
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits (sampler.TokenCounts keeps what they read)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+# Temperatures below this sample greedily, as in vLLM: dividing by one would overflow.
+SAMPLING_EPS = 1e-5
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """SamplingParams.stop as a list."""
+    return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
 
 
 @dataclass
@@ -90,6 +143,7 @@ class CompletionOutput:
     finish_reason: str | None          # "stop", "length", or None while running
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, float]] | None = None
+    stop_reason: int | str | None = None   # the stop token id or stop string that ended it (None: EOS, length)
 
 
 @dataclass
@@ -116,12 +170,13 @@ def tokenize(prompt, tokenizer) -> tuple[str | None, list[int]]:
 
 
 def check_request(ids: list[int], params: SamplingParams, beam_width: int, vocab: int, cfg: EngineConfig,
-                  room_blocks: int, length_penalty: float = 1.0) -> None:
-    """Raise a ValueError naming what is wrong with a request; room_blocks is the KV cache's
-    size less its watermark (the most one request may ever hold)."""
+                  room_blocks: int, length_penalty: float = 1.0) -> SamplingParams:
+    """The request's own copy of params (SamplingParams.normalized), or a ValueError naming
+    what is wrong with it; room_blocks is the KV cache's size less its watermark (the most
+    one request may ever hold)."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-    params.validate()
+    params = params.normalized()
     check_int("beam_width", beam_width, low=0)
     check_real("length_penalty", length_penalty)
     if not ids:
@@ -144,6 +199,7 @@ def check_request(ids: list[int], params: SamplingParams, beam_width: int, vocab
     need = shared + (beam_width or 1) * (cdiv(len(ids) + params.max_tokens, bs) - shared)
     if need > room_blocks:
         raise ValueError(f"the request needs {need} KV blocks, more than the whole cache holds ({room_blocks})")
+    return params
 
 
 # ----------------------------------------------------------------------------- what an engine keeps
@@ -179,6 +235,9 @@ class Sequence:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None   # the stop token id or stop string that finished it
+    detokenizer: Detokenizer | None = None   # its output's text, kept while stop strings are watched
+    text_end: int | None = None         # stopped by a stop string: where its text ends
     generator: torch.Generator | None = None
     beam_candidates: list[tuple[int, float]] | None = None   # beam search: (token, logprob)
     # While the step that sampled this sequence's last token is still running, that token

@@ -28,8 +28,8 @@ import kernels
 from config import EngineConfig
 from kv_cache import allocate_kv_cache, blocks_for_memory, cdiv, kv_bytes_per_block
 from model import AttentionMetadata, Qwen3
-from request import SamplingParams
-from sampler import beam_candidates, sample, token_logprobs
+from request import SamplingParams, Sequence
+from sampler import TokenCounts, beam_candidates, sample, token_logprobs
 from scheduler import Batch
 
 # Token counts of the piecewise graphs: a step is padded to the next one. Below ~256 tokens
@@ -87,6 +87,9 @@ class Draw:
     row: int                            # index into Batch.seqs
     params: SamplingParams
     generator: torch.Generator | None = None
+    seq: Sequence | None = None         # that sequence, whose token counts the penalties read
+    child: bool = False                 # the token starts a child forked from seq (n > 1), not seq's own
+    banned: list[int] = field(default_factory=list)   # tokens it may not be (min_tokens: EOS, stop ids)
 
 
 @dataclass
@@ -126,7 +129,9 @@ class ModelRunner:
                              "num_kv_blocks, or raise gpu_memory_utilization") from None
 
     def _set_up_steps(self) -> None:
-        """The pinned buffers and (unless enforce_eager) the CUDA graphs of the steps."""
+        """The pinned buffers, the penalties' token counts and (unless enforce_eager) the
+        CUDA graphs of the steps."""
+        self.token_counts = TokenCounts(self.model.config.vocab_size, self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # decode: batch -> graph
         self.graph_sizes: list[int] = []
         self.piece_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}   # mixed: tokens -> one per piece
@@ -192,16 +197,21 @@ class ModelRunner:
             values, ids = beam_candidates(logits[[at[r] for r in beam_rows]], beam_k)
             out.beams = list(zip(ids.tolist(), values.tolist()))
         if draws:
-            self._sample(logits, [at[d.row] for d in draws], draws, out)
+            self._sample(logits, [at[d.row] for d in draws], draws, out, prev_tokens)
         if self.device.type == "cuda":
             out.ready = torch.cuda.Event()
             out.ready.record()
         return out
 
-    def _sample(self, logits: torch.Tensor, src: list[int], draws: list[Draw], out: StepOutput) -> None:
-        """Sample draw k from logits row src[k]; logprobs where asked; start the copies home."""
+    def _sample(self, logits: torch.Tensor, src: list[int], draws: list[Draw], out: StepOutput,
+                prev_tokens: torch.Tensor | None) -> None:
+        """Sample draw k from logits row src[k] (after its penalties and bans); logprobs,
+        of the model's own logits, where asked; start the copies home."""
         row_logits = logits if src == list(range(len(logits))) else logits[self.upload(src)]
-        out.tokens = sample(row_logits, [d.params for d in draws], [d.generator for d in draws], self.upload)
+        x, counted = self._adjust(row_logits, draws, prev_tokens)
+        out.tokens = sample(x, [d.params for d in draws], [d.generator for d in draws], self.upload)
+        if counted is not None:   # the penalised sequences' own new tokens join their counts
+            self.token_counts.count(counted[1], out.tokens[counted[0]])
         host = [out.tokens]
         out.logprob_draws = [k for k, d in enumerate(draws) if d.params.logprobs is not None]
         if out.logprob_draws:
@@ -209,6 +219,26 @@ class ModelRunner:
             k = max(draws[i].params.logprobs for i in out.logprob_draws)
             host += token_logprobs(row_logits[want], out.tokens[want], k)
         out.host = [self.to_host(t) for t in host]
+
+    def _adjust(self, logits: torch.Tensor, draws: list[Draw], prev_tokens: torch.Tensor | None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The logits the draws sample from [D, vocab]: the model's, or a float32 copy with
+        every penalty of the step applied in one launch and the banned tokens at -inf; and
+        (draws, statistics rows) of the penalised draws whose token is their sequence's own."""
+        penalized = [k for k, d in enumerate(draws) if d.params.penalized and d.seq is not None]
+        bans = [(k, t) for k, d in enumerate(draws) for t in d.banned]
+        if not penalized and not bans:
+            return logits, None
+        x, counted = logits.to(torch.float32, copy=True), None
+        if penalized:
+            rows = self.token_counts.penalize(x, penalized, [draws[k].seq for k in penalized],
+                                              [draws[k].params for k in penalized], prev_tokens, self.upload)
+            own = [j for j, k in enumerate(penalized) if not draws[k].child]
+            counted = (self.upload([penalized[j] for j in own], torch.int64), rows[self.upload(own, torch.int64)])
+        if bans:
+            at = self.upload(bans, torch.int64)
+            x[at[:, 0], at[:, 1]] = float("-inf")
+        return x, counted
 
     def _forward(self, batch: Batch, rows: list[int], prev_tokens: torch.Tensor | None) -> torch.Tensor:
         """Hidden states [len(rows), hidden] of the last new token of batch.seqs[rows]."""

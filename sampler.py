@@ -1,17 +1,21 @@
 """Sampling on the device: from a step's logits to its tokens, their logprobs and beam
-search's candidates. The model runner (runner.py) calls these; nothing here waits for
-the device, so the host can run ahead while the GPU samples.
+search's candidates, and the per-sequence token counts the penalties read. The model
+runner (runner.py) calls these; nothing here waits for the device, so the host can run
+ahead while the GPU samples.
 """
 
 from collections.abc import Callable
 
 import torch
 
-from request import SamplingParams
+import kernels
+from request import PENDING, SamplingParams, Sequence
+
+Upload = Callable[[list, torch.dtype], torch.Tensor]   # host list -> tensor on the device (ModelRunner.upload)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           upload: Callable[[list, torch.dtype], torch.Tensor] | None = None) -> torch.Tensor:
+           upload: Upload | None = None) -> torch.Tensor:
     """One token per row of logits [R, vocab]. Greedy rows take the argmax; the others draw
     from softmax(logits / T) restricted by top-k and top-p, through the exponential race
     argmax(p / E), E ~ Exp(1): seeded rows draw E from their own generator, so their tokens
@@ -19,7 +23,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     (ModelRunner.upload, which never waits for the device)."""
     upload = upload or (lambda data, dtype: torch.tensor(data, dtype=dtype, device=logits.device))
     greedy = logits.argmax(-1)
-    rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return greedy
     top_k = [params[i].top_k if params[i].top_k > 0 else logits.shape[1] for i in rows]
@@ -50,9 +54,9 @@ def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Of the model's distribution (before temperature, top-k and top-p, as vLLM reports
-    them): each row's chosen token's logprob [R], and its k most likely tokens' logprobs
-    and ids [R, k]."""
+    """Of the model's distribution (before penalties, temperature, top-k and top-p, as vLLM
+    reports them): each row's chosen token's logprob [R], and its k most likely tokens'
+    logprobs and ids [R, k]."""
     lp = torch.log_softmax(logits.float(), -1)
     top = lp.topk(max(1, k), -1)
     return lp.gather(1, tokens[:, None])[:, 0], top.values, top.indices
@@ -63,3 +67,85 @@ def beam_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     and ids [R, k]."""
     top = torch.log_softmax(logits.float(), -1).topk(k, -1)
     return top.values, top.indices
+
+
+# ----------------------------------------------------------------------------- what the penalties read
+
+
+class TokenCounts:
+    """Per-sequence token statistics on the device, for the repetition, presence and
+    frequency penalties: row r of in_prompt [rows, vocab] marks the tokens of a sequence's
+    prompt, row r of counts [rows, vocab] counts its output tokens.
+
+    A sequence gets a row at its first penalised draw, built from its token ids (so a
+    request imported from another worker, a forked child or one back from preemption
+    needs nothing sent or kept for it); from then on every step adds the tokens it
+    sampled, on the device, so no step uploads a history. The engine returns a row when
+    its sequence finishes (forget). Rows are few until penalties are used: the table
+    doubles when full."""
+
+    def __init__(self, vocab: int, device: torch.device):
+        self.vocab, self.device = vocab, device
+        self.counts = torch.zeros(0, vocab, dtype=torch.int32, device=device)
+        self.in_prompt = torch.zeros(0, vocab, dtype=torch.uint8, device=device)
+        self.row_of: dict[Sequence, int] = {}
+        self.free: list[int] = []
+
+    def rows(self, seqs: list[Sequence], prev_tokens: torch.Tensor | None, upload: Upload) -> list[int]:
+        """Each sequence's row, building the missing ones; a PENDING last token is read on the
+        device from prev_tokens, the sampled tokens of the step before (see runner.py)."""
+        missing = [s for s in dict.fromkeys(seqs) if s not in self.row_of]
+        if missing:
+            self._build(missing, prev_tokens, upload)
+        return [self.row_of[s] for s in seqs]
+
+    def _build(self, seqs: list[Sequence], prev_tokens: torch.Tensor | None, upload: Upload) -> None:
+        self._grow(len(seqs))
+        prompt_rows, prompt_ids, out_rows, out_ids, fills = [], [], [], [], []
+        for seq in seqs:
+            row = self.row_of[seq] = self.free.pop()
+            outputs = seq.token_ids[seq.num_prompt_tokens:]
+            if outputs and outputs[-1] == PENDING:   # sampled by the step before, still on the device
+                fills += [len(out_ids) + len(outputs) - 1, seq.pending_row]
+            prompt_rows += [row] * seq.num_prompt_tokens
+            prompt_ids += seq.token_ids[:seq.num_prompt_tokens]
+            out_rows += [row] * len(outputs)
+            out_ids += [max(t, 0) for t in outputs]
+        rows = upload([self.row_of[s] for s in seqs], torch.int64)
+        self.counts[rows], self.in_prompt[rows] = 0, 0
+        prompt = upload([prompt_rows, prompt_ids], torch.int64)
+        self.in_prompt[prompt[0], prompt[1]] = 1
+        if out_ids:
+            out = upload([out_rows, out_ids], torch.int64)
+            if fills:
+                at, src = upload(fills, torch.int64).view(-1, 2).unbind(1)
+                out[1, at] = prev_tokens[src].long()
+            self.counts.index_put_((out[0], out[1]), torch.ones_like(out[0], dtype=torch.int32), accumulate=True)
+
+    def _grow(self, need: int) -> None:
+        if len(self.free) >= need:
+            return
+        old = len(self.counts)
+        new = max(8, 2 * old, old + need - len(self.free))
+        self.counts = torch.cat([self.counts, self.counts.new_zeros(new - old, self.vocab)])
+        self.in_prompt = torch.cat([self.in_prompt, self.in_prompt.new_zeros(new - old, self.vocab)])
+        self.free += range(new - 1, old - 1, -1)
+
+    def penalize(self, logits: torch.Tensor, draws: list[int], seqs: list[Sequence], params: list[SamplingParams],
+                 prev_tokens: torch.Tensor | None, upload: Upload) -> torch.Tensor:
+        """Apply the penalties of params[i] to row draws[i] of logits [D, vocab] (float32, in
+        place), from the statistics of seqs[i], all in one launch; the rows used [P]."""
+        rows = upload(self.rows(seqs, prev_tokens, upload), torch.int64)
+        knobs = upload([[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in params],
+                       torch.float32)
+        kernels.apply_penalties(logits, upload(draws, torch.int64), rows, knobs, self.counts, self.in_prompt)
+        return rows
+
+    def count(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The step sampled tokens[i] for the sequence of row rows[i]."""
+        self.counts.index_put_((rows, tokens.long()), torch.ones_like(rows, dtype=torch.int32), accumulate=True)
+
+    def forget(self, seq: Sequence) -> None:
+        row = self.row_of.pop(seq, None)
+        if row is not None:
+            self.free.append(row)

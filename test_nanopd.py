@@ -213,7 +213,8 @@ ENGINE = pytest.mark.usefixtures("torch_twins")
 
 
 def generate(llm: LLM, prompts, **params) -> list[request.RequestOutput]:
-    return llm.generate(prompts, SamplingParams(**params), use_tqdm=False)
+    """llm.generate with SamplingParams(**params), greedy unless params say otherwise."""
+    return llm.generate(prompts, SamplingParams(**{"temperature": 0.0, **params}), use_tqdm=False)
 
 
 def tokens(outputs) -> list[list[int]]:
@@ -646,6 +647,32 @@ def test_silu_mul(dtype):
     ref = torch.nn.functional.silu(x[:, :1500].double()) * x[:, 1500:].double()
     assert rel_err(kernels.silu_mul(x).cpu(), ref.cpu()) < TOL[dtype]
     assert rel_err(kernels.silu_mul_torch(x).cpu(), ref.cpu()) < TOL[dtype]
+
+
+def test_apply_penalties_matches_their_definitions():
+    """The penalty kernel against the definitions, element by element: vLLM's (and HF's)
+    repetition penalty over prompt and output tokens (a positive logit divided by it, a
+    negative one multiplied), then OpenAI's presence and frequency penalties over the output
+    (logit - frequency x count - presence x [count > 0]). Rows 1 and 3 of the logits are
+    penalised, from statistics rows 2 and 0; the others are left alone."""
+    g = torch.Generator().manual_seed(8)
+    vocab = 70
+    logits = torch.randn(4, vocab, generator=g) * 3
+    counts = torch.randint(0, 3, (3, vocab), generator=g, dtype=torch.int32) * (torch.rand(3, vocab, generator=g) < 0.3)
+    in_prompt = (torch.rand(3, vocab, generator=g) < 0.2).to(torch.uint8)
+    knobs = torch.tensor([[1.7, 0.5, 0.25], [0.6, -0.3, 1.5]])
+    expect = logits.clone()
+    for i, (d, r) in enumerate([(1, 2), (3, 0)]):
+        repetition, presence, frequency = knobs[i].tolist()
+        for t in range(vocab):
+            x, c = logits[d, t].item(), counts[r, t].item()
+            if c > 0 or in_prompt[r, t]:
+                x = x / repetition if x > 0 else x * repetition
+            expect[d, t] = x - frequency * c - presence * (c > 0)
+    got = logits.to(DEVICE)
+    kernels.apply_penalties(got, *(torch.tensor(x, device=DEVICE) for x in ([1, 3], [2, 0])), knobs.to(DEVICE),
+                            counts.to(DEVICE), in_prompt.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), expect, atol=1e-5, rtol=1e-5)
 
 
 # ========================= kv_cache.py: the cache tensor and the block manager
@@ -1119,7 +1146,7 @@ def test_submit_rejects_bad_input(hf, case):
     """Engine.submit raises a ValueError naming the problem and leaves the queues as they were."""
     ids, params, words = BAD_REQUESTS[case]
     engine = make_llm(hf.path, num_kv_blocks=128).engine
-    queued = engine.submit(PROMPTS[0], SamplingParams(max_tokens=2))
+    queued = engine.submit(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=2))
     before = (list(engine.scheduler.waiting), list(engine.scheduler.running), engine.bm.num_free_blocks)
     with pytest.raises(ValueError, match=words):
         engine.submit(ids, SamplingParams(**params))
@@ -1134,7 +1161,7 @@ def test_request_larger_than_the_cache_is_rejected(hf):
     """A request needing more blocks than the whole cache is rejected; one that fits runs."""
     llm = make_llm(hf.path, num_kv_blocks=4)   # 32 token slots
     with pytest.raises(ValueError, match="KV blocks"):
-        llm.engine.submit(prompt(30, seed=2), SamplingParams(max_tokens=5))
+        llm.engine.submit(prompt(30, seed=2), SamplingParams(temperature=0.0, max_tokens=5))
     p = prompt(20, seed=2)
     assert tokens(generate(llm, [p], max_tokens=12)) == [hf.greedy(p, 12)]
 
@@ -1148,7 +1175,7 @@ def test_string_prompt_is_its_utf8_bytes():
     assert by_text.prompt_token_ids == list(text.encode("utf-8")) and by_text.prompt == text
     assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
     ids = by_text.outputs[0].token_ids
-    assert by_text.outputs[0].text == bytes(t for t in ids if t < 256).decode("utf-8", errors="replace")
+    assert by_text.outputs[0].text == byte_text(ids, {256, 257})
 
 
 # What each sampling field accepts, from SamplingParams's documentation (n = 1).
@@ -1290,7 +1317,7 @@ def test_max_num_seqs_caps_every_step(hf, monkeypatch, n):
         outs = generate(llm, prompts[:3], max_tokens=6, n=n, temperature=1.0, seed=3)
         assert [len(o.outputs) for o in outs] == [n, n, n]
         with pytest.raises(ValueError, match="max_num_seqs"):
-            llm.engine.submit(prompts[0], SamplingParams(n=3))
+            llm.engine.submit(prompts[0], SamplingParams(temperature=0.0, n=3))
     assert max(sizes) == 2
 
 
@@ -1302,7 +1329,7 @@ def test_imports_in_flight_hold_their_seats(hf):
     engine = make_llm(hf.path, max_num_seqs=2).engine
     tables = [engine.start_import(i, prompt(9, seed=90 + i), request.arrival_order())[0] for i in range(2)]
     assert engine.start_import(2, prompt(9, seed=92), request.arrival_order()) is None   # no seat left
-    rid = engine.submit(PROMPTS[0], SamplingParams(max_tokens=4))
+    rid = engine.submit(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4))
     engine.step()
     assert not engine.scheduler.running and len(engine.scheduler.waiting) == 1
     for table in tables:
@@ -1336,14 +1363,14 @@ def test_seats_go_first_come_first_served_between_prompts_and_imports(hf):
     import that came before a prompt does."""
     for prompt_first in (True, False):
         engine = make_llm(hf.path, max_num_seqs=1).engine
-        busy = engine.submit(PROMPTS[0], SamplingParams(max_tokens=3))
+        busy = engine.submit(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3))
         engine.step()
         if prompt_first:
-            waiting = engine.submit(PROMPTS[1], SamplingParams(max_tokens=2))
+            waiting = engine.submit(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=2))
         order = request.arrival_order()   # the import arrives now
         engine.scheduler.oldest_import = order
         if not prompt_first:
-            waiting = engine.submit(PROMPTS[1], SamplingParams(max_tokens=2))
+            waiting = engine.submit(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=2))
         while busy in engine.requests and not engine.requests[busy].finished:
             engine.step()
         room = engine.start_import(99, prompt(9, seed=93), order)
@@ -1465,6 +1492,78 @@ def test_logprobs_match_hf(hf, llm, temperature):
         assert c.cumulative_logprob == pytest.approx(expect, abs=1e-4)
 
 
+def test_sampling_params_defaults_are_vllms():
+    """SamplingParams() is vLLM's: one completion, temperature 1, top_p 1, no top-k, 16 tokens,
+    no penalties, no stops."""
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens, p.min_tokens) == (1, 1.0, 1.0, -1, 16, 0)
+    assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
+    assert (p.stop, p.stop_token_ids, p.include_stop_str_in_output, p.ignore_eos) == (None, [], False, False)
+
+
+@ENGINE
+@pytest.mark.parametrize("penalty", [1.5, 0.7])
+def test_repetition_penalty_matches_hf_greedy(hf, llm, penalty):
+    """Greedy with repetition_penalty gives HF generate's tokens with the same penalty (its
+    RepetitionPenaltyLogitsProcessor, over prompt and output), which differ from plain greedy."""
+    k = 12
+    outs = generate(llm, PROMPTS, max_tokens=k, repetition_penalty=penalty)
+    ref = [hf._generate(p, do_sample=False, repetition_penalty=penalty, min_new_tokens=k,
+                        max_new_tokens=k)[0, len(p):].tolist() for p in PROMPTS]
+    assert tokens(outs) == ref
+    assert ref != [hf.greedy(p, k) for p in PROMPTS]
+
+
+def penalised_greedy(hf, ids: list[int], k: int, presence: float, frequency: float, repetition: float = 1.0):
+    """k greedy tokens after ids, each the argmax of HF's logits penalised in plain torch:
+    repetition over every token so far, then presence and frequency over the output (OpenAI's
+    definition)."""
+    out = []
+    for _ in range(k):
+        x = hf_logits(hf.model, ids + out)[-1].double()
+        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=len(x)).double()
+        seen = torch.zeros(len(x), dtype=torch.bool)
+        seen[ids + out] = True
+        x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+        out.append((x - frequency * counts - presence * (counts > 0)).argmax().item())
+    return out
+
+
+@ENGINE
+def test_presence_and_frequency_penalties_match_a_plain_torch_greedy_loop(hf, llm):
+    """Presence, frequency and repetition penalties together, in one batch with unpenalised
+    requests: each penalised request's greedy tokens are the plain-torch loop's, the others
+    HF's plain greedy."""
+    k, knobs = 10, [(0.8, 0.0, 1.0), (0.0, 1.2, 1.0), (0.5, 0.7, 1.3)]
+    params = [SamplingParams(temperature=0.0, max_tokens=k, presence_penalty=pr, frequency_penalty=fr,
+                             repetition_penalty=rep) for pr, fr, rep in knobs]
+    outs = llm.generate(PROMPTS, params + [SamplingParams(temperature=0.0, max_tokens=k)], use_tqdm=False)
+    ref = [penalised_greedy(hf, p, k, *kn) for p, kn in zip(PROMPTS, knobs)] + [hf.greedy(PROMPTS[3], k)]
+    assert tokens(outs) == ref
+    assert all(r != hf.greedy(p, k) for p, r in zip(PROMPTS, ref[:3]))   # the penalties changed them
+    assert not llm.engine.runner.token_counts.row_of   # every row went back
+
+
+@ENGINE
+def test_penalties_count_each_childs_own_tokens(hf, llm):
+    """n = 3 with a frequency penalty and a seed: each child's tokens are those of one
+    request seeded seed + j (its own random stream), so each child's counts hold its own
+    tokens, not its siblings'."""
+    params = {"temperature": 1.0, "max_tokens": 10, "frequency_penalty": 1.5, "seed": 40}
+    together = generate(llm, [PROMPTS[1]], n=3, **params)[0]
+    apart = [generate(llm, [PROMPTS[1]], **{**params, "seed": 40 + j})[0].outputs[0].token_ids for j in range(3)]
+    assert [c.token_ids for c in together.outputs] == apart
+    assert len({tuple(a) for a in apart}) == 3
+
+
+@ENGINE
+@pytest.mark.parametrize("temperature", [1e-40, 1e-6, 1e-30])
+def test_a_temperature_below_the_threshold_is_greedy(hf, llm, temperature):
+    """Temperatures below 1e-5 (vLLM's threshold) sample greedily: 1 / T would overflow."""
+    assert tokens(generate(llm, PROMPTS[:2], max_tokens=6, temperature=temperature)) == \
+        [hf.greedy(p, 6) for p in PROMPTS[:2]]
+
+
 # ================================================= runner.py: the model runner
 # Through the Triton kernels and the piecewise CUDA graphs: HF's greedy tokens.
 
@@ -1542,9 +1641,9 @@ def test_stop_token_and_max_tokens(hf, llm):
     ref = hf.greedy(p, 12)
     stop = ref[3]
     out = generate(llm, [p], max_tokens=12, stop_token_ids=[stop])[0].outputs[0]
-    assert (out.token_ids, out.finish_reason) == (ref[:ref.index(stop) + 1], "stop")
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (ref[:ref.index(stop) + 1], "stop", stop)
     out = generate(llm, [p], max_tokens=5)[0].outputs[0]
-    assert (out.token_ids, out.finish_reason) == (ref[:5], "length")
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (ref[:5], "length", None)
 
 
 @ENGINE
@@ -1555,9 +1654,74 @@ def test_eos_stops_unless_ignored(hf, tmp_path):
     eos = ref[2]
     llm = make_llm(with_eos(hf.path, tmp_path / "eos", eos))
     out = generate(llm, [p], max_tokens=10)[0].outputs[0]
-    assert (out.token_ids, out.finish_reason) == (ref[:ref.index(eos) + 1], "stop")
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (ref[:ref.index(eos) + 1], "stop", None)
     out = generate(llm, [p], max_tokens=10, ignore_eos=True)[0].outputs[0]
     assert (out.token_ids, out.finish_reason) == (ref, "length")
+
+
+@ENGINE
+def test_min_tokens_holds_eos_and_stop_tokens_back_as_hf(hf, tmp_path):
+    """min_tokens=4 with the checkpoint's EOS and a stop token among the first greedy tokens:
+    HF generate's tokens with min_new_tokens=4 and both as its EOS tokens (its
+    MinNewTokensLengthLogitsProcessor keeps them out of the first 4)."""
+    p = PROMPTS[1]
+    ref = hf.greedy(p, 10)
+    eos, stop = ref[1], ref[2]
+    llm = make_llm(with_eos(hf.path, tmp_path / "eos", eos))
+    out = generate(llm, [p], max_tokens=10, min_tokens=4, stop_token_ids=[stop])[0].outputs[0]
+    expect = hf._generate(p, do_sample=False, min_new_tokens=4, max_new_tokens=10,
+                          eos_token_id=[eos, stop])[0, len(p):].tolist()
+    assert out.token_ids == expect and len(expect) > 4 and expect[-1] in (eos, stop)
+    assert out.finish_reason == "stop" and all(t not in (eos, stop) for t in expect[:4])
+
+
+LETTERS = "abcdefghijklmnop"
+PAIR_TEXT = ["".join(pair) for pair in itertools.product(LETTERS, repeat=2)]   # token i's text: two letters
+CHAT_TEMPLATE = ("{% for m in messages %}{{ 'ab' if m.role == 'user' else 'cd' }}{{ m.content }}{% endfor %}"
+                 "{% if add_generation_prompt %}pp{% endif %}")
+
+
+def with_pair_tokenizer(src: Path, dst: Path) -> Path:
+    """A copy of checkpoint src with an HF tokenizer of its own, built here: token i is the
+    two letters PAIR_TEXT[i] (so a token's text is longer than a character, and text spans
+    tokens), and CHAT_TEMPLATE is its chat template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    shutil.copytree(src, dst)
+    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(PAIR_TEXT)}, unk_token="aa"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(".."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHAT_TEMPLATE).save_pretrained(dst)
+    return dst
+
+
+@ENGINE
+def test_stop_strings_end_the_text_where_they_appear(hf, tmp_path):
+    """Stop strings are found in the text as it grows, against a brute-force search of HF's
+    greedy text: one spanning two tokens, one inside the first token, one never produced.
+    The output's tokens run to the one completing the string, its text stops before the
+    string (or after it, with include_stop_str_in_output)."""
+    llm = make_llm(with_pair_tokenizer(hf.path, tmp_path / "pairs"))
+    p = PROMPTS[2]
+    ref = hf.greedy(p, 16)
+    text = "".join(PAIR_TEXT[t] for t in ref)
+
+    def run(stop, include=False):
+        c = generate(llm, [p], max_tokens=16, stop=stop, include_stop_str_in_output=include)[0].outputs[0]
+        return c.token_ids, c.text, c.finish_reason, c.stop_reason
+
+    def expect(stop, include=False):   # the fewest tokens whose text holds stop; the text up to it
+        n = next(n for n in range(1, len(ref) + 1) if stop in text[:2 * n])
+        return ref[:n], text[:text.find(stop) + len(stop) * include], "stop", stop
+
+    # first seen across a token boundary: the last letter of one token, the first of the next
+    span = next(text[i:i + 2] for i in range(1, len(text) - 1, 2) if text.find(text[i:i + 2]) == i)
+    assert run([span]) == expect(span) and expect(span)[0] != ref
+    assert run(span, include=True) == expect(span, include=True)
+    inside = text[1]   # the first token's second letter
+    assert text.find(inside) == 1 and run([inside]) == expect(inside) == (ref[:1], text[:1], "stop", inside)
+    assert run(["zz", "pqr"]) == (ref, text, "length", None)   # letters no token has
+    assert run(["zz", span]) == expect(span)
 
 
 @ENGINE
@@ -1651,8 +1815,8 @@ def test_beam_search_with_eos_matches_hf(hf, tmp_path):
 def test_beam_search_requests_of_different_widths_in_one_step(hf):
     """Two beam requests of widths 1 and 4 stepping together each get HF's beams."""
     engine, a, b = make_llm(hf.path).engine, prompt(9, seed=3), prompt(12, seed=4)
-    ra = engine.submit(a, SamplingParams(max_tokens=6), beam_width=1)
-    rb = engine.submit(b, SamplingParams(max_tokens=6), beam_width=4)
+    ra = engine.submit(a, SamplingParams(temperature=0.0, max_tokens=6), beam_width=1)
+    rb = engine.submit(b, SamplingParams(temperature=0.0, max_tokens=6), beam_width=4)
     for _ in range(100):
         if not engine.has_unfinished():
             break
@@ -1666,7 +1830,7 @@ def test_beam_search_in_a_small_cache_finishes_or_is_rejected(hf):
     """Beams that cannot all fit in the KV cache either finish (HF's beams) or are rejected."""
     engine, p = make_llm(hf.path, num_kv_blocks=4).engine, prompt(15, seed=1)
     try:
-        req = engine.submit(p, SamplingParams(max_tokens=8), beam_width=3)
+        req = engine.submit(p, SamplingParams(temperature=0.0, max_tokens=8), beam_width=3)
     except ValueError as e:
         assert "block" in str(e)
         return
@@ -1773,7 +1937,7 @@ def test_handoff_moves_the_prompt_kv_byte_for_byte(hf, transport):
                         return event
         raise AssertionError(f"no {kind.__name__} report")
 
-    pre.inbox.put(messages.Submit(0, ids, SamplingParams(max_tokens=6), prefill_only=True))
+    pre.inbox.put(messages.Submit(0, ids, SamplingParams(temperature=0.0, max_tokens=6), prefill_only=True))
     imp = pump(pre, messages.Handoff).imp
     rid, src_blocks = imp.request_id, imp.src_blocks
     assert imp.token_ids == ids + hf.greedy(ids, 1) and len(src_blocks) == 4
@@ -1808,7 +1972,7 @@ def test_a_failed_copy_frees_its_blocks_and_is_reported(hf, monkeypatch):
     dec = in_process_worker(make_llm(hf.path).engine, 1)
     monkeypatch.setattr(dec.transport, "pull", lambda *args: transport.Pull(0, error="RuntimeError: reset by peer"))
     ids = prompt(29, seed=73)
-    dec.inbox.put(messages.Import(5, 0, [0, 1, 2, 3], ids + [7], len(ids), SamplingParams(max_tokens=4)))
+    dec.inbox.put(messages.Import(5, 0, [0, 1, 2, 3], ids + [7], len(ids), SamplingParams(temperature=0.0, max_tokens=4)))
     events = []
     for _ in range(5):
         dec.step(wait=False)
@@ -1826,7 +1990,7 @@ def test_a_handoff_nobody_pulls_is_released_after_the_timeout(hf, monkeypatch):
     and says so ("expired"), so a lost decode worker cannot leak them."""
     monkeypatch.setattr(workers, "HANDOFF_TIMEOUT_S", 0.2)
     pre = in_process_worker(make_llm(hf.path).engine)
-    pre.inbox.put(messages.Submit(0, prompt(20, seed=72), SamplingParams(max_tokens=4), prefill_only=True))
+    pre.inbox.put(messages.Submit(0, prompt(20, seed=72), SamplingParams(temperature=0.0, max_tokens=4), prefill_only=True))
     events = []
     deadline = time.monotonic() + 30
 
@@ -1847,8 +2011,8 @@ def test_a_worker_rejects_a_bad_request_and_lives_on(hf):
     """A request a worker cannot take (here: too long for its max_model_len) is reported
     back as rejected, with the reason, and the worker goes on serving the next one."""
     worker = in_process_worker(make_llm(hf.path, max_model_len=64).engine)
-    worker.inbox.put(messages.Submit(0, prompt(60, seed=73), SamplingParams(max_tokens=10)))
-    worker.inbox.put(messages.Submit(1, PROMPTS[0], SamplingParams(max_tokens=4)))
+    worker.inbox.put(messages.Submit(0, prompt(60, seed=73), SamplingParams(temperature=0.0, max_tokens=10)))
+    worker.inbox.put(messages.Submit(1, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4)))
     events = []
     for _ in range(50):
         worker.step(wait=False)
@@ -1867,8 +2031,8 @@ def test_a_worker_whose_step_fails_reports_the_error_and_lives_on(hf, monkeypatc
     check = worker.engine._check_stop
     monkeypatch.setattr(worker.engine, "_check_stop", lambda seq, i: (_ for _ in ()).throw(RuntimeError("fault"))
                         if seq.request.request_id == 0 else check(seq, i))
-    worker.inbox.put(messages.Submit(0, PROMPTS[0], SamplingParams(max_tokens=4)))
-    worker.inbox.put(messages.Submit(1, PROMPTS[1], SamplingParams(max_tokens=4)))
+    worker.inbox.put(messages.Submit(0, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4)))
+    worker.inbox.put(messages.Submit(1, PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=4)))
     events = []
     for _ in range(50):
         worker.step(wait=False)
@@ -1876,7 +2040,7 @@ def test_a_worker_whose_step_fails_reports_the_error_and_lives_on(hf, monkeypatc
     done = {e.request_id: e.output for e in events if isinstance(e, messages.Done)}
     assert isinstance(done[0].error, RuntimeError)
     assert done[1].error is None or isinstance(done[1].error, RuntimeError)   # it may have shared the step
-    worker.inbox.put(messages.Submit(2, PROMPTS[2], SamplingParams(max_tokens=4)))
+    worker.inbox.put(messages.Submit(2, PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=4)))
     for _ in range(50):
         worker.step(wait=False)
         events += reported(worker)
@@ -1890,8 +2054,8 @@ def test_abort_frees_a_request_wherever_it_is(hf):
     """Abort ends a request running, another parked after its prefill: both are forgotten
     and every block comes back."""
     worker = in_process_worker(make_llm(hf.path).engine)
-    worker.inbox.put(messages.Submit(0, PROMPTS[2], SamplingParams(max_tokens=50)))
-    worker.inbox.put(messages.Submit(1, PROMPTS[3], SamplingParams(max_tokens=8), prefill_only=True))
+    worker.inbox.put(messages.Submit(0, PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=50)))
+    worker.inbox.put(messages.Submit(1, PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=8), prefill_only=True))
     for _ in range(6):
         worker.step(wait=False)
     assert worker.engine.requests[1].parked and worker.engine.bm.num_free_blocks < worker.engine.bm.num_blocks
@@ -2051,7 +2215,7 @@ def test_a_host_that_dies_ends_its_requests_in_bounded_time(hf):
     with two_hosts() as (address, launches):
         llm = join_cluster(hf, "adaptive", address, profile=ROUTER_TEST_PARAMS, worker_timeout_s=3.0)
         cluster = llm.cluster
-        rids = [cluster.submit(p, SamplingParams(max_tokens=400)) for p in MIXED_PROMPTS]
+        rids = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=400)) for p in MIXED_PROMPTS]
         deadline = time.monotonic() + 60
         while not any(cluster.active[r].tokens and cluster.active[r].worker == 1 for r in rids):
             assert time.monotonic() < deadline, "nothing ran on host 1"
@@ -2604,6 +2768,32 @@ def test_disaggregated_sampling_matches_the_single_engine(hf):
         assert [c.token_ids for c in out.outputs] == hf.beams(p, 3, 6)
 
 
+@pytest.mark.usefixtures("worker_env", "torch_twins")
+def test_penalties_and_stop_strings_give_the_single_engines_tokens_across_a_handoff(hf, tmp_path):
+    """Penalties, min_tokens and stop strings, greedy and seeded, across a handoff: the same
+    tokens, text and stop reasons as one engine. The decode worker rebuilds what they read
+    (token counts, the text so far) from the token ids that travel with the KV."""
+    path = with_pair_tokenizer(hf.path, tmp_path / "pairs")
+    single = make_llm(path, device=WORKER_DEVICES[0])
+    knobs = {"max_tokens": 14, "repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.6,
+             "min_tokens": 3}
+    free = generate(single, PROMPTS[:3], **knobs)
+    text = free[1].outputs[0].text
+    stop = text[9:12]   # ends inside the text: the request stops on the decode worker
+    params = [SamplingParams(temperature=0.0, **knobs), SamplingParams(temperature=0.0, stop=[stop], **knobs),
+              SamplingParams(temperature=0.9, seed=5, stop=["zz"], **knobs)]
+    ref = single.generate(PROMPTS[:3], params, use_tqdm=False)
+    with LLM(str(path), policy="disaggregated", devices=WORKER_DEVICES[:2], dtype="float32", block_size=BLOCK_SIZE,
+             num_kv_blocks=128, max_num_seqs=16) as cluster:
+        outs = cluster.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert ref[1].outputs[0].stop_reason == stop and len(ref[1].outputs[0].token_ids) > 1
+    for out, r in zip(outs, ref, strict=True):
+        assert out.metrics.path[0] != out.metrics.path[-1]   # it was handed off
+        c, rc = out.outputs[0], r.outputs[0]
+        assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == \
+            (rc.token_ids, rc.text, rc.finish_reason, rc.stop_reason)
+
+
 @pytest.mark.usefixtures("worker_env")
 def test_handoff_waits_for_a_seat_and_says_so(hf):
     """Disaggregated, one seat per worker: the second request's KV is pulled only once the
@@ -2612,8 +2802,8 @@ def test_handoff_waits_for_a_seat_and_says_so(hf):
     and the first request, which found the seat free, waited less."""
     with make_cluster(hf, "disaggregated", 2, max_num_seqs=1) as llm:
         cluster = llm.cluster
-        first = cluster.submit(MIXED_PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True))
-        second = cluster.submit(MIXED_PROMPTS[1], SamplingParams(max_tokens=4, ignore_eos=True))
+        first = cluster.submit(MIXED_PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        second = cluster.submit(MIXED_PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         ended, deadline = set(), time.monotonic() + 120
         while len(ended) < 2:
             assert time.monotonic() < deadline
@@ -2643,12 +2833,12 @@ def test_adaptive_gives_hf_tokens_on_both_paths_and_learns(hf, transport):
     params = dataclasses.replace(ROUTER_TEST_PARAMS)
     with make_cluster(hf, "adaptive", 2, profile=params, transport=transport) as llm:
         cluster, router = llm.cluster, llm.cluster.router
-        first = cluster.submit(MIXED_PROMPTS[0], SamplingParams(max_tokens=60))
+        first = cluster.submit(MIXED_PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=60))
         deadline = time.monotonic() + 60
         while not cluster.active[first].tokens:
             assert time.monotonic() < deadline
             cluster.poll(0.01)
-        later = [cluster.submit(p, SamplingParams(max_tokens=10)) for p in MIXED_PROMPTS[3:1:-1]]
+        later = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=10)) for p in MIXED_PROMPTS[3:1:-1]]
         ended = set()
         while len(ended) < 3:
             assert time.monotonic() < deadline + 60
@@ -2680,13 +2870,13 @@ def test_a_killed_worker_ends_or_retries_its_requests(hf, policy, num_devices, v
     llm = make_cluster(hf, policy, num_devices, max_model_len=512, **extra)
     cluster = llm.cluster
     prompts = [prompt(12, seed=80 + i) for i in range(4)] + [prompt(150, seed=90 + i) for i in range(3)]
-    rids = [cluster.submit(p, SamplingParams(max_tokens=300)) for p in prompts[:4]]
+    rids = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=300)) for p in prompts[:4]]
     deadline = time.monotonic() + 60
     while not any(cluster.active[r].tokens and cluster.active[r].phase == "decode" or policy != "disaggregated"
                   and cluster.active[r].tokens and cluster.active[r].worker == victim for r in rids):
         assert time.monotonic() < deadline, "nothing was decoding"
         cluster.poll(0.01)
-    rids += [cluster.submit(p, SamplingParams(max_tokens=300)) for p in prompts[4:]]
+    rids += [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=300)) for p in prompts[4:]]
     os.kill(cluster.workers.procs[victim].pid, signal.SIGKILL)
     ended, start = set(), time.monotonic()
     while len(ended) < len(rids) and time.monotonic() - start < 120:
@@ -2764,7 +2954,7 @@ def test_a_stopped_worker_is_found_out_and_its_requests_move(hf, policy, num_dev
     extra = {"profile": ROUTER_TEST_PARAMS} if policy == "adaptive" else {}
     llm = make_cluster(hf, policy, num_devices, worker_timeout_s=3.0, **extra)
     cluster = llm.cluster
-    rids = [cluster.submit(p, SamplingParams(max_tokens=200)) for p in MIXED_PROMPTS]
+    rids = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=200)) for p in MIXED_PROMPTS]
     deadline = time.monotonic() + 60
     while not any(cluster.active[r].tokens and cluster.active[r].worker == victim for r in rids):
         assert time.monotonic() < deadline, "nothing ran on the victim"
@@ -2810,7 +3000,7 @@ def test_a_role_change_mid_run_keeps_every_request_and_its_tokens(hf):
     tokens, the requests sent under the split follow its roles, and every block comes back."""
     with make_cluster(hf, "adaptive", 2, profile=ROUTER_TEST_PARAMS, slo=(30.0, 10.0)) as llm:
         cluster = llm.cluster
-        first = [cluster.submit(p, SamplingParams(max_tokens=40)) for p in MIXED_PROMPTS[:3]]
+        first = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=40)) for p in MIXED_PROMPTS[:3]]
         deadline = time.monotonic() + 60
         while not all(cluster.active[r].tokens for r in first):
             assert time.monotonic() < deadline
@@ -2818,7 +3008,7 @@ def test_a_role_change_mid_run_keeps_every_request_and_its_tokens(hf):
         loads = cluster.worker_loads([0, 1])
         cluster.planner.switch(planner.Regime(0, 1, 1), loads, time.perf_counter(), [])
         prefiller = next(w for w, r in cluster.planner.roles.items() if r == "prefill")
-        second = [cluster.submit(p, SamplingParams(max_tokens=12)) for p in MIXED_PROMPTS[3:]]
+        second = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=12)) for p in MIXED_PROMPTS[3:]]
         ended = set()
         while not set(second) <= ended:
             assert time.monotonic() < deadline + 60
@@ -2827,7 +3017,7 @@ def test_a_role_change_mid_run_keeps_every_request_and_its_tokens(hf):
         cluster.planner.budgets = {0: 4, 1: 4}
         for w in (0, 1):
             cluster.workers.send(w, messages.SetPrefillBudget(4))
-        third = [cluster.submit(p, SamplingParams(max_tokens=8)) for p in MIXED_PROMPTS[:2]]
+        third = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=8)) for p in MIXED_PROMPTS[:2]]
         while not set(first + third) <= ended:
             assert time.monotonic() < deadline + 120
             ended |= set(cluster.poll(0.01))
@@ -2957,6 +3147,77 @@ def test_bad_request_fails_alone_in_generate(hf, llm):
     assert all_blocks_free(llm)
 
 
+@ENGINE
+def test_generate_takes_vllms_keywords_and_a_params_list(hf, llm):
+    """generate(prompts, sampling_params=..., use_tqdm=...) as vLLM's docs write it, with one
+    SamplingParams per prompt; a list of the wrong length is a ValueError."""
+    params = [SamplingParams(temperature=0.0, max_tokens=k) for k in (3, 7)]
+    outs = llm.generate(prompts=PROMPTS[:2], sampling_params=params, use_tqdm=False)
+    assert tokens(outs) == [hf.greedy(PROMPTS[0], 3), hf.greedy(PROMPTS[1], 7)]
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate(PROMPTS[:3], sampling_params=params)
+    assert len(llm.generate(PROMPTS[0], use_tqdm=False)[0].outputs[0].token_ids) == 16   # vLLM's default
+
+
+@ENGINE
+def test_chat_renders_the_tokenizers_template(hf, tmp_path):
+    """chat(messages) prompts with the tokenizer's chat template: the prompt's ids are
+    apply_chat_template's (HF's own rendering and tokenization, add_generation_prompt), its
+    tokens HF's greedy continuation; a list of conversations is a batch."""
+    llm = make_llm(with_pair_tokenizer(hf.path, tmp_path / "pairs"))
+    tok = llm.get_tokenizer()
+    convs = [[{"role": "user", "content": "abcdef"}], [{"role": "user", "content": "ghij"},
+                                                      {"role": "assistant", "content": "klmn"}]]
+    outs = llm.chat(convs, SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    for conv, out in zip(convs, outs, strict=True):
+        ids = tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=True)["input_ids"]
+        assert out.prompt_token_ids == ids and out.outputs[0].token_ids == hf.greedy(ids, 6)
+        assert out.prompt == tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    one = llm.chat(convs[0], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    assert tokens(one) == tokens(outs[:1])
+
+
+def test_chat_without_a_template_says_so(llm):
+    """The presets' byte tokenizer has no chat template: a ValueError saying so and what to pass;
+    given one, chat renders it (the same text HF's renderer gives)."""
+    with pytest.raises(ValueError, match="no chat template.*chat_template="):
+        llm.chat([{"role": "user", "content": "hi"}])
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0.0, max_tokens=2),
+                   chat_template=CHAT_TEMPLATE, use_tqdm=False)[0]
+    assert out.prompt == "abhipp" and out.prompt_token_ids == list(b"abhipp")
+
+
+@pytest.mark.parametrize("kwargs, words", [({"max_num_seq": 4}, "did you mean 'max_num_seqs'"),
+                                           ({"tensor_parallel_size": 2}, "unknown setting 'tensor_parallel_size'"),
+                                           ({"polcy": "collocated"}, "did you mean 'policy'")])
+def test_an_unknown_setting_is_a_value_error_naming_the_nearest(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        LLM("tiny", **kwargs)
+
+
+@pytest.mark.usefixtures("worker_env")
+def test_generate_after_close_says_the_llm_is_closed(hf):
+    """After close(), generate raises a RuntimeError saying the LLM is closed (not an error
+    about a queue), with a policy and without."""
+    for llm in (make_cluster(hf, "collocated", 2), make_llm(hf.path)):
+        llm.close()
+        with pytest.raises(RuntimeError, match="LLM is closed"):
+            llm.generate([PROMPTS[0]])
+
+
+def byte_text(ids: list[int], special: set[int]) -> str:
+    """What the byte tokenizer is documented to show: runs of bytes as UTF-8, each other id
+    as ⟨id⟩, special ids left out."""
+    out, run = "", []
+    for i in ids + [-1]:
+        if 0 <= i < 256:
+            run.append(i)
+            continue
+        out += bytes(run).decode("utf-8", errors="replace") + (f"⟨{i}⟩" if i >= 0 and i not in special else "")
+        run = []
+    return out
+
+
 def cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="0")
     return subprocess.run([sys.executable, "nanopd.py", *args], cwd=HERE, env=env, capture_output=True,
@@ -2970,6 +3231,23 @@ def test_cli_generates():
     assert run.returncode == 0, run.stderr.decode()
     assert b"[8 tokens in" in run.stdout and b"random weights" in run.stdout
     assert b"\r" not in run.stderr   # no progress bar when stderr is not a terminal
+
+
+@ENGINE
+def test_cli_shows_every_token_of_the_preset():
+    """The tiny preset's vocabulary is 512: the CLI's streamed text shows every generated id,
+    those past the bytes as ⟨id⟩ (an empty line before)."""
+    ids = generate(LLM("tiny", device="cpu"), ["zz"], max_tokens=24)[0].outputs[0].token_ids
+    assert any(i >= 258 for i in ids)   # not bytes, not bos/eos: a placeholder must show
+    run = cli("--model", "tiny", "--prompt", "zz", "--max-tokens", "24")
+    assert run.returncode == 0, run.stderr.decode()
+    streamed = run.stdout[run.stdout.index(b"\n") + 1:run.stdout.rindex(b"\n[")]
+    assert streamed.decode() == byte_text(ids, {256, 257})
+
+
+def test_cli_help_shows_every_default_and_what_the_presets_are():
+    text = " ".join(cli("--help").stdout.decode().split())
+    assert text.count("(default:") == 8 and "random weights" in text and "0 is greedy" in text
 
 
 @ENGINE
@@ -3008,7 +3286,7 @@ if __name__ == "__main__":
     if sys.argv[1] == "raise":
         raise RuntimeError("the caller fails")
     while True:   # until Ctrl-C
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=400), use_tqdm=False)
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=400), use_tqdm=False)
 """
 
 
@@ -3050,7 +3328,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 sys.path.insert(0, {here!r})
 from nanopd import LLM, SamplingParams
 llm = LLM("tiny", policy="collocated", devices=["cpu", "cpu"], num_kv_blocks=64)
-print(llm.generate(["hi"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids)
+print(llm.generate(["hi"], SamplingParams(temperature=0.0, max_tokens=2))[0].outputs[0].token_ids)
 """
 
 
