@@ -3207,6 +3207,105 @@ def test_bench_refuses_an_out_folder_it_cannot_write_and_writes_into_an_ignored_
     assert default.parts[0] in ignored   # the main command leaves a clean checkout
 
 
+# The micro-benchmarks (`bench.py kernels | engine | profile | transfer`) at their --small
+# sizes, end to end through the command: a crash anywhere in one, its printing included,
+# fails its test. GPU only (they time the GPU).
+MICROBENCH_GPU = pytest.mark.skipif(DEVICE != "cuda", reason="the micro-benchmarks time the GPU")
+
+
+def run_microbench(tmp_path, what: str, *args: str) -> dict:
+    """`python bench.py <what> --small --out FILE`: it exits 0 printing no traceback (the
+    engine benchmark prints a failed measurement's and goes on); the JSON it wrote."""
+    out = tmp_path / f"{what}.json"
+    run = subprocess.run([sys.executable, "bench.py", what, "--small", "--out", str(out), *args], cwd=HERE,
+                         env={**os.environ, "HOME": str(tmp_path)}, capture_output=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    assert b"Traceback" not in run.stdout + run.stderr, (run.stdout + run.stderr).decode()[-3000:]
+    return json.loads(out.read_text())
+
+
+def finite_positive(*xs) -> bool:
+    return all(isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in xs)
+
+
+@MICROBENCH_GPU
+def test_microbench_small_kernels_runs_every_case_and_matches_its_reference(tmp_path):
+    """Every kernel case gives a row with finite, positive times and rates, and nanoPD's
+    result agrees with the reference it is timed against (SDPA, the torch twin, cuBLAS;
+    the copy exactly) within bf16's tolerance; the overlap row has nothing to compare."""
+    import microbench
+    rows = run_microbench(tmp_path, "kernels")["rows"]
+    assert len(rows) == len(microbench.kernel_cases(small=True))
+    for r in rows:
+        assert finite_positive(r["ours_ms"], r["ref_ms"], r["ours_rate"], r["ref_rate"], r["ratio"]), r
+        assert r["unit"] and r["ref"] and r["case"]
+        if r["ref"] != "serial":
+            assert r["rel_err"] <= TOL[torch.bfloat16], r
+
+
+@MICROBENCH_GPU
+def test_microbench_small_engine_gives_every_row_and_generates_every_token(tmp_path):
+    """The engine benchmark on the tiny preset: a row per decode batch, the mixed step both
+    ways, prefill and decode inside generate, each with finite, positive times and
+    ceilings; generate produced requests x output tokens (EOS ignored)."""
+    import microbench
+    sizes = microbench.SMALL_ENGINE
+    res = run_microbench(tmp_path, "engine")
+    assert finite_positive(res["hbm_copy_GBps"], res["bf16_matmul_TFLOPs"], res["startup_s"])
+    assert len(res["rows"]) == len(sizes.batches) + 4
+    for r in res["rows"]:
+        assert finite_positive(r["ms"], r["ceiling_ms"]), r
+        assert r["gpu_ms"] is None or finite_positive(r["gpu_ms"])
+    assert all(finite_positive(r["gpu_ms"]) for r in res["rows"] if r["case"].startswith("decode step"))
+    count, _, n_out = sizes.generate
+    g = res["generate"]
+    assert g["requests"] == count and g["output_tokens"] == count * n_out
+    assert finite_positive(*(g[k] for k in ("seconds", "output_tokens_per_s", "total_tokens_per_s", "matmul_s",
+                                            "kv_read_s", "roofline_s")))
+
+
+@MICROBENCH_GPU
+def test_microbench_small_transfer_measures_every_transport_and_length(tmp_path):
+    """The transfer benchmark between the first two worker devices (on one GPU, both on it;
+    NCCL's distributed transport then left out): a row per transport and length with
+    finite, positive rates, ceilings and handoff times, each moving at least the prompt's
+    KV (tiny's bytes per token, from its config); the link's ceilings, the decode step
+    beside pulls and the requests sent at once too."""
+    import microbench
+    from model import PRESETS
+    devices = tuple(WORKER_DEVICES[:2])
+    res = run_microbench(tmp_path, "transfer", "--devices", *devices)
+    sizes, cfg = microbench.SMALL_TRANSFER, PRESETS["tiny"]
+    assert {(r["transport"], r["tokens"]) for r in res["rows"]} == {
+        (t, n) for t in microbench.transports_for(devices) for n in sizes.lengths}
+    kv_per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2   # bf16
+    for r in res["rows"]:
+        assert finite_positive(r["GBps"], r["ceiling_GBps"], r["ratio"], r["handoff_ms"]), r
+        assert r["MB"] * 1e6 >= r["tokens"] * kv_per_token
+    assert finite_positive(*(res[k] for k in ("p2p_GBps", "d2h_GBps", "h2d_GBps", "p2p_after_idle_GBps")))
+    o = res["overlap"]
+    assert finite_positive(o["alone_ms"], o["per_step_ms"], o["saturated_ms"], *o["transport_alone"].values())
+    assert len(res["p2p_at_once"]["GBps"]) == sizes.at_once and finite_positive(*res["p2p_at_once"]["GBps"])
+    assert ("distributed_vs_p2p" in res) == (devices[0] != devices[1])
+
+
+@MICROBENCH_GPU
+def test_microbench_small_profile_lists_the_step_kernels(tmp_path):
+    """The profile of a tiny decode step lists kernels with positive GPU time per step,
+    among them nanoPD's paged attention, as torch.profiler names it."""
+    rows = run_microbench(tmp_path, "profile")["rows"]
+    assert rows and all(finite_positive(r["gpu_ms_per_step"], r["calls_per_step"]) for r in rows)
+    assert any("paged_attention" in r["kernel"] for r in rows)
+
+
+def test_microbench_without_a_gpu_is_one_line():
+    """Without a visible GPU each micro-benchmark says so in one line, no traceback."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, "bench.py", "engine", "--small"], cwd=HERE, env=env, capture_output=True,
+                         timeout=120, check=False)
+    assert run.returncode != 0 and b"no CUDA device" in run.stderr and run.stderr.count(b"\n") == 1
+
+
 # ====================================== the repository: layers, short functions, citations
 # Properties of the source itself, read with ast (nothing is imported).
 
