@@ -3140,6 +3140,47 @@ def test_bench_sweep_smoke(tmp_path):
         assert (tmp_path / "out" / png).stat().st_size > 1000
     assert b"| adaptive | fixed | 4 |" in run.stdout and b"goodput" in run.stdout
     assert b"\r" not in run.stderr   # progress bars stay quiet when stderr is not a terminal
+    caption = run.stdout.decode().split("| policy | workload |")[0]   # the lines above the table
+    for words in ("policies collocated, disaggregated, adaptive", "workloads sharegpt, fixed",
+                  "model tiny (random weights)", "2 workers on cpu, cpu"):
+        assert words in caption
+    assert (tmp_path / "out" / "roles_over_time.png").stat().st_size > 1000
+    check_bench_figures(results)
+
+
+def check_bench_figures(results: dict) -> None:
+    """bench.py's figures drawn again from a run's results.json, read as a reader would: the
+    CDF's log axis has several numbered ticks; the router's counts of sequences are whole
+    numbers, and its legend gives each path's count of requests (counted here); the roles'
+    legend names exactly the roles that occur (found here); every legend is off the data
+    (outside the axes)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    import bench
+    rows, reqs = results["summary"], [bench.Result(**r) for r in results["requests"]]
+    routed = [r for r in reqs if r.routed]
+    figs = {"cdf": bench.plot_cdf(plt, rows, reqs, bench.series_styles(rows)),
+            "router": bench.plot_router(plt, routed), "roles": bench.plot_roles(plt, results["regimes"])}
+    for fig in figs.values():
+        fig.canvas.draw()
+        legend_box = next(ax.get_legend() for ax in fig.axes if ax.get_legend()).get_window_extent()
+        assert not any(legend_box.overlaps(ax.get_window_extent()) for ax in fig.axes)
+
+    def shown(axis, ticks):   # the ticks inside the view, with their labels
+        lo, hi = sorted(axis.get_view_interval())
+        return [t for t in ticks if lo <= t.get_loc() <= hi]
+    cdf = figs["cdf"].axes[0]
+    assert len([t for t in shown(cdf.xaxis, cdf.xaxis.get_major_ticks()) if t.label1.get_text()]) >= 3
+    router = figs["router"].axes[0]
+    assert all(t.get_loc() == int(t.get_loc()) for t in shown(router.xaxis, router.xaxis.get_major_ticks()))
+    paths = Counter("disaggregated" if len(r.path) == 2 else "collocated" for r in routed)
+    assert {t.get_text() for t in router.get_legend().get_texts()} == {f"{p} ({n})" for p, n in paths.items()}
+    roles = {role for tl in results["regimes"] for c in tl["changes"] for role in c["roles"].values()}
+    assert {t.get_text() for t in figs["roles"].axes[0].get_legend().get_texts()} == {
+        bench.ROLE_NAMES[r] for r in roles}
+    plt.close("all")
 
 
 def test_bench_runs_the_disaggregated_policy_over_the_distributed_transport(tmp_path):
@@ -3196,6 +3237,17 @@ def test_bench_flags_give_a_run_or_one_line_naming_the_flag(tmp_path_factory, fl
     else:
         with pytest.raises(SystemExit, match=flag.split("-")[-1] if flag != "--rate" else "rate|requests"):
             bench.make_run(bench.parse_args(argv))
+
+
+def test_bench_help_gives_every_flag_its_default_and_says_what_the_presets_are():
+    """`bench.py --help`: every flag has a help text that states its default; the page says
+    the presets' weights are random, that requests are greedy (temperature 0) and how long
+    the main command runs on CPUs."""
+    import bench
+    flags = [a for a in bench.parser()._actions if a.option_strings and a.dest != "help"]
+    assert flags and all(a.help and "default" in a.help for a in flags), [a.dest for a in flags if not a.help]
+    page = bench.parser().format_help()
+    assert "random weights" in page and "temperature 0" in page and re.search(r"took \d+", page)
 
 
 def test_bench_refuses_an_out_folder_it_cannot_write_and_writes_into_an_ignored_one_by_default():
