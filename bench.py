@@ -7,10 +7,15 @@ generated workload, compared by latency, throughput and goodput.
   python bench.py --workload short long ...          several workloads, one start-up per policy
   python bench.py kernels | engine | profile | transfer    the micro-benchmarks (microbench.py)
 
-With GPUs it serves the qwen3-8b preset (random weights) on every visible GPU; without, the
-tiny preset on two CPU worker processes (about two minutes). Requests ignore EOS, so a
-random-weight model generates each request's intended length. Writes, under --out: a
-results table (printed too), results.json with every request's timings, and PNG plots.
+With GPUs it serves the qwen3-8b preset on every visible GPU; without, the tiny preset on
+two CPU worker processes, where `python bench.py --policy adaptive` took 30 s and 33 s
+(two runs on a 2-core machine with no GPU; docs/benchmark.md says which). A preset is
+the model's architecture with seeded random weights: nothing is downloaded. Requests
+decode greedily (temperature 0: the most likely token at every step) and ignore EOS, which
+a random-weight model would emit at random, so each generates the length its workload
+drew. Writes, under --out: the results table (printed too, headed by the policy,
+workload, model and devices), results.json with every request's timings, and PNG plots
+(docs/benchmark.md lists them). `bench.py <micro-benchmark> --small` checks one in seconds.
 """
 
 import argparse
@@ -110,8 +115,8 @@ def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec], desc:
         while i < len(specs) or pending:
             now = time.perf_counter() - start
             while i < len(specs) and specs[i].arrival <= now:
-                rid = cluster.submit(specs[i].prompt_ids, SamplingParams(max_tokens=specs[i].max_tokens,
-                                                                         ignore_eos=True))
+                rid = cluster.submit(specs[i].prompt_ids, SamplingParams(
+                    temperature=0.0, max_tokens=specs[i].max_tokens, ignore_eos=True))
                 pending[rid] = specs[i]
                 i += 1
             for rid in cluster.poll(0.002):
@@ -172,8 +177,13 @@ def label(policy: str, workload: str, rows: list[dict]) -> str:
     return f"{policy} {workload}" if several else policy
 
 
-def print_table(rows: list[dict]) -> None:
-    print("\n| policy | workload | rate (req/s) | requests | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
+def rate_text(rate: float) -> str:
+    return "static (all at once)" if rate <= 0 else f"{rate:g} req/s"
+
+
+def print_table(rows: list[dict], title: str) -> None:
+    print(f"\n{title}")
+    print("| policy | workload | rate (req/s) | requests | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
           "| E2E p50 / p99 (s) | SLO met | disaggregated |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
@@ -184,98 +194,160 @@ def print_table(rows: list[dict]) -> None:
               f"| {r['disaggregated_share']:.0%} |")
 
 
-def plot(rows: list[dict], results: list[Result], goodput: dict, timelines: list[dict], out: Path) -> list[str]:
-    """The PNGs a reader would rather look at than read; their file names."""
+def plot(run: "Run", rows: list[dict], results: list[Result], goodput: dict, timelines: list[dict]) -> list[str]:
+    """The PNGs a reader would rather look at than read, under run.out; their file names.
+    Every figure is headed by the run's caption (policies, workloads, model, devices)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    figures = {}
+    figures, styles = {}, series_styles(rows)
     if len({r["rate"] for r in rows}) > 1:
-        figures["latency_throughput_vs_rate.png"] = plot_vs_rate(plt, rows)
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        ax.bar(list(goodput), [goodput[p] for p in goodput])
-        ax.set(ylabel="goodput (requests/s)", title="highest rate with >= 90% inside the SLO")
-        figures["goodput.png"] = fig
-    figures["latency_cdf.png"] = plot_cdf(plt, rows, results)
+        figures["latency_throughput_vs_rate.png"] = plot_vs_rate(plt, rows, styles)
+        figures["goodput.png"] = plot_goodput(plt, goodput, styles, run)
+    figures["latency_cdf.png"] = plot_cdf(plt, rows, results, styles)
     routed = [r for r in results if r.routed]
     if routed:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for two, path in ((False, "collocated"), (True, "disaggregated")):
-            pts = [r for r in routed if (len(r.path) == 2) == two]
-            ax.scatter([r.routed["decode_batch"] for r in pts], [r.prompt_len for r in pts], s=10, label=path)
-        ax.set(xlabel="sequences decoding on the prefill worker when routed", ylabel="prompt tokens",
-               title="the adaptive router's choices over load")
-        ax.legend()
-        figures["router_choices.png"] = fig
+        figures["router_choices.png"] = plot_router(plt, routed)
     if timelines:
         figures["roles_over_time.png"] = plot_roles(plt, timelines)
     for name, fig in figures.items():
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
+        fig.suptitle(caption(run), fontsize=8, color="0.3")
+        fig.savefig(run.out / name, dpi=110, bbox_inches="tight")   # legends outside the axes stay in
         plt.close(fig)
     return list(figures)
 
 
-def plot_vs_rate(plt, rows: list[dict]):
-    """E2E p50 and p99, and output throughput, against the arrival rate, per series."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for i, p in enumerate(sorted({r["label"] for r in rows})):   # one colour per series in every panel
-        mine = sorted((r for r in rows if r["label"] == p), key=lambda r: r["rate"])
-        for key, style in (("e2e_p50", "-o"), ("e2e_p99", "--o")):
-            axes[0].plot([r["rate"] for r in mine], [r[key] for r in mine], style, color=f"C{i}",
-                         label=f"{p} {key[4:]}")
-        axes[1].plot([r["rate"] for r in mine], [r["output_tok_s"] for r in mine], "-o", color=f"C{i}", label=p)
-    axes[0].set(xlabel="arrival rate (requests/s)", ylabel="end-to-end latency (s)", yscale="log",
-                title="latency percentiles vs rate")
-    axes[1].set(xlabel="arrival rate (requests/s)", ylabel="output tokens/s", title="throughput vs rate")
+POLICY_COLORS = {"collocated": "C0", "disaggregated": "C1", "adaptive": "C2"}   # the same in every plot and run
+LINE_STYLES = ["-", "--", ":", "-."]
+
+
+def series_styles(rows: list[dict]) -> dict[str, dict]:
+    """Each series' look (by its label): the colour its policy's, the line style its workload's."""
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    return {r["label"]: {"color": POLICY_COLORS[r["policy"]],
+                         "linestyle": LINE_STYLES[workloads.index(r["workload"]) % len(LINE_STYLES)]} for r in rows}
+
+
+def log_ticks(axis) -> None:
+    """Label a log axis at 1, 2 and 5 times each power of ten, as plain numbers (0.2, 1, 5):
+    a range of one decade or less still has several numbered ticks."""
+    from matplotlib import ticker
+    axis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+    axis.set_minor_formatter(ticker.NullFormatter())
+
+
+def plot_vs_rate(plt, rows: list[dict], styles: dict):
+    """E2E p50, E2E p99 and output throughput against the arrival rate, a panel each, a
+    line per series; one legend, beside the panels."""
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4), layout="constrained")
+    for name, style in styles.items():
+        mine = sorted((r for r in rows if r["label"] == name), key=lambda r: r["rate"])
+        for ax, key in zip(axes, ("e2e_p50", "e2e_p99", "output_tok_s")):
+            ax.plot([r["rate"] for r in mine], [r[key] for r in mine], marker="o", label=name, **style)
+    for ax, what in zip(axes, ("median (p50)", "p99")):
+        ax.set(ylabel="end-to-end latency (s, log scale)", yscale="log", title=f"{what} latency vs rate")
+        log_ticks(ax.yaxis)
+    axes[2].set(ylabel="output tokens/s", title="throughput vs rate")
     for ax in axes:
-        ax.legend(fontsize=8)
+        ax.set(xlabel="arrival rate (requests/s)", xticks=sorted({r["rate"] for r in rows}))
+        ax.grid(alpha=0.3)
+    axes[2].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
+
+
+def plot_goodput(plt, goodput: dict, styles: dict, run: "Run"):
+    """Each series' goodput as a bar, its number beside it."""
+    fig, ax = plt.subplots(figsize=(6.5, 0.9 + 0.45 * len(goodput)), layout="constrained")
+    names = list(goodput)[::-1]   # the first series on top
+    bars = ax.barh(names, [goodput[n] for n in names], color=[styles[n]["color"] for n in names], height=0.6)
+    ax.bar_label(bars, [f"{goodput[n]:g}" for n in names], padding=3, fontsize=8)
+    ax.set(xlabel="goodput (requests/s)", xlim=(0, max(run.rates) * 1.12),
+           title=f"the highest rate swept (of {', '.join(f'{r:g}' for r in run.rates)}) with >= 90% of requests "
+                 f"inside the SLO\n(TTFT <= {run.ttft_slo:g} s, TPOT <= {run.tpot_slo * 1e3:g} ms)")
+    ax.title.set_fontsize(9)
+    return fig
+
+
+def plot_router(plt, routed: list[Result]):
+    """Each adaptive request's prompt length against the decodes on its prefill worker when
+    it was routed, by the path taken: the rarer path drawn last and larger, so that its
+    few points stand out of the many."""
+    from matplotlib import ticker
+    fig, ax = plt.subplots(figsize=(6.5, 4), layout="constrained")
+    paths = [(name, [r for r in routed if (len(r.path) == 2) == two], color)
+             for name, two, color in (("collocated", False, "C0"), ("disaggregated", True, "C3"))]
+    paths = sorted((p for p in paths if p[1]), key=lambda p: -len(p[1]))   # the commoner first, underneath
+    for k, (name, pts, color) in enumerate(paths):
+        rare = k > 0
+        ax.scatter([r.routed["decode_batch"] for r in pts], [r.prompt_len for r in pts], color=color,
+                   s=45 if rare else 14, marker="D" if rare else "o", alpha=1.0 if rare else 0.5,
+                   edgecolors="black" if rare else "none", linewidths=0.6, zorder=3 if rare else 2,
+                   label=f"{name} ({len(pts)})")
+    # Whole counts only, and a view at least half a count past the extremes: a run whose
+    # requests all saw one count gets that one tick, not steps of 0.02 around it.
+    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True, min_n_ticks=1))
+    most = max(r.routed["decode_batch"] for r in routed)
+    ax.set_xlim(-max(0.5, 0.05 * most), most + max(0.5, 0.05 * most))
+    ax.set(xlabel="sequences decoding on the prefill worker when routed", ylabel="prompt tokens",
+           title="the adaptive router's path for each request")
+    ax.grid(alpha=0.3)
+    ax.legend(title="path (requests)", fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    return fig
+
+
+ROLE_COLORS = {"both": "C0", "prefill": "C1", "decode": "C2"}
+ROLE_NAMES = {"both": "both (prefill and decode)", "prefill": "prefill only", "decode": "decode only"}
 
 
 def plot_roles(plt, timelines: list[dict]):
     """Each worker's role in the adaptive policy's regime over each run (one panel a run);
-    the phased workload's phases shaded behind."""
-    colors = {"both": "C0", "prefill": "C1", "decode": "C2"}
-    fig, axes = plt.subplots(len(timelines), 1, figsize=(9, 1.2 + 1.1 * len(timelines)), squeeze=False)
+    the phased workload's phases shaded behind; the legend lists the roles that occur."""
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(9, 1.4 + 1.2 * len(timelines)), squeeze=False,
+                             layout="constrained")
     for ax, tl in zip(axes[:, 0], timelines):
-        if tl["workload"] == "phased":
-            for k in range(int(tl["seconds"] // PHASE_S) + 1):
+        workers = sorted({int(w) for c in tl["changes"] for w in c["roles"]})
+        if tl["workload"] == "phased":   # each phase named in a strip above the bars, every other one shaded
+            ax.set_ylim(-0.5, workers[-1] + 0.9)
+            for k in range(math.ceil(tl["seconds"] / PHASE_S)):
+                start, end = k * PHASE_S, min((k + 1) * PHASE_S, tl["seconds"])
                 if k % 2:
-                    ax.axvspan(k * PHASE_S, (k + 1) * PHASE_S, color="0.92")
-                ax.text((k + 0.5) * PHASE_S, 1.02, PHASES[k % len(PHASES)][0], transform=ax.get_xaxis_transform(),
-                        ha="center", fontsize=7)
+                    ax.axvspan(start, end, color="0.9")
+                if end - start > 0.15 * tl["seconds"]:   # too short a stub left at the end: no room for a name
+                    ax.text((start + end) / 2, 0.97, f"phase {PHASES[k % len(PHASES)][0]}", ha="center", va="top",
+                            fontsize=7, transform=ax.get_xaxis_transform())
         ends = [c["time"] for c in tl["changes"][1:]] + [tl["seconds"]]
         for change, end in zip(tl["changes"], ends):
             for w, role in change["roles"].items():
-                ax.barh(int(w), end - change["time"], left=change["time"], color=colors[role], height=0.6)
-        ax.set(xlim=(0, tl["seconds"]), ylabel="worker", title=f"{tl['workload']} @ {tl['rate']:g} req/s")
-        ax.set_yticks(sorted({int(w) for c in tl["changes"] for w in c["roles"]}))
+                ax.barh(int(w), end - change["time"], left=change["time"], color=ROLE_COLORS[role], height=0.6)
+        regimes = [c["regime"] for c in tl["changes"]]
+        held = f"regime '{regimes[0]}' throughout" if len(set(regimes)) == 1 else f"{len(regimes) - 1} regime changes"
+        ax.set(xlim=(0, tl["seconds"]), title=f"the adaptive policy's worker roles, {tl['workload']} at "
+               f"{rate_text(tl['rate'])}: {held}")
+        ax.set_yticks(workers, [f"worker {w}" for w in workers])
     axes[-1, 0].set(xlabel="seconds into the run")
-    axes[0, 0].legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c, label=r) for r, c in colors.items()],
-                      fontsize=8, loc="upper right")
+    seen = {role for tl in timelines for c in tl["changes"] for role in c["roles"].values()}
+    axes[0, 0].legend(handles=[plt.Rectangle((0, 0), 1, 1, color=ROLE_COLORS[r], label=ROLE_NAMES[r])
+                               for r in ROLE_COLORS if r in seen],
+                      title="role", fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
 
 
-def plot_cdf(plt, rows: list[dict], results: list[Result]):
+def plot_cdf(plt, rows: list[dict], results: list[Result], styles: dict):
     """The E2E latency CDF of every series at the highest rate: colour the policy, line
     style the workload."""
-    import matplotlib.ticker
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
     top = max(r["rate"] for r in rows)
-    names = list(dict.fromkeys(r["policy"] for r in rows))
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
     for r in rows:
-        if r["rate"] != top:
-            continue
         e2e = sorted(x.e2e for x in results if (x.policy, x.workload, x.rate) == (r["policy"], r["workload"], top)
                      and x.error is None)
-        ax.plot(e2e, [(i + 1) / len(e2e) for i in range(len(e2e))], label=r["label"],
-                color=f"C{names.index(r['policy'])}", linestyle=["-", "--", ":", "-."][workloads.index(r["workload"]) % 4])
-    ax.set(xlabel="end-to-end latency (s)", ylabel="fraction of requests", xscale="log",
-           title=f"latency CDF at {'static' if top <= 0 else f'{top:g} req/s'}")
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.legend(fontsize=8)
+        if r["rate"] == top and e2e:   # (a phase's row has no requests of its own name)
+            ax.plot(e2e, [(i + 1) / len(e2e) for i in range(len(e2e))], label=r["label"], **styles[r["label"]])
+    ax.set(xlabel="end-to-end latency (s, log scale)", ylabel="fraction of requests", xscale="log", ylim=(0, 1.02),
+           title=f"end-to-end latency CDF at {rate_text(top)}")
+    log_ticks(ax.xaxis)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
 
 
@@ -304,31 +376,53 @@ class Run:
     transport: str = "p2p"      # how KV moves (transport.py); distributed with join
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """The flags, each with its help and its default (those that depend on GPUs or CPUs
+    say both; make_run fills them in)."""
+    from model import PRESETS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--policy", default="adaptive", choices=["collocated", "disaggregated", "adaptive", "all"])
-    p.add_argument("--mode", default="poisson", choices=["static", "poisson", "sweep"])
-    p.add_argument("--workload", nargs="+", default=["sharegpt"], choices=list(WORKLOADS))
-    p.add_argument("--rate", type=float, default=None, help="requests/s (poisson); default 8 on GPUs, 4 on CPUs")
-    p.add_argument("--rates", type=float, nargs="+", default=None, help="the sweep's rates")
-    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals; default 60 on GPUs, 15 on CPUs")
-    p.add_argument("--num-requests", type=int, default=None, help="static mode; default 512 on GPUs, 64 on CPUs")
-    p.add_argument("--model", default=None, help="default: qwen3-8b on GPUs, tiny on CPUs")
-    p.add_argument("--devices", nargs="+", default=None, help="default: every GPU, or two CPU workers")
+    p.add_argument("--policy", default="adaptive", choices=["collocated", "disaggregated", "adaptive", "all"],
+                   help="collocated: every worker prefills and decodes; disaggregated: one prefills, the others "
+                   "decode; adaptive: the router picks each request's path and the planner the roles; all: the "
+                   "three in turn on the same requests (default: %(default)s)")
+    p.add_argument("--mode", default="poisson", choices=["static", "poisson", "sweep"],
+                   help="static: --num-requests at once; poisson: arrivals at --rate for --duration; sweep: the "
+                   "poisson run at each of --rates (default: %(default)s)")
+    p.add_argument("--workload", nargs="+", default=["sharegpt"], choices=list(WORKLOADS), metavar="NAME",
+                   help=f"the prompt and output lengths drawn, one or more of {', '.join(WORKLOADS)} "
+                   "(docs/benchmark.md); several: each in turn (default: sharegpt)")
+    p.add_argument("--rate", type=float, default=None, help="requests/s (poisson; default: 8 on GPUs, 4 on CPUs)")
+    p.add_argument("--rates", type=float, nargs="+", default=None,
+                   help="requests/s of each sweep run (default: 2 4 8 16 32 on GPUs, 2 4 8 on CPUs)")
+    p.add_argument("--duration", type=float, default=None,
+                   help="seconds of arrivals per run (default: 60 on GPUs, 15 on CPUs)")
+    p.add_argument("--num-requests", type=int, default=None, help="static mode (default: 512 on GPUs, 64 on CPUs)")
+    p.add_argument("--model", default=None, help=f"a preset ({', '.join(PRESETS)}: the architecture with seeded "
+                   "random weights, no download) or a Hugging Face checkpoint folder (default: qwen3-8b on GPUs, "
+                   "tiny on CPUs)")
+    p.add_argument("--devices", nargs="+", default=None,
+                   help="one worker per entry (default: every visible GPU, or cpu cpu without one)")
     p.add_argument("--join", default=None, help="HOST:PORT to listen at for workers torchrun starts on other "
-                   "hosts (hosts.py), instead of --devices")
+                   "hosts (hosts.py), instead of --devices (default: none)")
     p.add_argument("--transport", default=None, choices=["p2p", "relay", "distributed"],
-                   help="how KV moves between workers; default p2p, or distributed with --join")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ttft-slo", type=float, default=None, help="seconds; default 2.0 on GPUs, 0.5 on CPUs. "
-                   "Given (or --tpot-slo), the adaptive policy routes for goodput under it")
-    p.add_argument("--tpot-slo", type=float, default=None, help="seconds; default 0.1 on GPUs, 0.05 on CPUs")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="seats per worker (every policy)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step; "
-                   "default 8192 on GPUs, 256 on CPUs")
+                   help="how KV moves between workers (default: p2p, or distributed with --join)")
+    p.add_argument("--seed", type=int, default=0, help="draws the workload: the same seed, the same requests "
+                   "for every policy (default: %(default)s)")
+    p.add_argument("--ttft-slo", type=float, default=None, help="seconds to the first token (default: 2.0 on "
+                   "GPUs, 0.5 on CPUs). Given (or --tpot-slo), the adaptive policy routes for goodput under it")
+    p.add_argument("--tpot-slo", type=float, default=None,
+                   help="seconds per output token after the first (default: 0.1 on GPUs, 0.05 on CPUs)")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="seats per worker, every policy (default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per step (default: 8192 on GPUs, 256 on CPUs)")
     p.add_argument("--out", default="runs/bench", help="folder for results.json and the plots (runs/ is not "
-                   "tracked; results/ holds the measurements the docs quote)")
-    return p.parse_args(argv)
+                   "tracked; results/ holds the measurements the docs quote) (default: %(default)s)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def make_run(args: argparse.Namespace) -> Run:
@@ -445,6 +539,25 @@ def calibration(router) -> dict:
                           for i in range(10)]}
 
 
+def caption(run: Run) -> str:
+    """What a run served, to head its table and plots, in two lines: policies, workloads
+    and arrivals; the model (a preset's weights are random) and the devices."""
+    from model import PRESETS
+    model = f"{run.model} (random weights)" if run.model in PRESETS else Path(run.model).name
+    if run.join:
+        devices = f"workers joined at {run.join}"
+    else:
+        gpu = run.devices[0].startswith("cuda")
+        devices = f"{len(run.devices)} workers on {', '.join(run.devices)}" + (
+            f" ({torch.cuda.get_device_name(run.devices[0])})" if gpu else "")
+    rates = ", ".join(f"{r:g}" for r in run.rates)
+    arrivals = {"static": f"{run.count} requests at once", "poisson": f"Poisson arrivals at {rates} req/s for "
+                f"{run.duration:g} s", "sweep": f"Poisson arrivals at {rates} req/s, {run.duration:g} s each"}[run.mode]
+    return (f"{'policy' if len(run.policies) == 1 else 'policies'} {', '.join(run.policies)} | "
+            f"{'workload' if len(run.workloads) == 1 else 'workloads'} {', '.join(run.workloads)}, {arrivals}\n"
+            f"model {model} | {devices}")
+
+
 def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timelines: list[dict]) -> None:
     """The table and goodput on stdout; results.json and the plots under run.out."""
     for r in rows:
@@ -452,7 +565,7 @@ def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timel
     labels = list(dict.fromkeys(r["label"] for r in rows))
     goodput = {lb: max([r["rate"] for r in rows if r["label"] == lb and r["slo_attainment"] >= 0.9], default=0.0)
                for lb in labels}
-    print_table(rows)
+    print_table(rows, caption(run))
     behind = max(r["lag_max"] for r in rows)
     if behind > 0.05:
         print(f"note: the client fell behind its arrivals by up to {behind:.2f} s (latencies count from the arrivals)")
@@ -464,7 +577,7 @@ def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timel
               f"{calib['median_rel_error']:.1%} (by decile of the run: "
               f"{', '.join(f'{e:.0%}' for e in calib['by_decile'])})")
     run.out.mkdir(parents=True, exist_ok=True)
-    files = plot(rows, results, goodput, timelines, run.out)
+    files = plot(run, rows, results, goodput, timelines)
     gpu = run.devices[0].startswith("cuda") if run.devices else torch.cuda.is_available()
     meta = {"model": run.model, "devices": run.devices or [f"joined at {run.join}"], "workloads": run.workloads,
             "transport": run.transport, "mode": run.mode, "seed": run.seed, "ttft_slo": run.ttft_slo, "tpot_slo": run.tpot_slo, "length_scale": run.scale,

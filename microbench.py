@@ -20,17 +20,22 @@ hardware ceiling measured in the same run (bench.py runs them: `python bench.py 
                             and 2048-token requests, one at a time and eight at once,
                             beside a plain device-to-device copy (warm, and after the
                             GPUs idle as between requests) and the transport alone in
-                            one process; a decode step's time while transfers run
+                            one process; a decode step's time while transfers run. On
+                            one GPU both workers share it (no distributed: NCCL wants
+                            a GPU per worker), which checks the code, not the link
 
-Every result is printed as a table and, with --out, written as JSON.
+Every result is printed as a table and, with --out, written as JSON. --small runs each
+at toy sizes (the tiny preset, small batches, few requests; the sizes are SMALL_ENGINE,
+SMALL_TRANSFER and kernel_cases(small=True)): seconds, to check that it runs, as the GPU
+tests do; its numbers mean nothing.
 """
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
 import traceback
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -235,13 +240,28 @@ def bench_split_batch_overlap(batch: int = 1024, context: int = 192, layers: int
             "ref": "serial", "ms_by_carveout": by_carveout}
 
 
-def run_kernels(out: str | None) -> list[dict]:
-    cases = [lambda: bench_attention(1, 4096, True), lambda: bench_attention(64, 4096, True),
-             lambda: bench_attention(256, 2048, True), lambda: bench_attention(1, 2048, False),
-             lambda: bench_attention(1, 8192, False), bench_rope_store_kv, bench_copy_blocks,
-             lambda: bench_small_m_linear("qkv", 6144, 4096), lambda: bench_small_m_linear("o_proj", 4096, 4096),
-             lambda: bench_small_m_linear("gate_up", 24576, 4096), lambda: bench_small_m_linear("down", 4096, 12288),
-             bench_split_batch_overlap]
+def kernel_cases(small: bool = False) -> list:
+    """The kernels benchmark's cases, each a function giving one row: Qwen3-8B's shapes, or
+    (small) every case at a toy size, seconds in all, for the tests: the same code paths,
+    numbers that mean nothing."""
+    if small:
+        return [lambda: bench_attention(1, 512, True), lambda: bench_attention(8, 512, True),
+                lambda: bench_attention(1, 256, False), lambda: bench_rope_store_kv(1024),
+                lambda: bench_copy_blocks(16, 256, 4),
+                lambda: bench_small_m_linear("qkv", 6144, 4096, copies=2),       # split-K
+                lambda: bench_small_m_linear("gate_up", 24576, 4096, copies=2),  # enough tiles: no split
+                lambda: bench_split_batch_overlap(64, 64, 2, (None, 16))]
+    return [lambda: bench_attention(1, 4096, True), lambda: bench_attention(64, 4096, True),
+            lambda: bench_attention(256, 2048, True), lambda: bench_attention(1, 2048, False),
+            lambda: bench_attention(1, 8192, False), bench_rope_store_kv, bench_copy_blocks,
+            lambda: bench_small_m_linear("qkv", 6144, 4096), lambda: bench_small_m_linear("o_proj", 4096, 4096),
+            lambda: bench_small_m_linear("gate_up", 24576, 4096), lambda: bench_small_m_linear("down", 4096, 12288),
+            bench_split_batch_overlap]
+
+
+def run_kernels(out: str | None, small: bool = False) -> list[dict]:
+    """Every kernel case (kernel_cases), printed as it ends and then as a table."""
+    cases = kernel_cases(small)
     rows = []
     for case in cases:
         rows.append(case())
@@ -280,7 +300,7 @@ def measure_ceilings() -> dict:
     return {"hbm_copy_GBps": copy_gbs, "bf16_matmul_TFLOPs": max(rates), "bf16_matmul_TFLOPs_by_std": rates}
 
 
-@dataclass
+@dataclasses.dataclass
 class ModelFacts:
     """What the engine ceilings are computed from."""
     weight_bytes: int       # read by every decode step (the LM head's input embedding excluded)
@@ -315,36 +335,61 @@ def record(rows: list[dict], name: str, fn, ceiling: float, unit_div: float = 1.
           f"ratio {ceiling / ms:.2f} {gpu}", flush=True)
 
 
-def step_rows(eng, res: dict, facts: ModelFacts, rows: list[dict], ctx: int = 1024) -> None:
-    """Decode steps at batch 1, 64, 256 (synchronised, and the graph replay alone); prefill
-    of 2048 tokens; a mixed step (32 decodes + a 128-token chunk) on the piecewise graphs
-    and, as the same run's reference, eagerly (what the runner does past PIECE_TOKENS)."""
+@dataclasses.dataclass(frozen=True)
+class EngineSizes:
+    """What `bench.py engine` measures. The defaults are the runs the docs quote (Qwen3-8B);
+    SMALL_ENGINE is every measurement at toy sizes, seconds in all, for the tests."""
+    model: str = "qwen3-8b"
+    batches: tuple[int, ...] = (1, 64, 256)   # decode steps, each sequence `context` tokens in
+    context: int = 1024
+    mixed: tuple[int, int] = (32, 128)        # a mixed step: decodes, and one prompt chunk's tokens
+    prefill: int = 2048                       # one prompt's tokens in one step
+    generate: tuple[int, int, int] = (1024, 128, 128)   # LLM.generate: requests, tokens in, tokens out
+    reps: int = 30                            # timed decode steps a row (mixed 2/3 of it, prefill 1/3)
+    max_num_seqs: int = 1024
+    max_num_batched_tokens: int = 16384
+    num_kv_blocks: int | None = None          # None: what fits (a small model gets a small cache)
+
+
+SMALL_ENGINE = EngineSizes(model="tiny", batches=(1, 4), context=64, mixed=(4, 16), prefill=256,
+                           generate=(16, 32, 16), reps=6, max_num_seqs=64, max_num_batched_tokens=512,
+                           num_kv_blocks=1024)
+
+
+def step_rows(eng, res: dict, facts: ModelFacts, rows: list[dict], sizes: EngineSizes) -> None:
+    """Decode steps at each batch size (synchronised, and the graph replay alone); a prefill
+    step; a mixed step (decodes + a prompt chunk) on the piecewise graphs and, as the same
+    run's reference, eagerly (what the runner does past PIECE_TOKENS)."""
     def timed(make, reps: int, graph_of: int | None = None, eager: bool = False):
-        batch, sizes = make(), eng.runner.piece_sizes
+        batch, pieces = make(), eng.runner.piece_sizes
         try:
-            eng.runner.piece_sizes = [] if eager else sizes
+            eng.runner.piece_sizes = [] if eager else pieces
             ms = time_step_ms(eng, batch, reps)   # also leaves this batch in the graph's inputs
             if graph_of is None:
                 return ms, None
             graph = eng.runner.graphs[next(s for s in eng.runner.graph_sizes if s >= graph_of)][0]
             return ms, triton.testing.do_bench(graph.replay, warmup=20, rep=200, return_mode="median")
         finally:
-            eng.runner.piece_sizes = sizes
+            eng.runner.piece_sizes = pieces
             free_batch(eng, batch)
 
+    ctx, (decodes, chunk_len), reps = sizes.context, sizes.mixed, sizes.reps
+
     def mixed() -> Batch:
-        dec, chunk = fake_batch(eng, 32, ctx, 1), fake_batch(eng, 1, 0, 128)
+        dec, chunk = fake_batch(eng, decodes, ctx, 1), fake_batch(eng, 1, 0, chunk_len)
         return Batch(dec.seqs + chunk.seqs, dec.num_new + chunk.num_new)
-    for b in (1, 64, 256):
+    for b in sizes.batches:
         ceiling = ceiling_ms(res, facts.weight_bytes + b * ctx * facts.kv_per_token, b * facts.flops_per_token)
         record(rows, f"decode step, batch {b}, context {ctx}", lambda b=b: timed(
-            lambda: fake_batch(eng, b, ctx, 1), 30, graph_of=b), ceiling)
-    ceiling = ceiling_ms(res, facts.weight_bytes + 32 * ctx * facts.kv_per_token, 160 * facts.flops_per_token)
-    record(rows, "mixed step, 32 decodes + 128-token chunk", lambda: timed(mixed, 20), ceiling)
-    record(rows, "  the same step eagerly", lambda: timed(mixed, 20, eager=True), ceiling)
-    cfg, n = eng.model.config, 2048
+            lambda: fake_batch(eng, b, ctx, 1), reps, graph_of=b), ceiling)
+    ceiling = ceiling_ms(res, facts.weight_bytes + decodes * ctx * facts.kv_per_token,
+                         (decodes + chunk_len) * facts.flops_per_token)
+    record(rows, f"mixed step, {decodes} decodes + {chunk_len}-token chunk", lambda: timed(mixed, reps * 2 // 3),
+           ceiling)
+    record(rows, "  the same step eagerly", lambda: timed(mixed, reps * 2 // 3, eager=True), ceiling)
+    cfg, n = eng.model.config, sizes.prefill
     attn_flops = 4 * n * n / 2 * cfg.num_attention_heads * eng.model.head_dim * eng.model.num_layers
-    record(rows, f"prefill {n} tokens (ms per token)", lambda: timed(lambda: fake_batch(eng, 1, 0, n), 10),
+    record(rows, f"prefill {n} tokens (ms per token)", lambda: timed(lambda: fake_batch(eng, 1, 0, n), reps // 3),
            ceiling_ms(res, 0, n * facts.flops_per_token + attn_flops), unit_div=n)
 
 
@@ -352,118 +397,135 @@ def random_prompts(vocab: int, count: int, length: int, g: torch.Generator) -> l
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(count)]
 
 
-def decode_in_generate_row(llm, res: dict, facts: ModelFacts, rows: list[dict], g: torch.Generator) -> None:
-    """One request decoding with a 1024-token context, as a user sees it: the time between
-    its output tokens, host work (scheduling, sampling, stop checks) included."""
+def decode_in_generate_row(llm, res: dict, facts: ModelFacts, rows: list[dict], g: torch.Generator,
+                           context: int = 1024, tokens: int = 128) -> None:
+    """One request decoding `tokens` tokens after a `context`-token prompt, as a user sees
+    it: the time between its output tokens, host work (scheduling, sampling, stop checks)
+    included."""
     from nanopd import SamplingParams
     vocab = llm.engine.model.config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True)
 
     def one():
-        out = llm.generate(random_prompts(vocab, 1, 1024, g), SamplingParams(max_tokens=129, ignore_eos=True),
-                           use_tqdm=False)[0]
-        return (out.metrics.finish_time - out.metrics.first_token_time) / 128 * 1e3, None
+        out = llm.generate(random_prompts(vocab, 1, context, g), params, use_tqdm=False)[0]
+        return (out.metrics.finish_time - out.metrics.first_token_time) / tokens * 1e3, None
     one()   # warm-up
-    record(rows, "decode in generate, batch 1, context ~1088", one,
-           ceiling_ms(res, facts.weight_bytes + 1088 * facts.kv_per_token, facts.flops_per_token))
+    mid = context + tokens // 2   # the context of the middle decode step
+    record(rows, f"decode in generate, batch 1, context ~{mid}", one,
+           ceiling_ms(res, facts.weight_bytes + mid * facts.kv_per_token, facts.flops_per_token))
 
 
-def generate_throughput(llm, res: dict, facts: ModelFacts, g: torch.Generator) -> dict:
-    """LLM.generate over 1024 requests of 128 tokens in, 128 out, beside its roofline: every
-    token passes once through the layers (all but the last output token of each request)
-    and every output token through the LM head (prompt tokens skip it), at the matmul
-    rate; each decode step reads its request's K/V so far, at the copy bandwidth. The two
-    add: a step runs its attention after its GEMMs (bench.py kernels times running them
-    side by side)."""
+def generate_throughput(llm, res: dict, facts: ModelFacts, g: torch.Generator,
+                        shape: tuple[int, int, int] = (1024, 128, 128)) -> dict:
+    """LLM.generate over `shape` (requests, tokens in, tokens out; the default is vLLM's
+    throughput figure's), beside its roofline: every token passes once through the layers
+    (all but the last output token of each request) and every output token through the LM
+    head (prompt tokens skip it), at the matmul rate; each decode step reads its request's
+    K/V so far, at the copy bandwidth. The two add: a step runs its attention after its
+    GEMMs (bench.py kernels times running them side by side)."""
     from nanopd import SamplingParams
+    count, n_prompt, n_out = shape
     cfg = llm.engine.model.config
-    prompts = random_prompts(cfg.vocab_size, 1024, 128, g)
+    prompts = random_prompts(cfg.vocab_size, count, n_prompt, g)
     # Warm-up: compiles the kernels of every kind of step (prefill, mixed, decode).
-    llm.generate(random_prompts(cfg.vocab_size, 256, 128, g), SamplingParams(max_tokens=8, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(random_prompts(cfg.vocab_size, max(1, count // 4), n_prompt, g),
+                 SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     torch.cuda.synchronize()
     t = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=128, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True))
     elapsed = time.perf_counter() - t
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     head = 2 * cfg.vocab_size * cfg.hidden_size
-    n_in, requests = 128 * 1024, len(outs)
+    n_in, requests = n_prompt * count, len(outs)
     matmul_s = ((n_in + tokens - requests) * (facts.flops_per_token - head) + tokens * head) \
         / res["bf16_matmul_TFLOPs"] / 1e12
-    kv_read_s = requests * sum(128 + j for j in range(1, 128)) * facts.kv_per_token / res["hbm_copy_GBps"] / 1e9
+    kv_read_s = requests * sum(n_prompt + j for j in range(1, n_out)) * facts.kv_per_token / res["hbm_copy_GBps"] / 1e9
     roof_s = matmul_s + kv_read_s
-    print(f"LLM.generate 1024 x (128 in, 128 out): {elapsed:.2f} s, {tokens / elapsed:.0f} output tokens/s, "
-          f"{(tokens + n_in) / elapsed:.0f} total tokens/s; roofline {roof_s:.2f} s = matmuls {matmul_s:.2f} + "
-          f"K/V reads {kv_read_s:.2f} ({tokens / roof_s:.0f} output tokens/s)")
+    print(f"LLM.generate {count} x ({n_prompt} in, {n_out} out): {elapsed:.2f} s, {tokens / elapsed:.0f} output "
+          f"tokens/s, {(tokens + n_in) / elapsed:.0f} total tokens/s; roofline {roof_s:.2f} s = matmuls "
+          f"{matmul_s:.2f} + K/V reads {kv_read_s:.2f} ({tokens / roof_s:.0f} output tokens/s)")
     return {"requests": requests, "output_tokens": tokens, "seconds": elapsed,
             "output_tokens_per_s": tokens / elapsed, "total_tokens_per_s": (tokens + n_in) / elapsed,
             "matmul_s": matmul_s, "kv_read_s": kv_read_s, "roofline_s": roof_s}
 
 
-def run_engine(out: str | None, model: str = "qwen3-8b") -> dict:
-    """The single-GPU engine on `model` beside the ceilings measured in the same run."""
+def run_engine(out: str | None, sizes: EngineSizes = EngineSizes()) -> dict:
+    """The single-GPU engine on sizes.model beside the ceilings measured in the same run."""
     from nanopd import LLM
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, **measure_ceilings()}
     print(f"ceilings: HBM copy {res['hbm_copy_GBps']:.0f} GB/s, bf16 matmul {res['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
     t = time.perf_counter()
-    llm = LLM(model, max_num_seqs=1024, max_num_batched_tokens=16384, max_model_len=4096)
+    llm = LLM(sizes.model, max_num_seqs=sizes.max_num_seqs, max_num_batched_tokens=sizes.max_num_batched_tokens,
+              max_model_len=4096, num_kv_blocks=sizes.num_kv_blocks)
     eng, res["startup_s"] = llm.engine, time.perf_counter() - t
     facts = ModelFacts.of(eng)
-    print(f"{model}: {sum(p.numel() for p in eng.model.parameters()) / 1e9:.2f}B parameters, "
+    print(f"{sizes.model}: {sum(p.numel() for p in eng.model.parameters()) / 1e9:.2f}B parameters, "
           f"{facts.weight_bytes / 1e9:.1f} GB read per decode step, "
           f"{eng.runner.num_blocks} KV blocks, start-up {res['startup_s']:.1f} s")
     rows, g = [], torch.Generator().manual_seed(0)
-    step_rows(eng, res, facts, rows)
-    decode_in_generate_row(llm, res, facts, rows, g)
+    step_rows(eng, res, facts, rows, sizes)
+    decode_in_generate_row(llm, res, facts, rows, g, sizes.context, sizes.generate[2])
     try:
-        res["generate"] = generate_throughput(llm, res, facts, g)
+        res["generate"] = generate_throughput(llm, res, facts, g, sizes.generate)
     except Exception:  # noqa: BLE001 (print it and still write what was measured)
         traceback.print_exc()
     res["rows"] = rows
-    at = {r["transport"]: r for r in rows if r["tokens"] == 2048}
-    res["distributed_vs_p2p_2048"] = at["distributed"]["GBps"] / at["p2p"]["GBps"]
-    print(f"distributed (NCCL) / p2p, 2048 tokens, copy rate: {res['distributed_vs_p2p_2048']:.2f}x; "
-          f"handoff {at['distributed']['handoff_ms']:.2f} ms vs {at['p2p']['handoff_ms']:.2f} ms", flush=True)
     if out:
         with open(out, "w") as f:
             json.dump(res, f, indent=1)
     return res
 
 
-def run_profile(model: str = "qwen3-8b", batch_size: int = 1, context: int = 1024) -> None:
+def run_profile(out: str | None, model: str = "qwen3-8b", batch_size: int = 1, context: int = 1024,
+                steps: int = 5) -> list[dict]:
     """A decode step run eagerly under torch.profiler: the same kernels the CUDA graph
-    replays, with each one's GPU time, to show where a step's time goes."""
+    replays, with each one's GPU time, to show where a step's time goes. The rows: the 25
+    kernels with the most GPU time, per step."""
     from torch.profiler import ProfilerActivity, profile
 
     from nanopd import LLM
+    blocks = batch_size * (context // 16 + 2) + 64   # the fake batch's KV, not what the GPU could hold
     llm = LLM(model, max_num_seqs=max(batch_size, 16), max_model_len=4096, enforce_eager=True,
-              max_num_batched_tokens=max(batch_size, 512))
+              max_num_batched_tokens=max(batch_size, 512), num_kv_blocks=blocks)
     eng = llm.engine
     batch = fake_batch(eng, batch_size, context, 1)
     for _ in range(3):
         run_step(eng, batch)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+        for _ in range(steps):
             run_step(eng, batch)
         torch.cuda.synchronize()
-    print(f"{model}, decode batch {batch_size}, context {context}, 5 eager steps:")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    events = prof.key_averages()
+    print(f"{model}, decode batch {batch_size}, context {context}, {steps} eager steps:")
+    print(events.table(sort_by="device_time_total", row_limit=25, max_name_column_width=60))
+    # The kernels themselves are the GPU's events; a CPU op (aten::mm) counts its kernels' time too.
+    gpu = sorted((e for e in events if e.device_type != torch.autograd.DeviceType.CPU),
+                 key=lambda e: -e.device_time_total)
+    rows = [{"kernel": e.key, "gpu_ms_per_step": e.device_time_total / 1e3 / steps, "calls_per_step": e.count / steps}
+            for e in gpu[:25]]
+    if out:
+        with open(out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "model": model, "batch": batch_size,
+                       "context": context, "rows": rows}, f, indent=1)
+    return rows
 
 
 # ----------------------------------------------------------------------------- KV transfer
 
 
-def measure_link(src: str, dst: str) -> dict:
-    """Ceilings of the two transports, same run: a 1 GiB copy between the devices, and
-    device -> pinned host -> device (each direction timed alone); and a 302 MB copy between
-    the devices (one 2048-token request's KV) after both have idled 50 ms, as they do
-    between the requests `run_transfer` sends one at a time."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=src)
+def measure_link(src: str, dst: str, nbytes: int = 1 << 30, idle_bytes: int = 302_000_000) -> dict:
+    """Ceilings of the two transports, same run: an nbytes (1 GiB) copy between the devices,
+    and device -> pinned host -> device (each direction timed alone); and an idle_bytes
+    copy between the devices (302 MB: one 2048-token request's KV of Qwen3-8B) after both
+    have idled 50 ms, as they do between the requests `run_transfer` sends one at a time."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device=src)
     y = torch.empty_like(x, device=dst)
     host = torch.empty_like(x, device="cpu").pin_memory()
     rates = {name: x.nbytes / time_ms(fn) / 1e6 for name, fn in
              [("p2p_GBps", lambda: y.copy_(x)), ("d2h_GBps", lambda: host.copy_(x)), ("h2d_GBps", lambda: y.copy_(host))]}
-    rates["p2p_after_idle_GBps"] = copy_after_idle_GBps(x[:302_000_000], y[:302_000_000])
+    rates["p2p_after_idle_GBps"] = copy_after_idle_GBps(x[:idle_bytes], y[:idle_bytes])
+    rates["idle_MB"] = idle_bytes / 1e6
     x = y = host = None
     torch.cuda.empty_cache()
     return rates
@@ -509,14 +571,14 @@ def transport_alone(transport, src_cache: torch.Tensor, dst_cache: torch.Tensor,
 def decode_step_while_pulling(model: str, src: str, dst: str, batch: int = 64, context: int = 1024) -> dict:
     """A decode step (CUDA-graph replay, batch x context) on dst, timed alone and while a
     P2PTransport pulls blocks from src into the same cache on its own stream, two ways:
-    - per_step: one 2048-token request's KV (128 blocks, 302 MB) pulled with every step.
+    - per_step: 128 blocks (one 2048-token request's KV, 302 MB of Qwen3-8B) pulled with every step.
       A prefill worker produces that much KV in ~50 ms (2048 x 0.025 ms), so one per
       7 ms step is several times the most a real decode worker receives;
     - saturated: 2.4 GB pulls back to back for the whole timed window, the link never idle.
     Also the transport alone (transport_alone), same caches."""
     from nanopd import LLM
     from transport import P2PTransport
-    chunk = 1024   # blocks per saturating pull: 2.4 GB, ~6 ms on the link
+    chunk = 1024   # blocks per saturating pull: 2.4 GB of Qwen3-8B, ~6 ms on the link
     eng = LLM(model, device=dst, max_num_seqs=batch, num_kv_blocks=batch * (context // 16 + 2) + chunk + 64).engine
     fake = fake_batch(eng, batch, context, 1)
     run_step(eng, fake)   # leaves the batch in the graph's inputs
@@ -558,82 +620,165 @@ def decode_step_while_pulling(model: str, src: str, dst: str, batch: int = 64, c
     busy = not pulls[-1].done.query()   # the transfers outlasted the timed steps
     torch.cuda.synchronize()
     return {"case": f"decode step, batch {batch}, context {context}", "alone_ms": alone,
-            "per_step_ms": per_step, "per_step_ratio": per_step / alone,
+            "per_step_MB": 128 * cache[0].nbytes / 1e6, "per_step_ms": per_step, "per_step_ratio": per_step / alone,
             "saturated_ms": saturated, "saturated_ratio": saturated / alone,
             "saturated_valid": busy and not started, "pulls_queued_s": queued_s, "transport_alone": alone_rates}
 
 
-def run_transfer(out: str | None, model: str = "qwen3-8b", devices: tuple[str, str] = ("cuda:0", "cuda:1")) -> dict:
-    from nanopd import LLM, SamplingParams
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, **measure_link(*devices)}
-    print(f"ceilings: {devices[0]} -> {devices[1]} copy {res['p2p_GBps']:.0f} GB/s (302 MB after 50 ms idle: "
-          f"{res['p2p_after_idle_GBps']:.0f}); pinned host: {res['d2h_GBps']:.0f} GB/s down, "
+@dataclasses.dataclass(frozen=True)
+class TransferSizes:
+    """What `bench.py transfer` measures. The defaults are the runs the docs quote (Qwen3-8B);
+    SMALL_TRANSFER is every measurement at toy sizes, seconds in all, for the tests."""
+    model: str = "qwen3-8b"
+    lengths: tuple[int, ...] = (128, 512, 2048)   # prompt tokens of the requests sent one at a time
+    at_once: int = 8                 # requests of the longest length sent together (p2p)
+    link_bytes: int = 1 << 30        # the copy that measures the link's ceiling
+    idle_bytes: int = 302_000_000    # the copy after idling: one 2048-token request's KV of Qwen3-8B
+    batch: int = 64                  # the decode step timed while pulls run: batch x context
+    context: int = 1024
+
+
+SMALL_TRANSFER = TransferSizes(model="tiny", lengths=(32, 128), at_once=2, link_bytes=64 << 20,
+                               idle_bytes=16 << 20, batch=8, context=128)
+
+
+def transports_for(devices: tuple[str, str]) -> tuple[str, ...]:
+    """The transports measured between two devices: distributed (NCCL) only between two
+    GPUs, since NCCL wants a GPU of its own per worker."""
+    return ("p2p", "relay", "distributed") if devices[0] != devices[1] else ("p2p", "relay")
+
+
+def run_transfer(out: str | None, devices: tuple[str, str] = ("cuda:0", "cuda:1"),
+                 sizes: TransferSizes = TransferSizes()) -> dict:
+    """The KV handoff from devices[0] to devices[1] beside the link's ceilings, same run. Both
+    may be one GPU (its copies then stay inside it): the same code runs, the rates differ."""
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "devices": list(devices),
+           **measure_link(*devices, sizes.link_bytes, sizes.idle_bytes)}
+    print(f"ceilings: {devices[0]} -> {devices[1]} copy {res['p2p_GBps']:.0f} GB/s ({res['idle_MB']:.0f} MB after "
+          f"50 ms idle: {res['p2p_after_idle_GBps']:.0f}); pinned host: {res['d2h_GBps']:.0f} GB/s down, "
           f"{res['h2d_GBps']:.0f} GB/s up", flush=True)
-    res["overlap"] = decode_step_while_pulling(model, *devices)
+    res["overlap"] = decode_step_while_pulling(sizes.model, *devices, sizes.batch, sizes.context)
     o = res["overlap"]
     print(f"{o['case']}: {o['alone_ms']:.3f} ms alone; {o['per_step_ms']:.3f} ms ({o['per_step_ratio']:.3f}x) "
-          f"pulling 302 MB with every step; {o['saturated_ms']:.3f} ms ({o['saturated_ratio']:.3f}x) with the link "
-          f"saturated (transfers covered the timed steps: {o['saturated_valid']})", flush=True)
+          f"pulling {o['per_step_MB']:.0f} MB with every step; {o['saturated_ms']:.3f} ms ({o['saturated_ratio']:.3f}x)"
+          f" with the link saturated (transfers covered the timed steps: {o['saturated_valid']})", flush=True)
     a = o["transport_alone"]
-    print(f"P2PTransport alone, in this process, 128 blocks (302 MB): {a['consecutive_GBps']:.0f} GB/s as one run, "
-          f"{a['scattered_GBps']:.0f} GB/s one block at a time", flush=True)
+    print(f"P2PTransport alone, in this process, 128 blocks ({o['per_step_MB']:.0f} MB): {a['consecutive_GBps']:.0f} "
+          f"GB/s as one run, {a['scattered_GBps']:.0f} GB/s one block at a time", flush=True)
     torch.cuda.empty_cache()
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for transport in ("p2p", "relay", "distributed"):
-        with LLM(model, policy="disaggregated", devices=list(devices), transport=transport, max_num_seqs=64,
-                 max_num_batched_tokens=4096, max_model_len=4096) as llm:
-            vocab = llm.cluster.vocab_size
-            for length in (128, 512, 2048):
-                outs = []
-                for _ in range(6):   # one at a time: each transfer has the link to itself
-                    ids = torch.randint(0, vocab, (length,), generator=g).tolist()
-                    outs += llm.generate([ids], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-                ms = [o.metrics for o in outs[1:]]   # the first one warms up
-                gbs = statistics.median(m.kv_copy_GBps() for m in ms)
-                handoff = statistics.median(m.phases()["transfer"] for m in ms) * 1e3
-                ceiling = min(res["d2h_GBps"], res["h2d_GBps"]) if transport == "relay" else res["p2p_GBps"]
-                rows.append({"transport": transport, "tokens": length, "MB": ms[0].kv_bytes_moved / 1e6,
-                             "GBps": gbs, "ceiling_GBps": ceiling, "ratio": gbs / ceiling, "handoff_ms": handoff})
-                r = rows[-1]
-                idle = (f", {gbs / res['p2p_after_idle_GBps']:.2f} of the same bytes copied after idling "
-                        f"({res['p2p_after_idle_GBps']:.0f})" if transport == "p2p" and length == 2048 else "")
-                print(f"{transport:<5} {length:5d} tokens ({r['MB']:6.1f} MB): copy {gbs:6.1f} GB/s = {r['ratio']:.2f}"
-                      f" of {ceiling:.0f}{idle}; first token -> decode worker has it: {handoff:.2f} ms", flush=True)
-            if transport == "p2p":   # eight at once: handoffs follow each other, the link has no time to idle
-                prompts = [torch.randint(0, vocab, (2048,), generator=g).tolist() for _ in range(8)]
-                outs = llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-                res["p2p_2048_eight_at_once_GBps"] = [o.metrics.kv_copy_GBps() for o in outs]
-                print("p2p    2048 tokens, eight at once: copy GB/s " +
-                      ", ".join(f"{r:.0f}" for r in res["p2p_2048_eight_at_once_GBps"]), flush=True)
+    g, rows = torch.Generator().manual_seed(0), []
+    # The KV of the requests in flight at once, with room to spare; set, not what fits, since
+    # both workers may share one GPU.
+    blocks = 4 * max(sizes.at_once, 6) * (max(sizes.lengths) // 16 + 1)
+    for transport in transports_for(devices):
+        with transfer_cluster(sizes.model, devices, transport, blocks) as llm:
+            rows += transfer_rows(llm, transport, res, sizes.lengths, g)
+            if transport == "p2p":   # at once: handoffs follow each other, the link has no time to idle
+                res["p2p_at_once"] = at_once(llm, max(sizes.lengths), sizes.at_once, g)
     res["rows"] = rows
+    summarize_transports(res, rows)
     if out:
         with open(out, "w") as f:
             json.dump(res, f, indent=1)
     return res
 
 
+def transfer_cluster(model: str, devices: tuple[str, str], transport: str, num_kv_blocks: int):
+    """One prefill worker on devices[0] and one decode worker on devices[1]."""
+    from nanopd import LLM
+    return LLM(model, policy="disaggregated", devices=list(devices), transport=transport, max_num_seqs=64,
+               max_num_batched_tokens=4096, max_model_len=4096, num_kv_blocks=num_kv_blocks)
+
+
+def transfer_rows(llm, transport: str, res: dict, lengths: tuple[int, ...], g: torch.Generator) -> list[dict]:
+    """Six requests of each length, one at a time (each transfer has the link to itself):
+    the median copy rate and handoff time of the last five, beside the transport's ceiling
+    (the device copy; for relay, the slower host direction)."""
+    from nanopd import SamplingParams
+    rows, vocab = [], llm.cluster.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for length in lengths:
+        outs = []
+        for _ in range(6):
+            ids = torch.randint(0, vocab, (length,), generator=g).tolist()
+            outs += llm.generate([ids], params, use_tqdm=False)
+        ms = [o.metrics for o in outs[1:]]   # the first one warms up
+        gbs = statistics.median(m.kv_copy_GBps() for m in ms)
+        handoff = statistics.median(m.phases()["transfer"] for m in ms) * 1e3
+        ceiling = min(res["d2h_GBps"], res["h2d_GBps"]) if transport == "relay" else res["p2p_GBps"]
+        rows.append({"transport": transport, "tokens": length, "MB": ms[0].kv_bytes_moved / 1e6,
+                     "GBps": gbs, "ceiling_GBps": ceiling, "ratio": gbs / ceiling, "handoff_ms": handoff})
+        r = rows[-1]
+        idle = (f", {gbs / res['p2p_after_idle_GBps']:.2f} of {res['idle_MB']:.0f} MB copied after idling "
+                f"({res['p2p_after_idle_GBps']:.0f})" if transport == "p2p" and length == max(lengths) else "")
+        print(f"{transport:<5} {length:5d} tokens ({r['MB']:6.1f} MB): copy {gbs:6.1f} GB/s = {r['ratio']:.2f}"
+              f" of {ceiling:.0f}{idle}; first token -> decode worker has it: {handoff:.2f} ms", flush=True)
+    return rows
+
+
+def at_once(llm, length: int, count: int, g: torch.Generator) -> dict:
+    """The copy rate of each of `count` requests of `length` tokens sent together."""
+    from nanopd import SamplingParams
+    prompts = [torch.randint(0, llm.cluster.vocab_size, (length,), generator=g).tolist() for _ in range(count)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    rates = [o.metrics.kv_copy_GBps() for o in outs]
+    print(f"p2p   {length:5d} tokens, {count} at once: copy GB/s " + ", ".join(f"{r:.0f}" for r in rates), flush=True)
+    return {"tokens": length, "requests": count, "GBps": rates}
+
+
+def summarize_transports(res: dict, rows: list[dict]) -> None:
+    """The distributed transport's copy rate and handoff beside p2p's at the longest length,
+    when both were measured (res gains distributed_vs_p2p)."""
+    longest = max(r["tokens"] for r in rows)
+    at = {r["transport"]: r for r in rows if r["tokens"] == longest}
+    if "distributed" not in at or "p2p" not in at:
+        print("distributed (NCCL) not measured: it needs a GPU of its own per worker", flush=True)
+        return
+    res["distributed_vs_p2p"] = at["distributed"]["GBps"] / at["p2p"]["GBps"]
+    print(f"distributed (NCCL) / p2p, {longest} tokens, copy rate: {res['distributed_vs_p2p']:.2f}x; "
+          f"handoff {at['distributed']['handoff_ms']:.2f} ms vs {at['p2p']['handoff_ms']:.2f} ms", flush=True)
+
+
 MICRO = ("kernels", "engine", "profile", "transfer")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=MICRO, help="which micro-benchmark to run")
-    p.add_argument("--model", default="qwen3-8b", help="preset or checkpoint folder (engine)")
-    p.add_argument("--out", default=None, help="write the results as JSON here")
-    p.add_argument("--batch", type=int, default=1, help="decode batch size (profile)")
-    p.add_argument("--context", type=int, default=1024, help="tokens of context per sequence (profile)")
-    args = p.parse_args()
+    p.add_argument("--model", default=None, help="preset (random weights) or checkpoint folder (engine, profile, "
+                   "transfer); default qwen3-8b, or tiny with --small")
+    p.add_argument("--small", action="store_true", help="every measurement at toy sizes (the tiny model, small "
+                   "batches, few requests): seconds, to check that the benchmark runs; its numbers mean nothing")
+    p.add_argument("--out", default=None, help="write the results as JSON here (default: print only)")
+    p.add_argument("--batch", type=int, default=None, help="decode batch size (profile); default 1, 2 with --small")
+    p.add_argument("--context", type=int, default=None, help="tokens of context per sequence (profile); "
+                   "default 1024, 64 with --small")
+    p.add_argument("--devices", nargs=2, default=None, metavar=("PREFILL", "DECODE"),
+                   help="the two devices (transfer); default cuda:0 cuda:1, or cuda:0 twice on one GPU")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit(f"bench.py {args.what} measures the GPU: no CUDA device found")
     if args.what == "kernels":
-        run_kernels(args.out)
+        run_kernels(args.out, args.small)
     elif args.what == "engine":
-        run_engine(args.out, args.model)
+        sizes = SMALL_ENGINE if args.small else EngineSizes()
+        run_engine(args.out, dataclasses.replace(sizes, model=args.model or sizes.model))
     elif args.what == "transfer":
-        if torch.cuda.device_count() < 2:
-            raise SystemExit("bench.py transfer needs two GPUs")
-        run_transfer(args.out, args.model)
+        sizes = SMALL_TRANSFER if args.small else TransferSizes()
+        devices = args.devices or ("cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
+        if devices[0] == devices[1]:
+            print(f"one device ({devices[0]}): the KV copies stay inside it, and distributed (NCCL) is left out")
+        run_transfer(args.out, tuple(devices), dataclasses.replace(sizes, model=args.model or sizes.model))
     else:
-        run_profile(args.model, args.batch, args.context)
+        run_profile(args.out, args.model or ("tiny" if args.small else "qwen3-8b"),
+                    default(args.batch, 2 if args.small else 1), default(args.context, 64 if args.small else 1024))
+
+
+def default(value, fallback):
+    """A flag's value, or its default when it was not given."""
+    return fallback if value is None else value

@@ -3418,6 +3418,47 @@ def test_bench_sweep_smoke(tmp_path):
         assert (tmp_path / "out" / png).stat().st_size > 1000
     assert b"| adaptive | fixed | 4 |" in run.stdout and b"goodput" in run.stdout
     assert b"\r" not in run.stderr   # progress bars stay quiet when stderr is not a terminal
+    caption = run.stdout.decode().split("| policy | workload |")[0]   # the lines above the table
+    for words in ("policies collocated, disaggregated, adaptive", "workloads sharegpt, fixed",
+                  "model tiny (random weights)", "2 workers on cpu, cpu"):
+        assert words in caption
+    assert (tmp_path / "out" / "roles_over_time.png").stat().st_size > 1000
+    check_bench_figures(results)
+
+
+def check_bench_figures(results: dict) -> None:
+    """bench.py's figures drawn again from a run's results.json, read as a reader would: the
+    CDF's log axis has several numbered ticks; the router's counts of sequences are whole
+    numbers, and its legend gives each path's count of requests (counted here); the roles'
+    legend names exactly the roles that occur (found here); every legend is off the data
+    (outside the axes)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    import bench
+    rows, reqs = results["summary"], [bench.Result(**r) for r in results["requests"]]
+    routed = [r for r in reqs if r.routed]
+    figs = {"cdf": bench.plot_cdf(plt, rows, reqs, bench.series_styles(rows)),
+            "router": bench.plot_router(plt, routed), "roles": bench.plot_roles(plt, results["regimes"])}
+    for fig in figs.values():
+        fig.canvas.draw()
+        legend_box = next(ax.get_legend() for ax in fig.axes if ax.get_legend()).get_window_extent()
+        assert not any(legend_box.overlaps(ax.get_window_extent()) for ax in fig.axes)
+
+    def shown(axis, ticks):   # the ticks inside the view, with their labels
+        lo, hi = sorted(axis.get_view_interval())
+        return [t for t in ticks if lo <= t.get_loc() <= hi]
+    cdf = figs["cdf"].axes[0]
+    assert len([t for t in shown(cdf.xaxis, cdf.xaxis.get_major_ticks()) if t.label1.get_text()]) >= 3
+    router = figs["router"].axes[0]
+    assert all(t.get_loc() == int(t.get_loc()) for t in shown(router.xaxis, router.xaxis.get_major_ticks()))
+    paths = Counter("disaggregated" if len(r.path) == 2 else "collocated" for r in routed)
+    assert {t.get_text() for t in router.get_legend().get_texts()} == {f"{p} ({n})" for p, n in paths.items()}
+    roles = {role for tl in results["regimes"] for c in tl["changes"] for role in c["roles"].values()}
+    assert {t.get_text() for t in figs["roles"].axes[0].get_legend().get_texts()} == {
+        bench.ROLE_NAMES[r] for r in roles}
+    plt.close("all")
 
 
 def test_bench_runs_the_disaggregated_policy_over_the_distributed_transport(tmp_path):
@@ -3476,6 +3517,17 @@ def test_bench_flags_give_a_run_or_one_line_naming_the_flag(tmp_path_factory, fl
             bench.make_run(bench.parse_args(argv))
 
 
+def test_bench_help_gives_every_flag_its_default_and_says_what_the_presets_are():
+    """`bench.py --help`: every flag has a help text that states its default; the page says
+    the presets' weights are random, that requests are greedy (temperature 0) and how long
+    the main command runs on CPUs."""
+    import bench
+    flags = [a for a in bench.parser()._actions if a.option_strings and a.dest != "help"]
+    assert flags and all(a.help and "default" in a.help for a in flags), [a.dest for a in flags if not a.help]
+    page = bench.parser().format_help()
+    assert "random weights" in page and "temperature 0" in page and re.search(r"took \d+", page)
+
+
 def test_bench_refuses_an_out_folder_it_cannot_write_and_writes_into_an_ignored_one_by_default():
     import bench
     with pytest.raises(SystemExit, match="--out /proc/x"):
@@ -3483,6 +3535,105 @@ def test_bench_refuses_an_out_folder_it_cannot_write_and_writes_into_an_ignored_
     default = Path(bench.parse_args([]).out)
     ignored = [line.strip().strip("/") for line in (HERE / ".gitignore").read_text().splitlines()]
     assert default.parts[0] in ignored   # the main command leaves a clean checkout
+
+
+# The micro-benchmarks (`bench.py kernels | engine | profile | transfer`) at their --small
+# sizes, end to end through the command: a crash anywhere in one, its printing included,
+# fails its test. GPU only (they time the GPU).
+MICROBENCH_GPU = pytest.mark.skipif(DEVICE != "cuda", reason="the micro-benchmarks time the GPU")
+
+
+def run_microbench(tmp_path, what: str, *args: str) -> dict:
+    """`python bench.py <what> --small --out FILE`: it exits 0 printing no traceback (the
+    engine benchmark prints a failed measurement's and goes on); the JSON it wrote."""
+    out = tmp_path / f"{what}.json"
+    run = subprocess.run([sys.executable, "bench.py", what, "--small", "--out", str(out), *args], cwd=HERE,
+                         env={**os.environ, "HOME": str(tmp_path)}, capture_output=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    assert b"Traceback" not in run.stdout + run.stderr, (run.stdout + run.stderr).decode()[-3000:]
+    return json.loads(out.read_text())
+
+
+def finite_positive(*xs) -> bool:
+    return all(isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in xs)
+
+
+@MICROBENCH_GPU
+def test_microbench_small_kernels_runs_every_case_and_matches_its_reference(tmp_path):
+    """Every kernel case gives a row with finite, positive times and rates, and nanoPD's
+    result agrees with the reference it is timed against (SDPA, the torch twin, cuBLAS;
+    the copy exactly) within bf16's tolerance; the overlap row has nothing to compare."""
+    import microbench
+    rows = run_microbench(tmp_path, "kernels")["rows"]
+    assert len(rows) == len(microbench.kernel_cases(small=True))
+    for r in rows:
+        assert finite_positive(r["ours_ms"], r["ref_ms"], r["ours_rate"], r["ref_rate"], r["ratio"]), r
+        assert r["unit"] and r["ref"] and r["case"]
+        if r["ref"] != "serial":
+            assert r["rel_err"] <= TOL[torch.bfloat16], r
+
+
+@MICROBENCH_GPU
+def test_microbench_small_engine_gives_every_row_and_generates_every_token(tmp_path):
+    """The engine benchmark on the tiny preset: a row per decode batch, the mixed step both
+    ways, prefill and decode inside generate, each with finite, positive times and
+    ceilings; generate produced requests x output tokens (EOS ignored)."""
+    import microbench
+    sizes = microbench.SMALL_ENGINE
+    res = run_microbench(tmp_path, "engine")
+    assert finite_positive(res["hbm_copy_GBps"], res["bf16_matmul_TFLOPs"], res["startup_s"])
+    assert len(res["rows"]) == len(sizes.batches) + 4
+    for r in res["rows"]:
+        assert finite_positive(r["ms"], r["ceiling_ms"]), r
+        assert r["gpu_ms"] is None or finite_positive(r["gpu_ms"])
+    assert all(finite_positive(r["gpu_ms"]) for r in res["rows"] if r["case"].startswith("decode step"))
+    count, _, n_out = sizes.generate
+    g = res["generate"]
+    assert g["requests"] == count and g["output_tokens"] == count * n_out
+    assert finite_positive(*(g[k] for k in ("seconds", "output_tokens_per_s", "total_tokens_per_s", "matmul_s",
+                                            "kv_read_s", "roofline_s")))
+
+
+@MICROBENCH_GPU
+def test_microbench_small_transfer_measures_every_transport_and_length(tmp_path):
+    """The transfer benchmark between the first two worker devices (on one GPU, both on it;
+    NCCL's distributed transport then left out): a row per transport and length with
+    finite, positive rates, ceilings and handoff times, each moving at least the prompt's
+    KV (tiny's bytes per token, from its config); the link's ceilings, the decode step
+    beside pulls and the requests sent at once too."""
+    import microbench
+    from model import PRESETS
+    devices = tuple(WORKER_DEVICES[:2])
+    res = run_microbench(tmp_path, "transfer", "--devices", *devices)
+    sizes, cfg = microbench.SMALL_TRANSFER, PRESETS["tiny"]
+    assert {(r["transport"], r["tokens"]) for r in res["rows"]} == {
+        (t, n) for t in microbench.transports_for(devices) for n in sizes.lengths}
+    kv_per_token = cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2   # bf16
+    for r in res["rows"]:
+        assert finite_positive(r["GBps"], r["ceiling_GBps"], r["ratio"], r["handoff_ms"]), r
+        assert r["MB"] * 1e6 >= r["tokens"] * kv_per_token
+    assert finite_positive(*(res[k] for k in ("p2p_GBps", "d2h_GBps", "h2d_GBps", "p2p_after_idle_GBps")))
+    o = res["overlap"]
+    assert finite_positive(o["alone_ms"], o["per_step_ms"], o["saturated_ms"], *o["transport_alone"].values())
+    assert len(res["p2p_at_once"]["GBps"]) == sizes.at_once and finite_positive(*res["p2p_at_once"]["GBps"])
+    assert ("distributed_vs_p2p" in res) == (devices[0] != devices[1])
+
+
+@MICROBENCH_GPU
+def test_microbench_small_profile_lists_the_step_kernels(tmp_path):
+    """The profile of a tiny decode step lists kernels with positive GPU time per step,
+    among them nanoPD's paged attention, as torch.profiler names it."""
+    rows = run_microbench(tmp_path, "profile")["rows"]
+    assert rows and all(finite_positive(r["gpu_ms_per_step"], r["calls_per_step"]) for r in rows)
+    assert any("paged_attention" in r["kernel"] for r in rows)
+
+
+def test_microbench_without_a_gpu_is_one_line():
+    """Without a visible GPU each micro-benchmark says so in one line, no traceback."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, "bench.py", "engine", "--small"], cwd=HERE, env=env, capture_output=True,
+                         timeout=120, check=False)
+    assert run.returncode != 0 and b"no CUDA device" in run.stderr and run.stderr.count(b"\n") == 1
 
 
 # ====================================== the repository: layers, short functions, citations

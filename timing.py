@@ -14,7 +14,7 @@ from request import Request, RequestMetrics, SamplingParams, Sequence
 from runner import Draw
 from scheduler import Batch
 
-GREEDY = SamplingParams()
+GREEDY = SamplingParams(temperature=0.0)   # greedy, whatever SamplingParams' defaults are
 
 
 def fake_batch(engine, batch_size: int, context: int, num_new: int) -> Batch:
