@@ -3170,6 +3170,34 @@ def test_ctrl_c_during_generate_on_workers_leaves_them_empty_and_usable(hf, monk
 
 
 @pytest.mark.usefixtures("worker_env")
+def test_workers_under_pressure_serve_numpy_seeds_two_threads_and_crowded_beams(hf):
+    """Collocated on two workers whose caches hold one beam search at a time: a numpy seed
+    serves as the int it is (it once killed a worker, and the retry the other); two threads
+    generating at once each get HF's tokens; eight beam searches end with HF's beams. No
+    worker dies, every block comes back."""
+    import numpy as np
+    with make_cluster(hf, "collocated", 2, num_kv_blocks=10, max_model_len=64) as llm:
+        seeded = [SamplingParams(temperature=1.0, seed=s, max_tokens=6) for s in (np.int64(7), 7)]
+        outs = llm.generate([MIXED_PROMPTS[1]] * 2, seeded, use_tqdm=False)
+        assert outs[0].error is None and tokens(outs[:1]) == tokens(outs[1:])
+        results = {}
+        def run(k):
+            results[k] = tokens(generate(llm, MIXED_PROMPTS, max_tokens=5))
+        threads = [threading.Thread(target=run, args=(k,)) for k in "ab"]
+        with deadline(120):
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        assert results == {k: [hf.greedy(p, 5) for p in MIXED_PROMPTS] for k in "ab"}
+        prompts = [prompt(40, seed=90 + i) for i in range(8)]
+        with deadline(300):
+            beams = llm.beam_search(prompts, beam_width=2, max_tokens=8, ignore_eos=True, use_tqdm=False)
+        assert [[c.token_ids for c in o.outputs] for o in beams] == [hf.beams(p, 2, 8) for p in prompts]
+        assert not llm.cluster.dead and workers_all_free(llm) and not llm.cluster.active and not llm.cluster.done
+
+
+@pytest.mark.usefixtures("worker_env")
 def test_a_role_change_mid_run_keeps_every_request_and_its_tokens(hf):
     """Adaptive on two workers: requests run with both workers mixed; mid-run the regime
     makes one worker prefill and the other decode, and later both mixed again under a
