@@ -358,7 +358,7 @@ class CentralScheduler:
             case ToWorker() if msg.worker not in self.dead:
                 self.workers.send(msg.worker, msg.msg)
             case Rejected() if self._current(w, msg.request_id):
-                self._fail(self.active[msg.request_id], ValueError(msg.error))
+                self._fail(self.active[msg.request_id], (ValueError if msg.invalid else RuntimeError)(msg.error))
             case PullFailed() if (t := self._current(w, msg.request_id)) and t.prefill_worker == msg.src:
                 if msg.src not in self.dead:
                     self.workers.send(msg.src, Release(t.request_id))   # nobody will pull it now

@@ -115,12 +115,13 @@ class Engine:
         req = Request(next(self._request_ids) if request_id is None else request_id, text, ids, params,
                       RequestMetrics(time.perf_counter()), beam_width=beam_width, length_penalty=length_penalty,
                       prefill_only=prefill_only)
+        self._add_seq(req, 0, list(ids))   # first: if it raises, nothing is registered
         self.requests[req.request_id] = req
-        self._add_seq(req, 0, list(ids))
         return req.request_id
 
     def _add_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
-        seq = Sequence(req, index, token_ids, len(req.prompt_token_ids), generator=self._generator(req, index))
+        seq = Sequence(req, index, token_ids, len(req.prompt_token_ids), arrival=req.arrival,
+                       generator=self._generator(req, index))
         req.seqs.append(seq)
         self.scheduler.add(seq)
         return seq
@@ -165,7 +166,6 @@ class Engine:
                       generator_state: bytes | None) -> None:
         """The request's prompt KV is in block_table (start_import's); its first token is
         token_ids[-1]. It joins the decodes."""
-        self.requests.pop(request_id, None)   # our own parked record gives way to the decoding one
         req = Request(request_id, None, token_ids[:num_prompt_tokens], params, RequestMetrics(time.perf_counter()),
                       num_streamed=1)   # the first token was streamed where it was prefilled
         seq = Sequence(req, 0, list(token_ids), num_prompt_tokens, block_table=block_table,
@@ -174,6 +174,7 @@ class Engine:
         if generator_state is not None:   # carry on the random stream where the prefill worker left it
             seq.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
         req.seqs.append(seq)
+        self.requests.pop(request_id, None)   # our own parked record gives way to the decoding one
         self.requests[request_id] = req
         self.scheduler.finish_import(seq)
 
@@ -193,6 +194,8 @@ class Engine:
         finished (a prefill_only one: prefilled and parked). A step that raises ends the
         requests it carried with that error; the engine goes on serving the others."""
         batch = self.scheduler.schedule()
+        if self._restart_beams() + len(batch.seqs) == 0 and self.in_flight is None:
+            return self._end_unschedulable()
         try:
             launched = self._launch(batch) if batch.seqs else None
             finished = self._finish(self.in_flight) if self.in_flight else []
@@ -203,6 +206,39 @@ class Engine:
             finished += self._finish(launched)
             self.in_flight = None
         return [r.request_id for r in finished]
+
+    def _restart_beams(self) -> int:
+        """Beam searches the scheduler preempted whole start again from their prompt, in
+        their place in the queue; how many."""
+        restarted, self.scheduler.restarted = self.scheduler.restarted, []
+        for req in restarted:
+            for seq in req.seqs:
+                self.runner.token_counts.forget(seq)
+            req.seqs, req.beams_done = [], []
+            self._add_seq(req, 0, list(req.prompt_token_ids))
+        return len(restarted)
+
+    def _end_unschedulable(self) -> list[int]:
+        """Nothing was scheduled, nothing is in flight: unless an import or a handoff will
+        free seats or blocks (workers.py), no later step can differ from this one. End the
+        requests that hold the engine still, with an error saying what they need, rather
+        than spin: the running ones if any (none of them could compute), else the first in
+        the queue (it cannot fit even in an empty engine). Their ids."""
+        sched = self.scheduler
+        if not sched.has_work() or sched.importing or sched.oldest_import is not None \
+                or any(r.parked for r in self.requests.values()):
+            return []
+        stuck = {s.request: None for s in sched.running} or {sched.waiting[0].request: None}
+        bm, cfg = self.bm, self.cfg
+        error = RuntimeError(
+            f"no step could make progress: {len(sched.running)} sequences running, {len(sched.waiting)} waiting, "
+            f"{bm.num_free_blocks} of {bm.num_blocks} KV blocks free ({bm.watermark_blocks} kept back), "
+            f"{cfg.max_num_seqs} seats (max_num_seqs), a step budget of {cfg.max_num_batched_tokens} tokens "
+            f"(max_num_batched_tokens): a larger num_kv_blocks or max_num_seqs may let it run")
+        for req in stuck:
+            self._retire(req)
+            req.error, req.metrics.finish_time = error, time.perf_counter()
+        return [req.request_id for req in stuck]
 
     def _fail_step(self, batch: Batch, error: Exception) -> list[int]:
         """End every request of the batch and of the step in flight with error, freeing all

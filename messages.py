@@ -179,9 +179,11 @@ class Done:
 
 @dataclass
 class Rejected:
-    """The worker could not take the request (its own validation, e.g. a smaller cache)."""
+    """The worker could not serve the request: its own validation rejected it (invalid,
+    e.g. a smaller cache), or serving it raised (the request ends; the worker serves on)."""
     request_id: int
     error: str
+    invalid: bool = True                # a ValueError: the request is bad, not the worker
 
 
 @dataclass

@@ -15,9 +15,12 @@ profiler.py). Both offer submit / poll / output, and LLM drives either with one 
 """
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import numbers
+import signal
+import threading
 import time
 from typing import Self
 
@@ -54,6 +57,8 @@ class LLM:
                  **kwargs):
         check_settings(kwargs)
         self.closed = False
+        self.lock = threading.Lock()   # one caller at a time drives the backend (see _run)
+        self.ended: dict[int, RequestOutput] = {}   # outputs polled for another caller's requests
         if policy is None:
             given = [name for name, value, default in [("devices", devices, None), ("num_prefill", num_prefill, 1),
                                                        ("transport", transport, "p2p"), ("profile", profile, None),
@@ -143,33 +148,80 @@ class LLM:
         return self._run([(p, params, extra) for p in as_prompt_list(prompts)], use_tqdm)
 
     def _run(self, work: list[tuple], use_tqdm: bool) -> list[RequestOutput]:
-        """Submit every (prompt, params, extra), then poll until each has ended. If this is
-        interrupted (Ctrl-C), the requests still running are aborted: the engine is left
-        empty and usable."""
+        """Submit every (prompt, params, extra), then poll until each has ended. A request
+        that fails to submit, for whatever reason, gets its output's .error. If this call is
+        interrupted at any point (Ctrl-C), every request it submitted that is still running
+        is aborted: the engine is left empty and usable. Several threads may call it at
+        once: each submits and polls under the lock, and whoever polls keeps the outputs
+        for the call that asked (self.ended)."""
         if self.closed:
             raise RuntimeError("this LLM is closed: create a new LLM(...) to generate again")
-        backend, outputs, ids = self.backend, [None] * len(work), {}
-        for i, (prompt, params, extra) in enumerate(work):
-            try:
-                ids[backend.submit(prompt, params, **extra)] = i
-            except ValueError as e:
-                outputs[i] = RequestOutput(-1, prompt if isinstance(prompt, str) else None,
-                                           prompt if isinstance(prompt, list) else [], [],
-                                           RequestMetrics(time.perf_counter()), error=e)
+        outputs, ids = [None] * len(work), {}
+        try:
+            for i, (prompt, params, extra) in enumerate(work):
+                with self.lock, interrupts_held():   # an id is recorded once it exists
+                    try:
+                        ids[self.backend.submit(prompt, params, **extra)] = i
+                    except Exception as e:  # noqa: BLE001 (this request fails, alone)
+                        outputs[i] = failed_output(prompt, e)
+            self._wait(ids, outputs, use_tqdm)
+        except BaseException:
+            with self.lock:
+                mine = [r for r in ids if outputs[ids[r]] is None]
+                self.backend.abort(mine)
+                for r in mine:
+                    self.ended.pop(r, None)
+            raise
+        return outputs
+
+    def _wait(self, ids: dict[int, int], outputs: list, use_tqdm: bool) -> None:
+        """Poll until every request of ids (request id -> index) has its output."""
         pending = set(ids)
         # disable=None: the bar shows only on a terminal
         with tqdm(total=len(ids), desc="generating", disable=True if not use_tqdm or len(ids) < 2 else None) as bar:
-            try:
-                while pending:
-                    for request_id in backend.poll(0.05):
-                        if request_id in pending:
-                            outputs[ids[request_id]] = backend.output(request_id)
-                            pending.discard(request_id)
-                            bar.update()
-            except BaseException:
-                backend.abort(list(pending))
-                raise
-        return outputs
+            while pending:
+                with self.lock:
+                    for request_id in self.backend.poll(0.05):
+                        self.ended[request_id] = self.output_of(request_id)
+                    done = pending & self.ended.keys()
+                    for request_id in done:
+                        outputs[ids[request_id]] = self.ended.pop(request_id)
+                pending -= done
+                bar.update(len(done))
+                time.sleep(0)   # let a thread waiting for the lock have it
+
+    def output_of(self, request_id: int) -> RequestOutput:
+        """The backend's output of an ended request; one it cannot build ends with that error."""
+        try:
+            return self.backend.output(request_id)
+        except Exception as e:  # noqa: BLE001 (this request fails, alone)
+            return failed_output(None, e)
+
+
+def failed_output(prompt, error: Exception) -> RequestOutput:
+    """The output of a request that ended before it ran: no completions, the error."""
+    return RequestOutput(-1, prompt if isinstance(prompt, str) else None, prompt if isinstance(prompt, list) else [],
+                         [], RequestMetrics(time.perf_counter()), error=error)
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Hold a Ctrl-C that arrives inside the block until the block has ended, so that what
+    it does (a submit: registering a request and returning its id) is never cut in half.
+    Only the main thread receives signals; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *args: caught.append(args))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(*caught[0])
+        elif caught and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
 
 
 def check_settings(kwargs: dict) -> None:

@@ -17,15 +17,22 @@
 Named profiler.py, not profile.py: that would shadow the standard library's `profile`, and
 then cProfile and torch.compile break. Results are cached as JSON (~/.cache/nanopd), keyed
 by what they were measured on (cache_key: devices, settings, model, versions, code), so a
-second start is instant and a change of any of these measures again. The engine timings
-are taken on a worker (timing.measure_engine, sent as a Measure message); the handoffs
-are real requests through the cluster.
+second start is instant and a change of any of these measures again. A cached file that
+cannot be read (cut short, emptied, of another schema) is named in one line, measured
+again and replaced; files are written whole or not at all (a temporary file, renamed).
+The engine timings are taken on a worker (timing.measure_engine, sent as a Measure
+message), at sizes fitted to its KV cache and max_model_len (fit_spec); the handoffs are
+real requests through the cluster.
 """
 
 import argparse
+import dataclasses
 import hashlib
 import itertools
 import json
+import logging
+import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -35,9 +42,12 @@ import torch
 import triton
 
 from cluster import CentralScheduler, default_devices
+from config import EngineConfig
+from kv_cache import cdiv
 from router import HardwareParams
 
 CACHE = Path.home() / ".cache" / "nanopd"
+log = logging.getLogger("nanopd")
 
 
 @dataclass
@@ -146,6 +156,31 @@ CPU_SPEC = {"lengths": [8, 16, 32, 64], "batches": [1, 2, 4, 8, 16], "chunks": [
             "gamma_batch": 4, "long_context": 64, "kv_batches": [4, 8], "reps": 2}
 
 
+def fit_spec(spec: dict, cfg: EngineConfig, room_blocks: int) -> dict:
+    """spec's sizes that fit the engine: contexts below max_model_len, and each fake batch
+    (timing.fake_batch) within room_blocks, the KV cache less its watermark. A ValueError
+    naming the setting if too little is left to fit a parameter."""
+    bs = cfg.block_size
+    context = min(spec["context"], cfg.max_model_len - 1)
+    long_context = min(spec["long_context"], cfg.max_model_len - 1)
+    per_seq = cdiv(context + 1, bs)   # a decode's blocks: its context and the token it computes
+    lengths = [n for n in spec["lengths"] if n <= cfg.max_model_len and cdiv(n, bs) <= room_blocks]
+    batches = [b for b in spec["batches"] if b * per_seq <= room_blocks]
+    kv_batches = [b for b in spec["kv_batches"] if b in batches and b * cdiv(long_context + 1, bs) <= room_blocks
+                  and long_context > context]
+    smallest = min(spec["chunks"])
+    gamma_batch = max((b for b in range(1, spec["gamma_batch"] + 1) if b * per_seq + cdiv(smallest, bs) <= room_blocks),
+                      default=0)
+    chunks = [c for c in spec["chunks"] if gamma_batch * per_seq + cdiv(c, bs) <= room_blocks]
+    if len(lengths) < 2 or len(batches) < 2 or not gamma_batch:
+        need = 2 * per_seq + cdiv(smallest, bs)
+        raise ValueError(f"the adaptive policy's profiler needs at least {need} KV blocks per worker to time "
+                         f"decode steps of {context} tokens of context; num_kv_blocks={cfg.num_kv_blocks} leaves "
+                         f"{room_blocks}: raise num_kv_blocks, or pass LLM(profile=HardwareParams(...))")
+    return dict(spec, context=context, long_context=long_context, lengths=lengths, batches=batches,
+                kv_batches=kv_batches, gamma_batch=gamma_batch, chunks=chunks)
+
+
 def cache_key(cluster: CentralScheduler) -> dict:
     """Everything a profile depends on: the devices, the engine settings, the model, the
     transport, the library versions, and the code itself (a digest of nanoPD's modules), so
@@ -176,25 +211,57 @@ def measure_links(cluster: CentralScheduler, lengths: tuple[int, int]) -> dict[s
 
 
 def profile_cluster(cluster: CentralScheduler, use_cache: bool = True) -> Profile:
-    """Measure (or load from the cache) the parameters on a running CentralScheduler: the
-    engine timings on worker 0, and real handoffs between every pair of workers."""
+    """Load from the cache, or measure and cache, the parameters on a running
+    CentralScheduler (measure_profile)."""
     key = cache_key(cluster)
     path = CACHE / f"profile-{hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
-    if use_cache and path.is_file():
-        data = json.loads(path.read_text())
-        return Profile(HardwareParams(**data["params"]), data["bandwidth_GBps"], data["errors"], key, data["seconds"],
-                       data["timings"])
+    profile = load_profile(path) if use_cache and path.exists() else None
+    if profile is None:
+        profile = measure_profile(cluster)
+        profile.key = key
+        save_profile(profile, path)
+    return profile
+
+
+def measure_profile(cluster: CentralScheduler) -> Profile:
+    """The engine timings on worker 0, real handoffs between every pair of workers, fitted."""
     start = time.perf_counter()
-    spec = GPU_SPEC if cluster.devices[0].startswith("cuda") else CPU_SPEC
+    on_gpu = cluster.devices[0].startswith("cuda")
+    spec = fit_spec(GPU_SPEC if on_gpu else CPU_SPEC, cluster.cfg, cluster.room)
     timings = cluster.measure(0, spec)
-    links = measure_links(cluster, (512, 2048) if spec is GPU_SPEC else (16, 64))
+    lengths = [n for n in ((512, 2048) if on_gpu else (16, 64)) if n < cluster.cfg.max_model_len]
+    links = measure_links(cluster, tuple(lengths) or (cluster.cfg.max_model_len // 2,))
     profile = fit(timings, [h for hs in links.values() for h in hs])
     if len(links) > 1:   # each pair's own rate: within a host and between hosts differ
         profile.params.links = {pair: statistics.median(ms / n for n, _, _, ms in hs) for pair, hs in links.items()}
-    profile.key, profile.seconds = key, time.perf_counter() - start
-    CACHE.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(asdict(profile), indent=1))
+    profile.seconds = time.perf_counter() - start
     return profile
+
+
+def load_profile(path: Path) -> Profile | None:
+    """The profile cached at path, or None (with one line saying why) if it cannot be read
+    or does not hold a profile of this version's schema: it is then measured again."""
+    try:
+        data = json.loads(path.read_text())
+        params = HardwareParams(**data["params"])
+        numbers = [getattr(params, f.name) for f in dataclasses.fields(HardwareParams) if f.name != "links"]
+        if not all(isinstance(x, int | float) and not math.isnan(x) for x in numbers) \
+                or not all(isinstance(x, int | float) for x in params.links.values()):
+            raise ValueError("a parameter is not a number")
+        return Profile(params, float(data["bandwidth_GBps"]), dict(data["errors"]), dict(data["key"]),
+                       float(data["seconds"]), dict(data["timings"]))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        log.warning("nanoPD: the cached profile %s cannot be used (%s: %s); measuring again and replacing it",
+                    path, type(e).__name__, e)
+        return None
+
+
+def save_profile(profile: Profile, path: Path) -> None:
+    """Write the profile whole or not at all: into a temporary file, then renamed over path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(profile), indent=1))
+    os.replace(tmp, path)
 
 
 def print_profile(profile: Profile) -> None:

@@ -275,6 +275,7 @@ class Request:
     prefill_only: bool = False          # a prefill worker's: stop after the first token, keep the blocks
     num_streamed: int = 0               # output tokens already handed out by Engine.new_tokens
     error: Exception | None = None      # why it ended without its completions
+    arrival: int = field(default_factory=arrival_order)   # its first sequence's: its place in the queue
 
     @property
     def finished(self) -> bool:

@@ -5,8 +5,11 @@ Each step the Scheduler takes the running decodes first, then unfinished prompt 
 (chunked prefill), then waiting sequences first come first served, under a token budget
 (max_num_batched_tokens) and a seat limit (max_num_seqs). When the KV cache runs out it
 preempts the newest running sequence: its blocks are freed and it is recomputed later,
-through the prefix cache where possible. The engine (engine.py) turns the Batch into a
-model step and tells the scheduler what was computed, forked and finished.
+through the prefix cache where possible. A beam search request is preempted whole: its
+beams advance together, so one beam recomputing alone could hold blocks its siblings
+wait for; it restarts from its prompt (scheduler.restarted, which the engine rebuilds).
+The engine (engine.py) turns the Batch into a model step and tells the scheduler what was
+computed, forked and finished.
 """
 
 import bisect
@@ -15,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kv_cache import BlockManager, OutOfBlocks
-from request import Sequence, Status
+from request import Request, Sequence, Status
 
 # ----------------------------------------------------------------------------- scheduler
 
@@ -25,7 +28,23 @@ class Batch:
     """One step's work: each sequence computes its next num_new tokens."""
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)   # copy-on-write block pairs
+    seq_copies: list[list[tuple[int, int]]] = field(default_factory=list)   # per sequence: copy-on-write pairs
+
+    @property
+    def copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) block pairs to copy before the step's model runs."""
+        return [pair for pairs in self.seq_copies for pair in pairs]
+
+    def add(self, seq: Sequence, n: int, copies: list[tuple[int, int]] = ()) -> None:
+        self.seqs.append(seq)
+        self.num_new.append(n)
+        self.seq_copies.append(list(copies))
+
+    def drop(self, req: Request) -> None:
+        """Take req's sequences out (it was preempted whole while the batch was being built)."""
+        keep = [i for i, s in enumerate(self.seqs) if s.request is not req]
+        self.seqs, self.num_new = [self.seqs[i] for i in keep], [self.num_new[i] for i in keep]
+        self.seq_copies = [self.seq_copies[i] for i in keep] if self.seq_copies else []
 
 
 class Scheduler:
@@ -38,6 +57,7 @@ class Scheduler:
         self.importing = 0                         # seats held by imports whose KV is being copied in
         self.oldest_import: int | None = None      # arrival order of the oldest import waiting for a seat
         self.prefill_budget: int | None = None     # prompt tokens per step, if capped (planner.py)
+        self.restarted: list[Request] = []         # beam searches preempted whole: the engine restarts them
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -67,14 +87,8 @@ class Scheduler:
             if seq.status != Status.RUNNING:   # preempted to make room for an earlier one
                 continue
             n = min(seq.num_pending, budget, prompt_room if seq.num_pending > 1 else budget)
-            if n == 0:
+            if n == 0 or not self._append_slots(seq, n, batch):
                 continue
-            copies = self._append_slots(seq, n, batch)
-            if copies is None:
-                continue
-            batch.copies += copies
-            batch.seqs.append(seq)
-            batch.num_new.append(n)
             budget -= n
             prompt_room -= n if seq.num_pending > 1 else 0
         # Then new (or preempted) sequences, first come first served, while budget and seats remain.
@@ -92,8 +106,7 @@ class Scheduler:
                 metrics.first_scheduled_time = time.perf_counter()
                 metrics.num_cached_tokens = seq.num_computed
             n = min(seq.num_pending, budget, prompt_room)
-            batch.seqs.append(seq)
-            batch.num_new.append(n)
+            batch.add(seq, n)
             budget, prompt_room = budget - n, prompt_room - n
         return batch
 
@@ -106,18 +119,20 @@ class Scheduler:
         req = seq.request
         return 1 if seq.num_outputs else max(req.params.n, req.beam_width)
 
-    def _append_slots(self, seq: Sequence, n: int, batch: Batch) -> list[tuple[int, int]] | None:
-        """Room for seq's next n tokens (and its copy-on-write pairs), preempting the newest
-        running sequences not yet in this batch while the cache is full. None if seq itself
-        had to go."""
+    def _append_slots(self, seq: Sequence, n: int, batch: Batch) -> bool:
+        """Room for seq's next n tokens (and its copy-on-write pairs), and seq in the batch;
+        while the cache is full, the newest running sequences not yet in this batch are
+        preempted (a beam search whole, out of the batch too). False if seq itself had to go."""
         while True:
             try:
-                return self.bm.append_slots(seq.block_table, seq.num_computed, seq.num_computed + n)
+                copies = self.bm.append_slots(seq.block_table, seq.num_computed, seq.num_computed + n)
             except OutOfBlocks:
-                victim = next(s for s in reversed(self.running) if s not in batch.seqs)
-                self.preempt(victim)
-                if victim is seq:
-                    return None
+                self.preempt(next(s for s in reversed(self.running) if s not in batch.seqs), batch)
+                if seq.status != Status.RUNNING:
+                    return False
+                continue
+            batch.add(seq, n, copies)
+            return True
 
     def computed(self, batch: Batch) -> None:
         """After a step is launched: its tokens' K/V are (being) written. A block enters the
@@ -128,10 +143,12 @@ class Scheduler:
             self.bm.cache_computed_blocks(seq.block_table, seq.token_ids, min(seq.num_computed, known))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """child runs from now on, sharing every block of parent (copy-on-write)."""
+        """child runs from now on, sharing every block of parent (copy-on-write). It joins
+        the running list beside its parent: it is as old as its request, not a newcomer to
+        preempt first."""
         child.block_table = self.bm.fork(parent.block_table)
         child.status = Status.RUNNING
-        self.running.append(child)
+        self.running.insert(self.running.index(parent) + 1, child)
 
     def allocate(self, token_ids: list[int]) -> tuple[list[int], int] | None:
         """Blocks for token_ids and how many leading tokens the prefix cache already holds;
@@ -166,12 +183,25 @@ class Scheduler:
         """Give blocks back that no running sequence holds (a parked or dropped import's)."""
         self.bm.free(block_table)
 
-    def preempt(self, seq: Sequence) -> None:
-        """Free the sequence's blocks; it is recomputed when readmitted (recompute preemption)."""
+    def preempt(self, seq: Sequence, batch: Batch | None = None) -> None:
+        """Free the sequence's blocks; it is recomputed when readmitted (recompute preemption).
+        A beam search's sequence takes its whole request with it, out of batch too: every
+        beam is finished and the engine restarts the request from its prompt (its beams
+        would otherwise come back one at a time, each recomputed without sharing, and wait
+        on each other)."""
+        self.num_preemptions += 1
+        req = seq.request
+        if req.beam_width:
+            for s in req.seqs:
+                if s.status != Status.FINISHED:
+                    self.finish(s)
+            if batch is not None:
+                batch.drop(req)
+            self.restarted.append(req)
+            return
         self.bm.free(seq.block_table)
         seq.num_computed = 0
         self.running.remove(seq)
-        self.num_preemptions += 1
         self.add(seq)
 
     def finish(self, seq: Sequence, free: bool = True) -> None:

@@ -40,6 +40,7 @@ import queue
 import random
 import re
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -70,6 +71,7 @@ import planner
 import profiler
 import request
 import sampler
+import scheduler
 import transport
 import workers
 from config import EngineConfig
@@ -222,8 +224,9 @@ def tokens(outputs) -> list[list[int]]:
 
 
 def run_engine(engine: Engine, requests, max_steps: int = 500) -> list[request.RequestOutput]:
-    """Submit (prompt, params) requests to the engine and step it until they all finish."""
-    reqs = [engine.submit(p, params) for p, params in requests]
+    """Submit (prompt, params) requests, or (prompt, params, beam_width), to the engine and
+    step it until they all finish."""
+    reqs = [engine.submit(*r) for r in requests]
     for _ in range(max_steps):
         if not engine.has_unfinished():
             break
@@ -1557,6 +1560,43 @@ def test_penalties_count_each_childs_own_tokens(hf, llm):
 
 
 @ENGINE
+@pytest.mark.parametrize("temperature, top_p", [(1e-40, 1.0), (2e-5, 1.0), (1e4, 1.0), (1e30, 1.0), (1.0, 1e-9),
+                                                (1.0, 0.999999), (5e3, 0.5)])
+def test_sampling_at_extreme_settings_follows_a_float64_reference(temperature, top_p):
+    """Tiny and huge temperatures, top_p near 0 and near 1: sample() draws from the
+    distribution a float64 computation gives (softmax(logits / T), cut to the smallest set
+    reaching top_p; a temperature below 1e-5 is greedy), within 5 standard errors."""
+    logits = torch.tensor([3.0, 2.5, -1.0, 0.7, 2.9, -4.0, 1.1, 0.0])
+    if temperature < 1e-5:
+        expect = torch.zeros(len(logits), dtype=torch.float64)
+        expect[logits.argmax()] = 1.0
+    else:
+        probs = torch.softmax(logits.double() / temperature, -1)
+        order = probs.argsort(descending=True)
+        keep = (probs[order].cumsum(0) - probs[order]) < top_p   # tokens before the set reached top_p
+        expect = torch.zeros_like(probs)
+        expect[order[keep]] = probs[order[keep]] / probs[order[keep]].sum()
+    rows = 20000
+    torch.manual_seed(3)
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    drawn = sampler.sample(logits.to(DEVICE).expand(rows, -1).contiguous(), [params] * rows, [None] * rows)
+    freq = torch.bincount(drawn.cpu(), minlength=len(logits)).double() / rows
+    assert ((freq - expect).abs() <= 5 * (expect * (1 - expect) / rows).sqrt() + 1e-12).all(), (freq, expect)
+
+
+@ENGINE
+def test_a_request_keeps_the_params_it_was_submitted_with(hf, llm):
+    """Changing a SamplingParams after submit changes nothing in flight: the request has its
+    own copy (as on the workers, which get one by pickling)."""
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    rid = llm.engine.submit(PROMPTS[2], params)
+    params.max_tokens, params.temperature = 2, 1.0
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert llm.engine.output(rid).outputs[0].token_ids == hf.greedy(PROMPTS[2], 8)
+
+
+@ENGINE
 @pytest.mark.parametrize("temperature", [1e-40, 1e-6, 1e-30])
 def test_a_temperature_below_the_threshold_is_greedy(hf, llm, temperature):
     """Temperatures below 1e-5 (vLLM's threshold) sample greedily: 1 / T would overflow."""
@@ -1842,6 +1882,66 @@ def test_beam_search_in_a_small_cache_finishes_or_is_rejected(hf):
     assert [c.token_ids for c in engine.output(req).outputs] == hf.beams(p, 3, 8)
 
 
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Fail with TimeoutError if the block runs longer than seconds (a hang is a failure, not
+    a stuck suite). SIGALRM: the tests run in their process's main thread."""
+    def expire(*_):
+        raise TimeoutError(f"still running after {seconds:g} s")
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@ENGINE
+def test_beam_searches_that_cannot_fit_together_take_turns(hf):
+    """Two beam searches of width 2 whose beams fit in the cache one request at a time, not
+    both (each needs 7 of 10 blocks): the newer is preempted whole and restarted, and both
+    end with HF's beams. Preempting one beam alone left each request's beams waiting on
+    blocks the other's held, and the engine spun forever."""
+    engine = make_llm(hf.path, num_kv_blocks=10, max_model_len=64).engine
+    prompts = [prompt(40, seed=81), prompt(40, seed=82)]
+    with deadline(120):
+        outs = run_engine(engine, [(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), 2)
+                                   for p in prompts], max_steps=2000)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [hf.beams(p, 2, 8) for p in prompts]
+    assert engine.scheduler.num_preemptions > 0 and engine.bm.num_free_blocks == engine.bm.num_blocks
+
+
+@ENGINE
+def test_a_step_that_can_make_no_progress_ends_what_holds_the_engine(hf, monkeypatch):
+    """The safety net under any livelock: with beams preempted one at a time again, and forks
+    running last (as before), the scheduler reaches a state no step changes. The engine
+    then ends the requests holding it with an error naming the settings, instead of
+    spinning, and serves the next request."""
+    def preempt_one_beam(self, seq, batch=None):
+        self.num_preemptions += 1
+        self.bm.free(seq.block_table)
+        seq.num_computed = 0
+        self.running.remove(seq)
+        self.add(seq)
+
+    def fork_last(self, parent, child):   # and forks run last, the first to be preempted
+        child.block_table = self.bm.fork(parent.block_table)
+        child.status = request.Status.RUNNING
+        self.running.append(child)
+
+    monkeypatch.setattr(scheduler.Scheduler, "preempt", preempt_one_beam)
+    monkeypatch.setattr(scheduler.Scheduler, "fork", fork_last)
+    llm = make_llm(hf.path, num_kv_blocks=10, max_model_len=64)
+    with deadline(120):
+        outs = llm.beam_search([prompt(40, seed=81), prompt(40, seed=82)], beam_width=2, max_tokens=8,
+                               ignore_eos=True, use_tqdm=False)
+    errors = [o.error for o in outs if o.error is not None]
+    assert errors and all("no step could make progress" in str(e) and "num_kv_blocks" in str(e) for e in errors)
+    assert all_blocks_free(llm) and not llm.engine.requests
+    assert tokens(generate(llm, [PROMPTS[1]], max_tokens=4)) == [hf.greedy(PROMPTS[1], 4)]
+
+
 @ENGINE
 def test_metrics_are_ordered(hf, llm):
     """arrival <= first scheduled <= first token <= finish for every request, beams included."""
@@ -1889,6 +1989,83 @@ def test_ctrl_c_during_generate_leaves_the_engine_empty_and_usable(hf, monkeypat
         generate(llm, PROMPTS * 8, max_tokens=20)
     assert all_blocks_free(llm) and not engine.requests and not engine.has_unfinished()
     assert tokens(generate(llm, PROMPTS[:2], max_tokens=5)) == [hf.greedy(p, 5) for p in PROMPTS[:2]]
+
+
+@ENGINE
+@pytest.mark.parametrize("delay_s", [0.01, 0.05, 0.2, 1.0])
+def test_ctrl_c_while_submitting_aborts_everything_the_call_submitted(hf, monkeypatch, delay_s):
+    """A real SIGINT at some moment while generate is still submitting (800 prompts): every
+    request that call submitted is aborted, none half-submitted is left behind, and the
+    next generate serves only its own request."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)   # as in a terminal
+    llm = make_llm(hf.path, num_kv_blocks=4096)
+    timer = threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            timer.start()
+            generate(llm, [prompt(60, seed=i) for i in range(800)], max_tokens=20)
+            time.sleep(10)   # finished before the signal came: wait for it
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, old)
+    engine = llm.engine
+    assert all_blocks_free(llm) and not engine.requests and not engine.has_unfinished() and not llm.ended
+    assert tokens(generate(llm, [PROMPTS[1]], max_tokens=5)) == [hf.greedy(PROMPTS[1], 5)]
+
+
+@ENGINE
+def test_an_error_of_any_kind_in_one_request_ends_only_that_request(hf, monkeypatch):
+    """Whatever one request raises on its way in (here a TypeError from submit) ends that
+    request with the error; the others get HF's tokens and nothing stale is left."""
+    llm = make_llm(hf.path)
+    submit = llm.engine.submit
+
+    def picky(prompt_, params, *args, **kwargs):
+        if prompt_ == PROMPTS[1]:
+            raise TypeError("an integer is required")
+        return submit(prompt_, params, *args, **kwargs)
+    monkeypatch.setattr(llm.engine, "submit", picky)
+    outs = generate(llm, PROMPTS, max_tokens=4)
+    assert isinstance(outs[1].error, TypeError) and outs[1].outputs == []
+    assert tokens(outs[:1] + outs[2:]) == [hf.greedy(p, 4) for p in PROMPTS[:1] + PROMPTS[2:]]
+    assert all_blocks_free(llm) and not llm.engine.requests
+
+
+@ENGINE
+def test_numpy_numbers_are_taken_as_the_numbers_they_are(hf, llm):
+    """numpy integers and floats in SamplingParams (and prompts) serve as their Python
+    values; the request keeps plain Python copies (torch's generator needs an int seed)."""
+    import numpy as np
+    as_np = SamplingParams(temperature=np.float32(0.75), seed=np.int64(7), max_tokens=np.int32(6),
+                           top_k=np.int64(20), stop_token_ids=[np.int64(3)])
+    plain = SamplingParams(temperature=0.75, seed=7, max_tokens=6, top_k=20, stop_token_ids=[3], stop=[])
+    assert tokens(llm.generate([[np.int64(t) for t in PROMPTS[2]]], as_np, use_tqdm=False)) == \
+        tokens(llm.generate([PROMPTS[2]], plain, use_tqdm=False))
+    kept = as_np.normalized()
+    assert kept == plain and type(kept.seed) is int and type(kept.temperature) is float
+
+
+@ENGINE
+def test_two_threads_generating_on_one_llm_each_get_their_own_outputs(hf, llm):
+    """Two threads call generate on one LLM at once: each gets HF's tokens for its own
+    prompts (whichever thread's poll ended them), and the engine is left empty."""
+    results, errors = {}, []
+
+    def run(name, prompts):
+        try:
+            results[name] = tokens(generate(llm, prompts, max_tokens=6))
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(k, ps)) for k, ps in
+               (("a", PROMPTS[:2] * 3), ("b", PROMPTS[2:] * 3))]
+    with deadline(120):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors
+    assert results == {"a": [hf.greedy(p, 6) for p in PROMPTS[:2] * 3], "b": [hf.greedy(p, 6) for p in PROMPTS[2:] * 3]}
+    assert all_blocks_free(llm) and not llm.engine.requests and not llm.ended
 
 
 # ======================= transport.py, workers.py: the handoff, in one process
@@ -2993,6 +3170,34 @@ def test_ctrl_c_during_generate_on_workers_leaves_them_empty_and_usable(hf, monk
 
 
 @pytest.mark.usefixtures("worker_env")
+def test_workers_under_pressure_serve_numpy_seeds_two_threads_and_crowded_beams(hf):
+    """Collocated on two workers whose caches hold one beam search at a time: a numpy seed
+    serves as the int it is (it once killed a worker, and the retry the other); two threads
+    generating at once each get HF's tokens; eight beam searches end with HF's beams. No
+    worker dies, every block comes back."""
+    import numpy as np
+    with make_cluster(hf, "collocated", 2, num_kv_blocks=10, max_model_len=64) as llm:
+        seeded = [SamplingParams(temperature=1.0, seed=s, max_tokens=6) for s in (np.int64(7), 7)]
+        outs = llm.generate([MIXED_PROMPTS[1]] * 2, seeded, use_tqdm=False)
+        assert outs[0].error is None and tokens(outs[:1]) == tokens(outs[1:])
+        results = {}
+        def run(k):
+            results[k] = tokens(generate(llm, MIXED_PROMPTS, max_tokens=5))
+        threads = [threading.Thread(target=run, args=(k,)) for k in "ab"]
+        with deadline(120):
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        assert results == {k: [hf.greedy(p, 5) for p in MIXED_PROMPTS] for k in "ab"}
+        prompts = [prompt(40, seed=90 + i) for i in range(8)]
+        with deadline(300):
+            beams = llm.beam_search(prompts, beam_width=2, max_tokens=8, ignore_eos=True, use_tqdm=False)
+        assert [[c.token_ids for c in o.outputs] for o in beams] == [hf.beams(p, 2, 8) for p in prompts]
+        assert not llm.cluster.dead and workers_all_free(llm) and not llm.cluster.active and not llm.cluster.done
+
+
+@pytest.mark.usefixtures("worker_env")
 def test_a_role_change_mid_run_keeps_every_request_and_its_tokens(hf):
     """Adaptive on two workers: requests run with both workers mixed; mid-run the regime
     makes one worker prefill and the other decode, and later both mixed again under a
@@ -3128,6 +3333,49 @@ def test_the_profile_cache_key_names_what_was_measured():
     for change in ({"cfg": EngineConfig(model="tiny", max_num_seqs=8)}, {"transport": "relay"},
                    {"devices": ["cpu"]}, {"cfg": EngineConfig(model="qwen3-0.6b")}):
         assert profiler.cache_key(type("Other", (fake,), change)) != key
+
+
+DAMAGES = {"cut short": lambda text: text[:len(text) // 2], "emptied": lambda text: "",
+           "not text": lambda text: "\udcff", "another schema": lambda text: json.dumps({"params": {"speed": 1}}),
+           "a parameter not a number": lambda text: text.replace('"beta": ', '"beta": "fast", "was": ', 1)}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_profile_cache_is_named_measured_again_and_replaced(tmp_path, monkeypatch, caplog, damage):
+    """A cached profile cut short, emptied, not UTF-8, of another schema or with a
+    parameter that is not a number: one line names the file, the profile is measured again
+    and the file replaced (written whole: a temporary file, renamed), and the next start
+    reads it back."""
+    monkeypatch.setattr(profiler, "CACHE", tmp_path)
+    fake = type("Fake", (), {"cfg": EngineConfig(model="tiny"), "devices": ["cpu"], "transport": "p2p"})
+    measured = profiler.Profile(ROUTER_TEST_PARAMS, 12.5, {"prefill": 0.01}, timings={"lengths": [8, 16]})
+    calls = []
+    monkeypatch.setattr(profiler, "measure_profile", lambda cluster: calls.append(1) or dataclasses.replace(measured))
+    first = profiler.profile_cluster(fake)
+    (path,) = tmp_path.glob("profile-*.json")
+    text = DAMAGES[damage](path.read_text())
+    path.write_bytes(text.encode("utf-8", errors="surrogateescape"))
+    with caplog.at_level("WARNING", logger="nanopd"):
+        again = profiler.profile_cluster(fake)
+    assert len(calls) == 2 and again.params == first.params == ROUTER_TEST_PARAMS
+    assert [r.getMessage() for r in caplog.records if str(path) in r.getMessage()] and len(caplog.records) == 1
+    assert profiler.profile_cluster(fake).params == ROUTER_TEST_PARAMS and len(calls) == 2   # read back
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]   # no temporary file left
+
+
+@pytest.mark.usefixtures("worker_env")
+def test_the_profiler_fits_its_batches_to_a_small_cache():
+    """Adaptive on CPU workers whose cache holds 8 blocks (the profiler's batches of 8
+    sequences would need 16): it measures at the sizes that fit, and the router gets a
+    profile; a cache too small for any decode batch is a ValueError naming num_kv_blocks."""
+    with LLM("tiny", policy="adaptive", devices=["cpu", "cpu"], max_model_len=128, num_kv_blocks=8) as llm:
+        assert llm.cluster.router is not None and llm.cluster.router.cost.p.beta > 0
+        assert len(generate(llm, ["hello"], max_tokens=3)[0].outputs[0].token_ids) == 3
+    cfg = EngineConfig(model="tiny", max_model_len=128, num_kv_blocks=2)
+    with pytest.raises(ValueError, match="num_kv_blocks=2"):
+        profiler.fit_spec(profiler.CPU_SPEC, cfg, 2)
+    spec = profiler.fit_spec(profiler.GPU_SPEC, EngineConfig(model="tiny", max_model_len=1024), 100)
+    assert spec["long_context"] < 1024 and all(b * -(-(spec["context"] + 1) // 16) <= 100 for b in spec["batches"])
 
 
 # ========================================== nanopd.py: the LLM API and the CLI

@@ -120,7 +120,10 @@ class Worker:
         for msg in msgs:
             if isinstance(msg, Stop):
                 return False
-            self._handle(msg)
+            try:
+                self._handle(msg)
+            except Exception as e:  # noqa: BLE001 (what one request raises ends that request)
+                self._request_failed(msg, e)
         self._start_imports()
         self._finish_imports()
         if self.engine.has_unfinished():
@@ -153,12 +156,9 @@ class Worker:
 
     def _handle(self, msg) -> None:
         match msg:
-            case Submit():
-                try:
-                    self.engine.submit(msg.prompt_token_ids, msg.params, msg.beam_width, msg.length_penalty,
-                                       request_id=msg.request_id, prefill_only=msg.prefill_only)
-                except ValueError as e:   # the central scheduler checks first; this worker's cache may be smaller
-                    self.reports.append(Rejected(msg.request_id, str(e)))
+            case Submit():   # the central scheduler checked it first; this worker's cache may be smaller
+                self.engine.submit(msg.prompt_token_ids, msg.params, msg.beam_width, msg.length_penalty,
+                                   request_id=msg.request_id, prefill_only=msg.prefill_only)
             case Import():
                 self.transfers.append(Transfer(msg, time.perf_counter()))
             case Release():
@@ -175,13 +175,32 @@ class Worker:
             case Measure():
                 self.reports.append(Measured(measure_engine(self.engine, **msg.spec)))
 
+    def _request_failed(self, msg, error: Exception) -> None:
+        """Handling msg raised: the request it is about ends here, with the error (an
+        import is reported as a failed pull, which the central scheduler retries once). A
+        message about no request raising is the worker's own fault: it fails."""
+        request_id = getattr(msg, "request_id", None)
+        if request_id is None:
+            raise error
+        self._drop(request_id)
+        self.engine.abort([request_id])
+        why = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+        if isinstance(msg, Import):
+            self.reports.append(PullFailed(request_id, msg.src, why))
+        else:
+            self.reports.append(Rejected(request_id, why, invalid=isinstance(error, ValueError)))
+
     # -- prefill side
 
     def _finished(self, request_id: int) -> None:
         """A request ended here: parked for a decode worker (Handoff), or done."""
         req = self.engine.requests[request_id]
         if not req.parked:
-            self.reports.append(Done(request_id, self.engine.output(request_id)))
+            try:
+                self.reports.append(Done(request_id, self.engine.output(request_id)))
+            except Exception as e:  # noqa: BLE001 (its output could not be built: it alone fails)
+                self.engine.requests.pop(request_id, None)
+                self.reports.append(Rejected(request_id, f"{type(e).__name__}: {e}", invalid=False))
             return
         seq = req.seqs[0]
         state = seq.generator.get_state().numpy().tobytes() if seq.generator is not None else None
@@ -216,8 +235,11 @@ class Worker:
                 continue
             # Blocks found in our prefix cache need no copy.
             first, last = cached // eng.cfg.block_size, cdiv(m.num_prompt_tokens, eng.cfg.block_size)
-            t.pull = self.transport.pull(m.src, self.peer_caches.get(m.src), m.src_blocks[first:last],
-                                         eng.runner.kv_cache, t.block_table[first:last])
+            try:
+                t.pull = self.transport.pull(m.src, self.peer_caches.get(m.src), m.src_blocks[first:last],
+                                             eng.runner.kv_cache, t.block_table[first:last])
+            except Exception as e:  # noqa: BLE001 (this import fails, as a failed copy does)
+                t.pull = Pull(0, error=f"{type(e).__name__}: {e}")
             if t.pull.source_runs is not None:   # a two-sided transport: the source must send
                 self.reports.append(ToWorker(m.src, SendKV(m.request_id, self.index, t.pull.source_runs)))
         # The prompts queued here wait for the oldest import still waiting: its seat comes first.
@@ -235,12 +257,20 @@ class Worker:
                 if not t.dropped:
                     self.reports.append(PullFailed(t.msg.request_id, t.msg.src, t.pull.error))
             else:
-                m = t.msg
-                self.engine.finish_import(m.request_id, m.token_ids, m.num_prompt_tokens, m.params, t.block_table,
-                                          m.logprobs, m.cumulative_logprob, m.generator_state)
-                self.reports.append(Imported(m.request_id, time.perf_counter(), t.pull.nbytes, t.pull.seconds,
-                                             t.seat_wait))
+                self._join_decodes(t)
         self.transfers = still
+
+    def _join_decodes(self, t: Transfer) -> None:
+        """The copy is done: the request decodes here (or, if that raises, fails as a pull)."""
+        m = t.msg
+        try:
+            self.engine.finish_import(m.request_id, m.token_ids, m.num_prompt_tokens, m.params, t.block_table,
+                                      m.logprobs, m.cumulative_logprob, m.generator_state)
+        except Exception as e:  # noqa: BLE001 (this request fails, alone)
+            self.engine.cancel_import(t.block_table)
+            self.reports.append(PullFailed(m.request_id, m.src, f"{type(e).__name__}: {e}"))
+            return
+        self.reports.append(Imported(m.request_id, time.perf_counter(), t.pull.nbytes, t.pull.seconds, t.seat_wait))
 
     def _drop(self, request_id: int) -> None:
         """Its source died: an import not started is forgotten, one copying is freed when done."""
