@@ -42,6 +42,7 @@ import torch.nn.functional as F
 import triton.testing
 
 import kernels
+from request import SamplingParams
 from scheduler import Batch
 from timing import fake_batch, free_batch, run_step, time_step_ms
 
@@ -393,6 +394,36 @@ def step_rows(eng, res: dict, facts: ModelFacts, rows: list[dict], sizes: Engine
            ceiling_ms(res, 0, n * facts.flops_per_token + attn_flops), unit_div=n)
 
 
+PENALISED = SamplingParams(temperature=0.0, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)
+
+
+def penalty_cost(eng, sizes: EngineSizes) -> dict:
+    """A decode step of the largest batch with every sequence penalised (repetition,
+    presence, frequency; each with sizes.context // 8 output tokens counted), beside the
+    same step unpenalised, alternating so that both see the same GPU; the penalties'
+    share of the step (the issue's bound: 3% at batch 256)."""
+    b, ctx = max(sizes.batches), sizes.context
+    batch = fake_batch(eng, b, ctx, 1)
+    for seq in batch.seqs:   # the last eighth of the context counts as output
+        seq.num_prompt_tokens = ctx - ctx // 8
+    try:
+        run_step(eng, batch, PENALISED)   # builds the sequences' token counts, once
+        plain, penalised = [], []
+        for _ in range(5):
+            plain.append(time_step_ms(eng, batch, sizes.reps // 3))
+            penalised.append(time_step_ms(eng, batch, sizes.reps // 3, PENALISED))
+    finally:
+        for seq in batch.seqs:
+            eng.runner.token_counts.forget(seq)
+        free_batch(eng, batch)
+    res = {"batch": b, "context": ctx, "plain_ms": statistics.median(plain),
+           "penalised_ms": statistics.median(penalised)}
+    res["overhead"] = res["penalised_ms"] / res["plain_ms"] - 1
+    print(f"decode step, batch {b}, context {ctx}: {res['plain_ms']:.3f} ms, with every sequence penalised "
+          f"{res['penalised_ms']:.3f} ms ({res['overhead']:+.1%})", flush=True)
+    return res
+
+
 def random_prompts(vocab: int, count: int, length: int, g: torch.Generator) -> list[list[int]]:
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(count)]
 
@@ -402,7 +433,6 @@ def decode_in_generate_row(llm, res: dict, facts: ModelFacts, rows: list[dict], 
     """One request decoding `tokens` tokens after a `context`-token prompt, as a user sees
     it: the time between its output tokens, host work (scheduling, sampling, stop checks)
     included."""
-    from nanopd import SamplingParams
     vocab = llm.engine.model.config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=tokens + 1, ignore_eos=True)
 
@@ -423,7 +453,6 @@ def generate_throughput(llm, res: dict, facts: ModelFacts, g: torch.Generator,
     head (prompt tokens skip it), at the matmul rate; each decode step reads its request's
     K/V so far, at the copy bandwidth. The two add: a step runs its attention after its
     GEMMs (bench.py kernels times running them side by side)."""
-    from nanopd import SamplingParams
     count, n_prompt, n_out = shape
     cfg = llm.engine.model.config
     prompts = random_prompts(cfg.vocab_size, count, n_prompt, g)
@@ -464,6 +493,7 @@ def run_engine(out: str | None, sizes: EngineSizes = EngineSizes()) -> dict:
           f"{eng.runner.num_blocks} KV blocks, start-up {res['startup_s']:.1f} s")
     rows, g = [], torch.Generator().manual_seed(0)
     step_rows(eng, res, facts, rows, sizes)
+    res["penalties"] = penalty_cost(eng, sizes)
     decode_in_generate_row(llm, res, facts, rows, g, sizes.context, sizes.generate[2])
     try:
         res["generate"] = generate_throughput(llm, res, facts, g, sizes.generate)
@@ -694,7 +724,6 @@ def transfer_rows(llm, transport: str, res: dict, lengths: tuple[int, ...], g: t
     """Six requests of each length, one at a time (each transfer has the link to itself):
     the median copy rate and handoff time of the last five, beside the transport's ceiling
     (the device copy; for relay, the slower host direction)."""
-    from nanopd import SamplingParams
     rows, vocab = [], llm.cluster.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     for length in lengths:
@@ -718,7 +747,6 @@ def transfer_rows(llm, transport: str, res: dict, lengths: tuple[int, ...], g: t
 
 def at_once(llm, length: int, count: int, g: torch.Generator) -> dict:
     """The copy rate of each of `count` requests of `length` tokens sent together."""
-    from nanopd import SamplingParams
     prompts = [torch.randint(0, llm.cluster.vocab_size, (length,), generator=g).tolist() for _ in range(count)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     rates = [o.metrics.kv_copy_GBps() for o in outs]

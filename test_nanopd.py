@@ -3835,6 +3835,9 @@ def test_microbench_small_engine_gives_every_row_and_generates_every_token(tmp_p
         assert finite_positive(r["ms"], r["ceiling_ms"]), r
         assert r["gpu_ms"] is None or finite_positive(r["gpu_ms"])
     assert all(finite_positive(r["gpu_ms"]) for r in res["rows"] if r["case"].startswith("decode step"))
+    pen = res["penalties"]
+    assert (pen["batch"], pen["context"]) == (max(sizes.batches), sizes.context)
+    assert finite_positive(pen["plain_ms"], pen["penalised_ms"])
     count, _, n_out = sizes.generate
     g = res["generate"]
     assert g["requests"] == count and g["output_tokens"] == count * n_out

@@ -39,12 +39,13 @@ def free_batch(engine, batch: Batch) -> None:
         engine.scheduler.free(seq.block_table)
 
 
-def run_step(engine, batch: Batch) -> None:
-    """One model step on the batch, a greedy token sampled for every sequence."""
-    engine.runner.run(batch, [Draw(i, GREEDY) for i in range(len(batch.seqs))])
+def run_step(engine, batch: Batch, params: SamplingParams = GREEDY) -> None:
+    """One model step on the batch, a token sampled with params for every sequence (its
+    penalties, if any, reading the sequence's own token counts)."""
+    engine.runner.run(batch, [Draw(i, params, None, seq) for i, seq in enumerate(batch.seqs)])
 
 
-def time_step_ms(engine, batch: Batch, reps: int = 10) -> float:
+def time_step_ms(engine, batch: Batch, reps: int = 10, params: SamplingParams = GREEDY) -> float:
     """Median wall time of one model step (ModelRunner.run: inputs, graph replay or eager
     forward, logits, sampling), synchronised."""
     sync = torch.cuda.synchronize if engine.model.device.type == "cuda" else (lambda: None)
@@ -52,7 +53,7 @@ def time_step_ms(engine, batch: Batch, reps: int = 10) -> float:
     for i in range(reps + 2):
         sync()
         t = time.perf_counter()
-        run_step(engine, batch)
+        run_step(engine, batch, params)
         sync()
         if i >= 2:
             times.append((time.perf_counter() - t) * 1e3)
