@@ -229,12 +229,22 @@ def series_styles(rows: list[dict]) -> dict[str, dict]:
 
 
 def log_ticks(axis) -> None:
-    """Label a log axis at 1, 2 and 5 times each power of ten, as plain numbers (0.2, 1, 5):
-    a range of one decade or less still has several numbered ticks."""
+    """Label a log axis at 1, 2 and 5 times each power of ten, as plain numbers (0.2, 1, 5),
+    its view widened out to such numbers and to at least three of them: however narrow the
+    data's range, a reader has several numbered ticks. Call it once the data is drawn."""
     from matplotlib import ticker
     axis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     axis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
     axis.set_minor_formatter(ticker.NullFormatter())
+    lo, hi = sorted(axis.get_view_interval())
+    if not 0 < lo <= hi < math.inf:
+        return
+    nice = [m * 10.0 ** k for k in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 2)
+            for m in (1, 2, 5)]
+    lo, hi = max(t for t in nice if t <= lo * 1.0001), min(t for t in nice if t >= hi / 1.0001)
+    while sum(lo <= t <= hi for t in nice) < 3:
+        hi = min(t for t in nice if t > hi)
+    axis.set_view_interval(lo, hi, ignore=True)
 
 
 def plot_vs_rate(plt, rows: list[dict], styles: dict):
