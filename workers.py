@@ -79,6 +79,26 @@ GROUP_TIMEOUT_S = 600.0     # the workers' process group: joining it, and its op
 # ----------------------------------------------------------------------------- the worker loop
 
 
+class ParentGone(Exception):
+    """The process that started this worker is gone: nothing will come, nobody reads."""
+
+
+def parent_gone() -> bool:
+    """Whether this process was started by another (spawn) that has ended since."""
+    parent = mp.parent_process()
+    return parent is not None and not parent.is_alive()
+
+
+def report(outbox, msgs: list) -> bool:
+    """Send one round's reports; False if nobody will read them: the central scheduler has
+    closed our pipe, or died (a broken pipe is then the normal way to learn it, no error)."""
+    try:
+        outbox.send(msgs)
+    except (BrokenPipeError, ConnectionResetError):
+        return False
+    return True
+
+
 @dataclass
 class Transfer:
     """An Import on this worker: waiting for a seat and blocks, then its copy in flight."""
@@ -107,14 +127,14 @@ class Worker:
         self.last_sent = 0.0                           # when the last reports went out
 
     def run(self) -> None:
-        parent = mp.parent_process()
         while self.step():
-            if parent is not None and not parent.is_alive():
+            if parent_gone():
                 return   # the central scheduler is gone: nothing will read our results
 
     def step(self, wait: bool = True) -> bool:
         """One round: take messages, move imports on, run one engine step, report what
-        happened (with the cache's free blocks). False once told to stop."""
+        happened (with the cache's free blocks). False once told to stop, or once nobody
+        reads the reports."""
         busy = self.engine.has_unfinished() or self.transfers
         msgs = self._receive(block=wait and not busy)
         for msg in msgs:
@@ -137,7 +157,8 @@ class Worker:
         if self.reports or msgs or now - self.last_sent > HEARTBEAT_S:
             bm = self.engine.bm
             self.reports.append(Heartbeat(bm.num_free_blocks, bm.num_blocks))
-            self.outbox.send(self.reports)
+            if not report(self.outbox, self.reports):
+                return False
             self.reports, self.last_sent = [], now
         return True
 
@@ -282,7 +303,8 @@ class WorkerSpec:
 
 def worker_main(spec: WorkerSpec, inbox, outbox, readers: list, share_queue) -> None:
     """Entry point of a worker process. readers: the share queues of the workers that will
-    pull from this one's cache; share_queue: where the caches it pulls from arrive."""
+    pull from this one's cache; share_queue: where the caches it pulls from arrive. A
+    worker whose parent is gone exits quietly: there is no one to report to."""
     # Ctrl-C is the caller's: it stops or aborts its requests and tells the workers; a
     # terminal's SIGINT reaches the whole process group, and would kill them mid-serve.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -299,13 +321,14 @@ def worker_main(spec: WorkerSpec, inbox, outbox, readers: list, share_queue) -> 
                                     rank=spec.index, world_size=spec.world_size,
                                     timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
             DistributedTransport.connect_pairs(spec.index, spec.world_size, device)
-        outbox.send([Ready(engine.runner.num_blocks, engine.bm.watermark_blocks,
-                           engine.runner.kv_cache[0].nbytes // engine.cfg.block_size, spec.name or spec.cfg.device)])
-        Worker(spec.index, engine, inbox, outbox, peers, spec.transport, spec.report_steps).run()
-    except KeyboardInterrupt:
+        if report(outbox, [Ready(engine.runner.num_blocks, engine.bm.watermark_blocks,
+                                 engine.runner.kv_cache[0].nbytes // engine.cfg.block_size,
+                                 spec.name or spec.cfg.device)]):
+            Worker(spec.index, engine, inbox, outbox, peers, spec.transport, spec.report_steps).run()
+    except (KeyboardInterrupt, ParentGone):
         pass
     except BaseException:  # noqa: BLE001 (report any failure to the central scheduler, then die)
-        outbox.send([Failed(traceback.format_exc())])
+        report(outbox, [Failed(traceback.format_exc())])   # if nobody reads it, nobody needs it
         raise SystemExit(1) from None
 
 
@@ -316,11 +339,25 @@ def _share_caches(spec: WorkerSpec, cache: torch.Tensor, readers: list, share_qu
         cache.share_memory_()
     for q in readers:
         q.put((spec.index, cache))
-    peers = dict(share_queue.get(timeout=600) for _ in range(spec.num_sources))
+    peers = dict(_get_while_parent_lives(share_queue, timeout_s=600.0) for _ in range(spec.num_sources))
     if cache.is_cuda:   # turns on peer access: our copy engine then reads the peers' memory directly
         for peer_cache in peers.values():
             peer_cache[:1].to(cache.device)
     return peers
+
+
+def _get_while_parent_lives(q, timeout_s: float):
+    """q.get(timeout=timeout_s), but ParentGone within a second of the parent's end: a peer
+    that has not sent its cache yet never will (the parent stops every worker it started)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return q.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        except queue.Empty:
+            if parent_gone():
+                raise ParentGone from None
+            if time.monotonic() >= deadline:
+                raise
 
 
 class WorkerProcesses:
