@@ -56,7 +56,7 @@ from planner import Planner
 from request import RequestMetrics, RequestOutput, SamplingParams, check_request, tokenize
 from router import Observation, Router, WorkerLoad
 from transport import TRANSPORTS
-from workers import HEARTBEAT_S, WorkerProcesses, stop_processes
+from workers import HEARTBEAT_S, WorkerProcesses
 
 POLICIES = ("collocated", "disaggregated", "adaptive")
 log = logging.getLogger("nanopd")
@@ -135,8 +135,7 @@ class CentralScheduler:
         if join is None:
             self.workers = WorkerProcesses(self.cfg, self.devices, self._sources(), self.transport, report_steps,
                                            [f"nanopd-{role}-{i}" for i, role in enumerate(self.roles)])
-            w = self.workers
-            self._close = weakref.finalize(self, stop_processes, w.procs, w.inboxes, w.reports)
+            self._close = weakref.finalize(self, self.workers.close)   # it holds the workers, not this object
 
     def _sources(self) -> list[list[int]]:
         """Whose KV cache each worker reads: decode workers every prefill worker's; under
@@ -163,8 +162,9 @@ class CentralScheduler:
                             self.errors[w] = msg.traceback
                 failed = self.workers.exited()
                 if failed or time.monotonic() > deadline:
+                    error = self._start_error(failed[0] if failed else None, timeout_s)   # before close forgets them
                     self.close()
-                    raise self._start_error(failed[0] if failed else None, timeout_s)
+                    raise error
         self.heard = dict.fromkeys(range(len(self.devices)), time.monotonic())
         return min(rooms.values())
 

@@ -46,6 +46,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -2706,8 +2707,9 @@ def test_a_killed_worker_ends_or_retries_its_requests(hf, policy, num_devices, v
     else:
         assert not failed
         assert after.outputs[0].token_ids == hf.greedy(prompts[0], 5)   # the live workers serve on
+    pids = [p.pid for p in cluster.workers.procs]   # close() forgets the processes
     llm.close()
-    assert not any(p.is_alive() for p in cluster.workers.procs)
+    assert not any(alive(pid) for pid in pids)
 
 
 @pytest.mark.parametrize("kwargs, words", [({"policy": "round-robin"}, "policy"),
@@ -2778,8 +2780,9 @@ def test_a_stopped_worker_is_found_out_and_its_requests_move(hf, policy, num_dev
     for r, p in zip(rids, MIXED_PROMPTS):
         assert cluster.output(r).outputs[0].token_ids == hf.greedy(p, 200)
     assert tokens(generate(llm, MIXED_PROMPTS[:2], max_tokens=5)) == [hf.greedy(p, 5) for p in MIXED_PROMPTS[:2]]
+    pids = [p.pid for p in cluster.workers.procs]   # close() forgets the processes
     llm.close()
-    assert not any(alive(p.pid) for p in cluster.workers.procs)
+    assert not any(alive(pid) for pid in pids)
 
 
 @pytest.mark.usefixtures("worker_env")
@@ -2800,6 +2803,41 @@ def test_ctrl_c_during_generate_on_workers_leaves_them_empty_and_usable(hf, monk
         monkeypatch.setattr(llm.cluster, "poll", poll)
         assert workers_all_free(llm) and not llm.cluster.active
         assert tokens(generate(llm, MIXED_PROMPTS[:2], max_tokens=5)) == [hf.greedy(p, 5) for p in MIXED_PROMPTS[:2]]
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.usefixtures("worker_env")
+@pytest.mark.parametrize("policy", ["disaggregated", "adaptive"])
+def test_close_releases_every_pipe_thread_and_semaphore_it_opened(hf, policy):
+    """close() leaves this process as it found it: as many open file descriptors and queue
+    feeder threads as before the LLM, every semaphore of its queues (the share queues
+    too) gone from /dev/shm, no worker process; a later generate is refused, saying why.
+    A first LLM, closed, is built before counting: what stays open once per process (the
+    resource tracker's pipe) is not what close() must release."""
+    extra = {"profile": ROUTER_TEST_PARAMS} if policy == "adaptive" else {}
+    make_cluster(hf, policy, 2, **extra).close()
+    fds, feeders = open_fds(), [t for t in threading.enumerate() if t.name == "QueueFeederThread"]
+    llm = make_cluster(hf, policy, 2, **extra)
+    assert tokens(generate(llm, PROMPTS[:2], max_tokens=4)) == [hf.greedy(p, 4) for p in PROMPTS[:2]]
+    w = llm.cluster.workers
+    queues = w.inboxes + [q for q in w.shares if q is not None]
+    assert len(queues) == {"disaggregated": 3, "adaptive": 4}[policy]   # two inboxes, a share queue per reader
+    # _semlock.name is the standard library's name of the POSIX semaphore, a file in /dev/shm
+    sems = [f"/dev/shm/sem.{lock._semlock.name.lstrip('/')}" for q in queues for lock in (q._rlock, q._wlock, q._sem)]
+    assert all(os.path.exists(s) for s in sems)
+    pids, refs = [p.pid for p in w.procs], [weakref.ref(q) for q in queues]
+    del queues, w
+    llm.close()
+    assert not any(alive(pid) for pid in pids)
+    assert all(r() is None for r in refs)   # nothing holds a queue: its pipe and semaphores went with it
+    assert not [s for s in sems if os.path.exists(s)]
+    assert open_fds() == fds
+    assert [t for t in threading.enumerate() if t.name == "QueueFeederThread"] == feeders
+    with pytest.raises(RuntimeError, match="close"):
+        generate(llm, PROMPTS[:1], max_tokens=2)
 
 
 @pytest.mark.usefixtures("worker_env")

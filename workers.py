@@ -32,6 +32,7 @@ import socket
 import sys
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -362,7 +363,8 @@ def _get_while_parent_lives(q, timeout_s: float):
 
 class WorkerProcesses:
     """One worker process per device and the channels to them: an inbox queue each, a
-    report pipe each. sources[i]: the workers whose caches worker i pulls from."""
+    report pipe each. sources[i]: the workers whose caches worker i pulls from. close()
+    releases everything it opened; so do its collection and the interpreter's exit."""
 
     def __init__(self, cfg: EngineConfig, devices: list[str], sources: list[list[int]], transport: str,
                  report_steps: bool, names: list[str]):
@@ -370,24 +372,28 @@ class WorkerProcesses:
         ctx = torch.multiprocessing.get_context("spawn")
         # A two-sided transport's process group rendezvous on loopback: nothing listens beyond it.
         group = None if TRANSPORTS[transport].shares_caches else f"tcp://127.0.0.1:{free_port()}"
+        self.procs, self.inboxes, self.reports, self.shares = [], [], [], []
+        # Before anything is opened, so that a failure half-way releases what was.
+        self._stop = weakref.finalize(self, stop_processes, self.procs, self.inboxes, self.reports, self.shares)
         pipes = [ctx.Pipe(duplex=False) for _ in devices]
-        self.reports = [reader for reader, _ in pipes]
-        self.inboxes = [ctx.Queue() for _ in devices]
+        self.reports += [reader for reader, _ in pipes]
+        self.inboxes += [ctx.Queue() for _ in devices]
         # Where each worker's peer caches arrive; kept here, since a queue the parent drops
         # before a child has unpickled it is gone (its semaphore unlinked).
-        self.shares = shares = [ctx.Queue() if sources[i] else None for i in range(len(devices))]
-        self.procs = []
+        self.shares += [ctx.Queue() if sources[i] else None for i in range(len(devices))]
         for i, device in enumerate(devices):
             spec = WorkerSpec(i, dataclasses.replace(cfg, device=device), transport, report_steps, len(sources[i]),
                               group, len(devices))
-            readers = [shares[j] for j in range(len(devices)) if i in sources[j]]
+            readers = [self.shares[j] for j in range(len(devices)) if i in sources[j]]
             self.procs.append(ctx.Process(target=worker_main, args=(spec, self.inboxes[i], pipes[i][1], readers,
-                                                                    shares[i]), daemon=True, name=names[i]))
+                                                                    self.shares[i]), daemon=True, name=names[i]))
         for p, (_, writer) in zip(self.procs, pipes):
             p.start()
             writer.close()   # the worker holds the only writing end now
 
     def send(self, w: int, msg) -> None:
+        if not self.inboxes:
+            raise RuntimeError("the workers are stopped: close() was called")
         self.inboxes[w].put(msg)
 
     def receive(self, timeout: float, skip: set[int]) -> list[tuple[int, list]]:
@@ -414,9 +420,10 @@ class WorkerProcesses:
         """Why a worker that ended without a traceback ended."""
         return f"exit code {self.procs[w].exitcode}"
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Ask every worker to stop, then terminate (and at last kill) the ones that do not."""
-        stop_processes(self.procs, self.inboxes, self.reports, timeout_s)
+    def close(self) -> None:
+        """Ask every worker to stop, then terminate (and at last kill) the ones that do not;
+        release the channels. The lists are empty afterwards."""
+        self._stop()
 
 
 def free_port() -> int:
@@ -426,7 +433,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stop_processes(procs: list, inboxes: list, reports: list, timeout_s: float = 10.0) -> None:
+def stop_processes(procs: list, inboxes: list, reports: list, shares: list, timeout_s: float = 10.0) -> None:
     """WorkerProcesses.close, as a function a weakref finalizer can hold (it must not hold
     the object it finalizes)."""
     for q in inboxes:
@@ -445,11 +452,29 @@ def stop_processes(procs: list, inboxes: list, reports: list, timeout_s: float =
             if p.is_alive():
                 p.kill()
                 p.join(2)
-    for q in inboxes:
-        q.cancel_join_thread()
-        q.close()
+    release_channels(procs, inboxes, reports, shares)
+
+
+def release_channels(procs: list, inboxes: list, reports: list, shares: list) -> None:
+    """Close what the workers leave behind in this process, now rather than at collection:
+    each queue's pipe and feeder thread, each report pipe, each process's own pipe; then
+    forget them all, so the queues go and their semaphores (files in /dev/shm) are unlinked."""
+    for p, q in zip(procs, inboxes):
+        q.close()   # its feeder thread writes what is left, then closes the pipe and ends
+        if p.exitcode == 0:
+            q.join_thread()          # the worker read up to our Stop, the last message: that is soon
+        else:
+            q.cancel_join_thread()   # nobody reads its pipe: a full one would keep the feeder waiting
+    for q in shares:
+        if q is not None:   # never written to here: no feeder thread; its pipe closes with it
+            q.close()
     for reader in reports:
         reader.close()
+    for p in procs:
+        if not p.is_alive():   # one that would not die keeps its pipe
+            p.close()
+    for items in (procs, inboxes, reports, shares):
+        items.clear()
 
 
 def check_main_module() -> None:
