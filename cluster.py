@@ -56,7 +56,7 @@ from planner import Planner
 from request import RequestMetrics, RequestOutput, SamplingParams, check_request, tokenize
 from router import Observation, Router, WorkerLoad
 from transport import TRANSPORTS
-from workers import HEARTBEAT_S, WorkerProcesses
+from workers import HEARTBEAT_S, WorkerProcesses, exit_in_order_on_sigterm
 
 POLICIES = ("collocated", "disaggregated", "adaptive")
 log = logging.getLogger("nanopd")
@@ -122,6 +122,7 @@ class CentralScheduler:
         """Spawn a worker per device on this host, or listen at `join` for workers torchrun
         starts on their hosts (hosts.py); their roles under the policy."""
         report_steps = self.policy == "adaptive"
+        exit_in_order_on_sigterm()   # a SIGTERM then stops the workers too, as any exit does
         if join is not None:
             self.workers = RemoteWorkers(join, self.cfg, self.transport, report_steps, timeout_s)
             self._close = weakref.finalize(self, self.workers.close)

@@ -3082,6 +3082,96 @@ def test_no_worker_outlives_its_caller(tmp_path, how):
                 os.kill(pid, signal.SIGKILL)
 
 
+SIGNALED_SCRIPT = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, {here!r})
+from nanopd import LLM, SamplingParams
+if __name__ == "__main__":
+    print("starting", flush=True)
+    llm = LLM("tiny", policy="disaggregated", devices=["cpu", "cpu"], num_kv_blocks=512, max_model_len=512)
+    while True:   # until the signal
+        llm.generate([[1, 2, 3 + i] for i in range(32)], SamplingParams(max_tokens=200, temperature=0), use_tqdm=False)
+        print("generated", flush=True)
+"""
+
+
+def processes_with(token: str) -> list[int]:
+    """The live processes with NANOPD_TEST_TOKEN=token in their environment: a script
+    started with it and every process it started (they inherit it), the orphans too."""
+    pids, entry_of_ours = [], f"NANOPD_TEST_TOKEN={token}".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and entry_of_ours in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:   # gone meanwhile, or not ours
+            pass
+    return [pid for pid in pids if alive(pid)]
+
+
+def stdout_lines(proc: subprocess.Popen) -> queue.Queue:
+    """The process's stdout lines as they come, read on a thread: a read that never
+    returns must fail the test by its timeout, not hang it."""
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line.strip()) for line in proc.stdout], daemon=True).start()
+    return lines
+
+
+def wait_for_line(lines: queue.Queue, line: bytes, stderr: Path, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    try:
+        while lines.get(timeout=max(0.0, deadline - time.monotonic())) != line:
+            pass
+    except queue.Empty:
+        pytest.fail(f"no {line!r} line within {timeout_s:.0f} s; the script's stderr:\n{stderr.read_text()[-3000:]}")
+
+
+@pytest.mark.parametrize("signum, when", [(15, "generating"), (15, "starting"), (9, "generating")])
+def test_a_signaled_caller_leaves_no_process_no_traceback_and_no_semaphore(tmp_path, signum, when):
+    """SIGTERM to a script mid-generate on disaggregated workers, or while its workers are
+    starting: it exits as at any exit (status 128 + 15), and within a bound every process
+    it started is gone, with no traceback on stderr and no semaphore left to the resource
+    tracker. SIGKILL (no cleanup can run): the workers see their parent gone and exit
+    without a traceback; the resource tracker then unlinks the semaphores, and may say so."""
+    import signal
+    token = f"nanopd-test-{os.getpid()}-{signum}-{when}"
+    script, stderr = tmp_path / "serve.py", tmp_path / "stderr.txt"
+    script.write_text(SIGNALED_SCRIPT.format(here=str(HERE)))
+    with open(stderr, "wb") as err:   # a file, not a pipe nobody reads: a full pipe would block the script
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=err,
+                                env={**os.environ, "NANOPD_TEST_TOKEN": token})
+    lines = stdout_lines(proc)
+    try:
+        if when == "generating":
+            wait_for_line(lines, b"generated", stderr)   # the next generate is in flight at once
+        else:
+            wait_for_line(lines, b"starting", stderr)
+            deadline = time.monotonic() + 120   # both workers spawned (they take seconds to be ready)
+            while len(processes_with(token)) < 4:   # the script, its resource tracker, two workers
+                assert time.monotonic() < deadline, "the workers never started"
+                time.sleep(0.05)
+        time.sleep(0.2)
+        proc.send_signal(signum)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the script did not exit within 60 s; its stderr:\n" + stderr.read_text()[-3000:])
+        deadline = time.monotonic() + 60
+        while processes_with(token) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not processes_with(token), "a process the script started outlived it"
+        err = stderr.read_text()   # complete: its last writer, the resource tracker, has ended
+        assert "Traceback" not in err, err[-3000:]
+        if signum == signal.SIGTERM:
+            assert "leaked" not in err, err[-3000:]
+        assert proc.returncode == (128 + signum if signum == signal.SIGTERM else -signum)
+    finally:   # whatever failed, leave nothing running
+        proc.kill()
+        proc.wait()
+        for pid in processes_with(token):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
 UNGUARDED_SCRIPT = """
 import os, sys
 os.environ["TRITON_INTERPRET"] = "0"

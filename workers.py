@@ -22,6 +22,7 @@ the router refits its model of a step on them (router.py).
 """
 
 import ast
+import contextlib
 import dataclasses
 import datetime
 import multiprocessing.connection
@@ -30,6 +31,7 @@ import queue
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -361,6 +363,48 @@ def _get_while_parent_lives(q, timeout_s: float):
                 raise
 
 
+@dataclass
+class SigtermExit:
+    """SIGTERM, in the process that owns workers, as an orderly exit. Python's default
+    action ends the process at once: no finalizer runs, so the workers are left to find
+    their parent gone and the queues' semaphores are never unlinked (the resource
+    tracker's "leaked semaphore objects" warning). Raised as SystemExit instead, close()
+    and the finalizers run as at any exit. While workers are being spawned, the exit waits
+    until they are (held): a worker half spawned would be nobody's. A second SIGTERM gets
+    the default action, so a caller that must end the process at once still can."""
+    holding: int = 0         # held() levels open: workers are being spawned
+    pending: bool = False    # a SIGTERM came while holding
+
+    def __call__(self, signum: int, frame) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        if self.holding:
+            self.pending = True
+        else:
+            raise SystemExit(128 + signum)   # the exit status of a process a signal ended, as shells give it
+
+    @contextlib.contextmanager
+    def held(self):
+        self.holding += 1
+        try:
+            yield
+        finally:
+            self.holding -= 1
+            if self.pending and not self.holding:
+                self.pending = False
+                raise SystemExit(128 + signal.SIGTERM)
+
+
+SIGTERM_EXIT = SigtermExit()
+
+
+def exit_in_order_on_sigterm() -> None:
+    """Make SIGTERM a SystemExit (SigtermExit) in this process, unless the program has a
+    SIGTERM handler of its own (it decides then) or this is not the main thread (only it
+    may set one)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, SIGTERM_EXIT)
+
+
 class WorkerProcesses:
     """One worker process per device and the channels to them: an inbox queue each, a
     report pipe each. sources[i]: the workers whose caches worker i pulls from. close()
@@ -373,8 +417,10 @@ class WorkerProcesses:
         # A two-sided transport's process group rendezvous on loopback: nothing listens beyond it.
         group = None if TRANSPORTS[transport].shares_caches else f"tcp://127.0.0.1:{free_port()}"
         self.procs, self.inboxes, self.reports, self.shares = [], [], [], []
+        self.heard: set[int] = set()   # the workers that have reported (Ready first): past their start-up
         # Before anything is opened, so that a failure half-way releases what was.
-        self._stop = weakref.finalize(self, stop_processes, self.procs, self.inboxes, self.reports, self.shares)
+        self._stop = weakref.finalize(self, stop_processes, self.procs, self.inboxes, self.reports, self.shares,
+                                      self.heard)
         pipes = [ctx.Pipe(duplex=False) for _ in devices]
         self.reports += [reader for reader, _ in pipes]
         self.inboxes += [ctx.Queue() for _ in devices]
@@ -387,9 +433,10 @@ class WorkerProcesses:
             readers = [self.shares[j] for j in range(len(devices)) if i in sources[j]]
             self.procs.append(ctx.Process(target=worker_main, args=(spec, self.inboxes[i], pipes[i][1], readers,
                                                                     self.shares[i]), daemon=True, name=names[i]))
-        for p, (_, writer) in zip(self.procs, pipes):
-            p.start()
-            writer.close()   # the worker holds the only writing end now
+        with SIGTERM_EXIT.held():
+            for p, (_, writer) in zip(self.procs, pipes):
+                p.start()
+                writer.close()   # the worker holds the only writing end now
 
     def send(self, w: int, msg) -> None:
         if not self.inboxes:
@@ -405,6 +452,7 @@ class WorkerProcesses:
             try:
                 while reader.poll():
                     got.append((live[reader], reader.recv()))
+                    self.heard.add(live[reader])
             except (EOFError, OSError):   # its worker died; the liveness check handles the rest
                 reader.close()
         return got
@@ -433,17 +481,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stop_processes(procs: list, inboxes: list, reports: list, shares: list, timeout_s: float = 10.0) -> None:
+def stop_processes(procs: list, inboxes: list, reports: list, shares: list, heard: set[int],
+                   timeout_s: float = 10.0) -> None:
     """WorkerProcesses.close, as a function a weakref finalizer can hold (it must not hold
-    the object it finalizes)."""
+    the object it finalizes). A worker not heard from is still starting (LLM(...) was
+    interrupted): it holds no request and reads no message before it is ready, so it is
+    terminated at once."""
     for q in inboxes:
         try:
             q.put(Stop())
         except (OSError, ValueError):
             pass
     deadline = time.monotonic() + timeout_s
-    for p in procs:
-        if p.pid is not None:
+    for w, p in enumerate(procs):
+        if p.pid is not None and w in heard:
             p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.pid is not None and p.is_alive():
@@ -453,6 +504,7 @@ def stop_processes(procs: list, inboxes: list, reports: list, shares: list, time
                 p.kill()
                 p.join(2)
     release_channels(procs, inboxes, reports, shares)
+    heard.clear()
 
 
 def release_channels(procs: list, inboxes: list, reports: list, shares: list) -> None:
