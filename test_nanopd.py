@@ -3090,9 +3090,12 @@ from nanopd import LLM, SamplingParams
 if __name__ == "__main__":
     print("starting", flush=True)
     llm = LLM("tiny", policy="disaggregated", devices=["cpu", "cpu"], num_kv_blocks=512, max_model_len=512)
-    while True:   # until the signal
+    while True:   # until the signal, or once
         llm.generate([[1, 2, 3 + i] for i in range(32)], SamplingParams(max_tokens=200, temperature=0), use_tqdm=False)
         print("generated", flush=True)
+        if sys.argv[1] == "once":
+            break
+    print("done", flush=True)   # the workers are stopped at the exit, after this
 """
 
 
@@ -3126,31 +3129,37 @@ def wait_for_line(lines: queue.Queue, line: bytes, stderr: Path, timeout_s: floa
         pytest.fail(f"no {line!r} line within {timeout_s:.0f} s; the script's stderr:\n{stderr.read_text()[-3000:]}")
 
 
-@pytest.mark.parametrize("signum, when", [(15, "generating"), (15, "starting"), (9, "generating")])
+@pytest.mark.parametrize("signum, when", [(15, "generating"), (15, "starting"), (15, "exiting"), (9, "generating")])
 def test_a_signaled_caller_leaves_no_process_no_traceback_and_no_semaphore(tmp_path, signum, when):
-    """SIGTERM to a script mid-generate on disaggregated workers, or while its workers are
-    starting: it exits as at any exit (status 128 + 15), and within a bound every process
-    it started is gone, with no traceback on stderr and no semaphore left to the resource
-    tracker. SIGKILL (no cleanup can run): the workers see their parent gone and exit
-    without a traceback; the resource tracker then unlinks the semaphores, and may say so."""
+    """SIGTERM to a script mid-generate on disaggregated workers, while its workers are
+    starting, or while it exits (stopping them): it exits as at any exit (status 128 + 15;
+    0 if it was exiting already), and within a bound every process it started is gone,
+    with no traceback on stderr and no semaphore left to the resource tracker. SIGKILL (no
+    cleanup can run): the workers see their parent gone and exit without a traceback; the
+    resource tracker then unlinks the semaphores, and may say so."""
     import signal
     token = f"nanopd-test-{os.getpid()}-{signum}-{when}"
     script, stderr = tmp_path / "serve.py", tmp_path / "stderr.txt"
     script.write_text(SIGNALED_SCRIPT.format(here=str(HERE)))
     with open(stderr, "wb") as err:   # a file, not a pipe nobody reads: a full pipe would block the script
-        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=err,
+        proc = subprocess.Popen([sys.executable, str(script), "once" if when == "exiting" else "loop"],
+                                stdout=subprocess.PIPE, stderr=err,
                                 env={**os.environ, "NANOPD_TEST_TOKEN": token})
     lines = stdout_lines(proc)
     try:
         if when == "generating":
             wait_for_line(lines, b"generated", stderr)   # the next generate is in flight at once
+        elif when == "exiting":
+            wait_for_line(lines, b"done", stderr)   # stopping the workers takes a second or more
         else:
             wait_for_line(lines, b"starting", stderr)
             deadline = time.monotonic() + 120   # both workers spawned (they take seconds to be ready)
             while len(processes_with(token)) < 4:   # the script, its resource tracker, two workers
                 assert time.monotonic() < deadline, "the workers never started"
                 time.sleep(0.05)
-        time.sleep(0.2)
+        if when != "exiting":
+            time.sleep(0.2)
+        assert proc.poll() is None, "the script ended before the signal"
         proc.send_signal(signum)
         try:
             proc.wait(timeout=60)
@@ -3164,7 +3173,10 @@ def test_a_signaled_caller_leaves_no_process_no_traceback_and_no_semaphore(tmp_p
         assert "Traceback" not in err, err[-3000:]
         if signum == signal.SIGTERM:
             assert "leaked" not in err, err[-3000:]
-        assert proc.returncode == (128 + signum if signum == signal.SIGTERM else -signum)
+        if when == "exiting":
+            assert proc.returncode in (0, 128 + signum)   # 0: the signal came once the exit was under way
+        else:
+            assert proc.returncode == (128 + signum if signum == signal.SIGTERM else -signum)
     finally:   # whatever failed, leave nothing running
         proc.kill()
         proc.wait()

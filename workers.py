@@ -369,15 +369,17 @@ class SigtermExit:
     action ends the process at once: no finalizer runs, so the workers are left to find
     their parent gone and the queues' semaphores are never unlinked (the resource
     tracker's "leaked semaphore objects" warning). Raised as SystemExit instead, close()
-    and the finalizers run as at any exit. While workers are being spawned, the exit waits
-    until they are (held): a worker half spawned would be nobody's. A second SIGTERM gets
-    the default action, so a caller that must end the process at once still can."""
-    holding: int = 0         # held() levels open: workers are being spawned
+    and the finalizers run as at any exit. While workers are being spawned or stopped, the
+    exit waits until that is done (held): a worker half spawned would be nobody's, a stop
+    cut short would leave what it had not released yet. During the interpreter's own exit
+    it is not raised at all: that exit is under way. A second SIGTERM gets the default
+    action, so a caller that must end the process at once still can."""
+    holding: int = 0         # held() levels open: workers are being spawned or stopped
     pending: bool = False    # a SIGTERM came while holding
 
     def __call__(self, signum: int, frame) -> None:
         signal.signal(signum, signal.SIG_DFL)
-        if self.holding:
+        if self.holding or exiting():
             self.pending = True
         else:
             raise SystemExit(128 + signum)   # the exit status of a process a signal ended, as shells give it
@@ -391,7 +393,15 @@ class SigtermExit:
             self.holding -= 1
             if self.pending and not self.holding:
                 self.pending = False
-                raise SystemExit(128 + signal.SIGTERM)
+                if not exiting():
+                    raise SystemExit(128 + signal.SIGTERM)
+
+
+def exiting() -> bool:
+    """Whether the interpreter has begun its exit: its first step, threading's shutdown,
+    sets threading._SHUTTING_DOWN (there is no public flag), then stops the main thread;
+    the exit's callbacks, the finalizers among them, come after."""
+    return getattr(threading, "_SHUTTING_DOWN", False) or not threading.main_thread().is_alive()
 
 
 SIGTERM_EXIT = SigtermExit()
@@ -486,25 +496,26 @@ def stop_processes(procs: list, inboxes: list, reports: list, shares: list, hear
     """WorkerProcesses.close, as a function a weakref finalizer can hold (it must not hold
     the object it finalizes). A worker not heard from is still starting (LLM(...) was
     interrupted): it holds no request and reads no message before it is ready, so it is
-    terminated at once."""
-    for q in inboxes:
-        try:
-            q.put(Stop())
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + timeout_s
-    for w, p in enumerate(procs):
-        if p.pid is not None and w in heard:
-            p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.pid is not None and p.is_alive():
-            p.terminate()
-            p.join(2)
-            if p.is_alive():
-                p.kill()
+    terminated at once. A SIGTERM meanwhile waits until all is released (SigtermExit)."""
+    with SIGTERM_EXIT.held():
+        for q in inboxes:
+            try:
+                q.put(Stop())
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + timeout_s
+        for w, p in enumerate(procs):
+            if p.pid is not None and w in heard:
+                p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                p.terminate()
                 p.join(2)
-    release_channels(procs, inboxes, reports, shares)
-    heard.clear()
+                if p.is_alive():
+                    p.kill()
+                    p.join(2)
+        release_channels(procs, inboxes, reports, shares)
+        heard.clear()
 
 
 def release_channels(procs: list, inboxes: list, reports: list, shares: list) -> None:
