@@ -56,7 +56,7 @@ from planner import Planner
 from request import RequestMetrics, RequestOutput, SamplingParams, check_request, tokenize
 from router import Observation, Router, WorkerLoad
 from transport import TRANSPORTS
-from workers import HEARTBEAT_S, WorkerProcesses, stop_processes
+from workers import HEARTBEAT_S, WorkerProcesses, exit_in_order_on_sigterm
 
 POLICIES = ("collocated", "disaggregated", "adaptive")
 log = logging.getLogger("nanopd")
@@ -122,6 +122,7 @@ class CentralScheduler:
         """Spawn a worker per device on this host, or listen at `join` for workers torchrun
         starts on their hosts (hosts.py); their roles under the policy."""
         report_steps = self.policy == "adaptive"
+        exit_in_order_on_sigterm()   # a SIGTERM then stops the workers too, as any exit does
         if join is not None:
             self.workers = RemoteWorkers(join, self.cfg, self.transport, report_steps, timeout_s)
             self._close = weakref.finalize(self, self.workers.close)
@@ -135,8 +136,7 @@ class CentralScheduler:
         if join is None:
             self.workers = WorkerProcesses(self.cfg, self.devices, self._sources(), self.transport, report_steps,
                                            [f"nanopd-{role}-{i}" for i, role in enumerate(self.roles)])
-            w = self.workers
-            self._close = weakref.finalize(self, stop_processes, w.procs, w.inboxes, w.reports)
+            self._close = weakref.finalize(self, self.workers.close)   # it holds the workers, not this object
 
     def _sources(self) -> list[list[int]]:
         """Whose KV cache each worker reads: decode workers every prefill worker's; under
@@ -163,8 +163,9 @@ class CentralScheduler:
                             self.errors[w] = msg.traceback
                 failed = self.workers.exited()
                 if failed or time.monotonic() > deadline:
+                    error = self._start_error(failed[0] if failed else None, timeout_s)   # before close forgets them
                     self.close()
-                    raise self._start_error(failed[0] if failed else None, timeout_s)
+                    raise error
         self.heard = dict.fromkeys(range(len(self.devices)), time.monotonic())
         return min(rooms.values())
 

@@ -47,6 +47,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -3073,8 +3074,9 @@ def test_a_killed_worker_ends_or_retries_its_requests(hf, policy, num_devices, v
     else:
         assert not failed
         assert after.outputs[0].token_ids == hf.greedy(prompts[0], 5)   # the live workers serve on
+    pids = [p.pid for p in cluster.workers.procs]   # close() forgets the processes
     llm.close()
-    assert not any(p.is_alive() for p in cluster.workers.procs)
+    assert not any(alive(pid) for pid in pids)
 
 
 @pytest.mark.parametrize("kwargs, words", [({"policy": "round-robin"}, "policy"),
@@ -3145,8 +3147,9 @@ def test_a_stopped_worker_is_found_out_and_its_requests_move(hf, policy, num_dev
     for r, p in zip(rids, MIXED_PROMPTS):
         assert cluster.output(r).outputs[0].token_ids == hf.greedy(p, 200)
     assert tokens(generate(llm, MIXED_PROMPTS[:2], max_tokens=5)) == [hf.greedy(p, 5) for p in MIXED_PROMPTS[:2]]
+    pids = [p.pid for p in cluster.workers.procs]   # close() forgets the processes
     llm.close()
-    assert not any(alive(p.pid) for p in cluster.workers.procs)
+    assert not any(alive(pid) for pid in pids)
 
 
 @pytest.mark.usefixtures("worker_env")
@@ -3167,6 +3170,41 @@ def test_ctrl_c_during_generate_on_workers_leaves_them_empty_and_usable(hf, monk
         monkeypatch.setattr(llm.cluster, "poll", poll)
         assert workers_all_free(llm) and not llm.cluster.active
         assert tokens(generate(llm, MIXED_PROMPTS[:2], max_tokens=5)) == [hf.greedy(p, 5) for p in MIXED_PROMPTS[:2]]
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.usefixtures("worker_env")
+@pytest.mark.parametrize("policy", ["disaggregated", "adaptive"])
+def test_close_releases_every_pipe_thread_and_semaphore_it_opened(hf, policy):
+    """close() leaves this process as it found it: as many open file descriptors and queue
+    feeder threads as before the LLM, every semaphore of its queues (the share queues
+    too) gone from /dev/shm, no worker process; a later generate is refused, saying why.
+    A first LLM, closed, is built before counting: what stays open once per process (the
+    resource tracker's pipe) is not what close() must release."""
+    extra = {"profile": ROUTER_TEST_PARAMS} if policy == "adaptive" else {}
+    make_cluster(hf, policy, 2, **extra).close()
+    fds, feeders = open_fds(), [t for t in threading.enumerate() if t.name == "QueueFeederThread"]
+    llm = make_cluster(hf, policy, 2, **extra)
+    assert tokens(generate(llm, PROMPTS[:2], max_tokens=4)) == [hf.greedy(p, 4) for p in PROMPTS[:2]]
+    w = llm.cluster.workers
+    queues = w.inboxes + [q for q in w.shares if q is not None]
+    assert len(queues) == {"disaggregated": 3, "adaptive": 4}[policy]   # two inboxes, a share queue per reader
+    # _semlock.name is the standard library's name of the POSIX semaphore, a file in /dev/shm
+    sems = [f"/dev/shm/sem.{lock._semlock.name.lstrip('/')}" for q in queues for lock in (q._rlock, q._wlock, q._sem)]
+    assert all(os.path.exists(s) for s in sems)
+    pids, refs = [p.pid for p in w.procs], [weakref.ref(q) for q in queues]
+    del queues, w
+    llm.close()
+    assert not any(alive(pid) for pid in pids)
+    assert all(r() is None for r in refs)   # nothing holds a queue: its pipe and semaphores went with it
+    assert not [s for s in sems if os.path.exists(s)]
+    assert open_fds() == fds
+    assert [t for t in threading.enumerate() if t.name == "QueueFeederThread"] == feeders
+    with pytest.raises(RuntimeError, match="close"):
+        generate(llm, PROMPTS[:1], max_tokens=2)
 
 
 @pytest.mark.usefixtures("worker_env")
@@ -3569,6 +3607,108 @@ def test_no_worker_outlives_its_caller(tmp_path, how):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
+
+SIGNALED_SCRIPT = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "0"
+sys.path.insert(0, {here!r})
+from nanopd import LLM, SamplingParams
+if __name__ == "__main__":
+    print("starting", flush=True)
+    llm = LLM("tiny", policy="disaggregated", devices=["cpu", "cpu"], num_kv_blocks=512, max_model_len=512)
+    while True:   # until the signal, or once
+        llm.generate([[1, 2, 3 + i] for i in range(32)], SamplingParams(max_tokens=200, temperature=0), use_tqdm=False)
+        print("generated", flush=True)
+        if sys.argv[1] == "once":
+            break
+    print("done", flush=True)   # the workers are stopped at the exit, after this
+"""
+
+
+def processes_with(token: str) -> list[int]:
+    """The live processes with NANOPD_TEST_TOKEN=token in their environment: a script
+    started with it and every process it started (they inherit it), the orphans too."""
+    pids, entry_of_ours = [], f"NANOPD_TEST_TOKEN={token}".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and entry_of_ours in (entry / "environ").read_bytes().split(b"\0"):
+                pids.append(int(entry.name))
+        except OSError:   # gone meanwhile, or not ours
+            pass
+    return [pid for pid in pids if alive(pid)]
+
+
+def stdout_lines(proc: subprocess.Popen) -> queue.Queue:
+    """The process's stdout lines as they come, read on a thread: a read that never
+    returns must fail the test by its timeout, not hang it."""
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line.strip()) for line in proc.stdout], daemon=True).start()
+    return lines
+
+
+def wait_for_line(lines: queue.Queue, line: bytes, stderr: Path, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    try:
+        while lines.get(timeout=max(0.0, deadline - time.monotonic())) != line:
+            pass
+    except queue.Empty:
+        pytest.fail(f"no {line!r} line within {timeout_s:.0f} s; the script's stderr:\n{stderr.read_text()[-3000:]}")
+
+
+@pytest.mark.parametrize("signum, when", [(15, "generating"), (15, "starting"), (15, "exiting"), (9, "generating")])
+def test_a_signaled_caller_leaves_no_process_no_traceback_and_no_semaphore(tmp_path, signum, when):
+    """SIGTERM to a script mid-generate on disaggregated workers, while its workers are
+    starting, or while it exits (stopping them): it exits as at any exit (status 128 + 15;
+    0 if it was exiting already), and within a bound every process it started is gone,
+    with no traceback on stderr and no semaphore left to the resource tracker. SIGKILL (no
+    cleanup can run): the workers see their parent gone and exit without a traceback; the
+    resource tracker then unlinks the semaphores, and may say so."""
+    import signal
+    token = f"nanopd-test-{os.getpid()}-{signum}-{when}"
+    script, stderr = tmp_path / "serve.py", tmp_path / "stderr.txt"
+    script.write_text(SIGNALED_SCRIPT.format(here=str(HERE)))
+    with open(stderr, "wb") as err:   # a file, not a pipe nobody reads: a full pipe would block the script
+        proc = subprocess.Popen([sys.executable, str(script), "once" if when == "exiting" else "loop"],
+                                stdout=subprocess.PIPE, stderr=err,
+                                env={**os.environ, "NANOPD_TEST_TOKEN": token})
+    lines = stdout_lines(proc)
+    try:
+        if when == "generating":
+            wait_for_line(lines, b"generated", stderr)   # the next generate is in flight at once
+        elif when == "exiting":
+            wait_for_line(lines, b"done", stderr)   # stopping the workers takes a second or more
+        else:
+            wait_for_line(lines, b"starting", stderr)
+            deadline = time.monotonic() + 120   # both workers spawned (they take seconds to be ready)
+            while len(processes_with(token)) < 4:   # the script, its resource tracker, two workers
+                assert time.monotonic() < deadline, "the workers never started"
+                time.sleep(0.05)
+        if when != "exiting":
+            time.sleep(0.2)
+        assert proc.poll() is None, "the script ended before the signal"
+        proc.send_signal(signum)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the script did not exit within 60 s; its stderr:\n" + stderr.read_text()[-3000:])
+        deadline = time.monotonic() + 60
+        while processes_with(token) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not processes_with(token), "a process the script started outlived it"
+        err = stderr.read_text()   # complete: its last writer, the resource tracker, has ended
+        assert "Traceback" not in err, err[-3000:]
+        if signum == signal.SIGTERM:
+            assert "leaked" not in err, err[-3000:]
+        if when == "exiting":
+            assert proc.returncode in (0, 128 + signum)   # 0: the signal came once the exit was under way
+        else:
+            assert proc.returncode == (128 + signum if signum == signal.SIGTERM else -signum)
+    finally:   # whatever failed, leave nothing running
+        proc.kill()
+        proc.wait()
+        for pid in processes_with(token):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 UNGUARDED_SCRIPT = """
 import os, sys

@@ -22,6 +22,7 @@ the router refits its model of a step on them (router.py).
 """
 
 import ast
+import contextlib
 import dataclasses
 import datetime
 import multiprocessing.connection
@@ -30,8 +31,10 @@ import queue
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,6 +82,26 @@ GROUP_TIMEOUT_S = 600.0     # the workers' process group: joining it, and its op
 # ----------------------------------------------------------------------------- the worker loop
 
 
+class ParentGone(Exception):
+    """The process that started this worker is gone: nothing will come, nobody reads."""
+
+
+def parent_gone() -> bool:
+    """Whether this process was started by another (spawn) that has ended since."""
+    parent = mp.parent_process()
+    return parent is not None and not parent.is_alive()
+
+
+def report(outbox, msgs: list) -> bool:
+    """Send one round's reports; False if nobody will read them: the central scheduler has
+    closed our pipe, or died (a broken pipe is then the normal way to learn it, no error)."""
+    try:
+        outbox.send(msgs)
+    except (BrokenPipeError, ConnectionResetError):
+        return False
+    return True
+
+
 @dataclass
 class Transfer:
     """An Import on this worker: waiting for a seat and blocks, then its copy in flight."""
@@ -107,14 +130,14 @@ class Worker:
         self.last_sent = 0.0                           # when the last reports went out
 
     def run(self) -> None:
-        parent = mp.parent_process()
         while self.step():
-            if parent is not None and not parent.is_alive():
+            if parent_gone():
                 return   # the central scheduler is gone: nothing will read our results
 
     def step(self, wait: bool = True) -> bool:
         """One round: take messages, move imports on, run one engine step, report what
-        happened (with the cache's free blocks). False once told to stop."""
+        happened (with the cache's free blocks). False once told to stop, or once nobody
+        reads the reports."""
         busy = self.engine.has_unfinished() or self.transfers
         msgs = self._receive(block=wait and not busy)
         for msg in msgs:
@@ -140,7 +163,8 @@ class Worker:
         if self.reports or msgs or now - self.last_sent > HEARTBEAT_S:
             bm = self.engine.bm
             self.reports.append(Heartbeat(bm.num_free_blocks, bm.num_blocks))
-            self.outbox.send(self.reports)
+            if not report(self.outbox, self.reports):
+                return False
             self.reports, self.last_sent = [], now
         return True
 
@@ -312,7 +336,8 @@ class WorkerSpec:
 
 def worker_main(spec: WorkerSpec, inbox, outbox, readers: list, share_queue) -> None:
     """Entry point of a worker process. readers: the share queues of the workers that will
-    pull from this one's cache; share_queue: where the caches it pulls from arrive."""
+    pull from this one's cache; share_queue: where the caches it pulls from arrive. A
+    worker whose parent is gone exits quietly: there is no one to report to."""
     # Ctrl-C is the caller's: it stops or aborts its requests and tells the workers; a
     # terminal's SIGINT reaches the whole process group, and would kill them mid-serve.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -329,13 +354,14 @@ def worker_main(spec: WorkerSpec, inbox, outbox, readers: list, share_queue) -> 
                                     rank=spec.index, world_size=spec.world_size,
                                     timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
             DistributedTransport.connect_pairs(spec.index, spec.world_size, device)
-        outbox.send([Ready(engine.runner.num_blocks, engine.bm.watermark_blocks,
-                           engine.runner.kv_cache[0].nbytes // engine.cfg.block_size, spec.name or spec.cfg.device)])
-        Worker(spec.index, engine, inbox, outbox, peers, spec.transport, spec.report_steps).run()
-    except KeyboardInterrupt:
+        if report(outbox, [Ready(engine.runner.num_blocks, engine.bm.watermark_blocks,
+                                 engine.runner.kv_cache[0].nbytes // engine.cfg.block_size,
+                                 spec.name or spec.cfg.device)]):
+            Worker(spec.index, engine, inbox, outbox, peers, spec.transport, spec.report_steps).run()
+    except (KeyboardInterrupt, ParentGone):
         pass
     except BaseException:  # noqa: BLE001 (report any failure to the central scheduler, then die)
-        outbox.send([Failed(traceback.format_exc())])
+        report(outbox, [Failed(traceback.format_exc())])   # if nobody reads it, nobody needs it
         raise SystemExit(1) from None
 
 
@@ -346,16 +372,83 @@ def _share_caches(spec: WorkerSpec, cache: torch.Tensor, readers: list, share_qu
         cache.share_memory_()
     for q in readers:
         q.put((spec.index, cache))
-    peers = dict(share_queue.get(timeout=600) for _ in range(spec.num_sources))
+    peers = dict(_get_while_parent_lives(share_queue, timeout_s=600.0) for _ in range(spec.num_sources))
     if cache.is_cuda:   # turns on peer access: our copy engine then reads the peers' memory directly
         for peer_cache in peers.values():
             peer_cache[:1].to(cache.device)
     return peers
 
 
+def _get_while_parent_lives(q, timeout_s: float):
+    """q.get(timeout=timeout_s), but ParentGone within a second of the parent's end: a peer
+    that has not sent its cache yet never will (the parent stops every worker it started)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return q.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        except queue.Empty:
+            if parent_gone():
+                raise ParentGone from None
+            if time.monotonic() >= deadline:
+                raise
+
+
+@dataclass
+class SigtermExit:
+    """SIGTERM, in the process that owns workers, as an orderly exit. Python's default
+    action ends the process at once: no finalizer runs, so the workers are left to find
+    their parent gone and the queues' semaphores are never unlinked (the resource
+    tracker's "leaked semaphore objects" warning). Raised as SystemExit instead, close()
+    and the finalizers run as at any exit. While workers are being spawned or stopped, the
+    exit waits until that is done (held): a worker half spawned would be nobody's, a stop
+    cut short would leave what it had not released yet. During the interpreter's own exit
+    it is not raised at all: that exit is under way. A second SIGTERM gets the default
+    action, so a caller that must end the process at once still can."""
+    holding: int = 0         # held() levels open: workers are being spawned or stopped
+    pending: bool = False    # a SIGTERM came while holding
+
+    def __call__(self, signum: int, frame) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        if self.holding or exiting():
+            self.pending = True
+        else:
+            raise SystemExit(128 + signum)   # the exit status of a process a signal ended, as shells give it
+
+    @contextlib.contextmanager
+    def held(self):
+        self.holding += 1
+        try:
+            yield
+        finally:
+            self.holding -= 1
+            if self.pending and not self.holding:
+                self.pending = False
+                if not exiting():
+                    raise SystemExit(128 + signal.SIGTERM)
+
+
+def exiting() -> bool:
+    """Whether the interpreter has begun its exit: its first step, threading's shutdown,
+    sets threading._SHUTTING_DOWN (there is no public flag), then stops the main thread;
+    the exit's callbacks, the finalizers among them, come after."""
+    return getattr(threading, "_SHUTTING_DOWN", False) or not threading.main_thread().is_alive()
+
+
+SIGTERM_EXIT = SigtermExit()
+
+
+def exit_in_order_on_sigterm() -> None:
+    """Make SIGTERM a SystemExit (SigtermExit) in this process, unless the program has a
+    SIGTERM handler of its own (it decides then) or this is not the main thread (only it
+    may set one)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, SIGTERM_EXIT)
+
+
 class WorkerProcesses:
     """One worker process per device and the channels to them: an inbox queue each, a
-    report pipe each. sources[i]: the workers whose caches worker i pulls from."""
+    report pipe each. sources[i]: the workers whose caches worker i pulls from. close()
+    releases everything it opened; so do its collection and the interpreter's exit."""
 
     def __init__(self, cfg: EngineConfig, devices: list[str], sources: list[list[int]], transport: str,
                  report_steps: bool, names: list[str]):
@@ -363,24 +456,31 @@ class WorkerProcesses:
         ctx = torch.multiprocessing.get_context("spawn")
         # A two-sided transport's process group rendezvous on loopback: nothing listens beyond it.
         group = None if TRANSPORTS[transport].shares_caches else f"tcp://127.0.0.1:{free_port()}"
+        self.procs, self.inboxes, self.reports, self.shares = [], [], [], []
+        self.heard: set[int] = set()   # the workers that have reported (Ready first): past their start-up
+        # Before anything is opened, so that a failure half-way releases what was.
+        self._stop = weakref.finalize(self, stop_processes, self.procs, self.inboxes, self.reports, self.shares,
+                                      self.heard)
         pipes = [ctx.Pipe(duplex=False) for _ in devices]
-        self.reports = [reader for reader, _ in pipes]
-        self.inboxes = [ctx.Queue() for _ in devices]
+        self.reports += [reader for reader, _ in pipes]
+        self.inboxes += [ctx.Queue() for _ in devices]
         # Where each worker's peer caches arrive; kept here, since a queue the parent drops
         # before a child has unpickled it is gone (its semaphore unlinked).
-        self.shares = shares = [ctx.Queue() if sources[i] else None for i in range(len(devices))]
-        self.procs = []
+        self.shares += [ctx.Queue() if sources[i] else None for i in range(len(devices))]
         for i, device in enumerate(devices):
             spec = WorkerSpec(i, dataclasses.replace(cfg, device=device), transport, report_steps, len(sources[i]),
                               group, len(devices))
-            readers = [shares[j] for j in range(len(devices)) if i in sources[j]]
+            readers = [self.shares[j] for j in range(len(devices)) if i in sources[j]]
             self.procs.append(ctx.Process(target=worker_main, args=(spec, self.inboxes[i], pipes[i][1], readers,
-                                                                    shares[i]), daemon=True, name=names[i]))
-        for p, (_, writer) in zip(self.procs, pipes):
-            p.start()
-            writer.close()   # the worker holds the only writing end now
+                                                                    self.shares[i]), daemon=True, name=names[i]))
+        with SIGTERM_EXIT.held():
+            for p, (_, writer) in zip(self.procs, pipes):
+                p.start()
+                writer.close()   # the worker holds the only writing end now
 
     def send(self, w: int, msg) -> None:
+        if not self.inboxes:
+            raise RuntimeError("the workers are stopped: close() was called")
         self.inboxes[w].put(msg)
 
     def receive(self, timeout: float, skip: set[int]) -> list[tuple[int, list]]:
@@ -392,6 +492,7 @@ class WorkerProcesses:
             try:
                 while reader.poll():
                     got.append((live[reader], reader.recv()))
+                    self.heard.add(live[reader])
             except (EOFError, OSError):   # its worker died; the liveness check handles the rest
                 reader.close()
         return got
@@ -407,9 +508,10 @@ class WorkerProcesses:
         """Why a worker that ended without a traceback ended."""
         return f"exit code {self.procs[w].exitcode}"
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Ask every worker to stop, then terminate (and at last kill) the ones that do not."""
-        stop_processes(self.procs, self.inboxes, self.reports, timeout_s)
+    def close(self) -> None:
+        """Ask every worker to stop, then terminate (and at last kill) the ones that do not;
+        release the channels. The lists are empty afterwards."""
+        self._stop()
 
 
 def free_port() -> int:
@@ -419,30 +521,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stop_processes(procs: list, inboxes: list, reports: list, timeout_s: float = 10.0) -> None:
+def stop_processes(procs: list, inboxes: list, reports: list, shares: list, heard: set[int],
+                   timeout_s: float = 10.0) -> None:
     """WorkerProcesses.close, as a function a weakref finalizer can hold (it must not hold
-    the object it finalizes)."""
-    for q in inboxes:
-        try:
-            q.put(Stop())
-        except (OSError, ValueError):
-            pass
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        if p.pid is not None:
-            p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.pid is not None and p.is_alive():
-            p.terminate()
-            p.join(2)
-            if p.is_alive():
-                p.kill()
+    the object it finalizes). A worker not heard from is still starting (LLM(...) was
+    interrupted): it holds no request and reads no message before it is ready, so it is
+    terminated at once. A SIGTERM meanwhile waits until all is released (SigtermExit)."""
+    with SIGTERM_EXIT.held():
+        for q in inboxes:
+            try:
+                q.put(Stop())
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + timeout_s
+        for w, p in enumerate(procs):
+            if p.pid is not None and w in heard:
+                p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.pid is not None and p.is_alive():
+                p.terminate()
                 p.join(2)
-    for q in inboxes:
-        q.cancel_join_thread()
-        q.close()
+                if p.is_alive():
+                    p.kill()
+                    p.join(2)
+        release_channels(procs, inboxes, reports, shares)
+        heard.clear()
+
+
+def release_channels(procs: list, inboxes: list, reports: list, shares: list) -> None:
+    """Close what the workers leave behind in this process, now rather than at collection:
+    each queue's pipe and feeder thread, each report pipe, each process's own pipe; then
+    forget them all, so the queues go and their semaphores (files in /dev/shm) are unlinked."""
+    for p, q in zip(procs, inboxes):
+        q.close()   # its feeder thread writes what is left, then closes the pipe and ends
+        if p.exitcode == 0:
+            q.join_thread()          # the worker read up to our Stop, the last message: that is soon
+        else:
+            q.cancel_join_thread()   # nobody reads its pipe: a full one would keep the feeder waiting
+    for q in shares:
+        if q is not None:   # never written to here: no feeder thread; its pipe closes with it
+            q.close()
     for reader in reports:
         reader.close()
+    for p in procs:
+        if not p.is_alive():   # one that would not die keeps its pipe
+            p.close()
+    for items in (procs, inboxes, reports, shares):
+        items.clear()
 
 
 def check_main_module() -> None:
