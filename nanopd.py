@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import dataclasses
 import difflib
+import inspect
 import numbers
 import signal
 import threading
@@ -229,13 +230,12 @@ def check_settings(kwargs: dict) -> None:
     fields = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
     for name in kwargs:
         if name not in fields:
-            near = difflib.get_close_matches(name, fields + list(LLM_KEYWORDS), n=1, cutoff=0.5)
+            keywords = [k for k in inspect.signature(LLM).parameters if k not in ("model", "kwargs")]
+            near = difflib.get_close_matches(name, fields + keywords, n=1, cutoff=0.5)
             hint = f"; did you mean {near[0]!r}?" if near else ""
             raise ValueError(f"LLM() got an unknown setting {name!r}{hint} (the settings are LLM's keywords and "
                              f"EngineConfig's fields: {', '.join(fields)})")
 
-
-LLM_KEYWORDS = ("policy", "devices", "num_prefill", "transport", "profile", "worker_timeout_s", "slo", "join")
 
 
 def params_per_prompt(sampling_params, n: int) -> list:
