@@ -237,7 +237,6 @@ def check_settings(kwargs: dict) -> None:
                              f"EngineConfig's fields: {', '.join(fields)})")
 
 
-
 def params_per_prompt(sampling_params, n: int) -> list:
     """generate's sampling_params as one per prompt (each is checked when its prompt is submitted)."""
     if sampling_params is None:
