@@ -297,23 +297,37 @@ class Engine:
         seqs = [batch.seqs[i] for i in done]
         step = LaunchedStep(seqs, [s for s in seqs if s.request.beam_width], shape)
         beam_rows = [i for i in done if batch.seqs[i].request.beam_width]
-        # n > 1: the prompt's only sequence is forked once its first token is sampled, and
-        # each child j draws its own first token from the same logits, with its own generator.
-        plan = [(i, j) for i in done if not batch.seqs[i].request.beam_width
-                for j in range(self._draws(batch.seqs[i]))]
-        gens = [batch.seqs[i].generator if j == 0 else self._generator(batch.seqs[i].request, j) for i, j in plan]
-        draws = [Draw(i, batch.seqs[i].request.params, g, batch.seqs[i], j > 0, self._banned(batch.seqs[i]))
-                 for (i, j), g in zip(plan, gens)]
+        plan, draws = self._plan_draws(batch, done)
         beam_k = 2 * max((s.request.beam_width for s in step.beams), default=0)
         step.output = self.runner.run(batch, draws, beam_rows, beam_k,
                                       self.in_flight.output.tokens if self.in_flight else None)
         self.scheduler.computed(batch)
-        targets = [batch.seqs[i] if j == 0 else self.fork(batch.seqs[i], j, g) for (i, j), g in zip(plan, gens)]
+        targets = [batch.seqs[i] if j == 0 else self.fork(batch.seqs[i], j, d.generator)
+                   for (i, j), d in zip(plan, draws)]
         for k, seq in enumerate(targets):
             seq.token_ids.append(PENDING)
             seq.pending_row = k
             step.targets.append((seq, len(seq.token_ids) - 1))
         return step
+
+    def _plan_draws(self, batch: Batch, done: list[int]) -> tuple[list[tuple[int, int]], list[Draw]]:
+        """The tokens to sample after the sequences batch.seqs[done] (beams excepted): per
+        draw (row, j) and its Draw. n > 1: a prompt's only sequence is forked once its first
+        token is sampled, and each child j draws its own first token from the same logits,
+        with its own generator. This runs for every sequence of every step: a request that
+        adjusts no logits (Request.adjusts) costs one plain Draw."""
+        plan, draws = [], []
+        for i in done:
+            seq = batch.seqs[i]
+            req = seq.request
+            if req.beam_width:
+                continue
+            for j in range(req.params.n if seq.num_outputs == 0 else 1):
+                g = seq.generator if j == 0 else self._generator(req, j)
+                plan.append((i, j))
+                draws.append(Draw(i, req.params, g, seq, j > 0, self._banned(seq)) if req.adjusts
+                             else Draw(i, req.params, g))
+        return plan, draws
 
     def _shape(self, batch: Batch) -> StepShape:
         """The step's decodes, their context and its prompt tokens (prefix hits excluded)."""
@@ -365,10 +379,6 @@ class Engine:
             return []
         return list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(self.eos_ids))
 
-    def _draws(self, seq: Sequence) -> int:
-        """Tokens to draw after seq's last token: n for a prompt's first (one per child), else 1."""
-        return seq.request.params.n if seq.num_outputs == 0 else 1
-
     def _record_logprobs(self, seq: Sequence, token: int, token_logprob: float, top_values: list[float],
                          top_ids: list[int]) -> None:
         k = seq.request.params.logprobs
@@ -381,10 +391,14 @@ class Engine:
         """Finish seq if its token at index ends it (from min_tokens on: EOS, a stop token, a
         stop string completed in the text; or max_tokens); a later token, already sampled
         by the step running now, is dropped."""
-        params, num_outputs = seq.request.params, index + 1 - seq.num_prompt_tokens
+        params, num_outputs, token = seq.request.params, index + 1 - seq.num_prompt_tokens, seq.token_ids[index]
         new_text = self._add_text(seq, index) if params.stop else ""
-        if num_outputs >= params.min_tokens and self._stops(seq, seq.token_ids[index], new_text):
+        if num_outputs >= params.min_tokens and (token in self.eos_ids and not params.ignore_eos
+                                                 or token in params.stop_token_ids
+                                                 or new_text and self._found_stop_string(seq, new_text)):
             seq.finish_reason = "stop"
+            if token in params.stop_token_ids:
+                seq.stop_reason = token
         elif num_outputs >= params.max_tokens:
             seq.finish_reason = "length"
         elif not seq.request.prefill_only:
@@ -403,21 +417,12 @@ class Engine:
             seq.detokenizer = Detokenizer(self.tokenizer, seq.token_ids[seq.num_prompt_tokens:index])
         return seq.detokenizer.add(seq.token_ids[index])
 
-    def _stops(self, seq: Sequence, token: int, new_text: str) -> bool:
-        """Whether token (which added new_text to the output's text) ends seq: EOS, a stop
-        token (stop_reason: its id) or a stop string (stop_reason: the string; text_end:
-        where the output's text ends, before the string unless include_stop_str_in_output).
-        A stop string may span tokens: it is looked for in the new text and the few
-        characters before it, the earliest occurrence first."""
-        params = seq.request.params
-        if token in params.stop_token_ids:
-            seq.stop_reason = token
-            return True
-        if token in self.eos_ids and not params.ignore_eos:
-            return True
-        if not new_text:
-            return False
-        text = seq.detokenizer.text
+    def _found_stop_string(self, seq: Sequence, new_text: str) -> bool:
+        """Whether the text new_text added to seq's output completes a stop string; if so,
+        stop_reason is the string and text_end where the output's text ends (before the
+        string unless include_stop_str_in_output). A stop string may span tokens: it is
+        looked for in the new text and the few characters before it, the earliest first."""
+        params, text = seq.request.params, seq.detokenizer.text
         start = max(0, len(text) - len(new_text) - max(map(len, params.stop)) + 1)
         found = min(((at, s) for s in params.stop if (at := text.find(s, start)) >= 0), default=None)
         if found is None:

@@ -276,6 +276,11 @@ class Request:
     num_streamed: int = 0               # output tokens already handed out by Engine.new_tokens
     error: Exception | None = None      # why it ended without its completions
     arrival: int = field(default_factory=arrival_order)   # its first sequence's: its place in the queue
+    # Set once, so that a step's sampling skips all of it for the requests that use none:
+    adjusts: bool = field(init=False)   # its logits change before sampling (penalties, min_tokens bans)
+
+    def __post_init__(self):
+        self.adjusts = self.params.penalized or self.params.min_tokens > 0
 
     @property
     def finished(self) -> bool:

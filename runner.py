@@ -87,7 +87,7 @@ class Draw:
     row: int                            # index into Batch.seqs
     params: SamplingParams
     generator: torch.Generator | None = None
-    seq: Sequence | None = None         # that sequence, whose token counts the penalties read
+    seq: Sequence | None = None         # that sequence, if its request adjusts its logits (Request.adjusts)
     child: bool = False                 # the token starts a child forked from seq (n > 1), not seq's own
     banned: list[int] = field(default_factory=list)   # tokens it may not be (min_tokens: EOS, stop ids)
 
@@ -225,8 +225,9 @@ class ModelRunner:
         """The logits the draws sample from [D, vocab]: the model's, or a float32 copy with
         every penalty of the step applied in one launch and the banned tokens at -inf; and
         (draws, statistics rows) of the penalised draws whose token is their sequence's own."""
-        penalized = [k for k, d in enumerate(draws) if d.params.penalized and d.seq is not None]
-        bans = [(k, t) for k, d in enumerate(draws) for t in d.banned]
+        adjusted = [k for k, d in enumerate(draws) if d.seq is not None]   # most steps: none
+        penalized = [k for k in adjusted if draws[k].params.penalized]
+        bans = [(k, t) for k in adjusted for t in draws[k].banned]
         if not penalized and not bans:
             return logits, None
         x, counted = logits.to(torch.float32, copy=True), None

@@ -28,23 +28,22 @@ class Batch:
     """One step's work: each sequence computes its next num_new tokens."""
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
-    seq_copies: list[list[tuple[int, int]]] = field(default_factory=list)   # per sequence: copy-on-write pairs
-
-    @property
-    def copies(self) -> list[tuple[int, int]]:
-        """The (src, dst) block pairs to copy before the step's model runs."""
-        return [pair for pairs in self.seq_copies for pair in pairs]
+    copies: list[tuple[int, int]] = field(default_factory=list)   # (src, dst) blocks to copy before the model runs
+    copied_for: list[Sequence] = field(default_factory=list)      # ... the sequence each copy is for
 
     def add(self, seq: Sequence, n: int, copies: list[tuple[int, int]] = ()) -> None:
         self.seqs.append(seq)
         self.num_new.append(n)
-        self.seq_copies.append(list(copies))
+        for pair in copies:
+            self.copies.append(pair)
+            self.copied_for.append(seq)
 
     def drop(self, req: Request) -> None:
         """Take req's sequences out (it was preempted whole while the batch was being built)."""
         keep = [i for i, s in enumerate(self.seqs) if s.request is not req]
         self.seqs, self.num_new = [self.seqs[i] for i in keep], [self.num_new[i] for i in keep]
-        self.seq_copies = [self.seq_copies[i] for i in keep] if self.seq_copies else []
+        kept = [i for i, s in enumerate(self.copied_for) if s.request is not req]
+        self.copies, self.copied_for = [self.copies[i] for i in kept], [self.copied_for[i] for i in kept]
 
 
 class Scheduler:
