@@ -29,6 +29,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False        # no CUDA graphs
     seed: int = 0                      # random weights of presets
+    # A split worker (smsplit.py): prefill and decode at once on disjoint SMs of one GPU.
+    sm_split: tuple[int, int] | None = None   # (prefill SMs, decode SMs) to start on; None: unsplit
+    split_menu: tuple[tuple[int, int], ...] = ()   # more splits to be ready for (graphs captured at start-up)
 
     def validate(self) -> None:
         """Raise a ValueError naming the first bad setting."""
@@ -47,8 +50,22 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_int("seed", self.seed, low=0, high=2 ** 63 - 1)
+        if not isinstance(self.split_menu, list | tuple):
+            raise ValueError(f"split_menu must be a list of (prefill_sms, decode_sms) pairs, got {self.split_menu!r}")
+        for name, split in [("sm_split", self.sm_split)] + [("split_menu", s) for s in self.split_menu]:
+            if split is not None:
+                check_split(name, split)
         check_device(self.device)
         resolve_dtype(self.dtype, self.device)
+
+
+def check_split(name: str, split) -> None:
+    """A ValueError naming `name` unless split is a (prefill SMs, decode SMs) pair of
+    positive integers (whether the GPU has them is checked where it is split, runner.py)."""
+    if not isinstance(split, list | tuple) or len(split) != 2:
+        raise ValueError(f"{name} must be a (prefill_sms, decode_sms) pair, got {split!r}")
+    for what, value in zip(("prefill_sms", "decode_sms"), split):
+        check_int(f"{name}'s {what}", value, low=1)
 
 
 def check_int(name: str, value, low: int | None = None, high: int | None = None) -> None:

@@ -39,8 +39,9 @@ from request import (
     check_request,
     tokenize,
 )
-from runner import Draw, ModelRunner, StepOutput
+from runner import Draw, Lane, ModelRunner, StepOutput
 from scheduler import Batch, Scheduler
+from smsplit import Split
 
 
 @dataclass
@@ -54,11 +55,27 @@ class StepShape:
 @dataclass
 class LaunchedStep:
     """A step whose sampled tokens are still on their way to the host (see Engine.step)."""
+    batch: Batch
     seqs: list[Sequence]                 # the sequences whose last token this step computed
     beams: list[Sequence]                # ... those in beam search: the host picks their tokens
     shape: StepShape
     output: StepOutput | None = None
     targets: list[tuple[Sequence, int]] = field(default_factory=list)   # per draw: where its token goes
+
+    def computing(self) -> set[Sequence]:
+        """The sequences this step computes or samples for (the other lane leaves them alone)."""
+        return set(self.batch.seqs) | {seq for seq, _ in self.targets}
+
+
+def computing(step: LaunchedStep | None) -> set[Sequence]:
+    """The sequences a lane's step in flight computes (none if no step)."""
+    return step.computing() if step is not None else set()
+
+
+def wait_for(lane: Lane, step: LaunchedStep | None) -> None:
+    """lane's next work starts on the device only once step (another lane's) has ended."""
+    if lane.stream is not None and step is not None and step.output.ready is not None:
+        lane.stream.wait_event(step.output.ready)
 
 
 class Engine:
@@ -76,10 +93,17 @@ class Engine:
                                                 enable_prefix_caching=cfg.enable_prefix_caching),
                                    cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[int, Request] = {}      # submitted, output not yet taken
-        self.in_flight: LaunchedStep | None = None   # launched, its tokens not yet taken
+        self.in_flight: LaunchedStep | None = None   # launched, its tokens not yet taken (split: the decode lane's)
+        self.split: Split | None = None              # the SM split steps run on (None: the whole GPU)
+        self.prefilling: LaunchedStep | None = None  # split: the prefill lane's step in flight
+        self.fence_decode = False                    # the decode lane's next step waits for the prefill lane's
+        self.ended_between: list[int] = []           # requests that finished while the split changed
         self._request_ids = itertools.count()
         if self.model.device.type == "cuda":
-            self._warm_up()
+            for split in [None, *self.runner.splits]:   # every lane of the menu, first the whole GPU
+                self.set_split(split)
+                self._warm_up()
+        self.set_split(cfg.sm_split)
 
     def _warm_up(self) -> None:
         """Serve two short requests, one greedy with logprobs and one sampled with top-k,
@@ -143,7 +167,34 @@ class Engine:
         return torch.Generator(self.model.device).manual_seed(req.params.seed + index)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self.in_flight is not None
+        return self.scheduler.has_work() or self.in_flight is not None or self.prefilling is not None
+
+    # -- the split worker: prefill and decode at once on disjoint SMs (smsplit.py)
+
+    def set_split(self, split: tuple[int, int] | None) -> None:
+        """Run the next steps on this entry of the split menu (prefill SMs, decode SMs), or on
+        the whole GPU (None). Between steps only: the steps in flight finish first, on the
+        streams they were launched on (a step reads the one before it's tokens)."""
+        key = None if split is None else Split(*split)
+        if key is not None and key not in self.runner.splits:
+            menu = ", ".join(f"({s.prefill_sms}, {s.decode_sms})" for s in self.runner.splits) or "none"
+            raise ValueError(f"sm_split {tuple(split)} is not in this engine's split menu ({menu}): "
+                             "pass one of those, or list it in split_menu")
+        if key == self.split:
+            return
+        self.ended_between += [r.request_id for r in self._drain()]
+        self.split = key
+
+    def _drain(self) -> list[Request]:
+        """Finish the steps in flight, on the device and on the host; the requests that finished."""
+        finished = []
+        for step in (self.prefilling, self.in_flight):
+            if step is not None:
+                finished += self._finish(step)
+        self.prefilling = self.in_flight = None
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        return finished
 
     # -- the handoff: a prefill worker parks, a decode worker imports (workers.py)
 
@@ -193,19 +244,71 @@ class Engine:
         the device's work instead of leaving it idle. Returns the ids of the requests that
         finished (a prefill_only one: prefilled and parked). A step that raises ends the
         requests it carried with that error; the engine goes on serving the others."""
+        ended, self.ended_between = self.ended_between, []
+        return ended + (self._step_whole() if self.split is None else self._step_lanes())
+
+    def _step_whole(self) -> list[int]:
+        """A step on the whole GPU: decodes and prompt chunks together (chunked prefill)."""
         batch = self.scheduler.schedule()
         if self._restart_beams() + len(batch.seqs) == 0 and self.in_flight is None:
             return self._end_unschedulable()
         try:
-            launched = self._launch(batch) if batch.seqs else None
+            launched = self._launch(batch, self.runner.whole, self.in_flight) if batch.seqs else None
             finished = self._finish(self.in_flight) if self.in_flight else []
         except Exception as e:  # noqa: BLE001 (the requests end with it; nothing else is lost)
-            return self._fail_step(batch, e)
+            return self._fail_step([batch], e)
         self.in_flight = launched
         if launched is not None and launched.beams:   # beam search chooses on the host, now
             finished += self._finish(launched)
             self.in_flight = None
         return [r.request_id for r in finished]
+
+    def _step_lanes(self) -> list[int]:
+        """A split worker's step: the prefill lane and the decode lane each keep a step on
+        the device, at once, on their own SMs (smsplit.py).
+          prefill lane: once its chunk's tokens have landed, take them (the prompts done
+            join the decodes: their KV is in their blocks already) and launch the next;
+          decode lane: a whole-GPU step on the decodes alone (launch N+1, finish N).
+        The host waits on the prefill lane only when there is nothing to decode. The lanes
+        leave each other's sequences alone (busy). The decode lane's step in flight may
+        still write blocks the host has freed (a sequence that just stopped): the prefill
+        lane's next chunk waits for that step on the device before it starts; an abort of
+        a sequence the prefill lane computes makes the decode lane wait likewise."""
+        prefill_lane, decode_lane = self.runner.splits[self.split]
+        idle = self.in_flight is None and self.prefilling is None   # nothing will land that frees room
+        restarted, finished, batches = self._restart_beams(), [], []
+        try:
+            if self.prefilling is not None and self.prefilling.output.done():
+                step, self.prefilling = self.prefilling, None
+                finished += self._finish(step)
+            if self.prefilling is None:
+                batches.append(self.scheduler.schedule(decodes=False, busy=computing(self.in_flight)))
+                if batches[-1].seqs:
+                    wait_for(prefill_lane, self.in_flight)
+                    self.prefilling = self._launch(batches[-1], prefill_lane, None)
+                    if self.prefilling.beams:   # beam search chooses on the host, now
+                        finished += self._finish(self.prefilling)
+                        self.prefilling = None
+            batches.append(self.scheduler.schedule(prompts=False, busy=computing(self.prefilling)))
+            launched = None
+            if batches[-1].seqs:
+                if self.fence_decode:
+                    wait_for(decode_lane, self.prefilling)
+                    self.fence_decode = False
+                launched = self._launch(batches[-1], decode_lane, self.in_flight)
+            finished += self._finish(self.in_flight) if self.in_flight else []
+            self.in_flight = launched
+            if launched is not None and launched.beams:
+                finished += self._finish(launched)
+                self.in_flight = None
+        except Exception as e:  # noqa: BLE001 (the requests end with it; nothing else is lost)
+            return self._fail_step(batches, e)
+        if self.in_flight is None and self.prefilling is not None:   # nothing to decode meanwhile
+            self.prefilling.output.wait()
+        ended = [r.request_id for r in finished]
+        if idle and restarted + sum(len(b.seqs) for b in batches) == 0:
+            ended += self._end_unschedulable()
+        return ended
 
     def _restart_beams(self) -> int:
         """Beam searches the scheduler preempted whole start again from their prompt, in
@@ -240,13 +343,19 @@ class Engine:
             req.error, req.metrics.finish_time = error, time.perf_counter()
         return [req.request_id for req in stuck]
 
-    def _fail_step(self, batch: Batch, error: Exception) -> list[int]:
-        """End every request of the batch and of the step in flight with error, freeing all
-        they hold; their ids."""
-        step, self.in_flight = self.in_flight, None
-        involved = {s.request: None for s in batch.seqs}
-        if step is not None:
-            involved.update({s.request: None for s in step.seqs + [t for t, _ in step.targets]})
+    def _fail_step(self, batches: list[Batch], error: Exception) -> list[int]:
+        """End every request of the batches and of the steps in flight with error, freeing
+        all they hold; their ids."""
+        steps = [s for s in (self.in_flight, self.prefilling) if s is not None]
+        self.in_flight = self.prefilling = None
+        if steps and self.model.device.type == "cuda":   # nothing launched may still write what is freed here
+            try:
+                torch.cuda.synchronize(self.model.device)
+            except RuntimeError:   # the device itself failed: the error below says so
+                pass
+        involved = {s.request: None for batch in batches for s in batch.seqs}
+        for step in steps:
+            involved.update({s.request: None for s in step.computing()})
         ended = []
         for req in involved:
             if req.request_id in self.requests and req.metrics.finish_time is None:
@@ -272,14 +381,16 @@ class Engine:
     def abort(self, request_ids: list[int]) -> None:
         """End these requests now and forget them, wherever they are (waiting, running,
         parked); their blocks go back. A step in flight drops their tokens."""
+        prefilling = computing(self.prefilling)
         for request_id in request_ids:
             req = self.requests.pop(request_id, None)
             if req is not None:
+                self.fence_decode |= any(s in prefilling for s in req.seqs)   # its blocks: not before that step ends
                 self._retire(req)
         step = self.in_flight
-        if step is not None and all(s.request.request_id not in self.requests
-                                    for s in step.seqs + [t for t, _ in step.targets]):
-            self.in_flight = None   # nothing left to take from it
+        if self.split is None and step is not None and all(s.request.request_id not in self.requests
+                                                           for s in step.computing()):
+            self.in_flight = None   # nothing left to take from it (a split keeps it: see _step_lanes)
 
     def poll(self, timeout: float = 0.0) -> list[int]:
         """Run a step if there is work, else wait timeout seconds; the ids of requests that
@@ -289,18 +400,19 @@ class Engine:
         time.sleep(timeout)
         return []
 
-    def _launch(self, batch: Batch) -> LaunchedStep:
-        """Run the model on the batch and sample on the device; each sampled sequence gets a
-        PENDING token, filled in by _finish."""
+    def _launch(self, batch: Batch, lane: Lane, previous: LaunchedStep | None) -> LaunchedStep:
+        """Run the model on the batch on lane and sample on the device; each sampled sequence
+        gets a PENDING token, filled in by _finish (from previous, the lane's step in flight,
+        where a sequence's last token is still PENDING)."""
         shape = self._shape(batch)
         done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if n == s.num_pending]
         seqs = [batch.seqs[i] for i in done]
-        step = LaunchedStep(seqs, [s for s in seqs if s.request.beam_width], shape)
+        step = LaunchedStep(batch, seqs, [s for s in seqs if s.request.beam_width], shape)
         beam_rows = [i for i in done if batch.seqs[i].request.beam_width]
         plan, draws = self._plan_draws(batch, done)
         beam_k = 2 * max((s.request.beam_width for s in step.beams), default=0)
-        step.output = self.runner.run(batch, draws, beam_rows, beam_k,
-                                      self.in_flight.output.tokens if self.in_flight else None)
+        step.output = self.runner.run(batch, draws, beam_rows, beam_k, previous.output.tokens if previous else None,
+                                      lane)
         self.scheduler.computed(batch)
         targets = [batch.seqs[i] if j == 0 else self.fork(batch.seqs[i], j, d.generator)
                    for (i, j), d in zip(plan, draws)]

@@ -15,6 +15,7 @@ A token the host has not received yet (PENDING, see engine.py) is read on the de
 the previous step's sampled tokens.
 """
 
+import contextlib
 import gc
 import itertools
 import os
@@ -31,6 +32,10 @@ from model import AttentionMetadata, Qwen3
 from request import SamplingParams, Sequence
 from sampler import TokenCounts, beam_candidates, sample, token_logprobs
 from scheduler import Batch
+from smsplit import Split, make_lanes
+
+# Decode graphs of a split's decode lane: coarser than the whole GPU's, one set per split.
+SPLIT_GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768, 1024]
 
 # Token counts of the piecewise graphs: a step is padded to the next one. Below ~256 tokens
 # a step's time hardly depends on its size (it reads every weight once); above, coarser
@@ -93,6 +98,22 @@ class Draw:
 
 
 @dataclass
+class Lane:
+    """Where a step runs: a stream (None: the current one) and the decode graphs captured on
+    it. The whole GPU's lane also has the piece graphs for mixed steps; a split's prefill
+    lane runs eagerly (graphs captured on all SMs would use all SMs), and its chunks are big
+    enough to keep its SMs busy without them."""
+    stream: torch.cuda.Stream | None = None
+    graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = field(default_factory=dict)   # batch -> graph
+    sizes: list[int] = field(default_factory=list)   # sorted(graphs)
+    pieces: bool = False
+
+    def running(self):
+        """Launch on this lane's stream (a context manager)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+
+@dataclass
 class StepOutput:
     """What a step hands the engine: its sampled tokens, copying to the host."""
     tokens: torch.Tensor | None = None   # [draws] on the device: the next step's PENDING ids come from here
@@ -100,6 +121,14 @@ class StepOutput:
     logprob_draws: list[int] = field(default_factory=list)    # draws that report logprobs
     beams: list[tuple[list[int], list[float]]] = field(default_factory=list)   # per beam row: (ids, logprobs)
     ready: torch.cuda.Event | None = None   # the host copies have landed
+
+    def done(self) -> bool:
+        """Whether the copies have landed (collect would not wait)."""
+        return self.ready is None or self.ready.query()
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
 
     def collect(self) -> tuple[list[int], dict[int, tuple[float, list[float], list[int]]]]:
         """Wait for the copies: the sampled tokens, and per logprob draw (the token's logprob,
@@ -132,8 +161,19 @@ class ModelRunner:
         """The pinned buffers, the penalties' token counts and (unless enforce_eager) the
         CUDA graphs of the steps."""
         self.token_counts = TokenCounts(self.model.config.vocab_size, self.device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}   # decode: batch -> graph
-        self.graph_sizes: list[int] = []
+        self.whole = Lane(pieces=True)   # the whole GPU, on the current stream
+        # Each split of the menu (cfg.sm_split and cfg.split_menu), under the SM counts the
+        # driver gave: its prefill lane and its decode lane.
+        self.splits: dict[Split, tuple[Lane, Lane]] = {}
+        self.split_lanes = [make_lanes(self.device, Split(*s))   # (these keep the driver's objects alive)
+                            for s in dict.fromkeys([self.cfg.sm_split, *self.cfg.split_menu]) if s]
+        for lanes, asked in zip(self.split_lanes, dict.fromkeys([self.cfg.sm_split, *self.cfg.split_menu])):
+            if lanes.prefill is not None and tuple(asked) != (lanes.split.prefill_sms, lanes.split.decode_sms):
+                raise ValueError(f"split {tuple(asked)}: the decode lane gets its SMs in multiples the driver "
+                                 f"allows and the prefill lane the rest, here {lanes.split.prefill_sms} + "
+                                 f"{lanes.split.decode_sms}: pass ({lanes.split.prefill_sms}, "
+                                 f"{lanes.split.decode_sms})")
+            self.splits[lanes.split] = (Lane(lanes.prefill), Lane(lanes.decode))
         self.piece_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}   # mixed: tokens -> one per piece
         self.piece_sizes: list[int] = []
         if self.device.type == "cuda":
@@ -185,12 +225,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch, draws: list[Draw], beam_rows: list[int] = (), beam_k: int = 0,
-            prev_tokens: torch.Tensor | None = None) -> StepOutput:
+            prev_tokens: torch.Tensor | None = None, lane: Lane | None = None) -> StepOutput:
         """Run the model on the batch and sample: a token per draw, and for each of beam_rows
         its beam_k best continuations (read at once: beam search chooses on the host).
-        prev_tokens: the running step's sampled tokens (see prepare)."""
+        prev_tokens: the running step's sampled tokens (see prepare). lane: where (the whole
+        GPU unless a split's lane); everything the step allocates is that stream's."""
+        lane = lane or self.whole
+        with lane.running():
+            return self._run(batch, draws, beam_rows, beam_k, prev_tokens, lane)
+
+    def _run(self, batch: Batch, draws: list[Draw], beam_rows: list[int], beam_k: int,
+             prev_tokens: torch.Tensor | None, lane: Lane) -> StepOutput:
         rows = sorted({d.row for d in draws} | set(beam_rows))
-        logits = self.model.compute_logits(self._forward(batch, rows, prev_tokens))   # [len(rows), vocab]
+        logits = self.model.compute_logits(self._forward(batch, rows, prev_tokens, lane))   # [len(rows), vocab]
         at = {r: i for i, r in enumerate(rows)}
         out = StepOutput()
         if beam_rows:
@@ -241,17 +288,17 @@ class ModelRunner:
             x[at[:, 0], at[:, 1]] = float("-inf")
         return x, counted
 
-    def _forward(self, batch: Batch, rows: list[int], prev_tokens: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, batch: Batch, rows: list[int], prev_tokens: torch.Tensor | None, lane: Lane) -> torch.Tensor:
         """Hidden states [len(rows), hidden] of the last new token of batch.seqs[rows]."""
         pairs, rows = self._upload_many([b for pair in batch.copies for b in pair], rows)
         if batch.copies:
             kernels.copy_blocks(self.kv_cache, pairs.view(-1, 2))
         num_seqs, num_tokens = len(batch.seqs), sum(batch.num_new)
-        graph_bs = next((b for b in self.graph_sizes if b >= num_seqs), None)
+        graph_bs = next((b for b in lane.sizes if b >= num_seqs), None)
         if graph_bs is not None and max(batch.num_new) == 1:
-            return self._replay(batch, graph_bs, prev_tokens)[rows]   # one token per sequence
+            return self._replay(batch, lane.graphs[graph_bs], prev_tokens)[rows]   # one token per sequence
         ids, positions, meta = self.prepare(batch, prev_tokens)
-        padded = next((t for t in self.piece_sizes if t >= num_tokens), None)
+        padded = next((t for t in self.piece_sizes if t >= num_tokens), None) if lane.pieces else None
         if padded is None:
             hidden = self.model(ids, positions, self.kv_cache, meta)
         else:
@@ -294,12 +341,20 @@ class ModelRunner:
         try:
             with torch.cuda.stream(stream):
                 self._compile_split_variants()
-                pool = self._capture_decode_graphs(sizes, None, stream)
-                self._capture_piece_graphs(pieces, pool, stream)
+                pool = self._capture_decode_graphs(sizes, None, stream, self.whole)
+                pool = self._capture_piece_graphs(pieces, pool, stream)
+            # A graph keeps the SMs of the stream it was captured on: each split's decode lane
+            # gets graphs of its own (all in the one pool: only one decode lane runs at a time).
+            for split, (_, decode) in self.splits.items():
+                if decode.stream is not None:
+                    decode.stream.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(decode.stream):
+                        pool = self._capture_decode_graphs([b for b in SPLIT_GRAPH_SIZES if b < max_bs] + [max_bs],
+                                                           pool, decode.stream, decode, f" on {split}")
         finally:
             gc.enable()
         torch.cuda.current_stream().wait_stream(stream)
-        self.graph_sizes, self.piece_sizes = sorted(self.graphs), sorted(self.piece_graphs)
+        self.piece_sizes = sorted(self.piece_graphs)
         torch.cuda.synchronize()
 
     def _capture(self, fn: Callable[[], object], pool, stream: torch.cuda.Stream):
@@ -321,9 +376,11 @@ class ModelRunner:
                                      ctx_lens=st["ctx"][:1], max_q_len=1, num_decodes=1, num_splits=splits)
             self.model(st["ids"][:1], st["pos"][:1], self.kv_cache, meta)
 
-    def _capture_decode_graphs(self, sizes: list[int], pool, stream: torch.cuda.Stream):
+    def _capture_decode_graphs(self, sizes: list[int], pool, stream: torch.cuda.Stream, lane: Lane, where: str = ""):
+        """Decode graphs at these batch sizes into lane, all sharing pool; the pool."""
         st = self.static
-        for bs in tqdm(sorted(sizes, reverse=True), desc="capturing decode CUDA graphs", leave=False, disable=None):
+        for bs in tqdm(sorted(sizes, reverse=True), desc=f"capturing decode CUDA graphs{where}", leave=False,
+                       disable=None):
             meta = AttentionMetadata(
                 slot_mapping=st["slots"][:bs], block_tables=st["tables"][:bs], cu_q_lens=st["cu"][:bs + 1],
                 ctx_lens=st["ctx"][:bs], max_q_len=1, num_decodes=bs,
@@ -332,10 +389,11 @@ class ModelRunner:
             graph, hidden = self._capture(
                 lambda bs=bs, meta=meta: self.model(st["ids"][:bs], st["pos"][:bs], self.kv_cache, meta), pool, stream)
             pool = graph.pool()
-            self.graphs[bs] = (graph, hidden)
+            lane.graphs[bs] = (graph, hidden)
+        lane.sizes = sorted(lane.graphs)
         return pool
 
-    def _capture_piece_graphs(self, sizes: list[int], pool, stream: torch.cuda.Stream) -> None:
+    def _capture_piece_graphs(self, sizes: list[int], pool, stream: torch.cuda.Stream):
         """For each token count t, one graph per Qwen3.piece: it reads its input (token ids, or
         the attention output "o") and "residual" from the static buffers and writes its
         results back to them ("q" and "residual", or "hidden"), so every piece of every size
@@ -360,11 +418,14 @@ class ModelRunner:
                 pool = graph.pool()
                 graphs.append(graph)
             self.piece_graphs[t] = graphs
+        return pool
 
-    def _replay(self, batch: Batch, bs: int, prev_tokens: torch.Tensor | None) -> torch.Tensor:
-        """Copy the step's inputs into the graph's static buffers (padding the batch to bs
-        sequences with no tokens and no cache writes), then replay the graph."""
-        st, n = self.static, len(batch.seqs)
+    def _replay(self, batch: Batch, captured: tuple[torch.cuda.CUDAGraph, torch.Tensor],
+                prev_tokens: torch.Tensor | None) -> torch.Tensor:
+        """Copy the step's inputs into the graph's static buffers (padding the batch to the
+        graph's size with sequences of no tokens and no cache writes), then replay it."""
+        (graph, hidden), st, n = captured, self.static, len(batch.seqs)
+        bs = len(hidden)
         ids, positions, meta = self.prepare(batch, prev_tokens)
         width = meta.block_tables.shape[1]
         self._stage_tokens(ids, positions, meta.slot_mapping, bs)
@@ -372,7 +433,6 @@ class ModelRunner:
         st["cu"][:n + 1].copy_(meta.cu_q_lens)
         st["cu"][n + 1:bs + 1].fill_(n)
         st["ctx"][:n].copy_(meta.ctx_lens)
-        graph, hidden = self.graphs[bs]
         graph.replay()
         return hidden[:n]
 

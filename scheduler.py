@@ -70,23 +70,26 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> Batch:
+    def schedule(self, decodes: bool = True, prompts: bool = True, busy: set[Sequence] = frozenset()) -> Batch:
+        """This step's work: running decodes, unfinished prompt chunks and new sequences, or
+        (a split worker's lanes, engine.py) only the decodes or only the prompts. busy: the
+        sequences the other lane is computing now; they are neither scheduled nor preempted."""
         batch, budget = Batch(), self.max_num_batched_tokens
         # Prompt tokens (chunks, new sequences) may also be capped per step (prefill_budget),
         # so that a step carrying them stays short for the decodes beside it.
-        prompt_room = budget if self.prefill_budget is None else self.prefill_budget
+        prompt_room = (budget if self.prefill_budget is None else self.prefill_budget) if prompts else 0
         # Running decodes first (each waits on one token), then unfinished prompt chunks. A
         # sequence whose token in flight is its last (max_tokens) only waits to finish.
-        decodes = [s for s in self.running if s.num_pending == 1 and s.num_outputs < s.request.params.max_tokens
-                   and not (s.request.prefill_only and s.num_outputs)]
-        chunks = [s for s in self.running if s.num_pending > 1]
-        for seq in decodes + chunks:
+        todo = [s for s in self.running if s.num_pending == 1 and s.num_outputs < s.request.params.max_tokens
+                and not (s.request.prefill_only and s.num_outputs)] if decodes else []
+        todo += [s for s in self.running if s.num_pending > 1] if prompts else []
+        for seq in todo:
             if budget == 0:
                 break
-            if seq.status != Status.RUNNING:   # preempted to make room for an earlier one
+            if seq.status != Status.RUNNING or seq in busy:   # preempted for an earlier one, or the other lane's
                 continue
             n = min(seq.num_pending, budget, prompt_room if seq.num_pending > 1 else budget)
-            if n == 0 or not self._append_slots(seq, n, batch):
+            if n == 0 or not self._append_slots(seq, n, batch, busy):
                 continue
             budget -= n
             prompt_room -= n if seq.num_pending > 1 else 0
@@ -94,7 +97,7 @@ class Scheduler:
         while self.waiting and budget > 0 and prompt_room > 0:
             seq = self.waiting[0]
             if len(self.running) + self.importing + self._seats(seq) > self.max_num_seqs \
-                    or not self.bm.can_allocate(seq.token_ids) or self._import_first(seq):
+                    or not self.bm.can_allocate(seq.token_ids) or self._import_first(seq) or seq in busy:
                 break
             self.waiting.popleft()
             seq.block_table, seq.num_computed = self.bm.allocate(seq.token_ids)
@@ -118,15 +121,15 @@ class Scheduler:
         req = seq.request
         return 1 if seq.num_outputs else max(req.params.n, req.beam_width)
 
-    def _append_slots(self, seq: Sequence, n: int, batch: Batch) -> bool:
+    def _append_slots(self, seq: Sequence, n: int, batch: Batch, busy: set[Sequence]) -> bool:
         """Room for seq's next n tokens (and its copy-on-write pairs), and seq in the batch;
-        while the cache is full, the newest running sequences not yet in this batch are
-        preempted (a beam search whole, out of the batch too). False if seq itself had to go."""
+        while the cache is full, the newest running sequences not yet in this batch nor busy
+        are preempted (a beam search whole, out of the batch too). False if seq itself had to go."""
         while True:
             try:
                 copies = self.bm.append_slots(seq.block_table, seq.num_computed, seq.num_computed + n)
             except OutOfBlocks:
-                self.preempt(next(s for s in reversed(self.running) if s not in batch.seqs), batch)
+                self.preempt(next(s for s in reversed(self.running) if s not in batch.seqs and s not in busy), batch)
                 if seq.status != Status.RUNNING:
                     return False
                 continue

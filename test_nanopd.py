@@ -12,6 +12,7 @@ order of the README's file map:
   sampler.py                 sampling and logprobs
   runner.py                  the model runner
   engine.py                  steps, n > 1, beam search, stops
+  smsplit.py, engine.py      the split worker: two lanes on one GPU
   transport.py, workers.py   the handoff, in one process
   hosts.py                   workers on several hosts
   router.py                  the cost model, the length predictor, the router
@@ -63,6 +64,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+import engine as engine_mod
 import hosts
 import kernels
 import kv_cache
@@ -73,6 +75,7 @@ import profiler
 import request
 import sampler
 import scheduler
+import smsplit
 import transport
 import workers
 from config import EngineConfig
@@ -2067,6 +2070,128 @@ def test_two_threads_generating_on_one_llm_each_get_their_own_outputs(hf, llm):
     assert not errors
     assert results == {"a": [hf.greedy(p, 6) for p in PROMPTS[:2] * 3], "b": [hf.greedy(p, 6) for p in PROMPTS[2:] * 3]}
     assert all_blocks_free(llm) and not llm.engine.requests and not llm.ended
+
+
+# ================== smsplit.py, engine.py: the split worker, two lanes on one GPU
+SPLITS = smsplit.default_menu(smsplit.num_sms(torch.device(DEVICE)))   # what this machine splits into
+SPLIT = (SPLITS[1].prefill_sms, SPLITS[1].decode_sms)
+OTHER_SPLIT = (SPLITS[-1].prefill_sms, SPLITS[-1].decode_sms)
+
+
+def split_engine(hf, **kwargs) -> Engine:
+    kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": 256, "max_num_seqs": 16, "device": DEVICE,
+              "sm_split": SPLIT, "split_menu": (OTHER_SPLIT,), "max_num_batched_tokens": 24, **kwargs}
+    return Engine(EngineConfig(model=str(hf.path), dtype="float32", **kwargs))
+
+
+def lane_log(monkeypatch, eng: Engine) -> list[tuple[str, set, set, bool]]:
+    """Record every launch: (lane, its sequences, the other lane's sequences in flight, prompt tokens in it)."""
+    log, launch = [], eng._launch
+
+    def logged(batch, lane, previous):
+        split = eng.runner.splits.get(eng.split)
+        name = "whole" if split is None else "prefill" if lane is split[0] else "decode"
+        other = engine_mod.computing(eng.in_flight if name == "prefill" else eng.prefilling)
+        log.append((name, set(batch.seqs), other, any(s.num_computed < s.num_prompt_tokens for s in batch.seqs)))
+        return launch(batch, lane, previous)
+    monkeypatch.setattr(eng, "_launch", logged)
+    return log
+
+
+@ENGINE
+def test_split_engine_gives_hf_greedy_tokens_and_lanes_keep_apart(hf, monkeypatch):
+    """A split worker (lanes in turn where the device cannot split) gives HF's greedy tokens,
+    prompts longer than a step chunked on the prefill lane; the decode lane runs decodes
+    alone, and no lane computes a sequence the other has in flight."""
+    eng = split_engine(hf)
+    log = lane_log(monkeypatch, eng)
+    prompts = PROMPTS + [prompt(60, 9)]
+    outs = run_engine(eng, [(p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)) for p in prompts])
+    assert [o.outputs[0].token_ids for o in outs] == [hf.greedy(p, 10) for p in prompts]
+    assert {name for name, *_ in log} == {"prefill", "decode"}
+    assert not any(prompts_in for name, _, _, prompts_in in log if name == "decode")
+    assert all(not (seqs & other) for _, seqs, other, _ in log)
+    assert eng.bm.num_free_blocks == eng.bm.num_blocks
+
+
+@ENGINE
+def test_split_engine_gives_the_single_engines_seeded_tokens(hf):
+    """Seeded sampling, n > 1 and beam search on a split worker: the whole-GPU engine's tokens."""
+    reqs = [(prompt(30, 1), SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=8, n=3)),
+            (prompt(12, 2), SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=9)),
+            (prompt(20, 3), SamplingParams(temperature=0.0, max_tokens=5), 2)]
+    whole = run_engine(split_engine(hf, sm_split=None, split_menu=()), reqs)
+    split = run_engine(split_engine(hf), reqs)
+    assert [[c.token_ids for c in o.outputs] for o in split] == [[c.token_ids for c in o.outputs] for o in whole]
+
+
+@ENGINE
+def test_a_split_change_mid_run_loses_nothing(hf):
+    """Changing the split every few steps (to the other split, to none, back) while prompts
+    prefill and others decode: every request gets HF's greedy tokens, no block is lost."""
+    eng = split_engine(hf)
+    prompts = [prompt(n, 20 + n) for n in (7, 44, 23, 61, 15, 38)]
+    ids = [eng.submit(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)) for p in prompts]
+    menu, steps = [OTHER_SPLIT, None, SPLIT], 0
+    while eng.has_unfinished():
+        eng.step()
+        steps += 1
+        if steps % 3 == 0:
+            eng.set_split(menu[steps // 3 % 3])
+        assert steps < 500
+    assert [eng.output(i).outputs[0].token_ids for i in ids] == [hf.greedy(p, 12) for p in prompts]
+    assert eng.bm.num_free_blocks == eng.bm.num_blocks
+
+
+@ENGINE
+def test_split_engine_preempts_and_aborts_without_losing_blocks(hf):
+    """A KV cache too small for its split worker's batch preempts (never a sequence the
+    other lane computes) and still gives HF's tokens; an abort mid-prefill frees it all."""
+    eng = split_engine(hf, num_kv_blocks=14)
+    prompts = PROMPTS + [prompt(50, 4)]
+    outs = run_engine(eng, [(p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)) for p in prompts])
+    assert [o.outputs[0].token_ids for o in outs] == [hf.greedy(p, 20) for p in prompts]
+    assert eng.scheduler.num_preemptions > 0
+    keep = eng.submit(prompt(9, 5), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    gone = eng.submit(prompt(60, 6), SamplingParams(temperature=0.0, max_tokens=6))
+    eng.step()
+    assert eng.prefilling is not None
+    eng.abort([gone])
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.output(keep).outputs[0].token_ids == hf.greedy(prompt(9, 5), 6)
+    assert eng.bm.num_free_blocks == eng.bm.num_blocks and gone not in eng.requests
+
+
+@pytest.mark.parametrize("split", [(0, 64), (64,), "64/64", (64.0, 64), (True, 64)])
+def test_a_bad_sm_split_is_a_value_error(split):
+    with pytest.raises(ValueError, match="sm_split"):
+        EngineConfig(sm_split=split).validate()
+
+
+@ENGINE
+def test_a_split_not_in_the_menu_is_a_value_error(hf):
+    eng = split_engine(hf)
+    with pytest.raises(ValueError, match="split menu"):
+        eng.set_split((1, 1))
+    assert eng.split == smsplit.Split(*SPLIT)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="green contexts split a GPU's SMs")
+def test_green_context_lanes_run_on_disjoint_sms():
+    """Each split of the menu: a kernel recording %smid on each lane's stream runs on exactly
+    the split's SMs, none shared (and green contexts exist on the GPU machines)."""
+    dev = torch.device("cuda")
+    for split in SPLITS:
+        lanes = smsplit.make_lanes(dev, split)
+        assert lanes.prefill is not None and lanes.split == split
+        with torch.cuda.stream(lanes.prefill):
+            p = kernels.sm_ids(16 * smsplit.num_sms(dev), dev)
+        with torch.cuda.stream(lanes.decode):
+            d = kernels.sm_ids(16 * smsplit.num_sms(dev), dev)
+        torch.cuda.synchronize()
+        P, D = set(p.tolist()), set(d.tolist())
+        assert (len(P), len(D), len(P & D)) == (split.prefill_sms, split.decode_sms, 0)
 
 
 # ======================= transport.py, workers.py: the handoff, in one process

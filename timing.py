@@ -39,21 +39,30 @@ def free_batch(engine, batch: Batch) -> None:
         engine.scheduler.free(seq.block_table)
 
 
-def run_step(engine, batch: Batch, params: SamplingParams = GREEDY) -> None:
+def run_step(engine, batch: Batch, params: SamplingParams = GREEDY, lane=None) -> None:
     """One model step on the batch, a token sampled with params for every sequence (its
-    penalties, if any, reading the sequence's own token counts)."""
-    engine.runner.run(batch, [Draw(i, params, None, seq) for i, seq in enumerate(batch.seqs)])
+    penalties, if any, reading the sequence's own token counts); on lane (runner.Lane: a
+    split's prefill or decode lane; None: the whole GPU)."""
+    engine.runner.run(batch, [Draw(i, params, None, seq) for i, seq in enumerate(batch.seqs)], lane=lane)
 
 
-def time_step_ms(engine, batch: Batch, reps: int = 10, params: SamplingParams = GREEDY) -> float:
+def lane_sync(engine, lane=None):
+    """A function waiting for lane's work (the whole device's for None; nothing on a CPU)."""
+    if engine.model.device.type != "cuda":
+        return lambda: None
+    return lane.stream.synchronize if lane is not None and lane.stream is not None else torch.cuda.synchronize
+
+
+def time_step_ms(engine, batch: Batch, reps: int = 10, params: SamplingParams = GREEDY, lane=None) -> float:
     """Median wall time of one model step (ModelRunner.run: inputs, graph replay or eager
-    forward, logits, sampling), synchronised."""
-    sync = torch.cuda.synchronize if engine.model.device.type == "cuda" else (lambda: None)
+    forward, logits, sampling), synchronised (with lane's stream only, if given: the other
+    lane may be busy meanwhile)."""
+    sync = lane_sync(engine, lane)
     times = []
     for i in range(reps + 2):
         sync()
         t = time.perf_counter()
-        run_step(engine, batch, params)
+        run_step(engine, batch, params, lane)
         sync()
         if i >= 2:
             times.append((time.perf_counter() - t) * 1e3)

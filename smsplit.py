@@ -1,0 +1,96 @@
+"""SM partitions of one GPU: a prefill lane and a decode lane that run at the same time on
+disjoint sets of streaming multiprocessors (SMs), for the split worker (engine.py).
+
+A decode step reads every weight once for a few tokens each: it is bound by memory
+bandwidth, and about half the SMs already draw most of it. A prefill chunk is bound by
+compute. Put side by side on disjoint SMs, a decode step no longer waits behind a long
+prompt's chunk, and the chunk runs on what decode leaves.
+
+CUDA's green contexts give a process such partitions. One call of the driver's
+cuDevSmResourceSplitByCount cuts the device's SMs into a group of at least `decode_sms`
+and the remainder; a green context on each, and a stream on each, make two streams whose
+kernels run only on their own SMs. (Two separate splits, as torch's GreenContext.create
+makes them, may overlap.) Counts round up to the device's granularity (8 SMs on an H200).
+A CUDA graph keeps the SMs of the stream it was captured on, so the runner captures one
+set of decode graphs per partition (runner.py).
+
+Where this is missing (a CPU, a GPU or driver without green contexts, no `cuda.bindings`),
+no partition exists and the two lanes run one after the other on one stream, through the
+same scheduler and engine code.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Split:
+    """An entry of the split menu: SMs for each lane (decode_sms rounded as the driver does)."""
+    prefill_sms: int
+    decode_sms: int
+
+    def __str__(self) -> str:
+        return f"{self.prefill_sms}P/{self.decode_sms}D"
+
+
+@dataclass
+class Lanes:
+    """A split's two streams; None on a machine without partitions (both lanes: the current stream)."""
+    split: Split
+    prefill: torch.cuda.Stream | None = None
+    decode: torch.cuda.Stream | None = None
+    keep: tuple = ()   # the driver objects the streams live in
+
+
+def num_sms(device: torch.device) -> int:
+    """The device's SMs (a CPU: 0)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
+def default_menu(total_sms: int) -> list[Split]:
+    """The splits built at start-up: decode on 3/8, 1/2, 5/8 and 3/4 of the SMs, in multiples
+    of 8 (the prefill lane takes the rest). On a machine without SMs to split, nominal
+    counts of a 128-SM device, so the same menu, scheduler and planner run everywhere."""
+    total = total_sms or 128
+    decode = sorted({max(8, total * k // 64) for k in (24, 32, 40, 48)})
+    return [Split(total - d, d) for d in decode]
+
+
+def make_lanes(device: torch.device, split: Split) -> Lanes:
+    """Two streams on disjoint SMs for split, where the device can; else both None. The
+    split's counts are what the driver gave (decode rounded up to its granularity)."""
+    if device.type != "cuda":
+        return Lanes(split)
+    try:
+        (prefill, decode), (p_sms, d_sms), keep = _split_streams(device.index or 0, split.decode_sms)
+    except (ImportError, RuntimeError, AttributeError):   # no cuda.bindings, or a driver without green contexts
+        return Lanes(split)
+    return Lanes(Split(p_sms, d_sms), prefill, decode, keep)
+
+
+def _check(result):
+    """A cuda.bindings call's values, or a RuntimeError naming its error."""
+    err, *values = result
+    if int(err) != 0:
+        raise RuntimeError(f"CUDA driver error {err}")
+    return values[0] if len(values) == 1 else values
+
+
+def _split_streams(device_index: int, decode_sms: int):
+    """((prefill stream, decode stream), (their SM counts), driver objects): one split of
+    the device's SMs into a group of at least decode_sms and the remainder."""
+    from cuda.bindings import driver as cu
+
+    torch.cuda.init()   # the primary context, which the green contexts' streams run beside
+    dev = _check(cu.cuDeviceGet(device_index))
+    sms = _check(cu.cuDeviceGetDevResource(dev, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
+    groups, _, rest = _check(cu.cuDevSmResourceSplitByCount(1, sms, 0, decode_sms))
+    streams, keep = [], []
+    for part in (rest, groups[0]):   # prefill: the remainder; decode: the group
+        desc = _check(cu.cuDevResourceGenerateDesc([part], 1))
+        ctx = _check(cu.cuGreenCtxCreate(desc, dev, cu.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM))
+        stream = _check(cu.cuGreenCtxStreamCreate(ctx, cu.CUstream_flags.CU_STREAM_NON_BLOCKING, 0))
+        streams.append(torch.cuda.ExternalStream(int(stream), device=torch.device("cuda", device_index)))
+        keep += [desc, ctx, stream]
+    return streams, (rest.sm.smCount, groups[0].sm.smCount), tuple(keep)
