@@ -165,9 +165,9 @@ class ModelRunner:
         # Each split of the menu (cfg.sm_split and cfg.split_menu), under the SM counts the
         # driver gave: its prefill lane and its decode lane.
         self.splits: dict[Split, tuple[Lane, Lane]] = {}
-        self.split_lanes = [make_lanes(self.device, Split(*s))   # (these keep the driver's objects alive)
-                            for s in dict.fromkeys([self.cfg.sm_split, *self.cfg.split_menu]) if s]
-        for lanes, asked in zip(self.split_lanes, dict.fromkeys([self.cfg.sm_split, *self.cfg.split_menu])):
+        menu = [tuple(s) for s in dict.fromkeys([self.cfg.sm_split, *self.cfg.split_menu]) if s]
+        self.split_lanes = [make_lanes(self.device, Split(*s)) for s in menu]   # (these keep the driver's objects)
+        for lanes, asked in zip(self.split_lanes, menu):
             if lanes.prefill is not None and tuple(asked) != (lanes.split.prefill_sms, lanes.split.decode_sms):
                 raise ValueError(f"split {tuple(asked)}: the decode lane gets its SMs in multiples the driver "
                                  f"allows and the prefill lane the rest, here {lanes.split.prefill_sms} + "

@@ -20,12 +20,12 @@ same scheduler and engine code.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 
-@dataclass(frozen=True)
-class Split:
+class Split(NamedTuple):
     """An entry of the split menu: SMs for each lane (decode_sms rounded as the driver does)."""
     prefill_sms: int
     decode_sms: int
@@ -53,7 +53,7 @@ def default_menu(total_sms: int) -> list[Split]:
     of 8 (the prefill lane takes the rest). On a machine without SMs to split, nominal
     counts of a 128-SM device, so the same menu, scheduler and planner run everywhere."""
     total = total_sms or 128
-    decode = sorted({max(8, total * k // 64) for k in (24, 32, 40, 48)})
+    decode = sorted({max(8, total * k // 64 // 8 * 8) for k in (24, 32, 40, 48)})
     return [Split(total - d, d) for d in decode]
 
 

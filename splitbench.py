@@ -46,7 +46,7 @@ SMALL_SPLIT = SplitSizes(model="tiny", batches=(1, 4), context=64, prefill_token
 
 def bench_menu(total: int) -> list[Split]:
     """The splits measured: decode on 1/8 to 7/8 of the SMs, in multiples of 8."""
-    return sorted({Split(total - d, d) for d in (max(8, total * k // 64) for k in range(8, 57, 8))} |
+    return sorted({Split(total - d, d) for d in (max(8, total * k // 64 // 8 * 8) for k in range(8, 57, 8))} |
                   set(default_menu(total)), key=lambda s: s.decode_sms)
 
 
