@@ -28,7 +28,7 @@ from config import EngineConfig
 from engine import Engine
 from request import SamplingParams
 from smsplit import Split, default_menu, num_sms
-from timing import fake_batch, free_batch, lane_sync, run_step, time_step_ms
+from timing import decode_beside_prefill_ms, fake_batch, free_batch, prefill_beside_decode_ms, time_step_ms
 
 
 @dataclasses.dataclass
@@ -58,48 +58,6 @@ def make_engine(sizes: SplitSizes) -> Engine:
                                max_model_len=max(sizes.context + 8, sizes.prefill_tokens)))
 
 
-def keep_busy(eng: Engine, lane, batch, until) -> int:
-    """Run steps of batch on lane, one at a time, until until() is true; how many."""
-    n, sync = 0, lane_sync(eng, lane)
-    while not until():
-        run_step(eng, batch, lane=lane)
-        sync()
-        n += 1
-    return n
-
-
-def decode_beside_prefill_ms(eng: Engine, lanes, dec, pre, reps: int) -> tuple[float, bool]:
-    """Median decode step on the decode lane while the prefill lane has chunks queued; and
-    whether the prefill was still running when the last step ended (the overlap held)."""
-    prefill_lane, decode_lane = lanes
-    end = torch.cuda.Event()
-    for _ in range(2):   # two chunks queued: longer than the decode steps below
-        run_step(eng, pre, lane=prefill_lane)
-    end.record(prefill_lane.stream)
-    sync, times = lane_sync(eng, decode_lane), []
-    for _ in range(reps):
-        t = time.perf_counter()
-        run_step(eng, dec, lane=decode_lane)
-        sync()
-        times.append((time.perf_counter() - t) * 1e3)
-    overlapped = not end.query()
-    torch.cuda.synchronize()
-    return statistics.median(times), overlapped
-
-
-def prefill_beside_decode_ms(eng: Engine, lanes, dec, pre) -> float:
-    """An 8192-token chunk on the prefill lane (its events' time) while the decode lane
-    runs steps back to back."""
-    prefill_lane, decode_lane = lanes
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record(prefill_lane.stream)
-    run_step(eng, pre, lane=prefill_lane)
-    end.record(prefill_lane.stream)
-    keep_busy(eng, decode_lane, dec, end.query)
-    torch.cuda.synchronize()
-    return start.elapsed_time(end)
-
-
 def split_rows(eng: Engine, sizes: SplitSizes) -> list[dict]:
     """Per split (and the whole GPU): decode steps alone and beside a prefill; prefill
     alone and beside decodes."""
@@ -116,8 +74,7 @@ def split_rows(eng: Engine, sizes: SplitSizes) -> list[dict]:
         row = {"split": str(split), "prefill_sms": split.prefill_sms, "decode_sms": split.decode_sms}
         for b, dec in decs.items():
             row[f"decode_b{b}_ms"] = time_step_ms(eng, dec, sizes.reps, lane=lanes[1])
-            row[f"decode_b{b}_beside_ms"], row[f"overlap_b{b}"] = decode_beside_prefill_ms(eng, lanes, dec, pre,
-                                                                                           sizes.reps)
+            row[f"decode_b{b}_beside_ms"] = decode_beside_prefill_ms(eng, lanes, dec, pre, sizes.reps)
         row["prefill_ms"] = time_step_ms(eng, pre, 3, lane=lanes[0])
         row["prefill_beside_ms"] = prefill_beside_decode_ms(eng, lanes, beside, pre)
         rows.append(row)

@@ -99,3 +99,47 @@ def measure_engine(engine, lengths: list[int], batches: list[int], chunks: list[
     return {"lengths": lengths, "prefill_ms": prefill, "batches": batches, "decode_ms": decode, "context": context,
             "kv_batches": kv_batches, "long_context": long_context, "long_decode_ms": long,
             "chunks": chunks, "extra_ms": [m - alone for m in mixed]}
+
+
+# -- a split worker's lanes (smsplit.py): each alone, and beside the other lane busy
+
+
+def decode_beside_prefill_ms(engine, lanes, dec: Batch, pre: Batch, reps: int) -> float:
+    """Median decode step of dec on the decode lane while the prefill lane runs chunks of
+    pre: two queued at first, and another whenever the last has ended."""
+    prefill_lane, decode_lane = lanes
+
+    def queue_chunk() -> torch.cuda.Event:
+        run_step(engine, pre, lane=prefill_lane)
+        event = torch.cuda.Event()
+        event.record(prefill_lane.stream)
+        return event
+    queue_chunk()
+    end = queue_chunk()
+    sync, times = lane_sync(engine, decode_lane), []
+    for _ in range(reps):
+        if end.query():   # the prefill lane ran dry: keep it busy
+            end = queue_chunk()
+        t = time.perf_counter()
+        run_step(engine, dec, lane=decode_lane)
+        sync()
+        times.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def prefill_beside_decode_ms(engine, lanes, dec: Batch, pre: Batch) -> float:
+    """A chunk of pre on the prefill lane (the time between its events) while the decode
+    lane runs steps of dec back to back."""
+    prefill_lane, decode_lane = lanes
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(prefill_lane.stream)
+    run_step(engine, pre, lane=prefill_lane)
+    end.record(prefill_lane.stream)
+    sync = lane_sync(engine, decode_lane)
+    while not end.query():
+        run_step(engine, dec, lane=decode_lane)
+        sync()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
