@@ -1372,7 +1372,7 @@ def test_seats_go_first_come_first_served_between_prompts_and_imports(hf):
         if prompt_first:
             waiting = engine.submit(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=2))
         order = request.arrival_order()   # the import arrives now
-        engine.scheduler.oldest_import = order
+        engine.queue_import(order)
         if not prompt_first:
             waiting = engine.submit(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=2))
         while busy in engine.requests and not engine.requests[busy].finished:
@@ -1384,13 +1384,37 @@ def test_seats_go_first_come_first_served_between_prompts_and_imports(hf):
             assert engine.requests[waiting].seqs[0].status == request.Status.RUNNING
         else:
             assert room is not None   # the import's turn; the prompt waits for it
-            engine.scheduler.oldest_import = None
+            assert not engine.scheduler.imports_waiting   # it has its seat: it left the queue
             engine.step()
             assert engine.requests[waiting].seqs[0].status == request.Status.WAITING
             engine.cancel_import(room[0])
         while engine.has_unfinished():
             engine.step()
         assert engine.output(waiting).outputs[0].token_ids == hf.greedy(PROMPTS[1], 2)
+
+
+@ENGINE
+def test_imports_take_seats_in_arrival_order_and_a_dropped_one_holds_nothing_up(hf):
+    """Two seats, two imports queued: the later gets no seat while the earlier waits, even
+    with seats free; dropped while waiting, the earlier holds up neither the later import
+    nor a prompt that arrived after it."""
+    engine = make_llm(hf.path, max_num_seqs=2).engine
+    first, second = request.arrival_order(), request.arrival_order()
+    engine.queue_import(first)
+    engine.queue_import(second)
+    assert engine.start_import(1, prompt(9, seed=95), second) is None   # the first came first
+    rid = engine.submit(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3))
+    engine.step()
+    assert engine.requests[rid].seqs[0].status == request.Status.WAITING   # behind the first import
+    engine.forget_import(first)
+    room = engine.start_import(1, prompt(9, seed=95), second)
+    assert room is not None and not engine.scheduler.imports_waiting
+    engine.step()
+    assert engine.requests[rid].seqs[0].status == request.Status.RUNNING
+    engine.cancel_import(room[0])
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.output(rid).outputs[0].token_ids == hf.greedy(PROMPTS[0], 3)
 
 
 # =========================================== sampler.py: sampling and logprobs

@@ -184,7 +184,9 @@ class Worker:
                 self.engine.submit(msg.prompt_token_ids, msg.params, msg.beam_width, msg.length_penalty,
                                    request_id=msg.request_id, prefill_only=msg.prefill_only)
             case Import():
-                self.transfers.append(Transfer(msg, time.perf_counter()))
+                t = Transfer(msg, time.perf_counter())
+                self.transfers.append(t)
+                self.engine.queue_import(t.order)   # the engine's scheduler admits it, in its turn
             case Release():
                 self.engine.release(msg.request_id)
             case Drop():
@@ -243,7 +245,8 @@ class Worker:
     # -- decode side
 
     def _start_imports(self) -> None:
-        """Seats and blocks for waiting imports, first come first served, and their copies."""
+        """Seats and blocks for waiting imports, as the engine's scheduler admits them (first
+        come, first served), and their copies."""
         eng = self.engine
         waiting = [t for t in self.transfers if t.block_table is None]
         for t in waiting:
@@ -251,7 +254,7 @@ class Worker:
             own = m.src == self.index   # our own parked request (adaptive): it keeps its blocks
             room = eng.start_import(m.request_id, m.token_ids, t.order, own)
             if room is None:
-                break   # waits until decodes finish and free room
+                break   # waits until decodes finish and free room; the later imports wait behind it
             t.block_table, cached = room
             t.seat_wait = time.perf_counter() - t.arrived
             if own:
@@ -266,8 +269,6 @@ class Worker:
                 t.pull = Pull(0, error=f"{type(e).__name__}: {e}")
             if t.pull.source_runs is not None:   # a two-sided transport: the source must send
                 self.reports.append(ToWorker(m.src, SendKV(m.request_id, self.index, t.pull.source_runs)))
-        # The prompts queued here wait for the oldest import still waiting: its seat comes first.
-        eng.scheduler.oldest_import = next((t.order for t in self.transfers if t.block_table is None), None)
 
     def _finish_imports(self) -> None:
         """Imports whose copy has completed join the decode batch; the others keep copying
@@ -301,6 +302,8 @@ class Worker:
         for t in self.transfers:
             if t.msg.request_id == request_id:
                 t.dropped = True
+                if t.block_table is None:
+                    self.engine.forget_import(t.order)
         self.transfers = [t for t in self.transfers if not (t.dropped and t.block_table is None)]
         self.engine.release(request_id)
 
