@@ -45,7 +45,7 @@ from messages import (
     Ready,
     Rejected,
     Release,
-    SetPrefillBudget,
+    SetRole,
     StepTimed,
     Submit,
     Tokens,
@@ -320,7 +320,7 @@ class CentralScheduler:
         if self.planner.plan(self.router.cost, self.worker_loads(live), self.cfg.max_num_seqs, now):
             for w, budget in self.planner.budgets.items():
                 if self.budgets_sent.get(w) != budget:
-                    self.workers.send(w, SetPrefillBudget(budget))
+                    self.workers.send(w, SetRole(self.planner.roles[w], budget))
                     self.budgets_sent[w] = budget
             log.info("regime %s, roles %s, budgets %s", self.planner.regime, self.planner.roles, self.planner.budgets)
 

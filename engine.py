@@ -145,6 +145,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.in_flight is not None
 
+    def set_split(self, split: tuple[int, int] | None) -> None:
+        """Run the next steps on this SM split (prefill SMs, decode SMs), or unsplit (None)."""
+        if split is not None:
+            raise ValueError("this engine has no SM splits")
+
     # -- the handoff: a prefill worker parks, a decode worker imports (workers.py)
 
     def queue_import(self, order: int) -> None:

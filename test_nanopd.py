@@ -2269,6 +2269,27 @@ def test_abort_frees_a_request_wherever_it_is(hf):
     assert worker.engine.bm.num_free_blocks == worker.engine.bm.num_blocks
 
 
+@ENGINE
+def test_set_role_sets_the_budget_and_the_sm_split_only_when_it_changes(hf, monkeypatch):
+    """SetRole carries what the regime asks of a worker: its prefill budget is set every
+    time; its SM split goes to engine.set_split when it becomes, changes or stops being a
+    split, not on a budget change alone. This engine has no splits: asking for one fails
+    the worker, with the engine's ValueError."""
+    worker = in_process_worker(make_llm(hf.path).engine)
+    splits, set_split = [], worker.engine.set_split
+    monkeypatch.setattr(worker.engine, "set_split", splits.append)
+    for msg in [messages.SetRole("both", 4), messages.SetRole("split", None, (2, 6)),
+                messages.SetRole("split", 8, (2, 6)), messages.SetRole("decode")]:
+        worker.inbox.put(msg)
+        worker.step(wait=False)
+        assert worker.engine.scheduler.prefill_budget == msg.prefill_budget
+    assert splits == [(2, 6), None]
+    monkeypatch.setattr(worker.engine, "set_split", set_split)
+    worker.inbox.put(messages.SetRole("split", None, (2, 6)))
+    with pytest.raises(ValueError, match="no SM splits"):
+        worker.step(wait=False)
+
+
 def pull_from_a_peer_that_leaves(rank: int, port: int, results) -> None:
     """One of two gloo processes: rank 1 joins, connects and leaves without sending; rank 0
     pulls two runs from it and reports how the pull ended."""
@@ -3283,7 +3304,7 @@ def test_a_role_change_mid_run_keeps_every_request_and_its_tokens(hf):
         cluster.planner.switch(planner.Regime(2, 0, 0, budgeted=True), loads, time.perf_counter(), [])
         cluster.planner.budgets = {0: 4, 1: 4}
         for w in (0, 1):
-            cluster.workers.send(w, messages.SetPrefillBudget(4))
+            cluster.workers.send(w, messages.SetRole("both", 4))
         third = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=8)) for p in MIXED_PROMPTS[:2]]
         while not set(first + third) <= ended:
             assert time.monotonic() < deadline + 120

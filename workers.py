@@ -62,7 +62,7 @@ from messages import (
     Rejected,
     Release,
     SendKV,
-    SetPrefillBudget,
+    SetRole,
     StepTimed,
     Stop,
     Submit,
@@ -128,6 +128,7 @@ class Worker:
         self.report_steps = report_steps               # time every step for the router (adaptive only)
         self.last_collected: float | None = None       # when the engine last returned a step's tokens
         self.last_sent = 0.0                           # when the last reports went out
+        self.sm_split: tuple[int, int] | None = None   # the SMs prefills and decodes run on (SetRole), None: all
 
     def run(self) -> None:
         while self.step():
@@ -194,8 +195,11 @@ class Worker:
             case Abort():
                 self._drop(msg.request_id)
                 self.engine.abort([msg.request_id])
-            case SetPrefillBudget():
-                self.engine.scheduler.prefill_budget = msg.tokens
+            case SetRole():
+                self.engine.scheduler.prefill_budget = msg.prefill_budget
+                if msg.sm_split != self.sm_split:   # a new split repartitions the device: only on a change
+                    self.engine.set_split(msg.sm_split)
+                    self.sm_split = msg.sm_split
             case SendKV():
                 self.transport.send(msg.dst, self.engine.runner.kv_cache, msg.runs)
             case Measure():
