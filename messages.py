@@ -73,10 +73,10 @@ class SendKV:
 
 @dataclass(frozen=True)
 class SetRole:
-    """This worker's part of the regime from now on: its role, at most prefill_budget prompt
-    tokens per step (None: no cap beyond the step's token budget; planner.py's SLO budget),
-    and, for a split worker, the SMs its prefills and its decodes run on (engine.set_split;
-    None: unsplit)."""
+    """This worker's part of the regime from now on (roles.py): its role, at most
+    prefill_budget prompt tokens per step (None: no cap beyond the step's token budget;
+    planner.py's SLO budget), and, for a split worker, the SMs its prefills and its decodes
+    run on (engine.set_split; None: unsplit). Frozen: the cluster's role map holds these."""
     role: str
     prefill_budget: int | None = None
     sm_split: tuple[int, int] | None = None

@@ -1,5 +1,5 @@
-"""Worker processes: one Engine per device, in the role collocated, prefill or decode, and
-the handoff of a request's KV from a prefill worker to a decode worker.
+"""Worker processes: one Engine per device, in a role (roles.py: both, prefill, decode or
+split), and the handoff of a request's KV from a prefill worker to a decode worker.
 
     central scheduler (cluster.py)
         | Submit / Import / Release / Drop          ^ Tokens, Done, Handoff, Imported, Heartbeat, ...
