@@ -307,8 +307,9 @@ def plot_router(plt, routed: list[Result]):
     return fig
 
 
-ROLE_COLORS = {"both": "C0", "prefill": "C1", "decode": "C2"}
-ROLE_NAMES = {"both": "both (prefill and decode)", "prefill": "prefill only", "decode": "decode only"}
+ROLE_COLORS = {"both": "C0", "prefill": "C1", "decode": "C2", "split": "C3"}   # roles.py:ROLES
+ROLE_NAMES = {"both": "both (prefill and decode)", "prefill": "prefill only", "decode": "decode only",
+              "split": "split (prefill and decode on SM partitions)"}
 
 
 def plot_roles(plt, timelines: list[dict]):

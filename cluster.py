@@ -1,12 +1,18 @@
 """The central scheduler: serves requests on worker processes (workers.py), one per device,
-under a policy:
+under a policy. A policy only writes the regime, each worker's role (roles.py):
 
-  collocated     every worker prefills and decodes; a request goes to the least loaded
+  collocated     every worker both (prefills and decodes); a request goes to the least loaded
   disaggregated  num_prefill workers prefill, the others decode; a prefilled request's
                  KV moves to the decode worker with the least work
-  adaptive       every worker can do both; per request the Router (router.py) picks the
-                 prefill and the decode worker by predicted cost (the same one:
-                 collocated), and learns from what each request and step really cost
+  adaptive       every worker both at first; the Planner (planner.py) rewrites the roles as
+                 the arrivals change, and per request the Router (router.py) picks the
+                 prefill and the decode worker the roles allow by predicted cost (the same
+                 one: collocated), and learns from what each request and step really cost
+
+Dispatch reads the roles, never the policy. The CentralScheduler is wiring between its
+parts, each with one job: Liveness (below: which workers are alive), Telemetry
+(telemetry.py: their load), Requests (lifecycle.py: each request's record and ending), the
+RoleMap (roles.py: the regime).
 
 It offers the interface the single Engine offers (submit, poll, output), so the offline
 LLM (nanopd.py) drives either with one loop. A worker that dies: the requests it held
@@ -16,13 +22,11 @@ time, they end with a RuntimeError in RequestOutput.error. Nothing waits on a de
 worker. close() (also run at exit and when the object is collected) stops every worker.
 """
 
-import collections
-import dataclasses
-import itertools
 import logging
 import time
 import weakref
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -30,6 +34,7 @@ from tqdm import tqdm
 from config import EngineConfig, check_device, check_int, check_real
 from hosts import RemoteWorkers, parse_address
 from kv_cache import cdiv
+from lifecycle import Requests, Tracked
 from messages import (
     Abort,
     Done,
@@ -45,7 +50,7 @@ from messages import (
     Ready,
     Rejected,
     Release,
-    SetPrefillBudget,
+    SetRole,
     StepTimed,
     Submit,
     Tokens,
@@ -54,34 +59,104 @@ from messages import (
 from model import load_config, load_tokenizer
 from planner import Planner
 from request import RequestMetrics, RequestOutput, SamplingParams, check_request, tokenize
+from roles import RoleMap
 from router import Observation, Router, WorkerLoad
+from telemetry import Telemetry
 from transport import TRANSPORTS
 from workers import HEARTBEAT_S, WorkerProcesses, exit_in_order_on_sigterm
 
-POLICIES = ("collocated", "disaggregated", "adaptive")
 log = logging.getLogger("nanopd")
-PREFILL_RATE_WINDOW_S = 2.0   # the prefill rate counts the steps reported this long ago at most
 
 
-@dataclass(eq=False)
-class Tracked:
-    """The central scheduler's record of one request."""
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    metrics: RequestMetrics
-    beam_width: int = 0
-    length_penalty: float = 1.0
-    worker: int | None = None          # where it runs now (its decode worker once handed off)
-    prefill_worker: int | None = None
-    decode_worker: int | None = None   # where it goes after its prefill (None: the least loaded then)
-    phase: str = "queued"              # prefill, transfer, decode, done
-    tokens: list[int] = field(default_factory=list)   # streamed so far
-    output: RequestOutput | None = None
-    retried: bool = False
-    samples: list[int] = field(default_factory=list)  # n > 1 split into samples (not collocated)
-    parent: int | None = None
+@dataclass(frozen=True)
+class Policy:
+    """What a policy fixes at start-up: the role it gives each worker first, and whether it
+    steers the roles after (the planner rewrites them as the arrivals change, and the
+    router picks each request's path: any worker may then hand off to any other)."""
+    roles: Callable[[int, int], list[str]]   # (workers, num_prefill) -> a role per worker
+    steered: bool = False
+
+
+POLICIES = {
+    "collocated": Policy(lambda n, k: ["both"] * n),
+    "disaggregated": Policy(lambda n, k: ["prefill" if w < k else "decode" for w in range(n)]),
+    "adaptive": Policy(lambda n, k: ["both"] * n, steered=True),
+}
+
+
+class Liveness:
+    """Which workers are alive. A live worker reports at least every workers.HEARTBEAT_S,
+    busy or idle; one whose process ended, or one silent for timeout_s (stopped, hung, or
+    starved: it is killed), is dead, with why. Also the workers' names (their devices)."""
+
+    def __init__(self, workers: WorkerProcesses | RemoteWorkers, devices: list[str], timeout_s: float):
+        self.workers, self.devices, self.timeout_s = workers, devices, timeout_s
+        self.dead: dict[int, str] = {}        # worker -> why
+        self.errors: dict[int, str] = {}      # worker -> the traceback it reported
+        self.heard: dict[int, float] = {}     # worker -> when its last reports came
+
+    def wait_ready(self, timeout_s: float) -> dict[int, Ready]:
+        """Block until every worker reports Ready; each one's Ready. A worker that ends
+        first, or the timeout, raises (start_error)."""
+        readies, deadline = {}, time.monotonic() + timeout_s
+        with tqdm(total=len(self.devices), desc="starting workers", leave=False, disable=None) as bar:
+            while len(readies) < len(self.devices):
+                for w, reports in self.workers.receive(0.5, skip=set()):
+                    for msg in reports:
+                        if isinstance(msg, Ready):
+                            readies[w], self.devices[w] = msg, msg.device or self.devices[w]
+                            bar.update()
+                        elif isinstance(msg, Failed):
+                            self.errors[w] = msg.traceback
+                failed = self.workers.exited()
+                if failed or time.monotonic() > deadline:
+                    raise self.start_error(failed[0] if failed else None, timeout_s)
+        self.heard = dict.fromkeys(range(len(self.devices)), time.monotonic())
+        return readies
+
+    def start_error(self, w: int | None, timeout_s: float) -> Exception:
+        """Why the cluster could not start: a worker's own ValueError (a setting its device
+        cannot meet) as a ValueError, anything else as a RuntimeError naming the worker."""
+        if w is None:
+            return RuntimeError(f"a worker was not ready after {timeout_s:.0f} s")
+        last = (self.errors.get(w, "").strip().splitlines() or [""])[-1]
+        if last.startswith("ValueError: "):
+            return ValueError(f"worker {w} ({self.devices[w]}): {last.removeprefix('ValueError: ')}")
+        if not last:   # it died before it could say why: most often in the spawn bootstrap
+            last = (f"{self.workers.why(w)}, before it ran (a script that starts "
+                    "workers must do so under `if __name__ == \"__main__\":`)")
+        return RuntimeError(f"worker {w} ({self.devices[w]}) did not start: {last}")
+
+    def receive(self, timeout: float) -> list[tuple[int, list]]:
+        """(worker, its reports of one round) for every round the live workers sent,
+        waiting up to timeout for the first; each worker heard from is alive now."""
+        got = self.workers.receive(timeout, skip=set(self.dead))
+        for w, _ in got:
+            self.heard[w] = time.monotonic()
+        return got
+
+    def check(self) -> list[int]:
+        """The workers found dead since the last check, now marked dead with why: those
+        whose process ended (why: the last line of their traceback, or their exit), and
+        those silent for timeout_s, which are killed (so that they cannot come back and
+        serve requests moved elsewhere)."""
+        found, now = [], time.monotonic()
+        for w in self.workers.exited():
+            if w not in self.dead:
+                self.dead[w] = (self.errors.get(w, "").strip().splitlines()[-1:] or [self.workers.why(w)])[0]
+                found.append(w)
+        for w, heard in self.heard.items():
+            if w not in self.dead and now - heard > self.timeout_s:
+                self.workers.kill(w)
+                self.dead[w] = f"no report for {now - heard:.0f} s (worker_timeout_s={self.timeout_s:g})"
+                found.append(w)
+        return found
+
+    def live(self) -> list[int]:
+        return [w for w in range(len(self.devices)) if w not in self.dead]
+
+    def summary(self) -> str:
+        return ", ".join(f"worker {w} ({self.devices[w]}): {why}" for w, why in self.dead.items()) or "none"
 
 
 class CentralScheduler:
@@ -98,92 +173,114 @@ class CentralScheduler:
         config = load_config(model)
         self.cfg.max_model_len = min(self.cfg.max_model_len, config.max_position_embeddings)
         self.vocab_size, self.tokenizer = config.vocab_size, load_tokenizer(model)
-        self.policy, self.transport, self.worker_timeout_s = policy, transport, worker_timeout_s
-        self._start_workers(devices, num_prefill, join, startup_timeout_s)
-        self.active: dict[int, Tracked] = {}
-        self.done: dict[int, Tracked] = {}
-        self.dead: dict[int, str] = {}        # worker -> why
-        self.errors: dict[int, str] = {}      # worker -> the traceback it reported
-        self.status: dict[int, Heartbeat] = {}   # worker -> its last Heartbeat
+        self.policy, self.transport, self.steered = policy, transport, POLICIES[policy].steered
+        self._start_workers(devices, num_prefill, join, worker_timeout_s, startup_timeout_s)
+        self.requests = Requests()
         self.measured: dict[int, dict] = {}
-        self.heard: dict[int, float] = {}     # worker -> when its last reports came
-        self.prefilled: collections.deque[tuple[float, int]] = collections.deque()   # (time, tokens) steps prefilled
-        self.prefilled_tokens = 0   # ... their sum
         self.router: Router | None = None
-        # adaptive: each worker's role in the regime, replanned as the arrivals change
-        self.planner = Planner(list(range(len(self.devices))), slo) if policy == "adaptive" else None
-        self.budgets_sent: dict[int, int | None] = {}
-        self.batches: collections.deque[tuple[float, dict[int, int]]] = collections.deque()   # (time, decode batches)
-        self.ended: list[int] = []            # ids ended since the last poll, wherever they ended
-        self._ids = itertools.count()
-        self.room = self._wait_ready(startup_timeout_s)
+        # Under a steered policy the planner decides the roles, replanned as the arrivals change.
+        self.planner = Planner(list(range(len(self.devices))), slo) if self.steered else None
+        try:
+            readies = self.liveness.wait_ready(startup_timeout_s)
+        except (ValueError, RuntimeError):
+            self.close()
+            raise
+        self.room = min(r.num_blocks - r.watermark_blocks for r in readies.values())
+        self.kv_bytes_per_token = readies[0].kv_bytes_per_token
+        self.telemetry = Telemetry(len(self.devices), self.room, self.cfg.max_num_seqs, time.perf_counter())
+        for w, r in readies.items():
+            self.telemetry.heartbeat(w, Heartbeat(r.num_blocks, r.num_blocks))
+        self.told = {w: SetRole(part.role) for w, part in self.roles.parts.items()}   # as each worker starts
+        self._tell_workers()
 
-    def _start_workers(self, devices: list[str] | None, num_prefill: int, join: str | None, timeout_s: float) -> None:
+    def _start_workers(self, devices: list[str] | None, num_prefill: int, join: str | None, worker_timeout_s: float,
+                       startup_timeout_s: float) -> None:
         """Spawn a worker per device on this host, or listen at `join` for workers torchrun
         starts on their hosts (hosts.py); their roles under the policy."""
-        report_steps = self.policy == "adaptive"
         exit_in_order_on_sigterm()   # a SIGTERM then stops the workers too, as any exit does
         if join is not None:
-            self.workers = RemoteWorkers(join, self.cfg, self.transport, report_steps, timeout_s)
+            self.workers = RemoteWorkers(join, self.cfg, self.transport, self.steered, startup_timeout_s)
             self._close = weakref.finalize(self, self.workers.close)
             devices = [f"worker {w}" for w in range(self.workers.count)]   # named by their Ready
-        self.devices = list(devices)
-        if self.policy == "disaggregated" and not 0 < num_prefill < len(devices):
-            raise ValueError(f"disaggregated needs 1 <= num_prefill < the number of workers, got num_prefill="
-                             f"{num_prefill} with {len(devices)} workers")
-        self.roles = (["prefill"] * num_prefill + ["decode"] * (len(devices) - num_prefill)
-                      if self.policy == "disaggregated" else ["collocated"] * len(devices))
+        n = len(devices)
+        self.roles = RoleMap(POLICIES[self.policy].roles(n, num_prefill))
+        if not self.roles.takers(list(range(n))) or not self.roles.decoders(list(range(n))):
+            raise ValueError(f"{self.policy} needs 1 <= num_prefill < the number of workers, got num_prefill="
+                             f"{num_prefill} with {n} workers")
         if join is None:
-            self.workers = WorkerProcesses(self.cfg, self.devices, self._sources(), self.transport, report_steps,
-                                           [f"nanopd-{role}-{i}" for i, role in enumerate(self.roles)])
+            # Workers time every step for the router only under a steered policy.
+            self.workers = WorkerProcesses(self.cfg, list(devices), self._sources(n), self.transport, self.steered,
+                                           [f"nanopd-{self.roles.name(w)}-{w}" for w in range(n)])
             self._close = weakref.finalize(self, self.workers.close)   # it holds the workers, not this object
+        self.liveness = Liveness(self.workers, list(devices), worker_timeout_s)
 
-    def _sources(self) -> list[list[int]]:
-        """Whose KV cache each worker reads: decode workers every prefill worker's; under
-        adaptive, every worker every other's."""
-        n = len(self.devices)
+    def _sources(self, n: int) -> list[list[int]]:
+        """Whose KV cache each worker reads: under a steered policy every other worker's (the
+        roles change, and the router may move any request); else, if its role takes
+        handoffs, those of the workers whose role hands off."""
         if not TRANSPORTS[self.transport].shares_caches:   # two-sided: nothing is shared
             return [[] for _ in range(n)]
-        return [[j for j in range(n) if j != i and (self.policy == "adaptive" or
-                 (self.roles[i], self.roles[j]) == ("decode", "prefill"))] for i in range(n)]
-
-    def _wait_ready(self, timeout_s: float) -> int:
-        """Block until every worker reports Ready; the smallest cache's room in blocks."""
-        rooms, deadline = {}, time.monotonic() + timeout_s
-        with tqdm(total=len(self.devices), desc="starting workers", leave=False, disable=None) as bar:
-            while len(rooms) < len(self.devices):
-                for w, reports in self.workers.receive(0.5, skip=set()):
-                    for msg in reports:
-                        if isinstance(msg, Ready):
-                            rooms[w], self.kv_bytes_per_token = msg.num_blocks - msg.watermark_blocks, msg.kv_bytes_per_token
-                            self.devices[w] = msg.device or self.devices[w]
-                            self.status[w] = Heartbeat(msg.num_blocks, msg.num_blocks)
-                            bar.update()
-                        elif isinstance(msg, Failed):
-                            self.errors[w] = msg.traceback
-                failed = self.workers.exited()
-                if failed or time.monotonic() > deadline:
-                    error = self._start_error(failed[0] if failed else None, timeout_s)   # before close forgets them
-                    self.close()
-                    raise error
-        self.heard = dict.fromkeys(range(len(self.devices)), time.monotonic())
-        return min(rooms.values())
-
-    def _start_error(self, w: int | None, timeout_s: float) -> Exception:
-        """Why the cluster could not start: a worker's own ValueError (a setting its device
-        cannot meet) as a ValueError, anything else as a RuntimeError naming the worker."""
-        if w is None:
-            return RuntimeError(f"a worker was not ready after {timeout_s:.0f} s")
-        last = (self.errors.get(w, "").strip().splitlines() or [""])[-1]
-        if last.startswith("ValueError: "):
-            return ValueError(f"worker {w} ({self.devices[w]}): {last.removeprefix('ValueError: ')}")
-        if not last:   # it died before it could say why: most often in the spawn bootstrap
-            last = (f"{self.workers.why(w)}, before it ran (a script that starts "
-                    "workers must do so under `if __name__ == \"__main__\":`)")
-        return RuntimeError(f"worker {w} ({self.devices[w]}) did not start: {last}")
+        role = self.roles.role
+        return [[j for j in range(n) if j != i and (self.steered or (role(i).takes_handoffs and role(j).hands_off))]
+                for i in range(n)]
 
     def close(self) -> None:
         self._close()
+
+    # -- what the parts hold, as the callers (nanopd.py, profiler.py, the tests) read it
+
+    @property
+    def devices(self) -> list[str]:
+        return self.liveness.devices
+
+    @property
+    def dead(self) -> dict[int, str]:
+        return self.liveness.dead
+
+    @property
+    def status(self) -> dict[int, Heartbeat]:
+        return self.telemetry.status
+
+    @property
+    def active(self) -> dict[int, Tracked]:
+        return self.requests.active
+
+    @property
+    def done(self) -> dict[int, Tracked]:
+        return self.requests.done
+
+    # -- the regime
+
+    def set_roles(self, roles: dict[int, str], budgets: dict[int, int | None] | None = None,
+                  splits: dict[int, tuple[int, int]] | None = None) -> None:
+        """Write roles (and budgets, SM splits) into the role map, which dispatch reads from
+        now on; tell each live worker whose part changed."""
+        self.roles.write(roles, budgets, splits)
+        self._tell_workers()
+
+    def _tell_workers(self) -> None:
+        for w in self.liveness.live():
+            part = self.roles.parts[w]
+            if self.told[w] != part:
+                self.workers.send(w, part)   # the map's entry is the SetRole message itself
+                self.told[w] = part
+
+    def _replan(self) -> None:
+        """Let the planner replan the regime (every planner.PLAN_INTERVAL_S); write what it
+        decided into the role map."""
+        now = time.perf_counter()
+        if not self.planner.due(now):   # the loads pass over every active request: not on every poll
+            return
+        if self.planner.plan(self.router.cost, self.worker_loads(self.liveness.live()), self.cfg.max_num_seqs, now):
+            self.set_roles(self.planner.roles, self.planner.budgets)
+            log.info("regime %s, roles %s, budgets %s", self.planner.regime, self.planner.roles, self.planner.budgets)
+
+    def worker_loads(self, workers: list[int]) -> dict[int, WorkerLoad]:
+        """What the router weighs, per worker (telemetry.py:Telemetry.loads)."""
+        return self.telemetry.loads(workers, self.requests.active.values(), self.roles, time.perf_counter())
+
+    def _least_loaded(self, workers: list[int]) -> int:
+        return self.telemetry.least_loaded(workers, self.requests.active.values(), self.roles, time.perf_counter())
 
     # -- requests
 
@@ -192,161 +289,73 @@ class CentralScheduler:
         """Validate (ValueError, as the single engine) and dispatch a request; its id."""
         text, ids = tokenize(prompt, self.tokenizer)
         params = check_request(ids, params, beam_width, self.vocab_size, self.cfg, self.room, length_penalty)
-        t = Tracked(next(self._ids), text, ids, params, RequestMetrics(time.perf_counter()), beam_width,
-                    length_penalty)
-        self.active[t.request_id] = t
+        t = self.requests.track(text, ids, params, beam_width, length_penalty)
         if self.planner is not None and self.router is not None:
             predicted = self.router.predictor.predict(len(ids), params.max_tokens).mean
             self.planner.arrived(time.perf_counter(), len(ids), predicted)
-        if self.policy != "collocated" and params.n > 1 and not beam_width:
-            self._split_samples(t)
-        else:
-            self._dispatch(t)
+        # n > 1 runs on one engine (its samples fork off one prefill) unless it may be handed
+        # off: an Import carries one sequence, so each sample is then a request of its own.
+        may_move = self.steered or any(self.roles.role(w).hands_off for w in self.roles.parts)
+        for r in (self.requests.split_samples(t) if may_move and params.n > 1 and not beam_width else [t]):
+            self._dispatch(r)
         return t.request_id
-
-    def _split_samples(self, t: Tracked) -> None:
-        """n > 1 across workers: n requests of one sample each. Sample j draws from seed + j,
-        as child j does in one engine."""
-        for j in range(t.params.n):
-            seed = None if t.params.seed is None else t.params.seed + j
-            sample = Tracked(next(self._ids), t.prompt, t.prompt_token_ids,
-                             dataclasses.replace(t.params, n=1, seed=seed), RequestMetrics(t.metrics.arrival_time),
-                             parent=t.request_id)
-            t.samples.append(sample.request_id)
-            self.active[sample.request_id] = sample
-            self._dispatch(sample)
-
-    def _live(self, role: str) -> list[int]:
-        return [i for i, r in enumerate(self.roles) if r == role and i not in self.dead]
-
-    def _load(self, w: int) -> int:
-        """Tokens of work a worker holds: prompts still to prefill and outputs still to decode."""
-        load = 0
-        for t in self.active.values():
-            if t.worker == w and t.phase != "done":
-                load += (len(t.prompt_token_ids) if t.phase == "prefill" else 0)
-                load += 0 if self.roles[w] == "prefill" else t.params.max_tokens - len(t.tokens)
-        return load
 
     def _dispatch(self, t: Tracked, path: tuple[int, int] | None = None) -> None:
         """Send t to its prefill (or whole-request) worker: path's, the router's pick, or the
-        least loaded; t fails if no live worker can take it."""
-        live = self._live("collocated" if self.policy != "disaggregated" else "prefill")
-        if not live or (self.policy == "disaggregated" and not self._live("decode")):
-            return self._fail(t, RuntimeError(f"no live worker can serve it (dead: {self._dead_summary()})"))
+        least loaded of the live workers whose role takes prompts; t fails if no live worker
+        can take it, or none could decode it."""
+        live = self.liveness.live()
+        takers, decoders = self.roles.takers(live), self.roles.decoders(live)
+        if not takers or not decoders:
+            return self.requests.fail(t, RuntimeError(f"no live worker can serve it (dead: {self.liveness.summary()})"))
         if path is not None:
             w, t.decode_worker = path
         elif self.router is not None and not t.beam_width:
             loads = self.worker_loads(live)
             blocks = cdiv(len(t.prompt_token_ids) + t.params.max_tokens, self.cfg.block_size)
-            w, t.decode_worker, predicted = self.router.route(
-                len(t.prompt_token_ids), t.params.max_tokens, loads, blocks, self.planner.takers("prefill", live),
-                self.planner.takers("decode", live))
+            w, t.decode_worker, predicted = self.router.route(len(t.prompt_token_ids), t.params.max_tokens, loads,
+                                                              blocks, takers, decoders)
             t.metrics.routed = (predicted, loads[w], loads[t.decode_worker])
         else:
-            w = min(live, key=self._load)
+            w = self._least_loaded(takers)
             # Beam search runs whole on one worker (its beams fork and die every step).
-            t.decode_worker = w if self.policy != "disaggregated" or t.beam_width else None
+            t.decode_worker = None if self.roles.role(w).hands_off and not t.beam_width else w
         t.worker = t.prefill_worker = w
         t.phase = "prefill"
         self.workers.send(w, Submit(t.request_id, t.prompt_token_ids, t.params, prefill_only=t.decode_worker != w,
                                     beam_width=t.beam_width, length_penalty=t.length_penalty))
-
-    def worker_loads(self, workers: list[int]) -> dict[int, WorkerLoad]:
-        """What the router weighs, per worker: prompts waiting for prefill, sequences
-        decoding, free blocks, seats, and the prompt tokens per ms the workers' steps
-        prefilled lately, shared by the workers that take prompts (router.WorkerLoad says
-        why not each worker's own). One pass over the active requests."""
-        now = time.perf_counter()
-        while self.prefilled and now - self.prefilled[0][0] > PREFILL_RATE_WINDOW_S:
-            self.prefilled_tokens -= self.prefilled.popleft()[1]
-        takers = self.planner.takers("prefill", workers) if self.planner is not None else workers
-        rate = self.prefilled_tokens / (PREFILL_RATE_WINDOW_S * 1e3) / max(1, len(takers))
-        budgets = self.planner.budgets if self.planner is not None else {}
-        loads = {w: WorkerLoad(free_blocks=self.status[w].free_blocks if w in self.status else self.room,
-                               prefill_rate=rate if w in takers else 0.0, seats=self.cfg.max_num_seqs,
-                               prefill_budget=budgets.get(w))
-                 for w in workers}
-        for t in self.active.values():
-            load = loads.get(t.worker)
-            if load is None:
-                continue
-            if t.phase == "prefill" and not t.tokens:
-                load.queued_prefill_tokens += len(t.prompt_token_ids)
-                load.queued_prefills += 1
-            elif t.phase != "done":
-                load.decode_batch += 1
-                load.context_tokens += len(t.prompt_token_ids) + len(t.tokens)
-        self._batch_growth(now, loads)
-        return loads
-
-    def _batch_growth(self, now: float, loads: dict[int, WorkerLoad]) -> None:
-        """Each worker's decode batch growth, sequences per ms, over the last
-        PREFILL_RATE_WINDOW_S: past saturation the batches grow while a request decodes."""
-        if not self.batches or now - self.batches[-1][0] > 0.1:
-            self.batches.append((now, {w: ld.decode_batch for w, ld in loads.items()}))
-        while len(self.batches) > 1 and now - self.batches[1][0] > PREFILL_RATE_WINDOW_S:
-            self.batches.popleft()
-        then, batches = self.batches[0]
-        if now - then > 0.5:   # a shorter span says more about noise than growth
-            for w, ld in loads.items():
-                ld.batch_growth = (ld.decode_batch - batches.get(w, ld.decode_batch)) / ((now - then) * 1e3)
 
     # -- reports from the workers
 
     def poll(self, timeout: float = 0.05) -> list[int]:
         """Handle what the workers reported, waiting up to timeout for it; the ids of the
         requests that ended since the last poll (submit's ids), wherever they ended."""
-        for w, reports in self.workers.receive(timeout, skip=set(self.dead)):
-            self.heard[w] = time.monotonic()
+        for w, reports in self.liveness.receive(timeout):
             for msg in reports:
                 self._on_report(w, msg)
-        for w in self.workers.exited():
-            if w not in self.dead:
-                self._worker_died(w)
-        self._check_silent()
+        for w in self.liveness.check():
+            self._worker_died(w)
         if self.planner is not None and self.router is not None:
             self._replan()
-        ended, self.ended = self.ended, []
-        return ended
-
-    def _replan(self) -> None:
-        """Let the planner replan the regime (every planner.PLAN_INTERVAL_S); send the
-        workers whose prefill budget changed their new one."""
-        now = time.perf_counter()
-        if not self.planner.due(now):   # the loads pass over every active request: not on every poll
-            return
-        live = [w for w in range(len(self.devices)) if w not in self.dead]
-        if self.planner.plan(self.router.cost, self.worker_loads(live), self.cfg.max_num_seqs, now):
-            for w, budget in self.planner.budgets.items():
-                if self.budgets_sent.get(w) != budget:
-                    self.workers.send(w, SetPrefillBudget(budget))
-                    self.budgets_sent[w] = budget
-            log.info("regime %s, roles %s, budgets %s", self.planner.regime, self.planner.roles, self.planner.budgets)
-
-    def _check_silent(self) -> None:
-        """A live worker reports at least every workers.HEARTBEAT_S, busy or idle; one silent
-        for worker_timeout_s (stopped, hung, or starved) is killed and treated as dead."""
-        now = time.monotonic()
-        for w, heard in self.heard.items():
-            if w not in self.dead and now - heard > self.worker_timeout_s:
-                self.workers.kill(w)
-                self._worker_died(w, f"no report for {now - heard:.0f} s (worker_timeout_s={self.worker_timeout_s:g})")
+        return self.requests.take_ended()
 
     def _on_report(self, w: int, msg) -> None:
         """Handle one report of worker w."""
+        current = self.requests.current
         match msg:
             case Failed():
-                self.errors[w] = msg.traceback
+                self.liveness.errors[w] = msg.traceback
             case Heartbeat():
-                self.status[w] = msg
-            case StepTimed():
-                self._on_step(msg)
+                self.telemetry.heartbeat(w, msg)
+            case StepTimed():   # the router refits its step model; prefill tokens count toward the rate
+                if self.router is not None:
+                    self.router.observe_step(msg.decodes, msg.context_tokens, msg.prefill_tokens, msg.ms)
+                self.telemetry.stepped(time.perf_counter(), msg)
             case Measured():
                 self.measured[w] = msg.timings
             case Tokens():
                 for request_id, ids in msg.new.items():
-                    t = self._current(w, request_id)
+                    t = current(w, request_id)
                     if t is not None:
                         t.tokens += ids
                         t.metrics.first_token_time = t.metrics.first_token_time or msg.time
@@ -354,60 +363,45 @@ class CentralScheduler:
                 self._on_handoff(w, msg)
             case Imported():
                 self._on_imported(w, msg)
-            case Done():
-                self._on_done(w, msg)
+            case Done() if (t := current(w, msg.request_id)):
+                self.requests.finish(t, w, msg.output)
+                if self.router is not None and t.metrics.routed is not None:
+                    self._teach_router(t, w)
             case ToWorker() if msg.worker not in self.dead:
                 self.workers.send(msg.worker, msg.msg)
-            case Rejected() if self._current(w, msg.request_id):
-                self._fail(self.active[msg.request_id], (ValueError if msg.invalid else RuntimeError)(msg.error))
-            case PullFailed() if (t := self._current(w, msg.request_id)) and t.prefill_worker == msg.src:
+            case Rejected() if current(w, msg.request_id):
+                self.requests.fail(self.active[msg.request_id], (ValueError if msg.invalid else RuntimeError)(msg.error))
+            case PullFailed() if (t := current(w, msg.request_id)) and t.prefill_worker == msg.src:
                 if msg.src not in self.dead:
                     self.workers.send(msg.src, Release(t.request_id))   # nobody will pull it now
                 self._retry(t, f"its KV copy from worker {msg.src} to worker {w} failed: {msg.error}")
-            case Expired() if self._current(w, msg.request_id, prefill_side=True):
+            case Expired() if current(w, msg.request_id, prefill_side=True):
                 t = self.active[msg.request_id]
                 if t.phase == "transfer":   # the decode worker must not pull the freed blocks now
                     self.workers.send(t.worker, Drop(t.request_id))
-                    self._fail(t, RuntimeError(f"its KV was never pulled from worker {w}"))
-
-    def _current(self, w: int, request_id: int, prefill_side: bool = False) -> Tracked | None:
-        """The request, if w's report is about its current attempt (not one restarted elsewhere)."""
-        t = self.active.get(request_id)
-        if t is None or not (t.worker == w or (prefill_side and t.prefill_worker == w)):
-            return None
-        return t
-
-    def _on_step(self, msg: StepTimed) -> None:
-        """A step a worker timed: the router refits its step model; prefill tokens count
-        toward the cluster's prefill rate."""
-        if self.router is not None:
-            self.router.observe_step(msg.decodes, msg.context_tokens, msg.prefill_tokens, msg.ms)
-        if msg.prefill_tokens:
-            self.prefilled.append((time.perf_counter(), msg.prefill_tokens))
-            self.prefilled_tokens += msg.prefill_tokens
+                    self.requests.fail(t, RuntimeError(f"its KV was never pulled from worker {w}"))
 
     def _on_handoff(self, w: int, msg: Handoff) -> None:
-        """Forward the prefill worker's Import to the decode worker. Under adaptive, w
-        itself may decode it (its planned decode worker died, say): the Import then keeps
-        the blocks where they are."""
-        t = self._current(w, msg.imp.request_id)
+        """Forward the prefill worker's Import to a live worker whose role takes handoffs:
+        its planned decode worker, else the least loaded. That may be w itself (under
+        adaptive, if its planned decode worker died, say): the Import then keeps the
+        blocks where they are."""
+        t = self.requests.current(w, msg.imp.request_id)
         if t is None:
             return
         imp = msg.imp
         t.metrics.first_scheduled_time, t.metrics.first_token_time = msg.first_scheduled_time, msg.first_token_time
         t.tokens = imp.token_ids[imp.num_prompt_tokens:]
-        decoders = self._live("decode" if self.policy == "disaggregated" else "collocated")
-        if self.planner is not None:
-            decoders = self.planner.takers("decode", decoders)
+        decoders = self.roles.decoders(self.liveness.live())
         if not decoders:
             self.workers.send(w, Release(t.request_id))
-            return self._fail(t, RuntimeError(f"no live decode worker (dead: {self._dead_summary()})"))
-        d = t.decode_worker if t.decode_worker in decoders else min(decoders, key=self._load)
+            return self.requests.fail(t, RuntimeError(f"no live decode worker (dead: {self.liveness.summary()})"))
+        d = t.decode_worker if t.decode_worker in decoders else self._least_loaded(decoders)
         t.worker, t.phase = d, "transfer"
         self.workers.send(d, imp)
 
     def _on_imported(self, w: int, msg: Imported) -> None:
-        t = self._current(w, msg.request_id)
+        t = self.requests.current(w, msg.request_id)
         if t is None:
             return
         m = t.metrics
@@ -415,21 +409,6 @@ class CentralScheduler:
             msg.seat_wait
         t.phase = "decode"
         self.workers.send(t.prefill_worker, Release(t.request_id))
-
-    def _on_done(self, w: int, msg: Done) -> None:
-        """The worker's metrics fill in what this process did not see."""
-        t = self._current(w, msg.request_id)
-        if t is None:
-            return
-        m, theirs = t.metrics, msg.output.metrics
-        m.first_scheduled_time = m.first_scheduled_time or theirs.first_scheduled_time
-        m.first_token_time = m.first_token_time or theirs.first_token_time
-        m.finish_time, m.num_cached_tokens = theirs.finish_time, theirs.num_cached_tokens
-        m.path = (t.prefill_worker,) + ((w,) if w != t.prefill_worker else ())
-        t.output = dataclasses.replace(msg.output, request_id=t.request_id, prompt=t.prompt, metrics=m)
-        if self.router is not None and m.routed is not None:
-            self._teach_router(t, w)
-        self._end(t)
 
     def _teach_router(self, t: Tracked, w: int) -> None:
         """Feed the router what this request's path really cost."""
@@ -442,34 +421,14 @@ class CentralScheduler:
 
     # -- endings
 
-    def _end(self, t: Tracked) -> None:
-        """Retire t; a top-level request that is now complete goes to `ended`."""
-        t.phase = "done"
-        self.done[t.request_id] = self.active.pop(t.request_id)
-        if t.parent is None:
-            self.ended.append(t.request_id)
-            return
-        parent = self.active[t.parent]
-        if any(s not in self.done for s in parent.samples):
-            return
-        samples = [self.done.pop(s) for s in parent.samples]
-        errors = [s.output.error for s in samples if s.output.error is not None]
-        outs = [dataclasses.replace(s.output.outputs[0], index=j) for j, s in enumerate(samples) if not s.output.error]
-        ms = [s.metrics for s in samples]
-        parent.metrics = dataclasses.replace(ms[0], finish_time=max(m.finish_time or 0.0 for m in ms))
-        parent.output = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                                      [] if errors else outs, parent.metrics, error=errors[0] if errors else None)
-        self._end(parent)
-
-    def _fail(self, t: Tracked, error: Exception) -> None:
-        t.metrics.finish_time = time.perf_counter()
-        t.output = RequestOutput(t.request_id, t.prompt, t.prompt_token_ids, [], t.metrics, error=error)
-        self._end(t)
-
-    def _worker_died(self, w: int, why: str | None = None) -> None:
-        """Every request w held starts again from its prompt on a live worker, or fails."""
-        why = [why] if why else (self.errors.get(w, "").strip().splitlines()[-1:] or [self.workers.why(w)])
-        self.dead[w] = why[0]
+    def _worker_died(self, w: int) -> None:
+        """Every request w held starts again from its prompt on a live worker, or fails. A
+        steered policy's planner first makes every live worker both: its regime may have
+        lost the only worker of a role."""
+        why = self.dead[w]
+        if self.planner is not None:
+            self.planner.reset(self.liveness.live(), time.perf_counter())
+            self.set_roles(self.planner.roles, self.planner.budgets)
         for t in list(self.active.values()):
             if t.samples or t.phase == "done":
                 continue
@@ -478,31 +437,25 @@ class CentralScheduler:
             elif t.phase == "transfer" and t.worker == w and t.prefill_worker not in self.dead:
                 self.workers.send(t.prefill_worker, Release(t.request_id))   # nobody will pull it now
             if t.worker == w or (t.phase == "transfer" and t.prefill_worker == w):
-                self._retry(t, f"worker {w} ({self.devices[w]}) died: {why[0]}")
+                self._retry(t, f"worker {w} ({self.devices[w]}) died: {why}")
 
     def _retry(self, t: Tracked, why: str) -> None:
         """Start the request again from its prompt on a live worker, once; the second time
         its path breaks it fails, with why."""
-        if t.retried:
-            self._fail(t, RuntimeError(why))
-            return
-        t.retried, t.tokens, t.worker, t.prefill_worker = True, [], None, None
-        t.metrics = RequestMetrics(t.metrics.arrival_time)
-        self._dispatch(t)
-
-    def _dead_summary(self) -> str:
-        return ", ".join(f"worker {w} ({self.devices[w]}): {why}" for w, why in self.dead.items()) or "none"
+        if self.requests.restart(t):
+            self._dispatch(t)
+        else:
+            self.requests.fail(t, RuntimeError(why))
 
     def output(self, request_id: int) -> RequestOutput:
         """An ended request's output; the cluster forgets it."""
-        return self.done.pop(request_id).output
+        return self.requests.output(request_id)
 
     def abort(self, request_ids: list[int]) -> None:
         """End these requests now and forget them: every worker that may hold one (its
         worker, and the prefill worker where its KV may be parked) is told to drop it."""
         for request_id in request_ids:
-            self.done.pop(request_id, None)
-            t = self.active.pop(request_id, None)
+            t = self.requests.forget(request_id)
             if t is None:
                 continue
             self.abort(t.samples)
@@ -525,17 +478,16 @@ class CentralScheduler:
     def run_on_path(self, prompt_ids: list[int], path: tuple[int, int], max_tokens: int = 2) -> RequestMetrics:
         """Serve one request on a given (prefill worker, decode worker); its metrics."""
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-        t = Tracked(next(self._ids), None, prompt_ids, params, RequestMetrics(time.perf_counter()))
-        self.active[t.request_id] = t
+        t = self.requests.track(None, prompt_ids, params)
         self._dispatch(t, path)
         while t.request_id not in self.done:
             self._poll_keeping_others(0.05)
-        self.ended.remove(t.request_id)
+        self.requests.ended.remove(t.request_id)
         return self.output(t.request_id).metrics
 
     def _poll_keeping_others(self, timeout: float) -> None:
         """Poll, leaving the ids it ends for the caller's next poll."""
-        self.ended = self.poll(timeout)
+        self.requests.ended = self.poll(timeout)
 
 
 def default_devices() -> list[str]:
@@ -563,7 +515,7 @@ def check_cluster(policy: str, devices: list[str] | None, num_prefill: int, tran
         raise ValueError(f"worker_timeout_s must be above {2 * HEARTBEAT_S:g} s (the workers' heartbeat "
                          f"is {HEARTBEAT_S:g} s), got {worker_timeout_s}")
     if slo is not None:
-        if policy != "adaptive":
+        if not POLICIES[policy].steered:
             raise ValueError(f"slo applies to the adaptive policy (it steers its router), not to {policy}")
         if not isinstance(slo, list | tuple) or len(slo) != 2:
             raise ValueError(f"slo must be (ttft_s, tpot_s), got {slo!r}")

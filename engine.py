@@ -196,15 +196,29 @@ class Engine:
             torch.cuda.synchronize(self.model.device)
         return finished
 
+    def set_split(self, split: tuple[int, int] | None) -> None:
+        """Run the next steps on this SM split (prefill SMs, decode SMs), or unsplit (None)."""
+        if split is not None:
+            raise ValueError("this engine has no SM splits")
+
     # -- the handoff: a prefill worker parks, a decode worker imports (workers.py)
+
+    def queue_import(self, order: int) -> None:
+        """An import arrived (order: request.arrival_order): it waits for a seat, first
+        come, first served with the prompts here (the scheduler admits it: start_import)."""
+        self.scheduler.queue_import(order)
+
+    def forget_import(self, order: int) -> None:
+        """An import still waiting for a seat was dropped: nothing waits for it now."""
+        self.scheduler.forget_import(order)
 
     def start_import(self, request_id: int, token_ids: list[int], order: int, own: bool = False
                      ) -> tuple[list[int], int] | None:
         """A seat and blocks for a request prefilled elsewhere whose KV is about to be copied
         in: its block table and how many leading tokens the prefix cache already holds.
         own=True: this engine prefilled and parked it, and its blocks stay where they are.
-        None while no seat or not enough blocks are free, or a prompt that arrived before
-        it (order: request.arrival_order) waits for a seat."""
+        None while no seat or not enough blocks are free, or a prompt or a queued import
+        that arrived before it (order: request.arrival_order) waits for a seat."""
         parked = self.requests[request_id].seqs[0].block_table if own else None
         return self.scheduler.start_import(token_ids, order, parked)
 
@@ -328,7 +342,7 @@ class Engine:
         than spin: the running ones if any (none of them could compute), else the first in
         the queue (it cannot fit even in an empty engine). Their ids."""
         sched = self.scheduler
-        if not sched.has_work() or sched.importing or sched.oldest_import is not None \
+        if not sched.has_work() or sched.importing or sched.imports_waiting \
                 or any(r.parked for r in self.requests.values()):
             return []
         stuck = {s.request: None for s in sched.running} or {sched.waiting[0].request: None}

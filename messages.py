@@ -7,7 +7,7 @@ mid-write can break only its own pipe; a queue shared by all could stay locked).
 never travel here: KV caches are shared once at start-up (workers.py), so a handoff names
 block ids only.
 
-    central scheduler --Submit/Import/Release/Drop/Abort/SendKV/SetPrefillBudget/Measure/Stop--> worker
+    central scheduler --Submit/Import/Release/Drop/Abort/SendKV/SetRole/Measure/Stop--> worker
     central scheduler <--Ready/Heartbeat/Tokens/Handoff/Imported/Done/ToWorker/...-- worker
 """
 
@@ -71,11 +71,15 @@ class SendKV:
     runs: list[tuple[int, int]]
 
 
-@dataclass
-class SetPrefillBudget:
-    """From now on at most this many prompt tokens per step (None: no cap beyond the step's
-    token budget): part of the worker's role in the adaptive policy's regime (planner.py)."""
-    tokens: int | None
+@dataclass(frozen=True)
+class SetRole:
+    """This worker's part of the regime from now on (roles.py): its role, at most
+    prefill_budget prompt tokens per step (None: no cap beyond the step's token budget;
+    planner.py's SLO budget), and, for a split worker, the SMs its prefills and its decodes
+    run on (engine.set_split; None: unsplit). Frozen: the cluster's role map holds these."""
+    role: str
+    prefill_budget: int | None = None
+    sm_split: tuple[int, int] | None = None
 
 
 @dataclass

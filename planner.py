@@ -294,11 +294,12 @@ class PlanLog:
 
 
 class Planner:
-    """Keeps the cluster's regime and each worker's role in it. The cluster tells it of
-    every arrival (arrived) and asks it every PLAN_INTERVAL_S (plan): it forecasts every
-    regime for the arrivals of the last MIX_WINDOW_S and switches when one beats the
-    current by the hysteresis margin (or the current is overloaded and another less so).
-    Every change is logged with its forecasts."""
+    """Decides the cluster's regime and each worker's role in it (roles and budgets, which
+    the cluster writes into its role map, roles.py). The cluster tells it of every arrival
+    (arrived) and asks it every PLAN_INTERVAL_S (plan): it forecasts every regime for the
+    arrivals of the last MIX_WINDOW_S and switches when one beats the current by the
+    hysteresis margin (or the current is overloaded and another less so). Every change is
+    logged with its forecasts."""
 
     def __init__(self, workers: list[int], slo: tuple[float, float] | None = None, hysteresis: float = HYSTERESIS):
         self.slo, self.hysteresis = slo, hysteresis
@@ -312,11 +313,11 @@ class Planner:
     def arrived(self, now: float, prompt_len: int, predicted_out: float) -> None:
         self.arrivals.append((now, prompt_len, predicted_out))
 
-    def takers(self, role: str, live: list[int]) -> list[int]:
-        """The live workers whose role takes prompts (role "prefill") or decodes ("decode");
-        all live ones if none does (a worker of that role died)."""
-        allowed = ("both", role)
-        return [w for w in live if self.roles.get(w) in allowed] or live
+    def reset(self, live: list[int], now: float) -> None:
+        """A worker died: every live worker both, unbudgeted, until the next plan says
+        otherwise (the regime it had may have lost the only worker of a role)."""
+        self.switch(Regime(both=len(live)), {w: WorkerLoad() for w in live}, now, [])
+        self.budgets = dict.fromkeys(self.roles)
 
     def due(self, now: float) -> bool:
         """Whether PLAN_INTERVAL_S has passed since the last plan."""

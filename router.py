@@ -75,6 +75,9 @@ class WorkerLoad:
     # its steps with more sequences than it sees now; while queues drain, negative.
     batch_growth: float = 0.0
     prefill_budget: int | None = None   # prompt tokens per step it may carry (planner.py), None: any
+    # Prompt tokens of the requests here for their prefill and output tokens still to decode
+    # here: where no router picks, a request goes to the worker with the fewest.
+    work_tokens: int = 0
 
 
 # ----------------------------------------------------------------------------- cost model

@@ -54,7 +54,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()   # ordered by arrival: first come, first served
         self.running: list[Sequence] = []          # in admission order; the last is preempted first
         self.importing = 0                         # seats held by imports whose KV is being copied in
-        self.oldest_import: int | None = None      # arrival order of the oldest import waiting for a seat
+        self.imports_waiting: list[int] = []       # arrival orders of the imports waiting for a seat, oldest first
         self.prefill_budget: int | None = None     # prompt tokens per step, if capped (planner.py)
         self.restarted: list[Request] = []         # beam searches preempted whole: the engine restarts them
         self.num_preemptions = 0
@@ -114,7 +114,7 @@ class Scheduler:
 
     def _import_first(self, seq: Sequence) -> bool:
         """An import that arrived before seq is waiting for a seat: it goes first."""
-        return self.oldest_import is not None and self.oldest_import < seq.arrival
+        return bool(self.imports_waiting) and self.imports_waiting[0] < seq.arrival
 
     def _seats(self, seq: Sequence) -> int:
         """Running sequences this one will become: n > 1 and beams fork after the prompt."""
@@ -157,18 +157,33 @@ class Scheduler:
         None if they do not fit (beside the watermark)."""
         return self.bm.allocate(token_ids) if self.bm.can_allocate(token_ids) else None
 
+    def queue_import(self, order: int) -> None:
+        """An import arrived `order`-th (request.arrival_order) and waits for a seat: the
+        prompts that arrive after it wait for it, and so do the imports."""
+        bisect.insort(self.imports_waiting, order)
+
+    def forget_import(self, order: int) -> None:
+        """An import that was waiting for a seat will not start (dropped, or started now)."""
+        if order in self.imports_waiting:
+            self.imports_waiting.remove(order)
+
     def start_import(self, token_ids: list[int], order: int, block_table: list[int] | None = None
                      ) -> tuple[list[int], int] | None:
         """A seat, and blocks, for a sequence whose K/V is about to be copied in from another
         worker (block_table given: it is already here), which arrived `order`-th (see
-        request.arrival_order). None while none is free, or while a prompt that arrived
-        earlier waits for a seat: seats go first come, first served."""
+        request.arrival_order). None while none is free, or while a prompt or a queued
+        import that arrived earlier waits for a seat: seats go first come, first served.
+        A queued import that gets its seat leaves the queue."""
         if len(self.running) + self.importing >= self.max_num_seqs:
             return None
         if self.waiting and self.waiting[0].arrival < order:   # a prompt that came first goes first
             return None
+        if self.imports_waiting and self.imports_waiting[0] < order:   # so does an import
+            return None
         room = (block_table, 0) if block_table is not None else self.allocate(token_ids)
-        self.importing += room is not None
+        if room is not None:
+            self.importing += 1
+            self.forget_import(order)
         return room
 
     def cancel_import(self, block_table: list[int]) -> None:

@@ -17,7 +17,7 @@ order of the README's file map:
   hosts.py                   workers on several hosts
   router.py                  the cost model, the length predictor, the router
   planner.py                 the regime planner
-  cluster.py                 the policies on worker processes
+  roles.py ... cluster.py    the role map, the load telemetry, the policies on worker processes
   profiler.py                the profiler
   nanopd.py                  the LLM API and the CLI
   bench.py                   the serving benchmark
@@ -1375,7 +1375,7 @@ def test_seats_go_first_come_first_served_between_prompts_and_imports(hf):
         if prompt_first:
             waiting = engine.submit(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=2))
         order = request.arrival_order()   # the import arrives now
-        engine.scheduler.oldest_import = order
+        engine.queue_import(order)
         if not prompt_first:
             waiting = engine.submit(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=2))
         while busy in engine.requests and not engine.requests[busy].finished:
@@ -1387,13 +1387,37 @@ def test_seats_go_first_come_first_served_between_prompts_and_imports(hf):
             assert engine.requests[waiting].seqs[0].status == request.Status.RUNNING
         else:
             assert room is not None   # the import's turn; the prompt waits for it
-            engine.scheduler.oldest_import = None
+            assert not engine.scheduler.imports_waiting   # it has its seat: it left the queue
             engine.step()
             assert engine.requests[waiting].seqs[0].status == request.Status.WAITING
             engine.cancel_import(room[0])
         while engine.has_unfinished():
             engine.step()
         assert engine.output(waiting).outputs[0].token_ids == hf.greedy(PROMPTS[1], 2)
+
+
+@ENGINE
+def test_imports_take_seats_in_arrival_order_and_a_dropped_one_holds_nothing_up(hf):
+    """Two seats, two imports queued: the later gets no seat while the earlier waits, even
+    with seats free; dropped while waiting, the earlier holds up neither the later import
+    nor a prompt that arrived after it."""
+    engine = make_llm(hf.path, max_num_seqs=2).engine
+    first, second = request.arrival_order(), request.arrival_order()
+    engine.queue_import(first)
+    engine.queue_import(second)
+    assert engine.start_import(1, prompt(9, seed=95), second) is None   # the first came first
+    rid = engine.submit(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3))
+    engine.step()
+    assert engine.requests[rid].seqs[0].status == request.Status.WAITING   # behind the first import
+    engine.forget_import(first)
+    room = engine.start_import(1, prompt(9, seed=95), second)
+    assert room is not None and not engine.scheduler.imports_waiting
+    engine.step()
+    assert engine.requests[rid].seqs[0].status == request.Status.RUNNING
+    engine.cancel_import(room[0])
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.output(rid).outputs[0].token_ids == hf.greedy(PROMPTS[0], 3)
 
 
 # =========================================== sampler.py: sampling and logprobs
@@ -2370,6 +2394,50 @@ def test_abort_frees_a_request_wherever_it_is(hf):
     assert worker.engine.bm.num_free_blocks == worker.engine.bm.num_blocks
 
 
+@ENGINE
+def test_set_role_sets_the_budget_and_the_sm_split_only_when_it_changes(hf, monkeypatch):
+    """SetRole carries what the regime asks of a worker: its prefill budget is set every
+    time; its SM split goes to engine.set_split when it becomes, changes or stops being a
+    split, not on a budget change alone. This engine has no splits: asking for one fails
+    the worker, with the engine's ValueError."""
+    worker = in_process_worker(make_llm(hf.path).engine)
+    splits, set_split = [], worker.engine.set_split
+    monkeypatch.setattr(worker.engine, "set_split", splits.append)
+    for msg in [messages.SetRole("both", 4), messages.SetRole("split", None, (2, 6)),
+                messages.SetRole("split", 8, (2, 6)), messages.SetRole("decode")]:
+        worker.inbox.put(msg)
+        worker.step(wait=False)
+        assert worker.engine.scheduler.prefill_budget == msg.prefill_budget
+    assert splits == [(2, 6), None]
+    monkeypatch.setattr(worker.engine, "set_split", set_split)
+    worker.inbox.put(messages.SetRole("split", None, (2, 6)))
+    with pytest.raises(ValueError, match="no SM splits"):
+        worker.step(wait=False)
+
+
+@ENGINE
+def test_an_import_dropped_while_it_waits_for_a_seat_holds_no_prompt_up(hf):
+    """One seat, taken: an Import arrives and waits for it, then a prompt. The Import is
+    dropped (its source died) before it got the seat: the prompt, which would have waited
+    for it, gets the seat and HF's greedy tokens."""
+    worker = in_process_worker(make_llm(hf.path, max_num_seqs=1).engine)
+    worker.inbox.put(messages.Submit(0, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8)))
+    worker.step(wait=False)
+    ids = prompt(9, seed=74)
+    worker.inbox.put(messages.Import(5, 1, [0, 1], ids + [7], len(ids), SamplingParams(temperature=0.0, max_tokens=4)))
+    worker.step(wait=False)
+    worker.inbox.put(messages.Submit(1, PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=4)))
+    worker.inbox.put(messages.Drop(5))
+    events = []
+    for _ in range(50):
+        worker.step(wait=False)
+        events += reported(worker)
+    done = {e.request_id: e.output for e in events if isinstance(e, messages.Done)}
+    assert done[1].outputs[0].token_ids == hf.greedy(PROMPTS[1], 4)
+    assert not any(isinstance(e, messages.PullFailed | messages.Imported) for e in events)   # it never started
+    assert not worker.transfers and not worker.engine.scheduler.imports_waiting
+
+
 def pull_from_a_peer_that_leaves(rank: int, port: int, results) -> None:
     """One of two gloo processes: rank 1 joins, connects and leaves without sending; rank 0
     pulls two runs from it and reports how the pull ended."""
@@ -2942,8 +3010,8 @@ def test_the_planner_switches_with_hysteresis_and_logs_why():
     assert entry.regime == plan.regime and entry.forecasts[0].regime == plan.regime
     assert entry.forecasts[0].e2e_ms < 0.95 * next(f.e2e_ms for f in entry.forecasts if f.regime.both == 2)
     assert not plan.plan(cost, loads, 256, now=10.5)   # not yet time to plan again
-    assert plan.takers("prefill", [0, 1]) == [0] and plan.takers("decode", [0, 1]) == [1]
-    assert plan.takers("decode", [0]) == [0]   # the decode worker died: the live one does it
+    plan.reset([0], now=11.0)   # the decode worker died: the live one does both
+    assert plan.roles == {0: "both"} and plan.regime == planner.Regime(both=1) and plan.log[-1].roles == plan.roles
 
 
 @pytest.mark.parametrize("workload, rate, measured_best", [
@@ -3022,9 +3090,42 @@ def test_the_planner_follows_a_clear_change_of_mix_at_once():
     assert len(plan.arrivals) <= 48
 
 
-# ================================ cluster.py: the policies on worker processes
+# ============== roles.py, lifecycle.py, telemetry.py, cluster.py: the policies on worker processes
 # Every policy gives HF's greedy tokens; handoffs report their phases; a killed worker ends or retries its
-# requests; blocks all come back.
+# requests; blocks all come back. Dispatch reads the role map; the load's rates are windows.
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 10 ** 6))
+def test_a_window_over_a_running_total_is_its_last_span_over_the_span(seed):
+    """A Window read with a running total at each of its steps gives, at any time, the
+    tokens of the steps of the last span (brute force over the steps) over the span."""
+    import telemetry
+    rng = random.Random(seed)
+    window, total, steps, now = telemetry.Window(2.0, start=0.0), 0, [], 0.0
+    for _ in range(200):
+        now += rng.expovariate(20.0)
+        if rng.random() < 0.7:
+            tokens = rng.randint(1, 500)
+            total += tokens
+            steps.append((now, tokens))
+            window.read(now, total)
+        else:
+            expected = sum(n for t, n in steps if now - t <= 2.0) / 2000.0
+            assert window.rate(now, total) == pytest.approx(expected)
+
+
+def test_a_window_over_a_level_read_often_is_its_slope():
+    """A decode batch growing by one every 100 ms, read every 10 ms (kept every 100 ms or
+    so): past the first span, its rate is the slope, 0.01 sequences per ms, high by at
+    most what it grew in a reading gap and a read (0.11 s: at most 2 sequences of 20)."""
+    import telemetry
+    window = telemetry.Window(2.0, start=0.0, gap_s=0.1)
+    for i in range(1, 500):
+        now, batch = i / 100, i // 10
+        window.read(now, batch)
+        if now > 2.5:
+            assert 0.01 - 1e-12 <= window.rate(now, batch) <= 0.011 + 1e-12
 
 
 @pytest.mark.usefixtures("worker_env")
@@ -3375,6 +3476,7 @@ def test_a_role_change_mid_run_keeps_every_request_and_its_tokens(hf):
             cluster.poll(0.01)
         loads = cluster.worker_loads([0, 1])
         cluster.planner.switch(planner.Regime(0, 1, 1), loads, time.perf_counter(), [])
+        cluster.set_roles(cluster.planner.roles)   # what the cluster does with a plan: dispatch reads it
         prefiller = next(w for w, r in cluster.planner.roles.items() if r == "prefill")
         second = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=12)) for p in MIXED_PROMPTS[3:]]
         ended = set()
@@ -3383,8 +3485,8 @@ def test_a_role_change_mid_run_keeps_every_request_and_its_tokens(hf):
             ended |= set(cluster.poll(0.01))
         cluster.planner.switch(planner.Regime(2, 0, 0, budgeted=True), loads, time.perf_counter(), [])
         cluster.planner.budgets = {0: 4, 1: 4}
-        for w in (0, 1):
-            cluster.workers.send(w, messages.SetPrefillBudget(4))
+        cluster.set_roles(cluster.planner.roles, cluster.planner.budgets)   # each worker is sent SetRole(both, 4)
+        assert cluster.told == {w: messages.SetRole("both", 4) for w in (0, 1)}
         third = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=8)) for p in MIXED_PROMPTS[:2]]
         while not set(first + third) <= ended:
             assert time.monotonic() < deadline + 120
@@ -3395,6 +3497,74 @@ def test_a_role_change_mid_run_keeps_every_request_and_its_tokens(hf):
         assert [outs[r].outputs[0].token_ids for r in third] == [hf.greedy(p, 8) for p in MIXED_PROMPTS[:2]]
         assert all(outs[r].metrics.path == (prefiller, 1 - prefiller) for r in second)
         assert workers_all_free(llm)
+
+
+class FakeWorkers:
+    """Stands in for cluster.py's worker processes: each is Ready at once, the reports the
+    test queues (worker, [reports]) come back from receive, and what is sent is recorded."""
+
+    def __init__(self, cfg, devices, sources, transport, report_steps, names):
+        self.names, self.sent = names, []
+        self.reports = [(w, [messages.Ready(64, 1, 1024, "fake")]) for w in range(len(devices))]
+
+    def send(self, w: int, msg) -> None:
+        self.sent.append((w, msg))
+
+    def receive(self, timeout: float, skip: set[int]) -> list[tuple[int, list]]:
+        got, self.reports = [r for r in self.reports if r[0] not in skip], []
+        return got
+
+    def exited(self) -> list[int]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+    def taken(self, kind) -> list[tuple[int, object]]:
+        """(worker, message) of every message of this kind sent since the last call."""
+        mine = [(w, m) for w, m in self.sent if isinstance(m, kind)]
+        self.sent = [(w, m) for w, m in self.sent if not isinstance(m, kind)]
+        return mine
+
+
+def test_dispatch_reads_the_role_map_whatever_the_policy(monkeypatch):
+    """A collocated cluster (fake workers) whose role map is rewritten: worker 0 decode, 1
+    prefill, 2 both. Prompts go to workers 1 and 2 only, 1's prefill only (its role hands
+    off); each worker whose part changed is told (SetRole), the others not; worker 1's
+    prefilled request goes to worker 0, the one idle worker that takes handoffs. As a split
+    worker 2 still takes whole requests, and is told its SM split, and when it stops being
+    one; with no worker left to take prompts, a request fails at once."""
+    import cluster
+    monkeypatch.setattr(cluster, "WorkerProcesses", FakeWorkers)
+    c = cluster.CentralScheduler("tiny", "collocated", ["cpu"] * 3, max_model_len=128)
+    fake = c.workers
+    assert fake.names == [f"nanopd-both-{w}" for w in range(3)] and fake.sent == []
+    c.set_roles({0: "decode", 1: "prefill", 2: "both"})
+    assert fake.taken(messages.SetRole) == [(0, messages.SetRole("decode")), (1, messages.SetRole("prefill"))]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    rids = [c.submit(prompt(12, seed=i), params) for i in range(6)]
+    submits = fake.taken(messages.Submit)
+    assert {w for w, _ in submits} == {1, 2} and len(submits) == 6
+    assert all(m.prefill_only == (w == 1) for w, m in submits)
+    w1 = next(m for w, m in submits if w == 1)
+    imp = messages.Import(w1.request_id, 1, [0, 1], w1.prompt_token_ids + [5], 12, w1.params)
+    fake.reports.append((1, [messages.Handoff(imp, 0.0, 0.0)]))
+    c.poll(0)
+    assert fake.taken(messages.Import) == [(0, imp)]
+    c.set_roles({2: "split"}, splits={2: (2, 6)})
+    assert fake.taken(messages.SetRole) == [(2, messages.SetRole("split", None, (2, 6)))]
+    c.set_roles({1: "decode"})
+    fake.taken(messages.SetRole)
+    rid = c.submit(prompt(12, seed=9), params)
+    assert [(w, m.prefill_only) for w, m in fake.taken(messages.Submit)] == [(2, False)]
+    c.set_roles({2: "both"})
+    assert fake.taken(messages.SetRole) == [(2, messages.SetRole("both"))]
+    c.set_roles({2: "decode"})
+    late = c.submit(prompt(12, seed=10), params)
+    assert late in c.poll(0) and "no live worker" in str(c.output(late).error) and not fake.taken(messages.Submit)
+    c.abort(rids + [rid])
+    with pytest.raises(ValueError, match="SM split"):
+        c.set_roles({0: "split"})
 
 
 # =================================================== profiler.py: the profiler

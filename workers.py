@@ -1,5 +1,5 @@
-"""Worker processes: one Engine per device, in the role collocated, prefill or decode, and
-the handoff of a request's KV from a prefill worker to a decode worker.
+"""Worker processes: one Engine per device, in a role (roles.py: both, prefill, decode or
+split), and the handoff of a request's KV from a prefill worker to a decode worker.
 
     central scheduler (cluster.py)
         | Submit / Import / Release / Drop          ^ Tokens, Done, Handoff, Imported, Heartbeat, ...
@@ -62,7 +62,7 @@ from messages import (
     Rejected,
     Release,
     SendKV,
-    SetPrefillBudget,
+    SetRole,
     StepTimed,
     Stop,
     Submit,
@@ -128,6 +128,7 @@ class Worker:
         self.report_steps = report_steps               # time every step for the router (adaptive only)
         self.last_collected: float | None = None       # when the engine last returned a step's tokens
         self.last_sent = 0.0                           # when the last reports went out
+        self.sm_split: tuple[int, int] | None = None   # the SMs prefills and decodes run on (SetRole), None: all
 
     def run(self) -> None:
         while self.step():
@@ -184,7 +185,9 @@ class Worker:
                 self.engine.submit(msg.prompt_token_ids, msg.params, msg.beam_width, msg.length_penalty,
                                    request_id=msg.request_id, prefill_only=msg.prefill_only)
             case Import():
-                self.transfers.append(Transfer(msg, time.perf_counter()))
+                t = Transfer(msg, time.perf_counter())
+                self.transfers.append(t)
+                self.engine.queue_import(t.order)   # the engine's scheduler admits it, in its turn
             case Release():
                 self.engine.release(msg.request_id)
             case Drop():
@@ -192,8 +195,11 @@ class Worker:
             case Abort():
                 self._drop(msg.request_id)
                 self.engine.abort([msg.request_id])
-            case SetPrefillBudget():
-                self.engine.scheduler.prefill_budget = msg.tokens
+            case SetRole():
+                self.engine.scheduler.prefill_budget = msg.prefill_budget
+                if msg.sm_split != self.sm_split:   # a new split repartitions the device: only on a change
+                    self.engine.set_split(msg.sm_split)
+                    self.sm_split = msg.sm_split
             case SendKV():
                 self.transport.send(msg.dst, self.engine.runner.kv_cache, msg.runs)
             case Measure():
@@ -243,7 +249,8 @@ class Worker:
     # -- decode side
 
     def _start_imports(self) -> None:
-        """Seats and blocks for waiting imports, first come first served, and their copies."""
+        """Seats and blocks for waiting imports, as the engine's scheduler admits them (first
+        come, first served), and their copies."""
         eng = self.engine
         waiting = [t for t in self.transfers if t.block_table is None]
         for t in waiting:
@@ -251,7 +258,7 @@ class Worker:
             own = m.src == self.index   # our own parked request (adaptive): it keeps its blocks
             room = eng.start_import(m.request_id, m.token_ids, t.order, own)
             if room is None:
-                break   # waits until decodes finish and free room
+                break   # waits until decodes finish and free room; the later imports wait behind it
             t.block_table, cached = room
             t.seat_wait = time.perf_counter() - t.arrived
             if own:
@@ -266,8 +273,6 @@ class Worker:
                 t.pull = Pull(0, error=f"{type(e).__name__}: {e}")
             if t.pull.source_runs is not None:   # a two-sided transport: the source must send
                 self.reports.append(ToWorker(m.src, SendKV(m.request_id, self.index, t.pull.source_runs)))
-        # The prompts queued here wait for the oldest import still waiting: its seat comes first.
-        eng.scheduler.oldest_import = next((t.order for t in self.transfers if t.block_table is None), None)
 
     def _finish_imports(self) -> None:
         """Imports whose copy has completed join the decode batch; the others keep copying
@@ -301,6 +306,8 @@ class Worker:
         for t in self.transfers:
             if t.msg.request_id == request_id:
                 t.dropped = True
+                if t.block_table is None:
+                    self.engine.forget_import(t.order)
         self.transfers = [t for t in self.transfers if not (t.dropped and t.block_table is None)]
         self.engine.release(request_id)
 

@@ -1,0 +1,78 @@
+"""The regime as one map: each worker's role, which every policy writes and dispatch reads.
+
+    role     takes prompts  takes handoffs  its prompts decode     its device
+    both     yes            yes             here (or where routed)  whole
+    prefill  yes            no              elsewhere: KV moves     whole
+    decode   no             yes             -                       whole
+    split    yes            yes             here (or where routed)  two SM partitions, prefill / decode
+
+collocated writes every worker both; disaggregated the first num_prefill prefill and the
+rest decode, for good; adaptive what its planner decides (planner.py), as it decides it.
+The central scheduler (cluster.py) sends a prompt only to a worker whose role takes
+prompts, a prefilled request only to one whose role takes handoffs, and tells a worker its
+part of the regime (messages.py:SetRole) whenever that part changes. A new role is a new
+row of ROLES: dispatch reads the row, never the role's name.
+"""
+
+from dataclasses import dataclass
+
+from messages import SetRole
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a role lets dispatch do with a worker."""
+    takes_prompts: bool       # new requests are sent here to prefill
+    takes_handoffs: bool      # requests prefilled elsewhere are sent here to decode
+    hands_off: bool           # what it prefills decodes elsewhere (else here, unless the router picks another)
+    splits_sms: bool = False  # its prefills and decodes run on SM partitions of its own (SetRole.sm_split)
+
+
+ROLES = {
+    "both": Role(takes_prompts=True, takes_handoffs=True, hands_off=False),
+    "prefill": Role(takes_prompts=True, takes_handoffs=False, hands_off=True),
+    "decode": Role(takes_prompts=False, takes_handoffs=True, hands_off=False),
+    "split": Role(takes_prompts=True, takes_handoffs=True, hands_off=False, splits_sms=True),
+}
+
+
+def check_role(part: SetRole) -> SetRole:
+    """part, or a ValueError if its role is unknown or its SM split does not fit the role."""
+    if part.role not in ROLES:
+        raise ValueError(f"role {part.role!r} is not one of {', '.join(ROLES)}")
+    if ROLES[part.role].splits_sms != (part.sm_split is not None):
+        raise ValueError(f"role {part.role!r} takes {'an' if ROLES[part.role].splits_sms else 'no'} SM split, "
+                         f"got {part.sm_split}")
+    return part
+
+
+class RoleMap:
+    """Worker -> its part of the regime (a SetRole: the role, its prefill budget, its SM
+    split). Written by the policy, read by dispatch."""
+
+    def __init__(self, roles: list[str]):
+        self.parts: dict[int, SetRole] = {w: check_role(SetRole(r)) for w, r in enumerate(roles)}
+
+    def write(self, roles: dict[int, str], budgets: dict[int, int | None] | None = None,
+              splits: dict[int, tuple[int, int]] | None = None) -> None:
+        """The workers named in roles take these roles (with these budgets and SM splits;
+        none if not given); the others keep theirs."""
+        budgets, splits = budgets or {}, splits or {}
+        self.parts |= {w: check_role(SetRole(role, budgets.get(w), splits.get(w))) for w, role in roles.items()}
+
+    def name(self, w: int) -> str:
+        return self.parts[w].role
+
+    def role(self, w: int) -> Role:
+        return ROLES[self.parts[w].role]
+
+    def takers(self, workers: list[int]) -> list[int]:
+        """Those of workers whose role takes prompts."""
+        return [w for w in workers if self.role(w).takes_prompts]
+
+    def decoders(self, workers: list[int]) -> list[int]:
+        """Those of workers whose role takes handoffs."""
+        return [w for w in workers if self.role(w).takes_handoffs]
+
+    def names(self) -> dict[int, str]:
+        return {w: part.role for w, part in self.parts.items()}
