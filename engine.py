@@ -196,11 +196,6 @@ class Engine:
             torch.cuda.synchronize(self.model.device)
         return finished
 
-    def set_split(self, split: tuple[int, int] | None) -> None:
-        """Run the next steps on this SM split (prefill SMs, decode SMs), or unsplit (None)."""
-        if split is not None:
-            raise ValueError("this engine has no SM splits")
-
     # -- the handoff: a prefill worker parks, a decode worker imports (workers.py)
 
     def queue_import(self, order: int) -> None:

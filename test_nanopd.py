@@ -2398,8 +2398,8 @@ def test_abort_frees_a_request_wherever_it_is(hf):
 def test_set_role_sets_the_budget_and_the_sm_split_only_when_it_changes(hf, monkeypatch):
     """SetRole carries what the regime asks of a worker: its prefill budget is set every
     time; its SM split goes to engine.set_split when it becomes, changes or stops being a
-    split, not on a budget change alone. This engine has no splits: asking for one fails
-    the worker, with the engine's ValueError."""
+    split, not on a budget change alone. This engine's split menu is empty: asking for a
+    split fails the worker, with the engine's ValueError."""
     worker = in_process_worker(make_llm(hf.path).engine)
     splits, set_split = [], worker.engine.set_split
     monkeypatch.setattr(worker.engine, "set_split", splits.append)
@@ -2411,7 +2411,7 @@ def test_set_role_sets_the_budget_and_the_sm_split_only_when_it_changes(hf, monk
     assert splits == [(2, 6), None]
     monkeypatch.setattr(worker.engine, "set_split", set_split)
     worker.inbox.put(messages.SetRole("split", None, (2, 6)))
-    with pytest.raises(ValueError, match="no SM splits"):
+    with pytest.raises(ValueError, match="split menu"):
         worker.step(wait=False)
 
 
