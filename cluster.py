@@ -59,8 +59,9 @@ from messages import (
 from model import load_config, load_tokenizer
 from planner import Planner
 from request import RequestMetrics, RequestOutput, SamplingParams, check_request, tokenize
-from roles import RoleMap
+from roles import ROLES, RoleMap
 from router import Observation, Router, WorkerLoad
+from smsplit import default_menu, num_sms
 from telemetry import Telemetry
 from transport import TRANSPORTS
 from workers import HEARTBEAT_S, WorkerProcesses, exit_in_order_on_sigterm
@@ -79,7 +80,8 @@ class Policy:
 
 POLICIES = {
     "collocated": Policy(lambda n, k: ["both"] * n),
-    "disaggregated": Policy(lambda n, k: ["prefill" if w < k else "decode" for w in range(n)]),
+    # On one device: one split worker, its prefill and decode lanes on the fixed split.
+    "disaggregated": Policy(lambda n, k: ["split"] if n == 1 else ["prefill" if w < k else "decode" for w in range(n)]),
     "adaptive": Policy(lambda n, k: ["both"] * n, steered=True),
 }
 
@@ -203,7 +205,9 @@ class CentralScheduler:
             self._close = weakref.finalize(self, self.workers.close)
             devices = [f"worker {w}" for w in range(self.workers.count)]   # named by their Ready
         n = len(devices)
-        self.roles = RoleMap(POLICIES[self.policy].roles(n, num_prefill))
+        roles = POLICIES[self.policy].roles(n, num_prefill)
+        self._split_menu(devices, roles)
+        self.roles = RoleMap(roles, {w: self.cfg.sm_split for w, r in enumerate(roles) if ROLES[r].splits_sms})
         if not self.roles.takers(list(range(n))) or not self.roles.decoders(list(range(n))):
             raise ValueError(f"{self.policy} needs 1 <= num_prefill < the number of workers, got num_prefill="
                              f"{num_prefill} with {n} workers")
@@ -213,6 +217,17 @@ class CentralScheduler:
                                            [f"nanopd-{self.roles.name(w)}-{w}" for w in range(n)])
             self._close = weakref.finalize(self, self.workers.close)   # it holds the workers, not this object
         self.liveness = Liveness(self.workers, list(devices), worker_timeout_s)
+
+    def _split_menu(self, devices: list[str], roles: list[str]) -> None:
+        """The SM splits the workers' engines are built for (their decode graphs are captured
+        at start-up): a steered policy's planner may give a worker any of the default menu
+        (smsplit.default_menu); a fixed split worker runs on sm_split (default: the menu's
+        half and half)."""
+        menu = default_menu(num_sms(torch.device(devices[0])) if str(devices[0]).startswith("cuda") else 0)
+        if any(ROLES[r].splits_sms for r in roles) and self.cfg.sm_split is None:
+            self.cfg.sm_split = tuple(menu[1])
+        if self.steered and not self.cfg.split_menu:
+            self.cfg.split_menu = tuple(tuple(s) for s in menu)
 
     def _sources(self, n: int) -> list[list[int]]:
         """Whose KV cache each worker reads: under a steered policy every other worker's (the
@@ -272,7 +287,7 @@ class CentralScheduler:
         if not self.planner.due(now):   # the loads pass over every active request: not on every poll
             return
         if self.planner.plan(self.router.cost, self.worker_loads(self.liveness.live()), self.cfg.max_num_seqs, now):
-            self.set_roles(self.planner.roles, self.planner.budgets)
+            self.set_roles(self.planner.roles, self.planner.budgets, self.planner.splits)
             log.info("regime %s, roles %s, budgets %s", self.planner.regime, self.planner.roles, self.planner.budgets)
 
     def worker_loads(self, workers: list[int]) -> dict[int, WorkerLoad]:
@@ -428,7 +443,7 @@ class CentralScheduler:
         why = self.dead[w]
         if self.planner is not None:
             self.planner.reset(self.liveness.live(), time.perf_counter())
-            self.set_roles(self.planner.roles, self.planner.budgets)
+            self.set_roles(self.planner.roles, self.planner.budgets, self.planner.splits)
         for t in list(self.active.values()):
             if t.samples or t.phase == "done":
                 continue

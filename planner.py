@@ -35,6 +35,7 @@ the same mix it could keep up with (its capacity): its queues grow slowest.
 """
 
 import collections
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -57,26 +58,31 @@ class Regime:
     prefill: int = 0             # workers that only prefill
     decode: int = 0              # workers that only decode
     budgeted: bool = False       # the both-workers keep every step under the TPOT target
+    split: int = 0               # workers that prefill and decode at once, on SM partitions of their GPU
+    sm_split: tuple[int, int] | None = None   # ... on this split (prefill SMs, decode SMs)
 
     def roles(self) -> list[str]:
         """One role per worker, both-workers first."""
-        return ["both"] * self.both + ["prefill"] * self.prefill + ["decode"] * self.decode
+        return (["both"] * self.both + ["prefill"] * self.prefill + ["decode"] * self.decode
+                + ["split"] * self.split)
 
     def __str__(self) -> str:
         parts = [f"{n} {role}" for role, n in (("both", self.both), ("prefill", self.prefill),
-                                                 ("decode", self.decode)) if n]
-        return " + ".join(parts) + (" (budgeted)" if self.budgeted else "")
+                                                 ("decode", self.decode), ("split", self.split)) if n]
+        return (" + ".join(parts) + (f" {self.sm_split[0]}/{self.sm_split[1]}" if self.split else "")
+                + (" (budgeted)" if self.budgeted else ""))
 
 
-def regimes(n: int, slo: tuple[float, float] | None = None) -> list[Regime]:
+def regimes(n: int, slo: tuple[float, float] | None = None, splits: list[tuple[int, int]] = ()) -> list[Regime]:
     """Every regime of n workers in which someone prefills and someone decodes; with an SLO,
-    each with and without prefill budgets on its both-workers."""
+    each with and without prefill budgets on its both-workers; and every worker split, on
+    each split measured (splits)."""
     out = []
     for both, prefill in itertools.product(range(n + 1), repeat=2):
         decode = n - both - prefill
         if decode >= 0 and both + prefill > 0 and both + decode > 0:
             out += [Regime(both, prefill, decode, b) for b in ((False, True) if slo and both else (False,))]
-    return out
+    return out + [Regime(split=n, sm_split=tuple(s)) for s in splits]
 
 
 @dataclass
@@ -176,7 +182,13 @@ def wait_within(t: float, wait: float, rho: float) -> float:
 
 def forecast(cost: CostModel, regime: Regime, mix: Mix, seats: int, slo: tuple[float, float] | None = None,
              with_capacity: bool = True) -> Forecast:
-    """The regime's steady state for the mix (see the module's docstring)."""
+    """The regime's steady state for the mix (see the module's docstring). A split worker
+    is a prefill worker and a decode worker in one: its lanes, as the split measured them
+    (CostModel.on_split), and no KV to move."""
+    if regime.split:
+        lanes = forecast(cost.on_split(regime.sm_split), Regime(prefill=regime.split, decode=regime.split), mix,
+                         seats, slo, with_capacity)
+        return dataclasses.replace(lanes, regime=regime)
     lam = mix.rate
     n_take = regime.both + regime.prefill           # workers that take prompts
     n_dec = regime.both + regime.decode             # workers that decode
@@ -280,8 +292,10 @@ def request_outcomes(cost: CostModel, regime: Regime, mix: Mix, roles: dict[str,
 
 
 def rank(cost: CostModel, mix: Mix, seats: int, n: int, slo: tuple[float, float] | None = None) -> list[Forecast]:
-    """Every regime of n workers forecast for the mix, best first (Forecast.key)."""
-    return sorted((forecast(cost, r, mix, seats, slo) for r in regimes(n, slo)), key=Forecast.key)
+    """Every regime of n workers forecast for the mix, best first (Forecast.key); splits
+    where the profile measured them."""
+    splits = [tuple(map(int, key.split("/"))) for key in cost.p.splits]
+    return sorted((forecast(cost, r, mix, seats, slo) for r in regimes(n, slo, splits)), key=Forecast.key)
 
 
 @dataclass
@@ -304,6 +318,7 @@ class Planner:
     def __init__(self, workers: list[int], slo: tuple[float, float] | None = None, hysteresis: float = HYSTERESIS):
         self.slo, self.hysteresis = slo, hysteresis
         self.roles = dict.fromkeys(workers, "both")   # every worker mixed until arrivals say otherwise
+        self.splits: dict[int, tuple[int, int]] = {}   # the split workers' SM splits
         self.regime = Regime(both=len(workers))
         self.budgets: dict[int, int | None] = dict.fromkeys(workers)
         self.arrivals: collections.deque[tuple[float, int, float]] = collections.deque()   # (time, L, O predicted)
@@ -328,7 +343,7 @@ class Planner:
         changed."""
         if not self.due(now):
             return False
-        self.planned_at, before = now, (dict(self.roles), dict(self.budgets))
+        self.planned_at, before = now, (dict(self.roles), dict(self.budgets), dict(self.splits))
         if set(loads) != set(self.roles):   # a worker died: all mixed on the live ones, then plan
             self.switch(Regime(both=len(loads)), loads, now, [])
         while self.arrivals and now - self.arrivals[0][0] > MIX_WINDOW_S:
@@ -345,7 +360,7 @@ class Planner:
                     self.clearly_better(forecasts[0], current) and self.better_below(cost, forecasts[0], current, mix, seats))):
                 self.switch(forecasts[0].regime, loads, now, forecasts)
         self.set_budgets(cost, loads)
-        return (self.roles, self.budgets) != before
+        return (self.roles, self.budgets, self.splits) != before
 
     def forget_a_changed_mix(self, now: float) -> None:
         """On a clear change in the arrivals (the last PLAN_INTERVAL_S's rate or mean prompt
@@ -374,6 +389,7 @@ class Planner:
 
     def switch(self, regime: Regime, loads: dict[int, WorkerLoad], now: float, forecasts: list[Forecast]) -> None:
         self.regime, self.roles = regime, assign_roles(regime, loads)
+        self.splits = {w: regime.sm_split for w, role in self.roles.items() if role == "split"}
         self.log.append(PlanLog(now, regime, dict(self.roles), forecasts))
 
     def clearly_better(self, new: Forecast, old: Forecast) -> bool:
@@ -402,5 +418,5 @@ def assign_roles(regime: Regime, loads: dict[int, WorkerLoad]) -> dict[int, str]
     the least to finish), decode roles to those decoding most, both in between. A worker
     keeps its cache and running requests whatever its new role."""
     order = sorted(loads, key=lambda w: (loads[w].decode_batch, w))
-    roles = ["prefill"] * regime.prefill + ["both"] * regime.both + ["decode"] * regime.decode
+    roles = ["prefill"] * regime.prefill + ["both"] * regime.both + ["decode"] * regime.decode + ["split"] * regime.split
     return dict(zip(order, roles))

@@ -44,7 +44,7 @@ import triton
 from cluster import CentralScheduler, default_devices
 from config import EngineConfig
 from kv_cache import cdiv
-from router import HardwareParams
+from router import HardwareParams, SplitParams
 
 CACHE = Path.home() / ".cache" / "nanopd"
 log = logging.getLogger("nanopd")
@@ -143,7 +143,20 @@ def fit(timings: dict, handoffs: list[tuple[int, int, float, float]]) -> Profile
         bandwidth, rate = float("nan"), float("inf")
     params = HardwareParams(alpha=alpha, alpha2=alpha2, alpha0=alpha0, beta=beta, batch_thresh=max(knee, 1.0),
                             slope=slope, gamma=gamma, transfer_rate=rate, kv=kv)
-    return Profile(params, bandwidth, {"prefill": e_prefill, "decode": e_decode, "gamma": e_gamma}, timings=timings)
+    errors = {"prefill": e_prefill, "decode": e_decode, "gamma": e_gamma}
+    for key, t in timings.get("splits", {}).items():
+        params.splits[key], errors[f"split {key}"] = fit_split(timings, kv, t)
+    return Profile(params, bandwidth, errors, timings=timings)
+
+
+def fit_split(timings: dict, kv: float, split: dict) -> tuple[SplitParams, float]:
+    """A split's lanes (timing.measure_splits) fitted as the whole GPU's are; its context
+    term is the whole GPU's scaled as its batch-1 step is; the larger fit error."""
+    alpha0, alpha, alpha2, e_prefill = fit_prefill(timings["lengths"], split["prefill_ms"])
+    kv_split = kv * split["decode_ms"][0] / timings["decode_ms"][0]
+    beta, knee, slope, e_decode = fit_knee(timings["batches"], [t - kv_split * b * timings["context"]
+                                                                for b, t in zip(timings["batches"], split["decode_ms"])])
+    return SplitParams(alpha0, alpha, alpha2, beta, max(knee, 1.0), slope, kv_split), max(e_prefill, e_decode)
 
 
 # ----------------------------------------------------------------------------- on the live workers
@@ -244,7 +257,8 @@ def load_profile(path: Path) -> Profile | None:
     try:
         data = json.loads(path.read_text())
         params = HardwareParams(**data["params"])
-        numbers = [getattr(params, f.name) for f in dataclasses.fields(HardwareParams) if f.name != "links"]
+        numbers = [getattr(params, f.name) for f in dataclasses.fields(HardwareParams) if f.name not in ("links", "splits")]
+        numbers += [x for s in params.splits.values() for x in dataclasses.astuple(s)]
         if not all(isinstance(x, int | float) and not math.isnan(x) for x in numbers) \
                 or not all(isinstance(x, int | float) for x in params.links.values()):
             raise ValueError("a parameter is not a number")
@@ -275,6 +289,9 @@ def print_profile(profile: Profile) -> None:
             ("gamma", f"{p.gamma:.5f} ms/token", profile.errors.get("gamma")),
             ("bandwidth", f"{profile.bandwidth_GBps:.1f} GB/s (handoff {p.transfer_rate:.5f} ms/token)", None)]
     rows += [(f"link {pair}", f"handoff {rate:.5f} ms/token", None) for pair, rate in p.links.items()]
+    rows += [(f"split {key}", (f"prefill {s.alpha:.5f} ms/token + {s.alpha0:.2f} ms; decode {s.beta:.3f} ms to "
+              f"{s.batch_thresh:.0f}, then +{s.slope:.4f} ms per sequence"), profile.errors.get(f"split {key}"))
+             for key, s in p.splits.items()]
     print("| parameter | value | fit error (relative RMS) |\n| --- | --- | --- |")
     for name, value, err in rows:
         print(f"| {name} | {value} | {'' if err is None else f'{err:.1%}'} |")

@@ -50,8 +50,9 @@ class RoleMap:
     """Worker -> its part of the regime (a SetRole: the role, its prefill budget, its SM
     split). Written by the policy, read by dispatch."""
 
-    def __init__(self, roles: list[str]):
-        self.parts: dict[int, SetRole] = {w: check_role(SetRole(r)) for w, r in enumerate(roles)}
+    def __init__(self, roles: list[str], splits: dict[int, tuple[int, int]] | None = None):
+        splits = splits or {}
+        self.parts: dict[int, SetRole] = {w: check_role(SetRole(r, None, splits.get(w))) for w, r in enumerate(roles)}
 
     def write(self, roles: dict[int, str], budgets: dict[int, int | None] | None = None,
               splits: dict[int, tuple[int, int]] | None = None) -> None:

@@ -23,6 +23,7 @@ arriving while a request decodes, is part of that request's latency: a worker pr
 r prompt tokens per ms spends gamma x r of its time on them, beside its decodes.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from statistics import NormalDist
@@ -45,10 +46,35 @@ class HardwareParams:
     # transfer_rate of each pair of workers measured apart, by "p>d": a link within a host
     # is faster than one between hosts. Pairs not in it move at transfer_rate.
     links: dict[str, float] = field(default_factory=dict)
+    # A split worker's lanes (smsplit.py), by "prefill_sms/decode_sms": each measured while
+    # the other lane is busy, since the lanes share the memory bandwidth.
+    splits: dict[str, "SplitParams"] = field(default_factory=dict)
+
+    def __post_init__(self):   # from JSON (profiler.py's cache), a split's parameters come as a dict
+        self.splits = {k: v if isinstance(v, SplitParams) else SplitParams(**v) for k, v in self.splits.items()}
 
     def link(self, p: int, d: int) -> float:
         """ms per prompt token to move a request's KV from worker p to worker d."""
         return self.links.get(f"{p}>{d}", self.transfer_rate)
+
+
+@dataclass
+class SplitParams:
+    """One split's lanes: prefill on the prefill lane (alpha0 + alpha L + alpha2 L^2 ms)
+    beside decodes, decode steps on the decode lane (beta, then slope per sequence past
+    batch_thresh) beside a prefill; times in ms."""
+    alpha0: float
+    alpha: float
+    alpha2: float
+    beta: float
+    batch_thresh: float
+    slope: float
+    kv: float = 0.0           # decode-step time per token of context in the batch
+
+
+def split_key(split: tuple[int, int]) -> str:
+    """HardwareParams.splits' key of a (prefill SMs, decode SMs) split."""
+    return f"{split[0]}/{split[1]}"
 
 
 MAX_PREFILL_SHARE = 0.9   # of a worker's time spent on prefills beside its decodes: past it, none would finish
@@ -88,6 +114,16 @@ class CostModel:
 
     def __init__(self, params: HardwareParams):
         self.p = params
+
+    def on_split(self, split: tuple[int, int]) -> "CostModel":
+        """The cost model of a split worker's lanes: its prefills and decode steps as the
+        split measured them, no prompt tokens in a
+        decode step (gamma 0) and no KV to move (the lanes share the cache)."""
+        s, p = self.p.splits[split_key(split)], self.p
+        return CostModel(dataclasses.replace(
+            p, alpha0=s.alpha0, alpha=s.alpha, alpha2=s.alpha2, beta=s.beta, batch_thresh=s.batch_thresh,
+            slope=s.slope, kv=s.kv, gamma=0.0, transfer_rate=0.0,
+            links={}, splits={}))
 
     def prefill_ms(self, tokens: float) -> float:
         return self.p.alpha0 + self.p.alpha * tokens + self.p.alpha2 * tokens ** 2

@@ -96,9 +96,40 @@ def measure_engine(engine, lengths: list[int], batches: list[int], chunks: list[
     long = [timed(lambda b=b: fake_batch(engine, b, long_context, 1)) for b in kv_batches]
     alone = timed(lambda: fake_batch(engine, gamma_batch, context, 1))
     mixed = [timed(lambda c=c: with_chunk(c)) for c in chunks]
-    return {"lengths": lengths, "prefill_ms": prefill, "batches": batches, "decode_ms": decode, "context": context,
-            "kv_batches": kv_batches, "long_context": long_context, "long_decode_ms": long,
-            "chunks": chunks, "extra_ms": [m - alone for m in mixed]}
+    out = {"lengths": lengths, "prefill_ms": prefill, "batches": batches, "decode_ms": decode, "context": context,
+           "kv_batches": kv_batches, "long_context": long_context, "long_decode_ms": long,
+           "chunks": chunks, "extra_ms": [m - alone for m in mixed]}
+    if any(decode_lane.stream is not None for _, decode_lane in engine.runner.splits.values()):
+        out["splits"] = measure_splits(engine, lengths, batches, context, gamma_batch, reps)
+    return out
+
+
+def measure_splits(engine, lengths: list[int], batches: list[int], context: int, beside_batch: int,
+                   reps: int) -> dict[str, dict]:
+    """Per split of the engine's menu ("P/D"): prefill per length on the prefill lane while
+    the decode lane runs beside_batch steps, and decode steps per batch size on the decode
+    lane while the prefill lane runs chunks of the longest length (the lanes share the
+    memory bandwidth: each is measured with the other busy)."""
+    out = {}
+    for split, lanes in engine.runner.splits.items():
+        beside, pre = fake_batch(engine, beside_batch, context, 1), fake_batch(engine, 1, 0, max(lengths))
+        try:
+            prefill = []
+            for n in lengths:
+                chunk = fake_batch(engine, 1, 0, n)
+                prefill.append(statistics.median(prefill_beside_decode_ms(engine, lanes, beside, chunk)
+                                                 for _ in range(2)))
+                free_batch(engine, chunk)
+            decode = []
+            for b in batches:
+                dec = fake_batch(engine, b, context, 1)
+                decode.append(decode_beside_prefill_ms(engine, lanes, dec, pre, reps))
+                free_batch(engine, dec)
+        finally:
+            free_batch(engine, beside)
+            free_batch(engine, pre)
+        out[f"{split.prefill_sms}/{split.decode_sms}"] = {"prefill_ms": prefill, "decode_ms": decode}
+    return out
 
 
 # -- a split worker's lanes (smsplit.py): each alone, and beside the other lane busy

@@ -316,9 +316,11 @@ class Worker:
     def _time_step(self, collected: LaunchedStep | None) -> None:
         """Report the step just collected with its time: the time since the previous one was
         collected, while the engine runs back to back (one step on the device while the
-        host finishes the one before), so a step's time is what its decodes waited."""
+        host finishes the one before), so a step's time is what its decodes waited. Not
+        while split: the router refits the whole GPU's step model, and a split's decode
+        steps run on part of it (their cost is the profile's, CostModel.on_split)."""
         now = time.perf_counter()
-        if collected is not None and self.last_collected is not None:
+        if collected is not None and self.last_collected is not None and self.engine.split is None:
             s = collected.shape
             self.reports.append(StepTimed(s.decodes, s.context_tokens, s.prefill_tokens,
                                           (now - self.last_collected) * 1e3))
