@@ -1689,9 +1689,9 @@ def test_steps_overlap_and_a_stop_seen_late_drops_the_extra_token(hf, monkeypatc
     stop = refs[0][4]
     launched, run = [], llm.engine.runner.run
 
-    def recording_run(batch, draws, beam_rows, beam_k, prev_tokens=None):
+    def recording_run(batch, draws, beam_rows, beam_k, prev_tokens=None, lane=None):
         launched.append((sum(s.token_ids[-1] == request.PENDING for s in batch.seqs), prev_tokens is not None))
-        return run(batch, draws, beam_rows, beam_k, prev_tokens)
+        return run(batch, draws, beam_rows, beam_k, prev_tokens, lane)
     monkeypatch.setattr(llm.engine.runner, "run", recording_run)
     outs = generate(llm, PROMPTS, max_tokens=12, stop_token_ids=[stop])
     for out, ref in zip(outs, refs):
@@ -3306,7 +3306,7 @@ def test_a_killed_worker_ends_or_retries_its_requests(hf, policy, num_devices, v
 
 
 @pytest.mark.parametrize("kwargs, words", [({"policy": "round-robin"}, "policy"),
-                                           ({"policy": "disaggregated", "devices": ["cpu"]}, "num_prefill"),
+                                           ({"policy": "disaggregated", "devices": ["cpu", "cpu"], "num_prefill": 0}, "num_prefill"),
                                            ({"policy": "disaggregated", "num_prefill": 2}, "num_prefill"),
                                            ({"policy": "collocated", "transport": "pigeon"}, "transport"),
                                            ({"policy": "collocated", "devices": []}, "devices"),
