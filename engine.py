@@ -61,6 +61,7 @@ class LaunchedStep:
     shape: StepShape
     output: StepOutput | None = None
     targets: list[tuple[Sequence, int]] = field(default_factory=list)   # per draw: where its token goes
+    lane: Lane | None = None             # where it runs
 
     def computing(self) -> set[Sequence]:
         """The sequences this step computes or samples for (the other lane leaves them alone)."""
@@ -74,8 +75,8 @@ def computing(step: LaunchedStep | None) -> set[Sequence]:
 
 def wait_for(lane: Lane, step: LaunchedStep | None) -> None:
     """lane's next work starts on the device only once step (another lane's) has ended."""
-    if lane.stream is not None and step is not None and step.output.ready is not None:
-        lane.stream.wait_event(step.output.ready)
+    if step is not None and step.output.ready is not None:
+        (lane.stream or torch.cuda.current_stream()).wait_event(step.output.ready)
 
 
 class Engine:
@@ -277,7 +278,11 @@ class Engine:
         the device, at once, on their own SMs (smsplit.py).
           prefill lane: once its chunk's tokens have landed, take them (the prompts done
             join the decodes: their KV is in their blocks already) and launch the next;
-          decode lane: a whole-GPU step on the decodes alone (launch N+1, finish N).
+          decode lane: a step of the decodes alone (launch N+1, finish N).
+        Only while both have work are they split: the decodes step on the whole GPU's graphs
+        while no prompt is in flight, and prompts prefill on the whole GPU while nothing
+        decodes (a lane apart from the other has nothing to gain from fewer SMs). A step
+        that reads the tokens of a step on another stream waits for it there.
         The host waits on the prefill lane only when there is nothing to decode. The lanes
         leave each other's sequences alone (busy). The decode lane's step in flight may
         still write blocks the host has freed (a sequence that just stopped): the prefill
@@ -293,18 +298,20 @@ class Engine:
             if self.prefilling is None:
                 batches.append(self.scheduler.schedule(decodes=False, busy=computing(self.in_flight)))
                 if batches[-1].seqs:
-                    wait_for(prefill_lane, self.in_flight)
-                    self.prefilling = self._launch(batches[-1], prefill_lane, None)
+                    lane = prefill_lane if self._decoding() else self.runner.alone
+                    wait_for(lane, self.in_flight)
+                    self.prefilling = self._launch(batches[-1], lane, None)
                     if self.prefilling.beams:   # beam search chooses on the host, now
                         finished += self._finish(self.prefilling)
                         self.prefilling = None
             batches.append(self.scheduler.schedule(prompts=False, busy=computing(self.prefilling)))
             launched = None
             if batches[-1].seqs:
+                lane = decode_lane if self.prefilling is not None else self.runner.whole
                 if self.fence_decode:
-                    wait_for(decode_lane, self.prefilling)
+                    wait_for(lane, self.prefilling)
                     self.fence_decode = False
-                launched = self._launch(batches[-1], decode_lane, self.in_flight)
+                launched = self._launch(batches[-1], lane, self.in_flight)
             finished += self._finish(self.in_flight) if self.in_flight else []
             self.in_flight = launched
             if launched is not None and launched.beams:
@@ -318,6 +325,10 @@ class Engine:
         if idle and restarted + sum(len(b.seqs) for b in batches) == 0:
             ended += self._end_unschedulable()
         return ended
+
+    def _decoding(self) -> bool:
+        """Whether a decode step is in flight or a running sequence is past its prompt."""
+        return self.in_flight is not None or any(s.num_computed >= s.num_prompt_tokens for s in self.scheduler.running)
 
     def _restart_beams(self) -> int:
         """Beam searches the scheduler preempted whole start again from their prompt, in
@@ -414,9 +425,13 @@ class Engine:
         gets a PENDING token, filled in by _finish (from previous, the lane's step in flight,
         where a sequence's last token is still PENDING)."""
         shape = self._shape(batch)
+        if previous is not None and previous.lane is not lane:   # it reads previous's tokens from another stream
+            wait_for(lane, previous)
+            if previous.output.tokens is not None and previous.output.tokens.is_cuda:
+                previous.output.tokens.record_stream(lane.stream or torch.cuda.current_stream())
         done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if n == s.num_pending]
         seqs = [batch.seqs[i] for i in done]
-        step = LaunchedStep(batch, seqs, [s for s in seqs if s.request.beam_width], shape)
+        step = LaunchedStep(batch, seqs, [s for s in seqs if s.request.beam_width], shape, lane=lane)
         beam_rows = [i for i in done if batch.seqs[i].request.beam_width]
         plan, draws = self._plan_draws(batch, done)
         beam_k = 2 * max((s.request.beam_width for s in step.beams), default=0)

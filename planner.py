@@ -184,10 +184,12 @@ def forecast(cost: CostModel, regime: Regime, mix: Mix, seats: int, slo: tuple[f
              with_capacity: bool = True) -> Forecast:
     """The regime's steady state for the mix (see the module's docstring). A split worker
     is a prefill worker and a decode worker in one: its lanes, as the split measured them
-    (CostModel.on_split), and no KV to move."""
+    (CostModel.on_split), its decodes on the whole GPU while its prefill lane is idle, and
+    no KV to move."""
     if regime.split:
-        lanes = forecast(cost.on_split(regime.sm_split), Regime(prefill=regime.split, decode=regime.split), mix,
-                         seats, slo, with_capacity)
+        busy = prefill_queue(cost.on_split(regime.sm_split), mix.rate / regime.split, mix.prompt_lens)[1]
+        lanes = forecast(cost.on_split(regime.sm_split, busy), Regime(prefill=regime.split, decode=regime.split),
+                         mix, seats, slo, with_capacity)
         return dataclasses.replace(lanes, regime=regime)
     lam = mix.rate
     n_take = regime.both + regime.prefill           # workers that take prompts

@@ -32,7 +32,7 @@ from model import AttentionMetadata, Qwen3
 from request import SamplingParams, Sequence
 from sampler import TokenCounts, beam_candidates, sample, token_logprobs
 from scheduler import Batch
-from smsplit import Split, make_lanes
+from smsplit import Split, make_lanes, num_sms
 
 # Decode graphs of a split's decode lane: coarser than the whole GPU's, one set per split.
 SPLIT_GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768, 1024]
@@ -102,15 +102,31 @@ class Lane:
     """Where a step runs: a stream (None: the current one) and the decode graphs captured on
     it. The whole GPU's lane also has the piece graphs for mixed steps; a split's prefill
     lane runs eagerly (graphs captured on all SMs would use all SMs), and its chunks are big
-    enough to keep its SMs busy without them."""
+    enough to keep its SMs busy without them.
+    A split's lane also tells cuBLAS how many SMs it has (carveout: the SMs it lacks):
+    cuBLAS sizes a GEMM's grid for the SMs it expects, and a grid cut for 132 SMs runs in
+    two waves on 112, the second nearly empty."""
     stream: torch.cuda.Stream | None = None
     graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = field(default_factory=dict)   # batch -> graph
     sizes: list[int] = field(default_factory=list)   # sorted(graphs)
     pieces: bool = False
+    carveout: int | None = None   # SMs of the device this lane's GEMMs leave out (None: all are its)
 
+    @contextlib.contextmanager
     def running(self):
-        """Launch on this lane's stream (a context manager)."""
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        """Launch (or capture) on this lane: its stream, and cuBLAS aimed at its SMs."""
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            if self.carveout is None:
+                yield
+                return
+            blas = torch.backends.cuda.preferred_blas_library()
+            torch.backends.cuda.preferred_blas_library("cublaslt")   # the library that reads the target
+            torch._C._set_sm_carveout_experimental(self.carveout)
+            try:
+                yield
+            finally:
+                torch._C._set_sm_carveout_experimental(None)
+                torch.backends.cuda.preferred_blas_library(blas)
 
 
 @dataclass
@@ -162,6 +178,7 @@ class ModelRunner:
         CUDA graphs of the steps."""
         self.token_counts = TokenCounts(self.model.config.vocab_size, self.device)
         self.whole = Lane(pieces=True)   # the whole GPU, on the current stream
+        self.alone = Lane()   # the whole GPU without graphs: a split worker's prompts with nothing to decode
         # Each split of the menu (cfg.sm_split and cfg.split_menu), under the SM counts the
         # driver gave: its prefill lane and its decode lane.
         self.splits: dict[Split, tuple[Lane, Lane]] = {}
@@ -173,7 +190,10 @@ class ModelRunner:
                                  f"allows and the prefill lane the rest, here {lanes.split.prefill_sms} + "
                                  f"{lanes.split.decode_sms}: pass ({lanes.split.prefill_sms}, "
                                  f"{lanes.split.decode_sms})")
-            self.splits[lanes.split] = (Lane(lanes.prefill), Lane(lanes.decode))
+            total = num_sms(self.device)
+            self.splits[lanes.split] = (Lane(lanes.prefill, carveout=lanes.split.decode_sms if lanes.prefill else None),
+                                        Lane(lanes.decode, carveout=total - lanes.split.decode_sms
+                                             if lanes.decode else None))
         self.piece_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}   # mixed: tokens -> one per piece
         self.piece_sizes: list[int] = []
         if self.device.type == "cuda":
@@ -348,7 +368,7 @@ class ModelRunner:
             for split, (_, decode) in self.splits.items():
                 if decode.stream is not None:
                     decode.stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(decode.stream):
+                    with decode.running():
                         pool = self._capture_decode_graphs([b for b in SPLIT_GRAPH_SIZES if b < max_bs] + [max_bs],
                                                            pool, decode.stream, decode, f" on {split}")
         finally:

@@ -49,11 +49,12 @@ def num_sms(device: torch.device) -> int:
 
 
 def default_menu(total_sms: int) -> list[Split]:
-    """The splits built at start-up: decode on 3/8, 1/2, 5/8 and 3/4 of the SMs, in multiples
-    of 8 (the prefill lane takes the rest). On a machine without SMs to split, nominal
-    counts of a 128-SM device, so the same menu, scheduler and planner run everywhere."""
+    """The splits built at start-up: decode on 1/4, 3/8, 1/2 and 5/8 of the SMs, in multiples
+    of 8 (the prefill lane takes the rest: prompts need the SMs more, bench.py split). On a
+    machine without SMs to split, nominal counts of a 128-SM device, so the same menu,
+    scheduler and planner run everywhere."""
     total = total_sms or 128
-    decode = sorted({max(8, total * k // 64 // 8 * 8) for k in (24, 32, 40, 48)})
+    decode = sorted({max(8, total * k // 64 // 8 * 8) for k in (16, 24, 32, 40)})
     return [Split(total - d, d) for d in decode]
 
 

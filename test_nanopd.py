@@ -88,7 +88,15 @@ from kv_cache import (
     kv_bytes_per_block,
 )
 from nanopd import LLM, SamplingParams
-from router import CostModel, HardwareParams, Observation, OutputLengthPredictor, Router, WorkerLoad
+from router import (
+    CostModel,
+    HardwareParams,
+    Observation,
+    OutputLengthPredictor,
+    Router,
+    SplitParams,
+    WorkerLoad,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -2113,9 +2121,9 @@ def lane_log(monkeypatch, eng: Engine) -> list[tuple[str, set, set, bool]]:
     log, launch = [], eng._launch
 
     def logged(batch, lane, previous):
-        split = eng.runner.splits.get(eng.split)
-        name = "whole" if split is None else "prefill" if lane is split[0] else "decode"
-        other = engine_mod.computing(eng.in_flight if name == "prefill" else eng.prefilling)
+        split = eng.runner.splits.get(eng.split, (None, None))
+        name = {id(split[0]): "prefill", id(split[1]): "decode", id(eng.runner.alone): "alone"}.get(id(lane), "whole")
+        other = engine_mod.computing(eng.in_flight if name in ("prefill", "alone") else eng.prefilling)
         log.append((name, set(batch.seqs), other, any(s.num_computed < s.num_prompt_tokens for s in batch.seqs)))
         return launch(batch, lane, previous)
     monkeypatch.setattr(eng, "_launch", logged)
@@ -2126,14 +2134,17 @@ def lane_log(monkeypatch, eng: Engine) -> list[tuple[str, set, set, bool]]:
 def test_split_engine_gives_hf_greedy_tokens_and_lanes_keep_apart(hf, monkeypatch):
     """A split worker (lanes in turn where the device cannot split) gives HF's greedy tokens,
     prompts longer than a step chunked on the prefill lane; the decode lane runs decodes
-    alone, and no lane computes a sequence the other has in flight."""
+    alone, and no lane computes a sequence the other has in flight. The split is taken
+    only while both have work: the first prompts, with nothing decoding, prefill on the
+    whole GPU (alone), and the last decodes, with no prompt left, step on the whole GPU."""
     eng = split_engine(hf)
     log = lane_log(monkeypatch, eng)
     prompts = PROMPTS + [prompt(60, 9)]
     outs = run_engine(eng, [(p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)) for p in prompts])
     assert [o.outputs[0].token_ids for o in outs] == [hf.greedy(p, 10) for p in prompts]
-    assert {name for name, *_ in log} == {"prefill", "decode"}
-    assert not any(prompts_in for name, _, _, prompts_in in log if name == "decode")
+    names = [name for name, *_ in log]
+    assert names[0] == "alone" and names[-1] == "whole" and {"prefill", "decode"} <= set(names)
+    assert all(prompts_in == (name in ("prefill", "alone")) for name, _, _, prompts_in in log)
     assert all(not (seqs & other) for _, seqs, other, _ in log)
     assert eng.bm.num_free_blocks == eng.bm.num_blocks
 
@@ -2944,6 +2955,31 @@ def test_a_prefill_worker_batching_its_queue_waits_as_simulated():
     service = [cost.prefill_ms(n) for n in sharegpt]
     one_per_step, _ = planner.mg1_wait(rate, statistics.mean(service), statistics.mean(x * x for x in service))
     assert one_per_step > 3 * simulated_prefill_worker(cost, rate, sharegpt, 100_000, seed=len(sharegpt))
+
+
+def test_a_split_worker_decodes_on_the_whole_gpu_while_its_prefill_lane_idles():
+    """A split worker's forecast: its prefill lane is a prefill worker on the lane's
+    measured model; its decode steps are the whole GPU's while that lane idles and the
+    decode lane's while it is busy. At a trickle of arrivals its TPOT is a whole-GPU decode
+    worker's; as the prompts come faster it moves toward the lane's, never past it."""
+    lane = SplitParams(alpha0=2.0, alpha=0.05, alpha2=0.0, beta=3.0, batch_thresh=1, slope=8.0)
+    hw = dataclasses.replace(ROUTER_TEST_PARAMS, splits={"84/48": lane})
+    cost, split = CostModel(hw), planner.Regime(split=1, sm_split=(84, 48))
+    lens, outs = [200, 400, 800], [50.0, 100.0, 150.0]
+
+    def tpot(c: CostModel, regime: planner.Regime, rate: float) -> float:
+        return planner.forecast(c, regime, planner.Mix(rate, lens, outs), 64).roles["decode"].tpot_ms
+    lane_only = CostModel(dataclasses.replace(hw, alpha0=lane.alpha0, alpha=lane.alpha, alpha2=lane.alpha2,
+                                              beta=lane.beta, batch_thresh=lane.batch_thresh, slope=lane.slope,
+                                              gamma=0.0, splits={}))
+    trickle = 1e-4
+    assert tpot(cost, split, trickle) == pytest.approx(tpot(cost, planner.Regime(prefill=1, decode=1), trickle),
+                                                       rel=0.01)
+    for rate in (0.005, 0.01, 0.02):
+        f = planner.forecast(cost, split, planner.Mix(rate, lens, outs), 64)
+        assert f.roles["prefill"].busy == pytest.approx(rate * sum(lane.alpha * n for n in lens) / len(lens))
+        assert tpot(cost, planner.Regime(prefill=1, decode=1), rate) < f.roles["decode"].tpot_ms \
+            < tpot(lane_only, planner.Regime(prefill=1, decode=1), rate)
 
 
 @settings(max_examples=60, deadline=None)
