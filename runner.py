@@ -103,9 +103,9 @@ class Lane:
     it. The whole GPU's lane also has the piece graphs for mixed steps; a split's prefill
     lane runs eagerly (graphs captured on all SMs would use all SMs), and its chunks are big
     enough to keep its SMs busy without them.
-    A split's lane also tells cuBLAS how many SMs it has (carveout: the SMs it lacks):
-    cuBLAS sizes a GEMM's grid for the SMs it expects, and a grid cut for 132 SMs runs in
-    two waves on 112, the second nearly empty."""
+    A split's decode lane also tells cuBLAS how many SMs it has (carveout: the SMs it
+    lacks): cuBLAS sizes a GEMM's grid for the SMs it expects, and a grid cut for 132 SMs
+    runs in two waves on 112, the second nearly empty."""
     stream: torch.cuda.Stream | None = None
     graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = field(default_factory=dict)   # batch -> graph
     sizes: list[int] = field(default_factory=list)   # sorted(graphs)
@@ -191,9 +191,10 @@ class ModelRunner:
                                  f"{lanes.split.decode_sms}: pass ({lanes.split.prefill_sms}, "
                                  f"{lanes.split.decode_sms})")
             total = num_sms(self.device)
-            self.splits[lanes.split] = (Lane(lanes.prefill, carveout=lanes.split.decode_sms if lanes.prefill else None),
-                                        Lane(lanes.decode, carveout=total - lanes.split.decode_sms
-                                             if lanes.decode else None))
+            # Only the decode lane's GEMMs are aimed at its SMs: a prompt's GEMMs keep cuBLAS's
+            # own choice, which measured faster on the prefill lane (bench.py split).
+            self.splits[lanes.split] = (Lane(lanes.prefill), Lane(lanes.decode, carveout=total - lanes.split.decode_sms
+                                                                   if lanes.decode else None))
         self.piece_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}   # mixed: tokens -> one per piece
         self.piece_sizes: list[int] = []
         if self.device.type == "cuda":
