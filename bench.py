@@ -46,6 +46,8 @@ WORKLOADS = {
     "mixed": lambda rng: WORKLOADS["short" if rng.random() < 0.5 else "long"](rng),
     # ShareGPT-like: log-normal prompt (median 256) and output (median 192) lengths.
     "sharegpt": lambda rng: (lognormal_int(rng, 256, 1.0, 8, 2048), lognormal_int(rng, 192, 0.8, 8, 1024)),
+    # Short prompts, long outputs: the GPU mostly decodes (a split has little to gain).
+    "decode-heavy": lambda rng: (rng.randint(64, 256), rng.randint(256, 512)),
     # 128 in, 128 out: the shape of vLLM's and the engine benchmark's throughput figure.
     "fixed": lambda rng: (128, 128),
     "phased": None,   # PHASES in turn, PHASE_S each (make_requests)
