@@ -364,7 +364,8 @@ class CentralScheduler:
                 self.telemetry.heartbeat(w, msg)
             case StepTimed():   # the router refits its step model; prefill tokens count toward the rate
                 if self.router is not None:
-                    self.router.observe_step(msg.decodes, msg.context_tokens, msg.prefill_tokens, msg.ms)
+                    self.router.observe_step(msg.decodes, msg.context_tokens, msg.prefill_tokens, msg.ms,
+                                             msg.sm_split)
                 self.telemetry.stepped(time.perf_counter(), msg)
             case Measured():
                 self.measured[w] = msg.timings

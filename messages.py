@@ -126,6 +126,7 @@ class StepTimed:
     context_tokens: int
     prefill_tokens: int
     ms: float
+    sm_split: tuple[int, int] | None = None   # it ran on this split's decode lane (None: the whole GPU)
 
 
 @dataclass

@@ -104,6 +104,7 @@ class WorkerLoad:
     # Prompt tokens of the requests here for their prefill and output tokens still to decode
     # here: where no router picks, a request goes to the worker with the fewest.
     work_tokens: int = 0
+    sm_split: tuple[int, int] | None = None   # a split worker's split (its costs: CostModel.on_split)
 
 
 # ----------------------------------------------------------------------------- cost model
@@ -372,7 +373,9 @@ class Router:
     refitted on live traffic. A request's decode time is not fitted as a whole: the load
     it was routed under (a snapshot) only estimates the load it decodes under, and a fit
     on a noisy estimate flattens the slopes, so the router learns the slopes from steps,
-    whose shapes are exact. batch_thresh and alpha2 stay as profiled."""
+    whose shapes are exact. batch_thresh and alpha2 stay as profiled. A split worker's
+    prompts refit its split's prefill lane, and its steps on the decode lane that lane's
+    step model (its decode steps on the whole GPU, with no prompt beside, the whole GPU's)."""
 
     def __init__(self, params: HardwareParams, predictor: OutputLengthPredictor | None = None,
                  slo: tuple[float, float] | None = None):
@@ -384,6 +387,7 @@ class Router:
         self.fit_transfer = RecursiveLeastSquares([p.transfer_rate], [1e-4])
         self.fit_links: dict[str, RecursiveLeastSquares] = {}
         self.fit_step = RecursiveLeastSquares([p.beta, p.slope, p.kv, p.gamma], [1e-1, 1e-3, 1e-6, 1e-3])
+        self.fit_splits: dict[str, RecursiveLeastSquares] = {}   # "P/D prefill", "P/D decode": each split's lanes
         self.errors: list[float] = []         # |route()'s prediction - measured| / measured, per request
         self.model_errors: list[float] = []   # the same with the true output length (the cost model alone)
 
@@ -403,18 +407,26 @@ class Router:
         decoders = [d for d in decoders if loads[d].free_blocks >= needed_blocks] or decoders
         options = []   # (meets the SLO, cost, latency, p, d)
         for p in prefill_workers:
-            harm = self.cost.interference_ms(prompt_len, loads[p].decode_batch)   # to p's decodes, either path
+            cost = self.cost_at(loads[p])
+            harm = cost.interference_ms(prompt_len, loads[p].decode_batch)   # to p's decodes, either path
             for d in decoders:
-                ttft, rest = self.cost.path_ms(prompt_len, out, loads[p], None if p == d else loads[d],
-                                               self.cost.p.link(p, d))
+                ttft, rest = cost.path_ms(prompt_len, out, loads[p], None if p == d else loads[d],
+                                          self.cost.p.link(p, d))
                 meets = self.slo is None or (ttft <= self.slo[0] * 1e3 and rest <= self.slo[1] * 1e3 * max(1, out - 1))
                 options.append((meets, (ttft + rest + harm) if meets else harm, ttft + rest, p, d))
         meets, _, ms, p, d = min(options, key=lambda o: (not o[0], o[1]))
         return p, d, ms
 
+    def cost_at(self, load: WorkerLoad) -> CostModel:
+        """The cost model of a worker in this state: a split worker's lanes as measured and
+        refitted (decodes taken on the decode lane, beside prompts), else the whole GPU's."""
+        if load.sm_split is None or split_key(load.sm_split) not in self.cost.p.splits:
+            return self.cost
+        return self.cost.on_split(load.sm_split)
+
     def predicted_ms(self, o: Observation) -> float:
         if o.prefill_worker == o.decode_worker:
-            return self.cost.collocated_ms(o.prompt_len, o.output_len, o.load_prefill)
+            return self.cost_at(o.load_prefill).collocated_ms(o.prompt_len, o.output_len, o.load_prefill)
         return self.cost.disaggregated_ms(o.prompt_len, o.output_len, o.load_prefill, o.load_decode,
                                           self.cost.p.link(o.prefill_worker, o.decode_worker))
 
@@ -430,11 +442,25 @@ class Router:
         p = self.cost.p
         n = o.load_prefill.queued_prefill_tokens + o.prompt_len
         if o.load_prefill.decode_batch < o.load_prefill.seats:   # else it waited for a seat, not for prefills
-            self.fit_prefill.update([1.0, n], o.prefill_ms - p.alpha2 * self.cost.squares(o.load_prefill, o.prompt_len))
+            self._refit_prefill(o.load_prefill, n, o.prefill_ms - p.alpha2 * self.cost.squares(o.load_prefill,
+                                                                                              o.prompt_len))
         if o.prefill_worker != o.decode_worker:
             self.fit_transfer.update([o.prompt_len], o.transfer_ms)
             self._refit_link(o)
-        (p.alpha0, p.alpha), (p.transfer_rate,) = self.fit_prefill.physical(), self.fit_transfer.physical()
+        (p.transfer_rate,) = self.fit_transfer.physical()
+
+    def _refit_prefill(self, load: WorkerLoad, tokens: int, ms: float) -> None:
+        """Prefill = alpha0 + alpha * tokens, refitted where it ran: the whole GPU, or the
+        prefill lane of the worker's split (a fit of each split's own, from its profile)."""
+        if self.cost_at(load) is self.cost:
+            self.fit_prefill.update([1.0, tokens], ms)
+            self.cost.p.alpha0, self.cost.p.alpha = self.fit_prefill.physical()
+            return
+        key = split_key(load.sm_split)
+        s = self.cost.p.splits[key]
+        fit = self.fit_splits.setdefault(f"{key} prefill", RecursiveLeastSquares([s.alpha0, s.alpha], [1e-1, 1e-3]))
+        fit.update([1.0, tokens], ms)
+        s.alpha0, s.alpha = fit.physical()
 
     def _refit_link(self, o: Observation) -> None:
         """A pair's own rate, where the profiler measured pairs apart (links): each pair has
@@ -446,10 +472,22 @@ class Router:
         fit.update([o.prompt_len], o.transfer_ms)
         (p.links[key],) = fit.physical()
 
-    def observe_step(self, decodes: int, context_tokens: int, prefill_tokens: int, ms: float) -> None:
-        """Learn from one step a worker timed (steps without decodes say nothing about them)."""
+    def observe_step(self, decodes: int, context_tokens: int, prefill_tokens: int, ms: float,
+                     sm_split: tuple[int, int] | None = None) -> None:
+        """Learn from one step a worker timed (steps without decodes say nothing about them);
+        sm_split: it ran on that split's decode lane, whose own model it refits."""
         if decodes == 0:
             return
         p = self.cost.p
+        if sm_split is not None:
+            key = split_key(sm_split)
+            if key not in p.splits:
+                return
+            s = p.splits[key]
+            fit = self.fit_splits.setdefault(f"{key} decode", RecursiveLeastSquares([s.beta, s.slope, s.kv],
+                                                                                     [1e-1, 1e-3, 1e-6]))
+            fit.update([1.0, max(0.0, decodes - s.batch_thresh), context_tokens], ms)
+            s.beta, s.slope, s.kv = fit.physical()
+            return
         self.fit_step.update([1.0, max(0.0, decodes - p.batch_thresh), context_tokens, prefill_tokens], ms)
         p.beta, p.slope, p.kv, p.gamma = self.fit_step.physical()

@@ -77,7 +77,7 @@ class Telemetry:
         rate = self.prefill.rate(now, self.prefilled) / max(1, len(takers))
         loads = {w: WorkerLoad(free_blocks=self.status[w].free_blocks if w in self.status else self.room,
                                prefill_rate=rate if w in takers else 0.0, seats=self.seats,
-                               prefill_budget=roles.parts[w].prefill_budget)
+                               prefill_budget=roles.parts[w].prefill_budget, sm_split=roles.parts[w].sm_split)
                  for w in workers}
         for t in active:
             load = loads.get(t.worker)

@@ -2427,6 +2427,34 @@ def test_set_role_sets_the_budget_and_the_sm_split_only_when_it_changes(hf, monk
 
 
 @ENGINE
+def test_a_split_worker_reports_where_each_decode_step_ran(hf):
+    """A split worker timing its steps for the router: a decode step launched while a
+    prompt chunk was in flight ran on the split's decode lane and says so (sm_split), one
+    launched with none in flight ran on the whole GPU (None); no decode step reports
+    prompt tokens (prompts run on the other lane)."""
+    worker = workers.Worker(0, split_engine(hf), queue.Queue(), Reports(), {}, "p2p", report_steps=True)
+    eng, lanes = worker.engine, []
+    launch = eng._launch
+
+    def logged(batch, lane, previous):
+        step = launch(batch, lane, previous)
+        if lane is not eng.runner.splits[eng.split][0] and lane is not eng.runner.alone:
+            lanes.append(eng.prefilling is not None)   # a decode step: a prompt chunk beside it?
+        return step
+    eng._launch = logged
+    for i, p in enumerate(PROMPTS + [prompt(60, 9)]):
+        worker.inbox.put(messages.Submit(i, p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)))
+    steps = []
+    while len([r for r in steps if isinstance(r, messages.Done)]) < len(PROMPTS) + 1:
+        worker.step(wait=False)
+        steps += reported(worker)
+    timed = [r for r in steps if isinstance(r, messages.StepTimed)]
+    assert {r.sm_split for r in timed} == {SPLIT, None} and all(r.prefill_tokens == 0 for r in timed)
+    # Every decode step is reported once, in launch order, with the lane it ran on.
+    assert [r.sm_split == SPLIT for r in timed] == lanes
+
+
+@ENGINE
 def test_an_import_dropped_while_it_waits_for_a_seat_holds_no_prompt_up(hf):
     """One seat, taken: an Import arrives and waits for it, then a prompt. The Import is
     dropped (its source died) before it got the seat: the prompt, which would have waited
@@ -2777,6 +2805,34 @@ def test_router_refits_wrong_parameters_online():
     assert errors[0] > 0.5 and max(errors[1:]) < errors[0] / 10 and errors[-1] < 0.03
     for name in ("alpha", "beta", "slope", "gamma", "transfer_rate", "kv"):
         assert getattr(router.cost.p, name) == pytest.approx(getattr(truth, name), rel=0.1), name
+
+
+def test_a_split_is_refit_on_its_own():
+    """A split worker's decode-lane steps and prompts refit that split's lanes, from wrong
+    starting values to the true ones (within 10%), and leave the whole GPU's model as it
+    was; its requests are predicted on the lanes' model (CostModel.on_split)."""
+    lane = SplitParams(alpha0=3.0, alpha=0.06, alpha2=0.0, beta=9.0, batch_thresh=16, slope=0.2, kv=3e-5)
+    wrong = SplitParams(alpha0=1.0, alpha=0.02, alpha2=0.0, beta=3.0, batch_thresh=16, slope=0.05, kv=1e-5)
+    whole = HardwareParams(alpha=0.05, beta=8.0, batch_thresh=32, slope=0.12, gamma=0.03, transfer_rate=0.004,
+                           kv=2e-5)
+    router, rng = Router(dataclasses.replace(whole, splits={"84/48": dataclasses.replace(wrong)})), random.Random(5)
+    before = dataclasses.replace(router.cost.p, splits={})
+    for _ in range(300):
+        decodes = rng.randint(1, 256)
+        context = decodes * rng.randint(16, 2048)
+        ms = (lane.beta + lane.slope * max(0, decodes - lane.batch_thresh) + lane.kv * context) * (1 + rng.gauss(0, 0.01))
+        router.observe_step(decodes, context, 0, ms, (84, 48))
+        load = WorkerLoad(rng.randint(0, 4000), 8, 8 * 512, sm_split=(84, 48))
+        n = rng.randint(16, 2048)
+        prefill = (lane.alpha0 + lane.alpha * (load.queued_prefill_tokens + n)) * (1 + rng.gauss(0, 0.01))
+        router.observe(Observation(n, 64, 0, 0, load, load, prefill, 0.0, 64 * lane.beta))
+    fitted = router.cost.p.splits["84/48"]
+    for name in ("alpha0", "alpha", "beta", "slope", "kv"):
+        assert getattr(fitted, name) == pytest.approx(getattr(lane, name), rel=0.1), name
+    assert dataclasses.replace(router.cost.p, splits={}) == before
+    load = WorkerLoad(sm_split=(84, 48))
+    assert router.cost_at(load).prefill_ms(1000) == pytest.approx(lane.alpha0 + lane.alpha * 1000, rel=0.1)
+    assert router.cost_at(WorkerLoad()) is router.cost
 
 
 def test_each_link_is_refit_on_its_own():

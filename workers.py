@@ -316,14 +316,15 @@ class Worker:
     def _time_step(self, collected: LaunchedStep | None) -> None:
         """Report the step just collected with its time: the time since the previous one was
         collected, while the engine runs back to back (one step on the device while the
-        host finishes the one before), so a step's time is what its decodes waited. Not
-        while split: the router refits the whole GPU's step model, and a split's decode
-        steps run on part of it (their cost is the profile's, CostModel.on_split)."""
+        host finishes the one before), so a step's time is what its decodes waited. A split
+        worker's decode steps say where they ran: on the whole GPU (no prompt beside them)
+        or on the split's decode lane, whose own model the router refits."""
         now = time.perf_counter()
-        if collected is not None and self.last_collected is not None and self.engine.split is None:
-            s = collected.shape
+        if collected is not None and self.last_collected is not None:
+            s, engine = collected.shape, self.engine
+            on_lane = engine.split is not None and collected.lane is engine.runner.splits[engine.split][1]
             self.reports.append(StepTimed(s.decodes, s.context_tokens, s.prefill_tokens,
-                                          (now - self.last_collected) * 1e3))
+                                          (now - self.last_collected) * 1e3, tuple(engine.split) if on_lane else None))
         self.last_collected = now if self.engine.in_flight is not None else None
 
 
