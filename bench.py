@@ -26,7 +26,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -505,6 +505,8 @@ def run_policy(run: Run, policy: str) -> tuple[list[dict], list[Result], dict, l
     rows, results, timelines = [], [], []
     with llm:
         vocab = llm.cluster.vocab_size
+        router = llm.cluster.router
+        profiled = asdict(router.cost.p) if router is not None else None   # before the refits
         # Not counted: a few of the workload's requests and one of the longest prompt any
         # workload draws (2048 tokens), whose steps run kernels shorter ones do not.
         warm = make_requests(run.workloads[0], 0, 0, 8, run.seed + 999, vocab, run.scale)
@@ -527,7 +529,7 @@ def run_policy(run: Run, policy: str) -> tuple[list[dict], list[Result], dict, l
                 if llm.cluster.planner is not None:
                     timelines.append({"policy": policy, "workload": workload, "rate": rate,
                                       **regime_timeline(llm.cluster.planner, start, seconds)})
-        return rows, results, calibration(llm.cluster.router), timelines
+        return rows, results, calibration(router, profiled), timelines
 
 
 def regime_timeline(planner, start: float, seconds: float) -> dict:
@@ -543,14 +545,16 @@ def regime_timeline(planner, start: float, seconds: float) -> dict:
     return {"seconds": seconds, "changes": changes}
 
 
-def calibration(router) -> dict:
-    """The router's median |predicted - measured| / measured latency, overall and by tenth of the run."""
+def calibration(router, profiled: dict | None = None) -> dict:
+    """The router's median |predicted - measured| / measured latency, overall and by tenth of
+    the run; its parameters as profiled and as refitted by the end (what an error comes from)."""
     if router is None:
         return {}
     errs = router.errors
     return {"median_rel_error": statistics.median(errs) if errs else float("nan"),
             "by_decile": [statistics.median(errs[i * len(errs) // 10:(i + 1) * len(errs) // 10] or [float("nan")])
-                          for i in range(10)]}
+                          for i in range(10)],
+            "profiled": profiled, "refitted": asdict(router.cost.p)}
 
 
 def caption(run: Run) -> str:

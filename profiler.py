@@ -184,10 +184,7 @@ def fit_spec(spec: dict, cfg: EngineConfig, room_blocks: int) -> dict:
     smallest = min(spec["chunks"])
     gamma_batch = max((b for b in range(1, spec["gamma_batch"] + 1) if b * per_seq + cdiv(smallest, bs) <= room_blocks),
                       default=0)
-    # A loaded worker's steps carry a whole budget of prompt tokens: gamma is fitted to such
-    # a step too (per token, small chunks cost more).
-    whole_budget = max(1, cfg.max_num_batched_tokens - gamma_batch)
-    chunks = [c for c in sorted({*spec["chunks"], whole_budget}) if gamma_batch * per_seq + cdiv(c, bs) <= room_blocks]
+    chunks = [c for c in spec["chunks"] if gamma_batch * per_seq + cdiv(c, bs) <= room_blocks]
     if len(lengths) < 2 or len(batches) < 2 or not gamma_batch:
         need = 2 * per_seq + cdiv(smallest, bs)
         raise ValueError(f"the adaptive policy's profiler needs at least {need} KV blocks per worker to time "

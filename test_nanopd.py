@@ -3591,6 +3591,47 @@ def test_a_role_change_mid_run_keeps_every_request_and_its_tokens(hf):
         assert workers_all_free(llm)
 
 
+@pytest.mark.usefixtures("worker_env", "torch_twins")
+def test_one_device_serves_as_a_split_worker_under_every_split_policy(hf):
+    """One device, worker processes. disaggregated is one split worker: HF's greedy tokens,
+    the single engine's seeded ones, one worker on every path. adaptive's regime turns its
+    one worker into a split worker mid-run and back: nothing is lost, every request gives
+    HF's tokens, and every block comes back each time."""
+    seeded = {"max_tokens": 8, "temperature": 1.0, "seed": 11, "n": 2}
+    ref = generate(make_llm(hf.path, device=WORKER_DEVICES[0]), PROMPTS[:2], **seeded)
+    with make_cluster(hf, "disaggregated", 1) as llm:
+        assert llm.cluster.roles.role(0).splits_sms
+        outs = generate(llm, MIXED_PROMPTS, max_tokens=10)
+        assert tokens(outs) == [hf.greedy(p, 10) for p in MIXED_PROMPTS]
+        assert all(o.metrics.path == (0,) for o in outs)
+        sampled = generate(llm, PROMPTS[:2], **seeded)
+        assert [[c.token_ids for c in o.outputs] for o in sampled] == [[c.token_ids for c in o.outputs] for o in ref]
+        assert workers_all_free(llm)
+    profile = dataclasses.replace(ROUTER_TEST_PARAMS, splits={f"{s.prefill_sms}/{s.decode_sms}": SplitParams(
+        1.0, 0.2, 0.0, 1.0, 1, 5.0) for s in SPLITS})
+    with make_cluster(hf, "adaptive", 1, profile=profile) as llm:
+        cluster, ended, deadline = llm.cluster, set(), time.monotonic() + 120
+        first = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=30)) for p in MIXED_PROMPTS[:3]]
+        while not all(cluster.active[r].tokens for r in first):
+            assert time.monotonic() < deadline
+            cluster.poll(0.01)
+        for regime in (planner.Regime(split=1, sm_split=SPLIT), planner.Regime(both=1)):
+            cluster.planner.switch(regime, cluster.worker_loads([0]), time.perf_counter(), [])
+            cluster.set_roles(cluster.planner.roles, cluster.planner.budgets, cluster.planner.splits)
+            assert cluster.told[0] == messages.SetRole(cluster.planner.roles[0], None, regime.sm_split)
+            later = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=12)) for p in MIXED_PROMPTS[3:]]
+            while not set(later) <= ended:
+                assert time.monotonic() < deadline
+                ended |= set(cluster.poll(0.01))
+            assert [cluster.output(r).outputs[0].token_ids for r in later] == \
+                [hf.greedy(p, 12) for p in MIXED_PROMPTS[3:]]
+        while not set(first) <= ended:
+            assert time.monotonic() < deadline
+            ended |= set(cluster.poll(0.01))
+        assert [cluster.output(r).outputs[0].token_ids for r in first] == [hf.greedy(p, 30) for p in MIXED_PROMPTS[:3]]
+        assert workers_all_free(llm)
+
+
 class FakeWorkers:
     """Stands in for cluster.py's worker processes: each is Ready at once, the reports the
     test queues (worker, [reports]) come back from receive, and what is sent is recorded."""
