@@ -12,6 +12,8 @@ the regime the router still routes each request. A regime gives each worker a ro
     both     takes prompts and decodes: the prompts' tokens share its decode steps
     prefill  takes prompts only; their KV moves to a decoding worker
     decode   takes decodes only, of requests prefilled elsewhere
+    split    both, on two SM partitions of its GPU at once (smsplit.py): a prefill worker
+             and a decode worker in one, forecast from the split's lanes (split_state)
 
 Under an SLO the both-workers may also carry a prefill budget, at most b prompt tokens per
 step with b = (tpot - step) / gamma, so that no decode step outlasts the TPOT target.
@@ -35,7 +37,6 @@ the same mix it could keep up with (its capacity): its queues grow slowest.
 """
 
 import collections
-import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -74,15 +75,18 @@ class Regime:
 
 
 def regimes(n: int, slo: tuple[float, float] | None = None, splits: list[tuple[int, int]] = ()) -> list[Regime]:
-    """Every regime of n workers in which someone prefills and someone decodes; with an SLO,
-    each with and without prefill budgets on its both-workers; and every worker split, on
-    each split measured (splits)."""
+    """Every regime of n workers in which someone prefills and someone decodes, split
+    workers (on one split of those measured, splits) beside the others; with an SLO, each
+    with and without prefill budgets on its both-workers."""
     out = []
-    for both, prefill in itertools.product(range(n + 1), repeat=2):
-        decode = n - both - prefill
-        if decode >= 0 and both + prefill > 0 and both + decode > 0:
-            out += [Regime(both, prefill, decode, b) for b in ((False, True) if slo and both else (False,))]
-    return out + [Regime(split=n, sm_split=tuple(s)) for s in splits]
+    for both, prefill, split in itertools.product(range(n + 1), repeat=3):
+        decode = n - both - prefill - split
+        if decode < 0 or both + prefill + split == 0 or both + decode + split == 0:
+            continue
+        for sm_split in ([tuple(s) for s in splits] if split else [None]):
+            out += [Regime(both, prefill, decode, b, split, sm_split) for b in ((False, True) if slo and both
+                                                                             else (False,))]
+    return out
 
 
 @dataclass
@@ -182,19 +186,11 @@ def wait_within(t: float, wait: float, rho: float) -> float:
 
 def forecast(cost: CostModel, regime: Regime, mix: Mix, seats: int, slo: tuple[float, float] | None = None,
              with_capacity: bool = True) -> Forecast:
-    """The regime's steady state for the mix (see the module's docstring). A split worker
-    is a prefill worker and a decode worker in one: its lanes, as the split measured them
-    (CostModel.on_split), its decodes on the whole GPU while its prefill lane is idle, and
-    no KV to move."""
-    if regime.split:
-        busy = prefill_queue(cost.on_split(regime.sm_split), mix.rate / regime.split, mix.prompt_lens)[1]
-        lanes = forecast(cost.on_split(regime.sm_split, busy), Regime(prefill=regime.split, decode=regime.split),
-                         mix, seats, slo, with_capacity)
-        return dataclasses.replace(lanes, regime=regime)
+    """The regime's steady state for the mix (see the module's docstring)."""
     lam = mix.rate
-    n_take = regime.both + regime.prefill           # workers that take prompts
-    n_dec = regime.both + regime.decode             # workers that decode
-    lam_p, lam_d = lam / n_take, lam / n_dec        # per worker
+    n_take = regime.both + regime.prefill + regime.split   # workers that take prompts
+    n_dec = regime.both + regime.decode + regime.split     # workers that decode
+    lam_p, lam_d = lam / n_take, lam / n_dec               # per worker
     mean_l = sum(mix.prompt_lens) / len(mix.prompt_lens)
     mean_o = sum(mix.output_lens) / len(mix.output_lens)
     context = mean_l + mean_o / 2
@@ -209,6 +205,8 @@ def forecast(cost: CostModel, regime: Regime, mix: Mix, seats: int, slo: tuple[f
     if regime.both:
         roles["both"] = both_state(cost, lam_p, lam_d, mix, mean_l, mean_o, seats,
                                    slo[1] * 1e3 if slo and regime.budgeted else None)
+    if regime.split:
+        roles["split"] = split_state(cost, regime.sm_split, lam_p, lam_d, mix, mean_o, context, seats)
     load = max(r.load for r in roles.values())
     e2e, met = request_outcomes(cost, regime, mix, roles, lam_p, lam_d, slo) if load < 1 else (math.inf, 0.0)
     result = Forecast(regime, e2e, load, met if slo is not None else None, roles)
@@ -227,6 +225,18 @@ def capacity(cost: CostModel, regime: Regime, mix: Mix, seats: int) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if load(mid) < 1 else (lo, mid)
     return lo
+
+
+def split_state(cost: CostModel, sm_split: tuple[int, int], lam_p: float, lam_d: float, mix: Mix, mean_o: float,
+                context: float, seats: int) -> RoleState:
+    """A split worker: a prefill worker on its prefill lane and a decode worker on its
+    decode lane in one (CostModel.on_split), no KV moving between them; its decode steps
+    run on the whole GPU while its prefill lane idles, on the decode lane while it is busy."""
+    wait, busy = prefill_queue(cost.on_split(sm_split), lam_p, mix.prompt_lens)
+    lanes = cost.on_split(sm_split, busy)
+    n, load = decode_state(lanes, lam_d, mean_o, context, 0.0, seats)
+    step = lanes.decode_step_ms(n, n * context)
+    return RoleState(decodes=n, step_ms=step, tpot_ms=step, wait_ms=wait, busy=busy, load=max(busy, load))
 
 
 def both_state(cost: CostModel, lam_p: float, lam_d: float, mix: Mix, mean_l: float, mean_o: float, seats: int,
@@ -263,15 +273,20 @@ def request_outcomes(cost: CostModel, regime: Regime, mix: Mix, roles: dict[str,
     prefill worker, in proportion to their numbers; a both-worker keeps min(lam_p, lam_d) of
     its prompts to decode itself; the rest move to the decoding workers' spare decode shares."""
     lam = mix.rate
-    both, pre = roles.get("both"), roles.get("prefill")
-    local = regime.both * min(lam_p, lam_d) / lam if both else 0.0            # collocated share
-    moved_from_both = regime.both * lam_p / lam - local if both else 0.0
+    both, pre, split = roles.get("both"), roles.get("prefill"), roles.get("split")
+    keep = min(lam_p, lam_d) / lam   # the share of all requests a worker that prefills and decodes keeps
+    local, local_split = regime.both * keep, regime.split * keep
+    moved_from_both = regime.both * lam_p / lam - local
+    moved_from_split = regime.split * lam_p / lam - local_split
     moved_from_pre = regime.prefill * lam_p / lam
-    # Where moved requests decode: the decode workers, and the both-workers' spare shares.
+    # Where moved requests decode: the decode workers, and the spare shares of the workers
+    # that decode what they prefill (both, split).
     into = [(roles["decode"].tpot_ms, regime.decode * lam_d)] if regime.decode else []
-    if both and lam_d > lam_p:
-        into.append((both.tpot_ms, regime.both * (lam_d - lam_p)))
+    for state, count in ((both, regime.both), (split, regime.split)):
+        if state and lam_d > lam_p:
+            into.append((state.tpot_ms, count * (lam_d - lam_p)))
     moved_tpot = sum(t * r for t, r in into) / sum(r for _, r in into) if into else 0.0
+    lanes = cost.on_split(regime.sm_split) if split else None
     e2e = met = 0.0
     for n, out in zip(mix.prompt_lens, mix.output_lens):
         classes = []
@@ -279,6 +294,10 @@ def request_outcomes(cost: CostModel, regime: Regime, mix: Mix, roles: dict[str,
             ttft = both.wait_ms + (math.ceil(n / both.budget) * (both.step_ms + cost.p.gamma * both.budget)
                                    if both.budget else both.step_ms + cost.p.gamma * n)
             classes += [(local, ttft, 0.0, both.tpot_ms, both), (moved_from_both, ttft, 1.0, moved_tpot, both)]
+        if split:
+            ttft = split.wait_ms + lanes.prefill_ms(n)
+            classes += [(local_split, ttft, 0.0, split.tpot_ms, split),
+                        (moved_from_split, ttft, 1.0, moved_tpot, split)]
         if pre:
             classes.append((moved_from_pre, pre.wait_ms + cost.prefill_ms(n), 1.0, moved_tpot, pre))
         for share, ttft, moved, tpot, server in [c for c in classes if c[0] > 0]:

@@ -3024,7 +3024,8 @@ def test_a_split_worker_decodes_on_the_whole_gpu_while_its_prefill_lane_idles():
     lens, outs = [200, 400, 800], [50.0, 100.0, 150.0]
 
     def tpot(c: CostModel, regime: planner.Regime, rate: float) -> float:
-        return planner.forecast(c, regime, planner.Mix(rate, lens, outs), 64).roles["decode"].tpot_ms
+        role = "split" if regime.split else "decode"
+        return planner.forecast(c, regime, planner.Mix(rate, lens, outs), 64).roles[role].tpot_ms
     lane_only = CostModel(dataclasses.replace(hw, alpha0=lane.alpha0, alpha=lane.alpha, alpha2=lane.alpha2,
                                               beta=lane.beta, batch_thresh=lane.batch_thresh, slope=lane.slope,
                                               gamma=0.0, splits={}))
@@ -3033,28 +3034,35 @@ def test_a_split_worker_decodes_on_the_whole_gpu_while_its_prefill_lane_idles():
                                                        rel=0.01)
     for rate in (0.005, 0.01, 0.02):
         f = planner.forecast(cost, split, planner.Mix(rate, lens, outs), 64)
-        assert f.roles["prefill"].busy == pytest.approx(rate * sum(lane.alpha * n for n in lens) / len(lens))
-        assert tpot(cost, planner.Regime(prefill=1, decode=1), rate) < f.roles["decode"].tpot_ms \
+        assert f.roles["split"].busy == pytest.approx(rate * sum(lane.alpha * n for n in lens) / len(lens))
+        assert tpot(cost, planner.Regime(prefill=1, decode=1), rate) < f.roles["split"].tpot_ms \
             < tpot(lane_only, planner.Regime(prefill=1, decode=1), rate)
 
 
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10 ** 6), n=st.integers(2, 4), rate=st.floats(1, 400), with_slo=st.booleans())
 def test_the_planner_ranks_as_brute_force_over_every_role_assignment(seed, n, rate, with_slo):
-    """Random hardware parameters, mixes and rates: the planner's best regime is the best of
-    a brute-force search over every assignment of a role to each worker (3^n of them, with
-    and without budgets under an SLO), each forecast with the same cost model; and
-    assign_roles gives each worker the role the regime counts."""
+    """Random hardware parameters (with two measured SM splits), mixes and rates: the
+    planner's best regime is the best of a brute-force search over every assignment of a
+    role to each worker (4^n of them, split workers on either split, with and without
+    budgets under an SLO), each forecast with the same cost model; and assign_roles gives
+    each worker the role the regime counts."""
     rng = random.Random(seed)
-    cost, mix = CostModel(random_params(rng)), random_mix(rng, rate)
+    params = random_params(rng)
+    params.splits = {key: SplitParams(rng.uniform(0, 10), params.alpha * rng.uniform(1, 3), 0.0,
+                                      params.beta * rng.uniform(1, 2), params.batch_thresh, params.slope * rng.uniform(1, 3))
+                     for key in ("96/32", "64/64")}
+    cost, mix = CostModel(params), random_mix(rng, rate)
     slo = (rng.uniform(0.2, 5), rng.uniform(0.01, 0.3)) if with_slo else None
     best = planner.rank(cost, mix, 256, n, slo)[0]
     keys = []
-    for roles in itertools.product(("both", "prefill", "decode"), repeat=n):
-        if not {"both", "prefill"} & set(roles) or not {"both", "decode"} & set(roles):
+    for roles in itertools.product(("both", "prefill", "decode", "split"), repeat=n):
+        if not {"both", "prefill", "split"} & set(roles) or not {"both", "decode", "split"} & set(roles):
             continue   # nobody prefills, or nobody decodes
-        for budgeted in ((False, True) if slo and "both" in roles else (False,)):
-            regime = planner.Regime(roles.count("both"), roles.count("prefill"), roles.count("decode"), budgeted)
+        for budgeted, sm_split in itertools.product((False, True) if slo and "both" in roles else (False,),
+                                                    ((96, 32), (64, 64)) if "split" in roles else (None,)):
+            regime = planner.Regime(roles.count("both"), roles.count("prefill"), roles.count("decode"), budgeted,
+                                    roles.count("split"), sm_split)
             keys.append(planner.forecast(cost, regime, mix, 256, slo).key())
     assert best.key() == min(keys)
     loads = {w: WorkerLoad(decode_batch=rng.randint(0, 50)) for w in range(n)}
@@ -3592,7 +3600,7 @@ def test_a_role_change_mid_run_keeps_every_request_and_its_tokens(hf):
 
 
 @pytest.mark.usefixtures("worker_env", "torch_twins")
-def test_one_device_serves_as_a_split_worker_under_every_split_policy(hf):
+def test_one_device_serves_as_a_split_worker_under_every_split_policy(hf, monkeypatch):
     """One device, worker processes. disaggregated is one split worker: HF's greedy tokens,
     the single engine's seeded ones, one worker on every path. adaptive's regime turns its
     one worker into a split worker mid-run and back: nothing is lost, every request gives
@@ -3611,6 +3619,7 @@ def test_one_device_serves_as_a_split_worker_under_every_split_policy(hf):
         1.0, 0.2, 0.0, 1.0, 1, 5.0) for s in SPLITS})
     with make_cluster(hf, "adaptive", 1, profile=profile) as llm:
         cluster, ended, deadline = llm.cluster, set(), time.monotonic() + 120
+        monkeypatch.setattr(cluster.planner, "due", lambda now: False)   # the test sets the regime
         first = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=30)) for p in MIXED_PROMPTS[:3]]
         while not all(cluster.active[r].tokens for r in first):
             assert time.monotonic() < deadline
@@ -3629,6 +3638,28 @@ def test_one_device_serves_as_a_split_worker_under_every_split_policy(hf):
             assert time.monotonic() < deadline
             ended |= set(cluster.poll(0.01))
         assert [cluster.output(r).outputs[0].token_ids for r in first] == [hf.greedy(p, 30) for p in MIXED_PROMPTS[:3]]
+        assert workers_all_free(llm)
+
+
+@pytest.mark.usefixtures("worker_env", "torch_twins")
+def test_a_split_worker_takes_handoffs_beside_a_prefill_worker(hf, monkeypatch):
+    """Adaptive on two workers, the regime "1 prefill + 1 split" (held: no replanning):
+    prompts prefilled on the prefill worker move to the split worker, whose decode lane
+    decodes them beside its own; every request gives HF's greedy tokens and every block
+    comes back."""
+    profile = dataclasses.replace(ROUTER_TEST_PARAMS, splits={f"{s.prefill_sms}/{s.decode_sms}": SplitParams(
+        1.0, 0.2, 0.0, 1.0, 1, 5.0) for s in SPLITS})
+    with make_cluster(hf, "adaptive", 2, profile=profile) as llm:
+        cluster = llm.cluster
+        monkeypatch.setattr(cluster.planner, "due", lambda now: False)
+        regime = planner.Regime(prefill=1, split=1, sm_split=SPLIT)
+        cluster.planner.switch(regime, cluster.worker_loads([0, 1]), time.perf_counter(), [])
+        cluster.set_roles(cluster.planner.roles, cluster.planner.budgets, cluster.planner.splits)
+        splitter = next(w for w, r in cluster.planner.roles.items() if r == "split")
+        outs = generate(llm, MIXED_PROMPTS * 2, max_tokens=10)
+        assert tokens(outs) == [hf.greedy(p, 10) for p in MIXED_PROMPTS * 2]
+        assert all(o.metrics.path[-1] == splitter for o in outs)            # every request decodes there
+        assert any(len(o.metrics.path) == 2 for o in outs)                  # ... some after a handoff
         assert workers_all_free(llm)
 
 
