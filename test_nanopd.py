@@ -3362,12 +3362,14 @@ def test_adaptive_gives_hf_tokens_on_both_paths_and_learns(hf, transport):
 
 @pytest.mark.usefixtures("worker_env")
 @pytest.mark.parametrize("policy, num_devices, victim", [("collocated", 2, 1), ("disaggregated", 3, 1),
-                                                         ("disaggregated", 3, 0), ("adaptive", 2, 1)])
+                                                         ("disaggregated", 3, 0), ("adaptive", 2, 1),
+                                                         ("disaggregated", 1, 0)])
 def test_a_killed_worker_ends_or_retries_its_requests(hf, policy, num_devices, victim):
     """Kill a worker mid-run, while it decodes some requests and others (long prompts) are
     still being prefilled: every request ends within a bounded time, with HF's greedy
     tokens (restarted on a live worker) or, when no live worker can serve it (the only
-    prefill worker died), with a RuntimeError naming the dead worker; no process is left."""
+    prefill worker died, or the one split worker of a single device), with a RuntimeError
+    naming the dead worker; no process is left."""
     import signal
     extra = {"profile": HardwareParams(alpha=0.02, beta=1.0, batch_thresh=2, slope=0.1, gamma=0.5, transfer_rate=0.005)
              } if policy == "adaptive" else {}
@@ -3376,8 +3378,9 @@ def test_a_killed_worker_ends_or_retries_its_requests(hf, policy, num_devices, v
     prompts = [prompt(12, seed=80 + i) for i in range(4)] + [prompt(150, seed=90 + i) for i in range(3)]
     rids = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=300)) for p in prompts[:4]]
     deadline = time.monotonic() + 60
-    while not any(cluster.active[r].tokens and cluster.active[r].phase == "decode" or policy != "disaggregated"
-                  and cluster.active[r].tokens and cluster.active[r].worker == victim for r in rids):
+    hands_off = policy == "disaggregated" and num_devices > 1
+    while not any(cluster.active[r].tokens and (cluster.active[r].phase == "decode" if hands_off
+                                                else cluster.active[r].worker == victim) for r in rids):
         assert time.monotonic() < deadline, "nothing was decoding"
         cluster.poll(0.01)
     rids += [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=300)) for p in prompts[4:]]
