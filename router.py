@@ -417,12 +417,16 @@ class Router:
         meets, _, ms, p, d = min(options, key=lambda o: (not o[0], o[1]))
         return p, d, ms
 
+    def measured_split(self, load: WorkerLoad) -> str | None:
+        """The key of the split a worker in this state runs on, if the profile measured it
+        (HardwareParams.splits); None: the whole GPU's model is its."""
+        key = None if load.sm_split is None else split_key(load.sm_split)
+        return key if key in self.cost.p.splits else None
+
     def cost_at(self, load: WorkerLoad) -> CostModel:
         """The cost model of a worker in this state: a split worker's lanes as measured and
         refitted (decodes taken on the decode lane, beside prompts), else the whole GPU's."""
-        if load.sm_split is None or split_key(load.sm_split) not in self.cost.p.splits:
-            return self.cost
-        return self.cost.on_split(load.sm_split)
+        return self.cost if self.measured_split(load) is None else self.cost.on_split(load.sm_split)
 
     def predicted_ms(self, o: Observation) -> float:
         if o.prefill_worker == o.decode_worker:
@@ -452,11 +456,11 @@ class Router:
     def _refit_prefill(self, load: WorkerLoad, tokens: int, ms: float) -> None:
         """Prefill = alpha0 + alpha * tokens, refitted where it ran: the whole GPU, or the
         prefill lane of the worker's split (a fit of each split's own, from its profile)."""
-        if self.cost_at(load) is self.cost:
+        key = self.measured_split(load)
+        if key is None:
             self.fit_prefill.update([1.0, tokens], ms)
             self.cost.p.alpha0, self.cost.p.alpha = self.fit_prefill.physical()
             return
-        key = split_key(load.sm_split)
         s = self.cost.p.splits[key]
         fit = self.fit_splits.setdefault(f"{key} prefill", RecursiveLeastSquares([s.alpha0, s.alpha], [1e-1, 1e-3]))
         fit.update([1.0, tokens], ms)
