@@ -301,7 +301,7 @@ def request_outcomes(cost: CostModel, regime: Regime, mix: Mix, roles: dict[str,
         if pre:
             classes.append((moved_from_pre, pre.wait_ms + cost.prefill_ms(n), 1.0, moved_tpot, pre))
         for share, ttft, moved, tpot, server in [c for c in classes if c[0] > 0]:
-            e2e += share * (ttft + moved * cost.p.transfer_rate * n + out * tpot)
+            e2e += share * (ttft + (cost.p.transfer_rate * n if moved else 0.0) + out * tpot)   # inf x 0 is NaN
             if slo is not None:
                 own = ttft - server.wait_ms
                 met += share * wait_within(slo[0] * 1e3 - own, server.wait_ms, server.busy) * (tpot <= slo[1] * 1e3)
