@@ -52,7 +52,8 @@ class PinnedRing:
     non-blocking copy to the host, synchronizes with the device, and that would stall the
     overlap of steps. A few reused buffers never allocate. A buffer is reused only after
     its last copy has finished, and 32 copies later: a step makes at most four, and the
-    host reads a step's downloads within two steps. The buffers are allocated up front
+    host reads a step's downloads within two steps of its lane (each lane has rings of its
+    own, Lane). The buffers are allocated up front
     (and grown when a step needs more), so serving starts without allocating."""
 
     def __init__(self, slots: int = 32, initial_bytes: int = 1 << 16):
@@ -111,6 +112,11 @@ class Lane:
     sizes: list[int] = field(default_factory=list)   # sorted(graphs)
     pieces: bool = False
     carveout: int | None = None   # SMs of the device this lane's GEMMs leave out (None: all are its)
+    split: tuple[int, int] | None = None   # the split (prefill SMs, decode SMs) it is a lane of (None: the whole GPU)
+    # Its own pinned buffers, up and down (CUDA): a lane's copy never waits for another
+    # lane's step to end (a prompt chunk's tokens land only after the whole chunk).
+    uploads: PinnedRing | None = None
+    downloads: PinnedRing | None = None
 
     @contextlib.contextmanager
     def running(self):
@@ -193,19 +199,23 @@ class ModelRunner:
             total = num_sms(self.device)
             # Only the decode lane's GEMMs are aimed at its SMs: a prompt's GEMMs keep cuBLAS's
             # own choice, which measured faster on the prefill lane (bench.py split).
-            self.splits[lanes.split] = (Lane(lanes.prefill), Lane(lanes.decode, carveout=total - lanes.split.decode_sms
-                                                                   if lanes.decode else None))
+            key = (lanes.split.prefill_sms, lanes.split.decode_sms)
+            self.splits[lanes.split] = (Lane(lanes.prefill, split=key),
+                                        Lane(lanes.decode, carveout=total - lanes.split.decode_sms
+                                             if lanes.decode else None, split=key))
         self.piece_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}   # mixed: tokens -> one per piece
         self.piece_sizes: list[int] = []
+        self.lane = self.whole   # the lane of the step being launched (run): its buffers are used
         if self.device.type == "cuda":
-            self.uploads, self.downloads = PinnedRing(), PinnedRing()
+            for lane in [self.whole, self.alone, *(lane for pair in self.splits.values() for lane in pair)]:
+                lane.uploads, lane.downloads = PinnedRing(), PinnedRing()
         if self.device.type == "cuda" and not self.cfg.enforce_eager:
             self._capture_all_graphs()
 
     def upload(self, data: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """A host list as a tensor on the device, without waiting for the device (see PinnedRing)."""
         t = torch.tensor(data, dtype=dtype)
-        return self.uploads.to_device(t, self.device) if self.device.type == "cuda" else t
+        return self.lane.uploads.to_device(t, self.device) if self.device.type == "cuda" else t
 
     def _upload_many(self, *lists: list[int]) -> list[torch.Tensor]:
         """Integer lists -> int32 tensors on the device, all in one copy."""
@@ -251,7 +261,7 @@ class ModelRunner:
         its beam_k best continuations (read at once: beam search chooses on the host).
         prev_tokens: the running step's sampled tokens (see prepare). lane: where (the whole
         GPU unless a split's lane); everything the step allocates is that stream's."""
-        lane = lane or self.whole
+        self.lane = lane = lane or self.whole
         with lane.running():
             return self._run(batch, draws, beam_rows, beam_k, prev_tokens, lane)
 
@@ -328,7 +338,7 @@ class ModelRunner:
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """Start copying t to the host; the result is valid once the device reaches this point."""
-        return self.downloads.to_host(t) if t.is_cuda else t
+        return self.lane.downloads.to_host(t) if t.is_cuda else t
 
     # -- CUDA graphs, all in one memory pool: decode steps whole, mixed steps piecewise
 
