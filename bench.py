@@ -547,11 +547,15 @@ def regime_timeline(planner, start: float, seconds: float) -> dict:
 
 def calibration(router, profiled: dict | None = None) -> dict:
     """The router's median |predicted - measured| / measured latency, overall and by tenth of
-    the run; its parameters as profiled and as refitted by the end (what an error comes from)."""
+    the run; the same for the cost model alone (predicted with each request's true output
+    length, where the router had to guess it); its parameters as profiled and as refitted
+    by the end (what an error comes from)."""
     if router is None:
         return {}
     errs = router.errors
     return {"median_rel_error": statistics.median(errs) if errs else float("nan"),
+            "cost_model_median_rel_error": statistics.median(router.model_errors) if router.model_errors
+            else float("nan"),
             "by_decile": [statistics.median(errs[i * len(errs) // 10:(i + 1) * len(errs) // 10] or [float("nan")])
                           for i in range(10)],
             "profiled": profiled, "refitted": asdict(router.cost.p)}
@@ -593,7 +597,8 @@ def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timel
     if calib:
         print(f"adaptive router: median |predicted - measured| / measured latency "
               f"{calib['median_rel_error']:.1%} (by decile of the run: "
-              f"{', '.join(f'{e:.0%}' for e in calib['by_decile'])})")
+              f"{', '.join(f'{e:.0%}' for e in calib['by_decile'])}); with the true output lengths "
+              f"{calib['cost_model_median_rel_error']:.1%}")
     run.out.mkdir(parents=True, exist_ok=True)
     files = plot(run, rows, results, goodput, timelines)
     gpu = run.devices[0].startswith("cuda") if run.devices else torch.cuda.is_available()

@@ -433,7 +433,7 @@ class CentralScheduler:
             len(t.prompt_token_ids), len(t.output.outputs[0].token_ids), t.prefill_worker, w, load_p, load_d,
             (phases["queued"] + phases["prefill"]) * 1e3, phases["transfer"] * 1e3,
             (phases["seat_wait"] + phases["decode"]) * 1e3,
-            predicted, t.params.max_tokens))
+            predicted, t.params.max_tokens, load_p.sm_split != self.roles.parts[t.prefill_worker].sm_split))
 
     # -- endings
 

@@ -18,6 +18,7 @@ forks and frees sequences each step. Both share blocks through the scheduler's
 copy-on-write forks.
 """
 
+import collections
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -62,10 +63,21 @@ class LaunchedStep:
     output: StepOutput | None = None
     targets: list[tuple[Sequence, int]] = field(default_factory=list)   # per draw: where its token goes
     lane: Lane | None = None             # where it runs
+    launched_at: float = field(default_factory=time.perf_counter)
 
     def computing(self) -> set[Sequence]:
         """The sequences this step computes or samples for (the other lane leaves them alone)."""
         return set(self.batch.seqs) | {seq for seq, _ in self.targets}
+
+
+@dataclass
+class PrefillLaneStep:
+    """A split worker's prompt chunk, done: what it computed, where (lane.split: None is
+    the whole GPU), and the ms its lane was taken by it, from its launch until the host saw
+    its tokens (the lane's next chunk starts only then)."""
+    shape: StepShape
+    split: tuple[int, int] | None
+    ms: float
 
 
 def computing(step: LaunchedStep | None) -> set[Sequence]:
@@ -99,6 +111,8 @@ class Engine:
         self.prefilling: LaunchedStep | None = None  # split: the prefill lane's step in flight
         self.fence_decode = False                    # the decode lane's next step waits for the prefill lane's
         self.ended_between: list[int] = []           # requests that finished while the split changed
+        # Done since a worker last took them (bounded: an offline engine has nobody taking them).
+        self.prefill_lane_steps: collections.deque[PrefillLaneStep] = collections.deque(maxlen=1024)
         self._request_ids = itertools.count()
         if self.model.device.type == "cuda":
             for split in [None, *self.runner.splits]:   # every lane of the menu, first the whole GPU
@@ -294,6 +308,8 @@ class Engine:
         try:
             if self.prefilling is not None and self.prefilling.output.done():
                 step, self.prefilling = self.prefilling, None
+                self.prefill_lane_steps.append(PrefillLaneStep(step.shape, step.lane.split,
+                                                               (time.perf_counter() - step.launched_at) * 1e3))
                 finished += self._finish(step)
             if self.prefilling is None:
                 batches.append(self.scheduler.schedule(decodes=False, busy=computing(self.in_flight)))

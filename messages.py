@@ -121,12 +121,13 @@ class Heartbeat:
 
 @dataclass
 class StepTimed:
-    """A step the engine ran (adaptive policy): its shape and how long its decodes waited."""
+    """A step the engine ran (adaptive policy): its shape and how long its decodes waited
+    (a split worker's prompt chunk, decodes 0: how long it took its lane)."""
     decodes: int
     context_tokens: int
     prefill_tokens: int
     ms: float
-    sm_split: tuple[int, int] | None = None   # it ran on this split's decode lane (None: the whole GPU)
+    sm_split: tuple[int, int] | None = None   # it ran on a lane of this split (None: the whole GPU)
 
 
 @dataclass

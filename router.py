@@ -357,6 +357,7 @@ class Observation:
     decode_ms: float              # ... that wait, and decoding
     predicted_ms: float | None = None   # what route() predicted (with the predicted output length)
     max_tokens: int | None = None       # the request's cap (None: taken as its output length)
+    split_changed: bool = False         # its worker changed SM split (or took one) while it ran
 
 
 class Router:
@@ -374,8 +375,10 @@ class Router:
     it was routed under (a snapshot) only estimates the load it decodes under, and a fit
     on a noisy estimate flattens the slopes, so the router learns the slopes from steps,
     whose shapes are exact. batch_thresh and alpha2 stay as profiled. A split worker's
-    prompts refit its split's prefill lane, and its steps on the decode lane that lane's
-    step model (its decode steps on the whole GPU, with no prompt beside, the whole GPU's)."""
+    lanes learn from its steps alone: its prompt chunks refit the prefill lane's alpha0 and
+    alpha (a request's wait there is mostly the chunk ahead of it, not its own prefill),
+    its decode steps on the lane the decode lane's step model (on the whole GPU, with no
+    prompt beside, the whole GPU's)."""
 
     def __init__(self, params: HardwareParams, predictor: OutputLengthPredictor | None = None,
                  slo: tuple[float, float] | None = None):
@@ -436,35 +439,27 @@ class Router:
 
     def observe(self, o: Observation) -> None:
         """Learn from a finished request: its error is recorded against the prediction
-        made with its true output length, then the predictor and the prefill and transfer
-        parameters move."""
+        made with its true output length, then the predictor and (unless its worker's split
+        changed meanwhile) the prefill and transfer parameters move."""
         measured = max(o.prefill_ms + o.transfer_ms + o.decode_ms, 1e-9)
         self.model_errors.append(abs(self.predicted_ms(o) - measured) / measured)
         if o.predicted_ms is not None:
             self.errors.append(abs(o.predicted_ms - measured) / measured)
         self.predictor.update(o.prompt_len, o.output_len, o.max_tokens or o.output_len)
+        if o.split_changed:   # it ran partly on another split: it says nothing of the one it was routed to
+            return
         p = self.cost.p
         n = o.load_prefill.queued_prefill_tokens + o.prompt_len
-        if o.load_prefill.decode_batch < o.load_prefill.seats:   # else it waited for a seat, not for prefills
-            self._refit_prefill(o.load_prefill, n, o.prefill_ms - p.alpha2 * self.cost.squares(o.load_prefill,
-                                                                                              o.prompt_len))
+        # Not from a request that waited for a seat (that says how soon one frees), nor from
+        # a split worker's (its prefill lane learns from its chunks, observe_step).
+        if o.load_prefill.decode_batch < o.load_prefill.seats and self.measured_split(o.load_prefill) is None:
+            self.fit_prefill.update([1.0, n], o.prefill_ms - p.alpha2 * self.cost.squares(o.load_prefill,
+                                                                                         o.prompt_len))
+            p.alpha0, p.alpha = self.fit_prefill.physical()
         if o.prefill_worker != o.decode_worker:
             self.fit_transfer.update([o.prompt_len], o.transfer_ms)
             self._refit_link(o)
         (p.transfer_rate,) = self.fit_transfer.physical()
-
-    def _refit_prefill(self, load: WorkerLoad, tokens: int, ms: float) -> None:
-        """Prefill = alpha0 + alpha * tokens, refitted where it ran: the whole GPU, or the
-        prefill lane of the worker's split (a fit of each split's own, from its profile)."""
-        key = self.measured_split(load)
-        if key is None:
-            self.fit_prefill.update([1.0, tokens], ms)
-            self.cost.p.alpha0, self.cost.p.alpha = self.fit_prefill.physical()
-            return
-        s = self.cost.p.splits[key]
-        fit = self.fit_splits.setdefault(f"{key} prefill", RecursiveLeastSquares([s.alpha0, s.alpha], [1e-1, 1e-3]))
-        fit.update([1.0, tokens], ms)
-        s.alpha0, s.alpha = fit.physical()
 
     def _refit_link(self, o: Observation) -> None:
         """A pair's own rate, where the profiler measured pairs apart (links): each pair has
@@ -478,20 +473,28 @@ class Router:
 
     def observe_step(self, decodes: int, context_tokens: int, prefill_tokens: int, ms: float,
                      sm_split: tuple[int, int] | None = None) -> None:
-        """Learn from one step a worker timed (steps without decodes say nothing about them);
-        sm_split: it ran on that split's decode lane, whose own model it refits."""
-        if decodes == 0:
-            return
+        """Learn from one step a worker timed. sm_split: it ran on a lane of that split,
+        whose own model it refits: a chunk of prompts (decodes 0) the prefill lane's,
+        alpha0 + alpha * tokens; decodes the decode lane's. On the whole GPU, steps without
+        decodes say nothing (its prefill rate is learned from requests)."""
         p = self.cost.p
         if sm_split is not None:
             key = split_key(sm_split)
-            if key not in p.splits:
+            if key not in p.splits or decodes == 0 and prefill_tokens == 0:
                 return
             s = p.splits[key]
+            if decodes == 0:
+                fit = self.fit_splits.setdefault(f"{key} prefill", RecursiveLeastSquares([s.alpha0, s.alpha],
+                                                                                          [1e-1, 1e-3]))
+                fit.update([1.0, prefill_tokens], ms)
+                s.alpha0, s.alpha = fit.physical()
+                return
             fit = self.fit_splits.setdefault(f"{key} decode", RecursiveLeastSquares([s.beta, s.slope, s.kv],
                                                                                      [1e-1, 1e-3, 1e-6]))
             fit.update([1.0, max(0.0, decodes - s.batch_thresh), context_tokens], ms)
             s.beta, s.slope, s.kv = fit.physical()
+            return
+        if decodes == 0:
             return
         self.fit_step.update([1.0, max(0.0, decodes - p.batch_thresh), context_tokens, prefill_tokens], ms)
         p.beta, p.slope, p.kv, p.gamma = self.fit_step.physical()

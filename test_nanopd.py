@@ -30,6 +30,7 @@ Interpreter arithmetic on bf16 is wrong, so bf16 is tested on the GPU only.
 
 import ast
 import contextlib
+import copy
 import dataclasses
 import datetime
 import functools
@@ -2431,7 +2432,8 @@ def test_a_split_worker_reports_where_each_decode_step_ran(hf):
     """A split worker timing its steps for the router: a decode step launched while a
     prompt chunk was in flight ran on the split's decode lane and says so (sm_split), one
     launched with none in flight ran on the whole GPU (None); no decode step reports
-    prompt tokens (prompts run on the other lane)."""
+    prompt tokens (prompts run on the other lane). The prompt chunks are reported apart
+    (decodes 0), each with the lane it ran on, and their tokens add up to the prompts'."""
     worker = workers.Worker(0, split_engine(hf), queue.Queue(), Reports(), {}, "p2p", report_steps=True)
     eng, lanes = worker.engine, []
     launch = eng._launch
@@ -2448,8 +2450,11 @@ def test_a_split_worker_reports_where_each_decode_step_ran(hf):
     while len([r for r in steps if isinstance(r, messages.Done)]) < len(PROMPTS) + 1:
         worker.step(wait=False)
         steps += reported(worker)
-    timed = [r for r in steps if isinstance(r, messages.StepTimed)]
+    chunks = [r for r in steps if isinstance(r, messages.StepTimed) and r.decodes == 0]
+    timed = [r for r in steps if isinstance(r, messages.StepTimed) and r.decodes]
     assert {r.sm_split for r in timed} == {SPLIT, None} and all(r.prefill_tokens == 0 for r in timed)
+    assert sum(r.prefill_tokens for r in chunks) == sum(len(p) for p in PROMPTS + [prompt(60, 9)])
+    assert {r.sm_split for r in chunks} <= {SPLIT, None} and all(r.ms > 0 for r in chunks)
     # Every decode step is reported once, in launch order, with the lane it ran on.
     assert [r.sm_split == SPLIT for r in timed] == lanes
 
@@ -2808,9 +2813,11 @@ def test_router_refits_wrong_parameters_online():
 
 
 def test_a_split_is_refit_on_its_own():
-    """A split worker's decode-lane steps and prompts refit that split's lanes, from wrong
-    starting values to the true ones (within 10%), and leave the whole GPU's model as it
-    was; its requests are predicted on the lanes' model (CostModel.on_split)."""
+    """A split worker's decode-lane steps and prompt chunks refit that split's lanes, from
+    wrong starting values to the true ones (within 10%), and leave the whole GPU's model as
+    it was; its requests, whose waits behind a chunk in flight a fit would take for a
+    slower lane, move neither; they are predicted on the lanes' model (CostModel.on_split).
+    A request that ran across a change of split is scored but teaches nothing."""
     lane = SplitParams(alpha0=3.0, alpha=0.06, alpha2=0.0, beta=9.0, batch_thresh=16, slope=0.2, kv=3e-5)
     wrong = SplitParams(alpha0=1.0, alpha=0.02, alpha2=0.0, beta=3.0, batch_thresh=16, slope=0.05, kv=1e-5)
     whole = HardwareParams(alpha=0.05, beta=8.0, batch_thresh=32, slope=0.12, gamma=0.03, transfer_rate=0.004,
@@ -2822,10 +2829,12 @@ def test_a_split_is_refit_on_its_own():
         context = decodes * rng.randint(16, 2048)
         ms = (lane.beta + lane.slope * max(0, decodes - lane.batch_thresh) + lane.kv * context) * (1 + rng.gauss(0, 0.01))
         router.observe_step(decodes, context, 0, ms, (84, 48))
+        chunk = rng.randint(16, 8192)
+        router.observe_step(0, 0, chunk, (lane.alpha0 + lane.alpha * chunk) * (1 + rng.gauss(0, 0.01)), (84, 48))
         load = WorkerLoad(rng.randint(0, 4000), 8, 8 * 512, sm_split=(84, 48))
         n = rng.randint(16, 2048)
-        prefill = (lane.alpha0 + lane.alpha * (load.queued_prefill_tokens + n)) * (1 + rng.gauss(0, 0.01))
-        router.observe(Observation(n, 64, 0, 0, load, load, prefill, 0.0, 64 * lane.beta))
+        waited = 10 * (lane.alpha0 + lane.alpha * (load.queued_prefill_tokens + n))   # behind a long chunk
+        router.observe(Observation(n, 64, 0, 0, load, load, waited, 0.0, 64 * lane.beta))
     fitted = router.cost.p.splits["84/48"]
     for name in ("alpha0", "alpha", "beta", "slope", "kv"):
         assert getattr(fitted, name) == pytest.approx(getattr(lane, name), rel=0.1), name
@@ -2833,6 +2842,10 @@ def test_a_split_is_refit_on_its_own():
     load = WorkerLoad(sm_split=(84, 48))
     assert router.cost_at(load).prefill_ms(1000) == pytest.approx(lane.alpha0 + lane.alpha * 1000, rel=0.1)
     assert router.cost_at(WorkerLoad()) is router.cost
+    # A request whose worker changed split while it ran is scored, but moves nothing.
+    fitted, errors = copy.deepcopy(router.cost.p), len(router.errors)
+    router.observe(Observation(500, 64, 0, 0, WorkerLoad(), WorkerLoad(), 1e5, 0.0, 1e5, 100.0, split_changed=True))
+    assert router.cost.p == fitted and len(router.errors) == errors + 1
 
 
 def test_each_link_is_refit_on_its_own():
@@ -3037,6 +3050,19 @@ def test_a_split_worker_decodes_on_the_whole_gpu_while_its_prefill_lane_idles():
         assert f.roles["split"].busy == pytest.approx(rate * sum(lane.alpha * n for n in lens) / len(lens))
         assert tpot(cost, planner.Regime(prefill=1, decode=1), rate) < f.roles["split"].tpot_ms \
             < tpot(lane_only, planner.Regime(prefill=1, decode=1), rate)
+
+
+def test_on_one_gpu_nothing_moves_so_no_link_counts():
+    """One worker, no link to another (transfer_rate infinite, as the profiler leaves it on
+    one GPU): whole or split, a request prefills and decodes where it is, so the forecast's
+    mean E2E is finite and the same whatever the link would cost."""
+    lane = SplitParams(alpha0=2.0, alpha=0.05, alpha2=0.0, beta=3.0, batch_thresh=1, slope=8.0)
+    mix = planner.Mix(0.001, [200, 400, 800], [50.0, 100.0, 150.0])
+    for regime in (planner.Regime(both=1), planner.Regime(split=1, sm_split=(84, 48))):
+        e2e = [planner.forecast(CostModel(dataclasses.replace(ROUTER_TEST_PARAMS, transfer_rate=rate,
+                                                              splits={"84/48": lane})), regime, mix, 64).e2e_ms
+               for rate in (math.inf, 0.0, 1.0)]
+        assert math.isfinite(e2e[0]) and e2e[0] == e2e[1] == e2e[2], regime
 
 
 @settings(max_examples=60, deadline=None)

@@ -317,15 +317,18 @@ class Worker:
         """Report the step just collected with its time: the time since the previous one was
         collected, while the engine runs back to back (one step on the device while the
         host finishes the one before), so a step's time is what its decodes waited. A split
-        worker's decode steps say where they ran: on the whole GPU (no prompt beside them)
-        or on the split's decode lane, whose own model the router refits."""
+        worker's steps say where they ran: on the whole GPU, or on a lane of a split, whose
+        own models the router refits; its prompt chunks are reported too (decodes 0), timed
+        by the engine from launch until their tokens were seen."""
         now = time.perf_counter()
         if collected is not None and self.last_collected is not None:
-            s, engine = collected.shape, self.engine
-            on_lane = engine.split is not None and collected.lane is engine.runner.splits[engine.split][1]
+            s = collected.shape
             self.reports.append(StepTimed(s.decodes, s.context_tokens, s.prefill_tokens,
-                                          (now - self.last_collected) * 1e3, tuple(engine.split) if on_lane else None))
+                                          (now - self.last_collected) * 1e3, collected.lane.split))
         self.last_collected = now if self.engine.in_flight is not None else None
+        while self.engine.prefill_lane_steps:
+            p = self.engine.prefill_lane_steps.popleft()
+            self.reports.append(StepTimed(0, 0, p.shape.prefill_tokens, p.ms, p.split))
 
 
 # ----------------------------------------------------------------------------- the process
