@@ -53,8 +53,8 @@ class PinnedRing:
     overlap of steps. A few reused buffers never allocate. A buffer is reused only after
     its last copy has finished, and 32 copies later: a step makes at most four, and the
     host reads a step's downloads within two steps of its lane (each lane has rings of its
-    own, Lane). The buffers are allocated up front
-    (and grown when a step needs more), so serving starts without allocating."""
+    own, Lane). The buffers are allocated up front, the uploads' for the largest step
+    (ModelRunner.largest_upload_bytes); one grows only if a copy is bigger still."""
 
     def __init__(self, slots: int = 32, initial_bytes: int = 1 << 16):
         self.buffers = [torch.empty(initial_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
@@ -208,9 +208,18 @@ class ModelRunner:
         self.lane = self.whole   # the lane of the step being launched (run): its buffers are used
         if self.device.type == "cuda":
             for lane in [self.whole, self.alone, *(lane for pair in self.splits.values() for lane in pair)]:
-                lane.uploads, lane.downloads = PinnedRing(), PinnedRing()
+                lane.uploads, lane.downloads = PinnedRing(initial_bytes=self.largest_upload_bytes()), PinnedRing()
         if self.device.type == "cuda" and not self.cfg.enforce_eager:
             self._capture_all_graphs()
+
+    def largest_upload_bytes(self) -> int:
+        """What the biggest step uploads at most (prepare's one copy: ids, positions, slots,
+        query and context starts, copy pairs and fills for every token and sequence, and a
+        block table of max_model_len for each sequence), so that a lane's buffers never grow
+        while it serves: growing one allocates pinned memory, which waits for every stream,
+        a split's decode step then for the prompt chunk beside it."""
+        tokens, seqs = self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs
+        return 4 * (6 * (tokens + seqs + 1) + seqs * self.max_blocks_per_seq)
 
     def upload(self, data: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """A host list as a tensor on the device, without waiting for the device (see PinnedRing)."""

@@ -1675,6 +1675,21 @@ def test_piecewise_graphs_match_hf(hf, monkeypatch):
     assert any(n < padded for n, padded in steps)   # padding tokens took part
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="pinned buffers are CUDA's")
+def test_no_lane_grows_its_pinned_buffers_while_it_serves(hf):
+    """Allocating pinned memory waits for every stream (a split's decode step would wait for
+    the prompt chunk beside it), so each lane's buffers are sized up front for the largest
+    step: 256 sequences with block tables as long as the model allows, after a full token
+    budget of their prompts, leave every buffer the one allocated at start-up."""
+    llm = make_llm(hf.path, max_num_seqs=256, num_kv_blocks=256 * 64 + 64, max_num_batched_tokens=8192)
+    runner_ = llm.engine.runner
+    lanes = [runner_.whole, runner_.alone, *(lane for pair in runner_.splits.values() for lane in pair)]
+    before = [id(b) for lane in lanes for ring in (lane.uploads, lane.downloads) for b in ring.buffers]
+    outs = generate(llm, [prompt(500, seed) for seed in range(256)], max_tokens=8, ignore_eos=True)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert [id(b) for lane in lanes for ring in (lane.uploads, lane.downloads) for b in ring.buffers] == before
+
+
 # ================================= engine.py: steps, n > 1, beam search, stops
 # Against HF's greedy tokens, beams, logprobs and K/V, and the engine's block accounting.
 
