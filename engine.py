@@ -118,6 +118,7 @@ class Engine:
             for split in [None, *self.runner.splits]:   # every lane of the menu, first the whole GPU
                 self.set_split(split)
                 self._warm_up()
+            self.prefill_lane_steps.clear()   # the warm-up's chunks: no work anyone sent
         self.set_split(cfg.sm_split)
 
     def _warm_up(self) -> None:
