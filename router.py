@@ -78,6 +78,8 @@ def split_key(split: tuple[int, int]) -> str:
 
 
 MAX_PREFILL_SHARE = 0.9   # of a worker's time spent on prefills beside its decodes: past it, none would finish
+OUTLIER_CLIP = 4.0        # a refit moves by at most this many typical residuals per observation
+SCALE_WEIGHT = 0.05       # ... the typical residual: an average of the last ~20 (RecursiveLeastSquares)
 GROWTH_SEGMENTS = 16      # pieces a decode under a moving batch is integrated in
 
 
@@ -321,18 +323,28 @@ class RecursiveLeastSquares:
     """y ~ theta . x, refitted after every observation (with forgetting, so it tracks drift).
     The prior on theta is the start-up profile, with a standard deviation as large as each
     parameter (or `floor`, for parameters profiled as 0): a few consistent observations
-    are enough to move it."""
+    are enough to move it.
+    A residual far larger than the typical one (a step the host stalled, which no term
+    of the model explains) moves the fit only as far as OUTLIER_CLIP typical residuals
+    would (Huber's robust regression, in its recursive form): one 250 ms stall among
+    10 ms steps would otherwise carry a lane's beta to tens of ms and leave it there."""
 
     def __init__(self, theta: list[float], floor: list[float], forget: float = 0.995):
         self.theta = torch.tensor(theta, dtype=torch.float64)
         self.P = torch.diag((self.theta.abs() + torch.tensor(floor, dtype=torch.float64)) ** 2)
         self.forget = forget
+        self.scale: float | None = None   # the typical |residual| lately (None: none seen yet)
 
     def update(self, x: list[float], y: float) -> None:
         x = torch.tensor(x, dtype=torch.float64)
         px = self.P @ x
         gain = px / (self.forget + x @ px)
-        self.theta = self.theta + gain * (y - x @ self.theta)
+        residual = y - float(x @ self.theta)
+        if self.scale is not None:
+            bound = OUTLIER_CLIP * self.scale
+            residual = min(max(residual, -bound), bound)
+        self.scale = abs(residual) if self.scale is None else (1 - SCALE_WEIGHT) * self.scale + SCALE_WEIGHT * abs(residual)
+        self.theta = self.theta + gain * residual
         self.P = (self.P - torch.outer(gain, px)) / self.forget
         self.P = (self.P + self.P.T) / 2   # rounding would otherwise let it drift from symmetric
 
