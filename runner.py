@@ -112,9 +112,9 @@ class Lane:
     sizes: list[int] = field(default_factory=list)   # sorted(graphs)
     pieces: bool = False
     carveout: int | None = None   # SMs of the device this lane's GEMMs leave out (None: all are its)
-    split: tuple[int, int] | None = None   # the split (prefill SMs, decode SMs) it is a lane of (None: the whole GPU)
-    # Its own pinned buffers, up and down (CUDA): a lane's copy never waits for another
-    # lane's step to end (a prompt chunk's tokens land only after the whole chunk).
+    split: Split | None = None   # the split it is a lane of (None: the whole GPU)
+    # Pinned buffers, up and down (CUDA), one pair per stream: a copy never waits for the
+    # step of another stream to end (a prompt chunk's tokens land only after the whole chunk).
     uploads: PinnedRing | None = None
     downloads: PinnedRing | None = None
 
@@ -199,16 +199,17 @@ class ModelRunner:
             total = num_sms(self.device)
             # Only the decode lane's GEMMs are aimed at its SMs: a prompt's GEMMs keep cuBLAS's
             # own choice, which measured faster on the prefill lane (bench.py split).
-            key = (lanes.split.prefill_sms, lanes.split.decode_sms)
-            self.splits[lanes.split] = (Lane(lanes.prefill, split=key),
+            self.splits[lanes.split] = (Lane(lanes.prefill, split=lanes.split),
                                         Lane(lanes.decode, carveout=total - lanes.split.decode_sms
-                                             if lanes.decode else None, split=key))
+                                             if lanes.decode else None, split=lanes.split))
         self.piece_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}   # mixed: tokens -> one per piece
         self.piece_sizes: list[int] = []
         self.lane = self.whole   # the lane of the step being launched (run): its buffers are used
         if self.device.type == "cuda":
-            for lane in [self.whole, self.alone, *(lane for pair in self.splits.values() for lane in pair)]:
-                lane.uploads, lane.downloads = PinnedRing(initial_bytes=self.largest_upload_bytes()), PinnedRing()
+            largest = self.largest_upload_bytes()
+            for lane in [self.whole, *(lane for pair in self.splits.values() for lane in pair)]:
+                lane.uploads, lane.downloads = PinnedRing(initial_bytes=largest), PinnedRing()
+            self.alone.uploads, self.alone.downloads = self.whole.uploads, self.whole.downloads   # the same stream
         if self.device.type == "cuda" and not self.cfg.enforce_eager:
             self._capture_all_graphs()
 
