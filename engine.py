@@ -76,7 +76,7 @@ class PrefillLaneStep:
     the whole GPU), and the ms its lane was taken by it, from its launch until the host saw
     its tokens (the lane's next chunk starts only then)."""
     shape: StepShape
-    split: tuple[int, int] | None
+    split: Split | None
     ms: float
 
 
