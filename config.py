@@ -33,6 +33,11 @@ class EngineConfig:
     sm_split: tuple[int, int] | None = None   # (prefill SMs, decode SMs) to start on; None: unsplit
     split_menu: tuple[tuple[int, int], ...] = ()   # more splits to be ready for (graphs captured at start-up)
 
+    @property
+    def splits_sms(self) -> bool:
+        """Whether engines built from this config split their GPU's SMs (smsplit.py)."""
+        return bool(self.sm_split or self.split_menu)
+
     def validate(self) -> None:
         """Raise a ValueError naming the first bad setting."""
         if not isinstance(self.model, str) or not self.model:

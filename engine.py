@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from config import EngineConfig
-from kv_cache import BlockManager
+from kv_cache import BlockManager, cdiv
 from model import Detokenizer, load_model, load_tokenizer
 from request import (
     PENDING,
@@ -42,7 +42,7 @@ from request import (
 )
 from runner import Draw, Lane, ModelRunner, StepOutput
 from scheduler import Batch, Scheduler
-from smsplit import Split
+from smsplit import Split, load_kernels_at_start
 
 
 @dataclass
@@ -94,6 +94,9 @@ def wait_for(lane: Lane, step: LaunchedStep | None) -> None:
 class Engine:
     def __init__(self, cfg: EngineConfig):
         cfg.validate()
+        on_cuda = torch.cuda.is_available() and (cfg.device is None or torch.device(cfg.device).type == "cuda")
+        if cfg.splits_sms and on_cuda:
+            load_kernels_at_start()
         self.model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
         config = self.model.config
         cfg.max_model_len = min(cfg.max_model_len, config.max_position_embeddings)
@@ -124,16 +127,32 @@ class Engine:
     def _warm_up(self) -> None:
         """Serve two short requests, one greedy with logprobs and one sampled with top-k,
         top-p and a seed, through the whole step path, so that no request served later
-        pays a one-off cost: CUDA loads a kernel's module at its first launch, Triton
-        compiles (or loads) a kernel at its first use, the first copies set up their
-        buffers. Such a cost inside a step also delays every message the worker has not
-        read yet (an Import waits in the inbox while the step runs). The sampled one has
-        penalties and min_tokens too, so their kernels are compiled here as well."""
-        n = max(1, min(2, self.cfg.max_model_len - 2))
+        pays a one-off cost: CUDA loads a kernel at its first launch (a split worker's at
+        start, smsplit.load_kernels_at_start), Triton compiles (or loads) a kernel at its
+        first use, the first copies set up their buffers. Such a cost inside a step also
+        delays every message the worker has not read yet (an Import waits in the inbox
+        while the step runs). The sampled one has penalties and min_tokens too, so their
+        kernels are compiled here.
+        On a split, its two lanes too (a lane is taken only while the other has work): the
+        two, and short requests in every other seat, decode on the decode lane beside the
+        biggest prompt chunk on the prefill lane, so that each lane's stream has run its
+        biggest step and keeps the memory for it. A stream that allocates from the driver
+        mid-serve waits for the whole device: a decode step, for the chunk beside it."""
+        n, bs = max(1, min(2, self.cfg.max_model_len - 2)), self.cfg.block_size
         params = [SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0, logprobs=1),
                   SamplingParams(max_tokens=2, ignore_eos=True, temperature=1.0, top_k=2, top_p=0.9, seed=0,
                                  min_tokens=1, repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1)]
-        ids = [self.submit([0] * n, p, request_id=-1 - i) for i, p in enumerate(params)]
+        names = itertools.count(-1, -1)   # ids no request sent from outside has
+        ids = [self.submit([0] * n, p, request_id=next(names)) for p in params]
+        if self.split is not None:
+            room = self.bm.num_blocks - self.bm.watermark_blocks - len(ids) * cdiv(n + 2, bs)   # blocks left
+            chunk = max(1, min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len - 1, room // 2 * bs))
+            seats = max(0, min(self.cfg.max_num_seqs - len(ids) - 1, (room - cdiv(chunk + 1, bs)) // cdiv(n + 3, bs)))
+            short = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
+            ids += [self.submit([0] * n, short, request_id=next(names)) for _ in range(seats)]
+            self.step()   # their prompts, on the whole GPU (nothing decodes yet)
+            token = 1 + list(self.runner.splits).index(self.split)   # a prompt the prefix cache has not seen
+            ids.append(self.submit([token] * chunk, SamplingParams(max_tokens=1), request_id=next(names)))
         while self.has_unfinished():
             self.step()
         for request_id in ids:
@@ -298,6 +317,10 @@ class Engine:
         while no prompt is in flight, and prompts prefill on the whole GPU while nothing
         decodes (a lane apart from the other has nothing to gain from fewer SMs). A step
         that reads the tokens of a step on another stream waits for it there.
+        Both batches are scheduled first, then the decode step is launched before the
+        chunk: a call in a launch that waits for the whole device (the driver allocating
+        memory, loading a module) then waits for a decode step, never for a chunk just
+        launched (which would hold the decode lane for the chunk's length).
         The host waits on the prefill lane only when there is nothing to decode. The lanes
         leave each other's sequences alone (busy). The decode lane's step in flight may
         still write blocks the host has freed (a sequence that just stopped): the prefill
@@ -305,37 +328,38 @@ class Engine:
         a sequence the prefill lane computes makes the decode lane wait likewise."""
         prefill_lane, decode_lane = self.runner.splits[self.split]
         idle = self.in_flight is None and self.prefilling is None   # nothing will land that frees room
-        restarted, finished, batches = self._restart_beams(), [], []
+        restarted, finished, batches, launched = self._restart_beams(), [], [], None
         try:
             if self.prefilling is not None and self.prefilling.output.done():
                 step, self.prefilling = self.prefilling, None
                 self.prefill_lane_steps.append(PrefillLaneStep(step.shape, step.lane.split,
                                                                (time.perf_counter() - step.launched_at) * 1e3))
                 finished += self._finish(step)
-            if self.prefilling is None:
-                batches.append(self.scheduler.schedule(decodes=False, busy=computing(self.in_flight)))
-                if batches[-1].seqs:
-                    lane = prefill_lane if self._decoding() else self.runner.alone
-                    wait_for(lane, self.in_flight)
-                    self.prefilling = self._launch(batches[-1], lane, None)
-                    if self.prefilling.beams:   # beam search chooses on the host, now
-                        finished += self._finish(self.prefilling)
-                        self.prefilling = None
-            batches.append(self.scheduler.schedule(prompts=False, busy=computing(self.prefilling)))
-            launched = None
-            if batches[-1].seqs:
-                lane = decode_lane if self.prefilling is not None else self.runner.whole
+            prompts = self.scheduler.schedule(decodes=False, busy=computing(self.in_flight)) \
+                if self.prefilling is None else Batch()
+            decodes = self.scheduler.schedule(prompts=False, busy=computing(self.prefilling) | set(prompts.seqs))
+            batches = [prompts, decodes]
+            written_by = self.in_flight   # the decode step the chunk waits for: it may write blocks freed since
+            if decodes.seqs:
+                lane = decode_lane if self.prefilling is not None or prompts.seqs else self.runner.whole
                 if self.fence_decode:
                     wait_for(lane, self.prefilling)
                     self.fence_decode = False
-                launched = self._launch(batches[-1], lane, self.in_flight)
+                launched = self._launch(decodes, lane, self.in_flight)
+            if prompts.seqs:
+                lane = prefill_lane if self._decoding() else self.runner.alone
+                wait_for(lane, written_by)
+                self.prefilling = self._launch(prompts, lane, None)
+                if self.prefilling.beams:   # beam search chooses on the host, now
+                    finished += self._finish(self.prefilling)
+                    self.prefilling = None
             finished += self._finish(self.in_flight) if self.in_flight else []
             self.in_flight = launched
             if launched is not None and launched.beams:
                 finished += self._finish(launched)
                 self.in_flight = None
         except Exception as e:  # noqa: BLE001 (the requests end with it; nothing else is lost)
-            return self._fail_step(batches, e)
+            return self._fail_step(batches, e, launched)
         if self.in_flight is None and self.prefilling is not None:   # nothing to decode meanwhile
             self.prefilling.output.wait()
         ended = [r.request_id for r in finished]
@@ -380,10 +404,10 @@ class Engine:
             req.error, req.metrics.finish_time = error, time.perf_counter()
         return [req.request_id for req in stuck]
 
-    def _fail_step(self, batches: list[Batch], error: Exception) -> list[int]:
-        """End every request of the batches and of the steps in flight with error, freeing
-        all they hold; their ids."""
-        steps = [s for s in (self.in_flight, self.prefilling) if s is not None]
+    def _fail_step(self, batches: list[Batch], error: Exception, launched: LaunchedStep | None = None) -> list[int]:
+        """End every request of the batches and of the steps in flight (and of launched, a
+        step of this one already on the device) with error, freeing all they hold; their ids."""
+        steps = [s for s in (self.in_flight, self.prefilling, launched) if s is not None]
         self.in_flight = self.prefilling = None
         if steps and self.model.device.type == "cuda":   # nothing launched may still write what is freed here
             try:

@@ -169,6 +169,9 @@ class ModelRunner:
         if self.device.type == "cuda":   # the streams, graphs and memory queries below mean this device
             torch.cuda.set_device(self.device)
         self.max_blocks_per_seq = cdiv(cfg.max_model_len, cfg.block_size)
+        # Each split of the menu (cfg.sm_split and cfg.split_menu): two streams on disjoint SMs.
+        menu = [tuple(s) for s in dict.fromkeys([cfg.sm_split, *cfg.split_menu]) if s]
+        self.split_lanes = [make_lanes(self.device, Split(*s)) for s in menu]   # (these keep the driver's objects)
         try:
             self.num_blocks = self._check_fits(cfg.num_kv_blocks or self._blocks_that_fit())
             self.kv_cache = allocate_kv_cache(self.num_blocks, model.num_layers, model.num_kv_heads,
@@ -185,11 +188,9 @@ class ModelRunner:
         self.token_counts = TokenCounts(self.model.config.vocab_size, self.device)
         self.whole = Lane(pieces=True)   # the whole GPU, on the current stream
         self.alone = Lane()   # the whole GPU without graphs: a split worker's prompts with nothing to decode
-        # Each split of the menu (cfg.sm_split and cfg.split_menu), under the SM counts the
-        # driver gave: its prefill lane and its decode lane.
+        # Each split of the menu, under the SM counts the driver gave: its prefill lane and its decode lane.
         self.splits: dict[Split, tuple[Lane, Lane]] = {}
         menu = [tuple(s) for s in dict.fromkeys([self.cfg.sm_split, *self.cfg.split_menu]) if s]
-        self.split_lanes = [make_lanes(self.device, Split(*s)) for s in menu]   # (these keep the driver's objects)
         for lanes, asked in zip(self.split_lanes, menu):
             if lanes.prefill is not None and tuple(asked) != (lanes.split.prefill_sms, lanes.split.decode_sms):
                 raise ValueError(f"split {tuple(asked)}: the decode lane gets its SMs in multiples the driver "
@@ -399,11 +400,14 @@ class ModelRunner:
         torch.cuda.synchronize()
 
     def _capture(self, fn: Callable[[], object], pool, stream: torch.cuda.Stream):
-        """(graph, fn's output) of fn, run once first to compile and warm up outside the capture."""
+        """(graph, fn's output) of fn, run once first to compile and warm up outside the
+        capture, and replayed once after it: a graph's first launch also uploads it to the
+        device, a cost for start-up rather than for the first step that replays it."""
         fn()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool, stream=stream, capture_error_mode="thread_local"):
             out = fn()
+        graph.replay()
         return graph, out
 
     def _compile_split_variants(self) -> None:
@@ -541,14 +545,22 @@ class ModelRunner:
                 cu_q_lens=torch.tensor([0, n], dtype=torch.int32, device=self.device),
                 ctx_lens=torch.zeros(1, dtype=torch.int32, device=self.device), max_q_len=n)
             hidden = m(ids, ids, scratch, meta)
-            rows = min(cfg.max_num_seqs, n)
+            peak = torch.cuda.max_memory_allocated() - before - scratch.nbytes
+            torch.cuda.reset_peak_memory_stats()
+            rows, held = min(cfg.max_num_seqs, n), torch.cuda.memory_allocated()
             logits = m.compute_logits(hidden[:1].expand(rows, -1))
             sample(logits, [SamplingParams(temperature=1.0, top_p=0.9)] * rows, [None] * rows)
-        peak = torch.cuda.max_memory_allocated() - before - scratch.nbytes
+            sampling = torch.cuda.max_memory_allocated() - held   # logits and sampling for every seat
+        peak = max(peak, held - before - scratch.nbytes + sampling)
         del scratch, hidden, logits
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        budget = cfg.gpu_memory_utilization * total - (total - free) - peak
+        # Each stream keeps the memory of its biggest step for itself (the caching allocator
+        # pools per stream): the whole GPU's, and per split a prefill lane's (up to the
+        # whole peak) and a decode lane's (the logits and sampling of every seat).
+        split_streams = sum(lanes.prefill is not None for lanes in self.split_lanes)
+        reserve = peak + split_streams * (peak + sampling)
+        budget = cfg.gpu_memory_utilization * total - (total - free) - reserve
         num = blocks_for_memory(int(budget), per_block)
         if num < self.max_blocks_per_seq:
             raise ValueError(f"only {num} KV blocks fit in gpu_memory_utilization="

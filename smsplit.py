@@ -19,6 +19,8 @@ no partition exists and the two lanes run one after the other on one stream, thr
 same scheduler and engine code.
 """
 
+import os
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -56,6 +58,24 @@ def default_menu(total_sms: int) -> list[Split]:
     total = total_sms or 128
     decode = sorted({max(8, total * k // 64 // 8 * 8) for k in (16, 24, 32, 40)})
     return [Split(total - d, d) for d in decode]
+
+
+def load_kernels_at_start() -> None:
+    """Call before CUDA starts in a process that will split its GPU: CUDA then loads every
+    kernel when it starts instead of at the kernel's first launch. Loading a kernel may
+    synchronise the whole context (the CUDA programming guide, on lazy loading), so a
+    decode step that launches one for the first time (a GEMM cuBLAS picks for a new batch
+    size, say) would wait for the prompt chunk running beside it. The cost: a longer
+    start and the device memory of every kernel (the KV cache is sized after it). Once
+    CUDA has started, it is too late: a warning says so."""
+    if os.environ.get("CUDA_MODULE_LOADING") == "EAGER":
+        return
+    if torch.cuda.is_initialized():
+        warnings.warn("CUDA started before this split engine: its kernels load at their first launch, and a decode "
+                      "step that loads one waits for the prompt chunk beside it (build the engine before using "
+                      "CUDA, or set CUDA_MODULE_LOADING=EAGER)", stacklevel=3)
+        return
+    os.environ["CUDA_MODULE_LOADING"] = "EAGER"   # over torch's default (LAZY), which a parent process may pass on
 
 
 def make_lanes(device: torch.device, split: Split) -> Lanes:

@@ -65,7 +65,6 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-import engine as engine_mod
 import hosts
 import kernels
 import kv_cache
@@ -2134,16 +2133,25 @@ def split_engine(hf, **kwargs) -> Engine:
 
 
 def lane_log(monkeypatch, eng: Engine) -> list[tuple[str, set, set, bool]]:
-    """Record every launch: (lane, its sequences, the other lane's sequences in flight, prompt tokens in it)."""
-    log, launch = [], eng._launch
+    """Record every launch: (lane, its sequences, the sequences of the other lane's steps
+    launched and not yet finished, prompt tokens in it)."""
+    log, launch, finish, live = [], eng._launch, eng._finish, {}   # live: id(step) -> (prompt side?, step)
 
     def logged(batch, lane, previous):
         split = eng.runner.splits.get(eng.split, (None, None))
         name = {id(split[0]): "prefill", id(split[1]): "decode", id(eng.runner.alone): "alone"}.get(id(lane), "whole")
-        other = engine_mod.computing(eng.in_flight if name in ("prefill", "alone") else eng.prefilling)
+        side = name in ("prefill", "alone")
+        other = set().union(*(step.computing() for s, step in live.values() if s != side))
         log.append((name, set(batch.seqs), other, any(s.num_computed < s.num_prompt_tokens for s in batch.seqs)))
-        return launch(batch, lane, previous)
+        step = launch(batch, lane, previous)
+        live[id(step)] = (side, step)
+        return step
+
+    def finished(step):
+        live.pop(id(step), None)
+        return finish(step)
     monkeypatch.setattr(eng, "_launch", logged)
+    monkeypatch.setattr(eng, "_finish", finished)
     return log
 
 
@@ -2215,6 +2223,21 @@ def test_split_engine_preempts_and_aborts_without_losing_blocks(hf):
     assert eng.bm.num_free_blocks == eng.bm.num_blocks and gone not in eng.requests
 
 
+@ENGINE
+def test_a_split_warms_up_each_lane_with_its_biggest_step(hf, monkeypatch):
+    """The start-up warm-up of a split (run here by hand: CPU engines skip it) fills every
+    seat but the prompt's with decodes on the decode lane, beside a prompt chunk of the
+    whole token budget on the prefill lane, so each lane's stream has run its biggest step
+    before serving; it leaves no request and no block behind."""
+    eng = split_engine(hf, max_num_seqs=12, max_num_batched_tokens=40)
+    log = lane_log(monkeypatch, eng)
+    eng._warm_up()
+    decode_batches = [len(seqs) for name, seqs, _, _ in log if name == "decode"]
+    chunks = [sum(s.num_prompt_tokens for s in seqs) for name, seqs, _, prompts in log if name == "prefill"]
+    assert max(decode_batches) == 12 - 1 and max(chunks) == 40
+    assert not eng.requests and not eng.has_unfinished() and eng.bm.num_free_blocks == eng.bm.num_blocks
+
+
 @pytest.mark.parametrize("split", [(0, 64), (64,), "64/64", (64.0, 64), (True, 64)])
 def test_a_bad_sm_split_is_a_value_error(split):
     with pytest.raises(ValueError, match="sm_split"):
@@ -2227,6 +2250,21 @@ def test_a_split_not_in_the_menu_is_a_value_error(hf):
     with pytest.raises(ValueError, match="split menu"):
         eng.set_split((1, 1))
     assert eng.split == smsplit.Split(*SPLIT)
+
+
+def test_a_process_that_splits_its_gpu_loads_every_kernel_when_cuda_starts(monkeypatch):
+    """Before CUDA starts, a split worker asks for eager loading, over the LAZY that torch
+    sets and a parent passes on (loading a kernel mid-step may synchronise the device);
+    once CUDA has started it can no longer, and says so instead of changing anything."""
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    smsplit.load_kernels_at_start()
+    assert os.environ["CUDA_MODULE_LOADING"] == "EAGER"
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.warns(UserWarning, match="CUDA_MODULE_LOADING=EAGER"):
+        smsplit.load_kernels_at_start()
+    assert os.environ["CUDA_MODULE_LOADING"] == "LAZY"
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="green contexts split a GPU's SMs")
@@ -2445,9 +2483,9 @@ def test_set_role_sets_the_budget_and_the_sm_split_only_when_it_changes(hf, monk
 
 @ENGINE
 def test_a_split_worker_reports_where_each_decode_step_ran(hf):
-    """A split worker timing its steps for the router: a decode step launched while a
-    prompt chunk was in flight ran on the split's decode lane and says so (sm_split), one
-    launched with none in flight ran on the whole GPU (None); no decode step reports
+    """A split worker timing its steps for the router: a decode step that ran on the
+    split's decode lane (a prompt chunk beside it) says so (sm_split), one that ran on the
+    whole GPU says None; both occur (the prompts come and go); no decode step reports
     prompt tokens (prompts run on the other lane). The prompt chunks are reported apart
     (decodes 0), each with the lane it ran on, and their tokens add up to the prompts'."""
     worker = workers.Worker(0, split_engine(hf), queue.Queue(), Reports(), {}, "p2p", report_steps=True)
@@ -2457,7 +2495,7 @@ def test_a_split_worker_reports_where_each_decode_step_ran(hf):
     def logged(batch, lane, previous):
         step = launch(batch, lane, previous)
         if lane is not eng.runner.splits[eng.split][0] and lane is not eng.runner.alone:
-            lanes.append(eng.prefilling is not None)   # a decode step: a prompt chunk beside it?
+            lanes.append(lane is eng.runner.splits[eng.split][1])   # a decode step: on the decode lane?
         return step
     eng._launch = logged
     for i, p in enumerate(PROMPTS + [prompt(60, 9)]):
@@ -4508,6 +4546,24 @@ def test_microbench_small_engine_gives_every_row_and_generates_every_token(tmp_p
     assert g["requests"] == count and g["output_tokens"] == count * n_out
     assert finite_positive(*(g[k] for k in ("seconds", "output_tokens_per_s", "total_tokens_per_s", "matmul_s",
                                             "kv_read_s", "roofline_s")))
+
+
+@MICROBENCH_GPU
+def test_split_bench_small_measures_every_split_and_serves_on_both(tmp_path):
+    """`bench.py split --small`: a row per split of its menu and one for the whole GPU,
+    with finite, positive step times; the SM proof of each split disjoint and complete;
+    serve timed steps that carried decodes beside a prompt, on the whole GPU and on the
+    menu's second split (its prompts are more than one step's budget, all at once)."""
+    import splitbench
+    res = run_microbench(tmp_path, "split")
+    total = smsplit.num_sms(torch.device("cuda"))
+    assert len(res["rows"]) == len(splitbench.bench_menu(total)) + 1
+    for r in res["rows"]:
+        assert finite_positive(r["prefill_ms"], *(r[f"decode_b{b}_ms"] for b in res["sizes"]["batches"])), r
+    assert all((p["both_ran_on"], p["graph_outside_decode"]) == (0, 0) and p["prefill_ran_on"] == p["prefill_sms"]
+               and p["decode_ran_on"] == p["decode_sms"] for p in res["proof"])
+    assert [s["split"] for s in res["serve"]] == ["whole", str(smsplit.default_menu(total)[1])]
+    assert all(s["steps"] > 0 and finite_positive(s["p50_ms"], s["max_ms"]) for s in res["serve"])
 
 
 @MICROBENCH_GPU

@@ -70,6 +70,7 @@ from messages import (
     ToWorker,
 )
 from request import arrival_order
+from smsplit import load_kernels_at_start
 from timing import measure_engine
 from transport import RECEIVE_TIMEOUT_S, TRANSPORTS, DistributedTransport, Pull
 
@@ -357,6 +358,8 @@ def worker_main(spec: WorkerSpec, inbox, outbox, readers: list, share_queue) -> 
     try:
         device = torch.device(spec.cfg.device)
         if device.type == "cuda":
+            if spec.cfg.splits_sms:   # before CUDA starts in this process (set_device starts it)
+                load_kernels_at_start()
             torch.cuda.set_device(device)
         else:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // 4))   # several workers share the cores
