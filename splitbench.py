@@ -10,6 +10,10 @@
   proof      the SMs each lane's kernels ran on (a kernel that records %smid): disjoint,
              as many as the split gives, and a graph captured on the decode lane keeps to
              its SMs wherever it is replayed
+  serve      long prompts arriving while others decode, on the whole GPU (chunked
+             prefill) and on the fixed split (the menu's second): the time of each step
+             that carries decodes while a prompt prefills, its median, p99 and maximum, and
+             how many steps took over 4x the median (a decode step held up by something)
 
 Every result is printed as a table and, with --out, written as JSON (and a plot beside
 it, .png). --small runs at toy sizes, seconds, to check that it runs; its numbers mean nothing.
@@ -18,6 +22,7 @@ it, .png). --small runs at toy sizes, seconds, to check that it runs; its number
 import argparse
 import dataclasses
 import json
+import random
 import statistics
 import time
 
@@ -27,7 +32,7 @@ import kernels
 from config import EngineConfig
 from engine import Engine
 from request import SamplingParams
-from smsplit import Split, default_menu, num_sms
+from smsplit import Split, default_menu, load_kernels_at_start, num_sms
 from timing import decode_beside_prefill_ms, fake_batch, free_batch, prefill_beside_decode_ms, time_step_ms
 
 
@@ -39,9 +44,13 @@ class SplitSizes:
     prefill_tokens: int = 8192
     beside_batch: int = 64      # the decode steps the prefill runs beside
     reps: int = 20
+    serve_rate: float = 10.0    # serve: long prompts per second (1024-2048 tokens, 32-256 out, times serve_scale)
+    serve_s: float = 20.0       # ... arriving over this many seconds
+    serve_scale: float = 1.0
 
 
-SMALL_SPLIT = SplitSizes(model="tiny", batches=(1, 4), context=64, prefill_tokens=256, beside_batch=4, reps=3)
+SMALL_SPLIT = SplitSizes(model="tiny", batches=(1, 4), context=64, prefill_tokens=256, beside_batch=4, reps=3,
+                         serve_rate=1000.0, serve_s=0.04, serve_scale=1 / 8)   # ~40 at once: more than a step
 
 
 def bench_menu(total: int) -> list[Split]:
@@ -51,6 +60,7 @@ def bench_menu(total: int) -> list[Split]:
 
 
 def make_engine(sizes: SplitSizes) -> Engine:
+    load_kernels_at_start()   # before num_sms starts CUDA, as a split worker does
     total = num_sms(torch.device("cuda"))
     menu = tuple((s.prefill_sms, s.decode_sms) for s in bench_menu(total))
     return Engine(EngineConfig(model=sizes.model, max_num_seqs=max(sizes.batches), split_menu=menu,
@@ -123,6 +133,46 @@ def switch_cost(eng: Engine, sizes: SplitSizes, steps: int = 12) -> dict:
     return {"step_ms": step, "switch_ms": statistics.median(after) * 1e3 - step, "switches": len(after)}
 
 
+def long_prompts(sizes: SplitSizes, vocab: int) -> list[tuple[float, list[int], int]]:
+    """(arrival s, prompt, max_tokens) of serve's requests: Poisson arrivals, fixed seed."""
+    rng, t, specs = random.Random(0), 0.0, []
+    while t < sizes.serve_s:
+        n, out = int(rng.randint(1024, 2048) * sizes.serve_scale), max(2, int(rng.randint(32, 256) * sizes.serve_scale))
+        specs.append((t, [rng.randrange(vocab) for _ in range(n)], out))
+        t += rng.expovariate(sizes.serve_rate)
+    return specs
+
+
+def serve_steps(eng: Engine, sizes: SplitSizes, split: Split | None) -> dict:
+    """Serve long_prompts on split (None: the whole GPU); each engine step that carries
+    decodes while a prompt prefills (on a split: beside its chunk in flight; on the whole
+    GPU: a mixed step), timed on the host, launch to the previous step's tokens taken."""
+    eng.set_split(split)
+    specs, times, i = long_prompts(sizes, eng.model.config.vocab_size), [], 0
+    start = time.perf_counter()
+    while i < len(specs) or eng.has_unfinished():
+        while i < len(specs) and specs[i][0] <= time.perf_counter() - start:
+            eng.submit(specs[i][1], SamplingParams(temperature=0.0, max_tokens=specs[i][2], ignore_eos=True))
+            i += 1
+        if not eng.has_unfinished():
+            time.sleep(0.001)
+            continue
+        step = eng.in_flight
+        beside = step is not None and step.shape.decodes > 0 and (
+            eng.prefilling is not None if split is not None else step.shape.prefill_tokens > 0)
+        t = time.perf_counter()
+        for request_id in eng.step():
+            eng.output(request_id)
+        if beside:
+            times.append((time.perf_counter() - t) * 1e3)
+    eng.set_split(None)
+    times.sort()
+    p50 = statistics.median(times) if times else 0.0
+    return {"split": "whole" if split is None else str(split), "steps": len(times), "p50_ms": p50,
+            "p99_ms": times[int(0.99 * (len(times) - 1))] if times else 0.0, "max_ms": times[-1] if times else 0.0,
+            "over_4x_p50": sum(t > 4 * p50 for t in times), "times_ms": times}
+
+
 def sm_proof(eng: Engine) -> list[dict]:
     """Per split: the SMs each lane's kernels ran on, and those of a graph captured on the
     decode lane and replayed on the whole GPU's stream."""
@@ -160,6 +210,10 @@ def run_split(out: str | None, sizes: SplitSizes) -> dict:
     res["switch"] = switch_cost(eng, sizes)
     print(f"switch: a step right after set_split costs {res['switch']['switch_ms']:.2f} ms more than a step "
           f"({res['switch']['step_ms']:.2f} ms)")
+    res["serve"] = [serve_steps(eng, sizes, split) for split in (None, default_menu(num_sms(eng.model.device))[1])]
+    for row in res["serve"]:
+        print(f"serve, {row['split']:>9}: {row['steps']} steps with decodes beside a prompt: p50 {row['p50_ms']:.1f} "
+              f"ms, p99 {row['p99_ms']:.1f}, max {row['max_ms']:.1f}; {row['over_4x_p50']} over 4x p50", flush=True)
     if out:
         with open(out, "w") as f:
             json.dump(res, f, indent=1)
@@ -168,14 +222,14 @@ def run_split(out: str | None, sizes: SplitSizes) -> dict:
 
 
 def plot_split(res: dict, path: str) -> None:
-    """Decode step against decode SMs (alone, beside prefill; the whole GPU dotted), and
-    prefill tokens/s against prefill SMs."""
+    """Decode step against decode SMs (alone, beside prefill; the whole GPU dotted),
+    prefill tokens/s against prefill SMs, and serve's step times (as a CDF)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = [r for r in res["rows"] if r["split"] != "whole"]
     whole = next(r for r in res["rows"] if r["split"] == "whole")
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.5))
     for b, color in zip(res["sizes"]["batches"], ("tab:blue", "tab:orange", "tab:green")):
         d = [r["decode_sms"] for r in rows]
         ax1.plot(d, [r[f"decode_b{b}_ms"] for r in rows], "o-", color=color, label=f"batch {b}, alone")
@@ -190,6 +244,13 @@ def plot_split(res: dict, path: str) -> None:
     ax2.axhline(whole["prefill_tok_s"] / 1e3, color="gray", linestyle=":", label="whole GPU")
     ax2.set(xlabel="prefill lane SMs", ylabel="prefill (k tokens/s)", title="Prefill rate", ylim=(0, None))
     ax2.legend(fontsize=8)
+    for row in res.get("serve", []):
+        times = row["times_ms"]
+        ax3.plot(times, [(k + 1) / len(times) for k in range(len(times))],
+                 label=f"{row['split']}: p99 {row['p99_ms']:.0f} ms")
+    ax3.set(xscale="log", xlabel="step with decodes beside a prompt (ms, log)", ylabel="fraction of steps",
+            title="Serving long prompts: what decodes wait")
+    ax3.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}")
