@@ -7,6 +7,7 @@ generated workload, compared by latency, throughput and goodput.
   python bench.py --workload short long ...          several workloads, one start-up per policy
   python bench.py kernels | engine | profile | transfer    the micro-benchmarks (microbench.py)
   python bench.py split     one GPU's SMs split between prefill and decode (splitbench.py)
+  python bench.py speculative   speculative decoding against plain decoding (specbench.py)
 
 With GPUs it serves the qwen3-8b preset on every visible GPU; without, the tiny preset on
 two CPU worker processes, where `python bench.py --policy adaptive` took 30 s and 33 s
@@ -619,6 +620,9 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "split":
         import splitbench
         return splitbench.main()
+    if len(sys.argv) > 1 and sys.argv[1] == "speculative":
+        import specbench
+        return specbench.main()
     run = make_run(parse_args())
     rows, results, calib, timelines = [], [], {}, []
     for policy in run.policies:

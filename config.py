@@ -15,6 +15,51 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (speculate.py), from vLLM's `speculative_config` dict: a drafter
+    proposes num_speculative_tokens tokens after a sequence's last, the model checks them
+    all in one step. "ngram" drafts by prompt lookup: the tokens that followed the latest
+    earlier occurrence of the sequence's last n tokens (n from prompt_lookup_max down to
+    prompt_lookup_min)."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    disable_by_batch_size: int | None = None   # no drafts while more sequences than this run (None: any)
+
+
+SPECULATIVE_METHODS = {"ngram": ("prompt_lookup_max", "prompt_lookup_min")}   # method -> the keys it takes
+
+
+def speculative_config(value) -> SpeculativeConfig | None:
+    """vLLM's speculative_config (a dict, or one of ours, or None) as a SpeculativeConfig, or
+    a ValueError naming what is wrong with it."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a dict like {{'method': 'ngram', "
+                         f"'num_speculative_tokens': 4}}, got {value!r}")
+    method = value.get("method")
+    if method not in SPECULATIVE_METHODS:
+        left_out = " (draft_model is not built: no second model runs beside the first yet)" \
+            if method == "draft_model" else ""
+        raise ValueError(f"speculative_config's method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                         f"got {method!r}{left_out}")
+    allowed = {"method", "num_speculative_tokens", "disable_by_batch_size", *SPECULATIVE_METHODS[method]}
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise ValueError(f"speculative_config for {method} does not take {', '.join(map(repr, unknown))} "
+                         f"(it takes {', '.join(sorted(allowed))})")
+    cfg = SpeculativeConfig(**value)
+    check_int("speculative_config's num_speculative_tokens", cfg.num_speculative_tokens, low=1)
+    check_int("speculative_config's prompt_lookup_min", cfg.prompt_lookup_min, low=1)
+    check_int("speculative_config's prompt_lookup_max", cfg.prompt_lookup_max, low=cfg.prompt_lookup_min)
+    if cfg.disable_by_batch_size is not None:
+        check_int("speculative_config's disable_by_batch_size", cfg.disable_by_batch_size, low=1)
+    return cfg
+
+
 @dataclass
 class EngineConfig:
     model: str = "tiny"                # preset name or HF checkpoint folder
@@ -32,6 +77,7 @@ class EngineConfig:
     # A split worker (smsplit.py): prefill and decode at once on disjoint SMs of one GPU.
     sm_split: tuple[int, int] | None = None   # (prefill SMs, decode SMs) to start on; None: unsplit
     split_menu: tuple[tuple[int, int], ...] = ()   # more splits to be ready for (graphs captured at start-up)
+    speculative_config: dict | SpeculativeConfig | None = None   # vLLM's; None: no speculative decoding
 
     @property
     def splits_sms(self) -> bool:
@@ -62,6 +108,10 @@ class EngineConfig:
                 check_split(name, split)
         check_device(self.device)
         resolve_dtype(self.dtype, self.device)
+        self.speculative_config = speculative_config(self.speculative_config)
+        if self.speculative_config is not None and self.splits_sms:
+            raise ValueError("speculative_config with sm_split or split_menu: a split worker's lanes pipeline their "
+                             "steps, and a speculating step must end before the next is drafted; use one or the other")
 
 
 def check_split(name: str, split) -> None:

@@ -43,6 +43,7 @@ from request import (
 from runner import Draw, Lane, ModelRunner, StepOutput
 from scheduler import Batch, Scheduler
 from smsplit import Split, load_kernels_at_start
+from speculate import DRAFTERS, can_speculate, due, num_accepted, rewind
 
 
 @dataclass
@@ -64,10 +65,22 @@ class LaunchedStep:
     targets: list[tuple[Sequence, int]] = field(default_factory=list)   # per draw: where its token goes
     lane: Lane | None = None             # where it runs
     launched_at: float = field(default_factory=time.perf_counter)
+    drafted: dict[Sequence, "Drafted"] = field(default_factory=dict)   # the sequences whose drafts it checks
+    num_checks: int = 0                  # its first draws: a token after each draft's position (Drafted)
 
     def computing(self) -> set[Sequence]:
         """The sequences this step computes or samples for (the other lane leaves them alone)."""
         return set(self.batch.seqs) | {seq for seq, _ in self.targets}
+
+
+@dataclass
+class Drafted:
+    """A sequence whose drafts a step checks (speculate.py): the step samples a token after
+    its last token and after each draft but the last (the check draws, from `checks` on),
+    and after the last draft (its ordinary draw)."""
+    drafts: list[int]
+    checks: int
+    generator_state: torch.Tensor | None   # a seeded sampled sequence's generator before the step
 
 
 @dataclass
@@ -117,6 +130,9 @@ class Engine:
         # Done since a worker last took them (bounded: an offline engine has nobody taking them).
         self.prefill_lane_steps: collections.deque[PrefillLaneStep] = collections.deque(maxlen=1024)
         self._request_ids = itertools.count()
+        self.num_steps = 0                           # whole-GPU steps so far (speculate.due counts them)
+        spec = cfg.speculative_config
+        self.drafter = DRAFTERS[spec.method](spec) if spec is not None else None   # speculate.py
         if self.model.device.type == "cuda":
             for split in [None, *self.runner.splits]:   # every lane of the menu, first the whole GPU
                 self.set_split(split)
@@ -292,8 +308,14 @@ class Engine:
         return ended + (self._step_whole() if self.split is None else self._step_lanes())
 
     def _step_whole(self) -> list[int]:
-        """A step on the whole GPU: decodes and prompt chunks together (chunked prefill)."""
+        """A step on the whole GPU: decodes and prompt chunks together (chunked prefill).
+        With speculative decoding a step ends before the next is scheduled when a sequence
+        will draft in the next (a draft needs the token before it on the host)."""
+        self.num_steps += 1
+        drafting = self._draft()
         batch = self.scheduler.schedule()
+        for seq in set(drafting) - set(batch.seqs):   # not scheduled (preempted, no budget): drafts dropped
+            seq.drafts = []
         if self._restart_beams() + len(batch.seqs) == 0 and self.in_flight is None:
             return self._end_unschedulable()
         try:
@@ -302,10 +324,36 @@ class Engine:
         except Exception as e:  # noqa: BLE001 (the requests end with it; nothing else is lost)
             return self._fail_step([batch], e)
         self.in_flight = launched
-        if launched is not None and launched.beams:   # beam search chooses on the host, now
+        if launched is not None and (launched.beams or self._drafters(self.num_steps + 1)):   # chosen on the host, now
             finished += self._finish(launched)
             self.in_flight = None
         return [r.request_id for r in finished]
+
+    def _drafters(self, step: int) -> list[Sequence]:
+        """The running sequences that draft at this step (speculate.py): none without a
+        drafter, or while more run than the config's disable_by_batch_size."""
+        limit = self.cfg.speculative_config.disable_by_batch_size if self.drafter is not None else 0
+        running = self.scheduler.running
+        if self.drafter is None or (limit is not None and len(running) > limit):
+            return []
+        return [s for s in running if can_speculate(s) and due(s, step)]
+
+    def _draft(self) -> list[Sequence]:
+        """Drafts for the sequences that draft now, decoding, as many as max_tokens and
+        max_model_len leave room for after the token the step samples anyway (the scheduler
+        checks as many as the step's budget holds; the step clears them). Finding none
+        counts as a miss. The sequences given drafts."""
+        k, drafting = self.cfg.speculative_config.num_speculative_tokens if self.drafter else 0, []
+        for seq in self._drafters(self.num_steps):
+            room = min(k, seq.request.params.max_tokens - seq.num_outputs - 1,
+                       self.cfg.max_model_len - len(seq.token_ids) - 1)
+            if seq.num_pending == 1 and seq.num_outputs > 0 and seq.pending_row is None and room > 0:
+                seq.drafts = self.drafter(seq.token_ids, room)
+                if seq.drafts:
+                    drafting.append(seq)
+                else:
+                    seq.draft_misses += 1
+        return drafting
 
     def _step_lanes(self) -> list[int]:
         """A split worker's step: the prefill lane and the decode lane each keep a step on
@@ -470,22 +518,40 @@ class Engine:
             wait_for(lane, previous)
             if previous.output.tokens is not None and previous.output.tokens.is_cuda:
                 previous.output.tokens.record_stream(lane.stream or torch.cuda.current_stream())
-        done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if n == s.num_pending]
+        done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if n == s.num_pending + len(s.drafts)]
         seqs = [batch.seqs[i] for i in done]
         step = LaunchedStep(batch, seqs, [s for s in seqs if s.request.beam_width], shape, lane=lane)
         beam_rows = [i for i in done if batch.seqs[i].request.beam_width]
+        checks = self._plan_checks(batch, done, step)
         plan, draws = self._plan_draws(batch, done)
         beam_k = 2 * max((s.request.beam_width for s in step.beams), default=0)
-        step.output = self.runner.run(batch, draws, beam_rows, beam_k, previous.output.tokens if previous else None,
-                                      lane)
+        step.output = self.runner.run(batch, checks + draws, beam_rows, beam_k,
+                                      previous.output.tokens if previous else None, lane)
+        for seq in step.drafted:   # their tokens are on their way: the drafts are the step's now
+            seq.drafts = []
         self.scheduler.computed(batch)
         targets = [batch.seqs[i] if j == 0 else self.fork(batch.seqs[i], j, d.generator)
                    for (i, j), d in zip(plan, draws)]
         for k, seq in enumerate(targets):
             seq.token_ids.append(PENDING)
-            seq.pending_row = k
+            seq.pending_row = step.num_checks + k
             step.targets.append((seq, len(seq.token_ids) - 1))
         return step
+
+    def _plan_checks(self, batch: Batch, done: list[int], step: LaunchedStep) -> list[Draw]:
+        """The check draws of the drafted sequences among batch.seqs[done]: a token after the
+        last token and after each draft but the last, in that order (a seeded sequence's
+        generator draws them in the order plain decoding would). They go first in the step's
+        draws; each sequence's draw after its last draft is its ordinary one."""
+        checks = []
+        for i in done:
+            seq = batch.seqs[i]
+            if seq.drafts:
+                seeded = seq.generator is not None and not seq.request.params.greedy
+                step.drafted[seq] = Drafted(seq.drafts, len(checks), seq.generator.get_state() if seeded else None)
+                checks += [Draw(i, seq.request.params, seq.generator, position=j) for j in range(len(seq.drafts))]
+        step.num_checks = len(checks)
+        return checks
 
     def _plan_draws(self, batch: Batch, done: list[int]) -> tuple[list[tuple[int, int]], list[Draw]]:
         """The tokens to sample after the sequences batch.seqs[done] (beams excepted): per
@@ -520,6 +586,7 @@ class Engine:
         """Fill a launched step's PENDING tokens, record logprobs, stop sequences, advance
         beams. Returns the requests that finished."""
         tokens, logprobs = step.output.collect()
+        checked, tokens = tokens[:step.num_checks], tokens[step.num_checks:]
         now = time.perf_counter()
         for seq in step.seqs:
             if seq.request.metrics.first_token_time is None:
@@ -527,12 +594,19 @@ class Engine:
         for k, ((seq, index), token) in enumerate(zip(step.targets, tokens)):
             if seq.status == Status.FINISHED:   # it stopped one step earlier: this token is void
                 continue
-            seq.token_ids[index] = token
-            if index == len(seq.token_ids) - 1:   # no later step has sampled after it yet
+            drafted = step.drafted.get(seq)
+            kept = self._kept(seq, drafted, checked, token) if drafted else [token]
+            seq.token_ids[index:index + 1] = kept
+            if index + len(kept) == len(seq.token_ids):   # no later step has sampled after it yet
                 seq.pending_row = None
-            if k in logprobs:
-                self._record_logprobs(seq, token, *logprobs[k])
-            self._check_stop(seq, index)
+            if drafted:
+                self.scheduler.drafts_checked(seq)
+            if step.num_checks + k in logprobs:
+                self._record_logprobs(seq, token, *logprobs[step.num_checks + k])
+            for at in range(index, index + len(kept)):
+                self._check_stop(seq, at)
+                if seq.status == Status.FINISHED:
+                    break
         for seq, candidates in zip(step.beams, step.output.beams):
             k = 2 * seq.request.beam_width
             seq.beam_candidates = list(zip(candidates[0][:k], candidates[1][:k]))
@@ -548,6 +622,20 @@ class Engine:
                 req.metrics.finish_time = now
                 finished.append(req)
         return finished
+
+    def _kept(self, seq: Sequence, drafted: Drafted, checked: list[int], last: int) -> list[int]:
+        """The tokens a drafted sequence keeps (speculate.py): its drafts up to the first the
+        tokens sampled after each position disagree with, then the token sampled there."""
+        sampled = checked[drafted.checks:drafted.checks + len(drafted.drafts)] + [last]
+        a = num_accepted(drafted.drafts, sampled)
+        seq.draft_misses = 0 if a else seq.draft_misses + 1
+        metrics = seq.request.metrics
+        metrics.spec_draft_tokens += len(drafted.drafts)
+        metrics.spec_accepted_tokens += a
+        metrics.spec_steps += 1
+        if drafted.generator_state is not None:   # where plain decoding leaves it: one draw per kept token
+            rewind(seq.generator, drafted.generator_state, a + 1, self.model.config.vocab_size)
+        return drafted.drafts[:a] + [sampled[a]]
 
     def _banned(self, seq: Sequence) -> list[int]:
         """The tokens seq's next token may not be: before min_tokens, EOS and the stop ids."""

@@ -82,6 +82,8 @@ class Requests:
         m.first_scheduled_time = m.first_scheduled_time or theirs.first_scheduled_time
         m.first_token_time = m.first_token_time or theirs.first_token_time
         m.finish_time, m.num_cached_tokens = theirs.finish_time, theirs.num_cached_tokens
+        m.spec_draft_tokens, m.spec_accepted_tokens, m.spec_steps = (theirs.spec_draft_tokens,
+                                                                     theirs.spec_accepted_tokens, theirs.spec_steps)
         m.path = (t.prefill_worker,) + ((w,) if w != t.prefill_worker else ())
         t.output = dataclasses.replace(output, request_id=t.request_id, prompt=t.prompt, metrics=m)
         self.end(t)

@@ -119,6 +119,9 @@ class RequestMetrics:
     path: tuple[int, ...] = ()          # the workers that served it (prefill, then decode)
     routed: tuple | None = None         # adaptive: (predicted latency ms, prefill worker's WorkerLoad,
                                         # decode worker's WorkerLoad) when the router chose the path
+    spec_draft_tokens: int = 0          # speculative decoding: tokens drafted for its sequences, checked
+    spec_accepted_tokens: int = 0       # ... and those the model agreed with (kept)
+    spec_steps: int = 0                 # ... in how many steps
 
     def kv_copy_GBps(self) -> float:
         """The KV copy's rate (disaggregated; needs kv_copy_time)."""
@@ -244,6 +247,8 @@ class Sequence:
     # is a placeholder (PENDING) on the host, and the next step reads it on the device
     # from row `pending_row` of that step's sampled tokens.
     pending_row: int | None = None
+    drafts: list[int] = field(default_factory=list)   # speculative decoding: guesses of the tokens after the last
+    draft_misses: int = 0               # ... its drafting steps in a row that kept no draft (speculate.due)
 
     @property
     def num_pending(self) -> int:

@@ -96,6 +96,7 @@ class Draw:
     seq: Sequence | None = None         # that sequence, if its request adjusts its logits (Request.adjusts)
     child: bool = False                 # the token starts a child forked from seq (n > 1), not seq's own
     banned: list[int] = field(default_factory=list)   # tokens it may not be (min_tokens: EOS, stop ids)
+    position: int = -1                  # after which of the row's new tokens (-1: the last; drafts: each, speculate.py)
 
 
 @dataclass
@@ -243,7 +244,7 @@ class ModelRunner:
             start = seq.num_computed
             if seq.pending_row is not None and start <= len(seq.token_ids) - 1 < start + n:
                 fills += (len(ids) + len(seq.token_ids) - 1 - start, seq.pending_row)
-            ids += seq.token_ids[start:start + n]
+            ids += (seq.token_ids + seq.drafts if seq.drafts else seq.token_ids)[start:start + n]   # drafts: speculate.py
             positions += range(start, start + n)
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
             tables.append(seq.block_table)
@@ -278,15 +279,15 @@ class ModelRunner:
 
     def _run(self, batch: Batch, draws: list[Draw], beam_rows: list[int], beam_k: int,
              prev_tokens: torch.Tensor | None, lane: Lane) -> StepOutput:
-        rows = sorted({d.row for d in draws} | set(beam_rows))
-        logits = self.model.compute_logits(self._forward(batch, rows, prev_tokens, lane))   # [len(rows), vocab]
-        at = {r: i for i, r in enumerate(rows)}
+        wanted = sorted({(d.row, d.position) for d in draws} | {(r, -1) for r in beam_rows})   # (row, position)
+        logits = self.model.compute_logits(self._forward(batch, wanted, prev_tokens, lane))   # [len(wanted), vocab]
+        at = {w: i for i, w in enumerate(wanted)}
         out = StepOutput()
         if beam_rows:
-            values, ids = beam_candidates(logits[[at[r] for r in beam_rows]], beam_k)
+            values, ids = beam_candidates(logits[[at[r, -1] for r in beam_rows]], beam_k)
             out.beams = list(zip(ids.tolist(), values.tolist()))
         if draws:
-            self._sample(logits, [at[d.row] for d in draws], draws, out, prev_tokens)
+            self._sample(logits, [at[d.row, d.position] for d in draws], draws, out, prev_tokens)
         if self.device.type == "cuda":
             out.ready = torch.cuda.Event()
             out.ready.record()
@@ -330,9 +331,13 @@ class ModelRunner:
             x[at[:, 0], at[:, 1]] = float("-inf")
         return x, counted
 
-    def _forward(self, batch: Batch, rows: list[int], prev_tokens: torch.Tensor | None, lane: Lane) -> torch.Tensor:
-        """Hidden states [len(rows), hidden] of the last new token of batch.seqs[rows]."""
-        pairs, rows = self._upload_many([b for pair in batch.copies for b in pair], rows)
+    def _forward(self, batch: Batch, wanted: list[tuple[int, int]], prev_tokens: torch.Tensor | None, lane: Lane
+                 ) -> torch.Tensor:
+        """Hidden states [len(wanted), hidden] after the new tokens wanted: (row, position),
+        the position-th new token of batch.seqs[row] (-1: its last)."""
+        starts = list(itertools.accumulate(batch.num_new, initial=0))
+        tokens = [starts[r] + (batch.num_new[r] - 1 if p < 0 else p) for r, p in wanted]
+        pairs, rows = self._upload_many([b for pair in batch.copies for b in pair], tokens)
         if batch.copies:
             kernels.copy_blocks(self.kv_cache, pairs.view(-1, 2))
         num_seqs, num_tokens = len(batch.seqs), sum(batch.num_new)
@@ -345,7 +350,7 @@ class ModelRunner:
             hidden = self.model(ids, positions, self.kv_cache, meta)
         else:
             hidden = self._replay_pieces(ids, positions, meta, padded)
-        return hidden[(meta.cu_q_lens[1:] - 1)[rows]]   # each sequence's last new token
+        return hidden[rows]
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """Start copying t to the host; the result is valid once the device reaches this point."""

@@ -88,7 +88,9 @@ class Scheduler:
                 break
             if seq.status != Status.RUNNING or seq in busy:   # preempted for an earlier one, or the other lane's
                 continue
-            n = min(seq.num_pending, budget, prompt_room if seq.num_pending > 1 else budget)
+            # A decode's drafts (speculate.py) are checked in its step, as many as the budget holds.
+            n = min(seq.num_pending + len(seq.drafts), budget, prompt_room if seq.num_pending > 1 else budget)
+            del seq.drafts[max(0, n - seq.num_pending):]
             if n == 0 or not self._append_slots(seq, n, batch, busy):
                 continue
             budget -= n
@@ -143,6 +145,13 @@ class Scheduler:
             seq.num_computed += n
             known = len(seq.token_ids) - (seq.pending_row is not None)
             self.bm.cache_computed_blocks(seq.block_table, seq.token_ids, min(seq.num_computed, known))
+
+    def drafts_checked(self, seq: Sequence) -> None:
+        """A drafted sequence's step has ended and its tokens are known: K/V counts up to
+        the last (a rejected draft's slot is written again when its position comes), and
+        the blocks now known enter the prefix cache."""
+        seq.num_computed = len(seq.token_ids) - 1
+        self.bm.cache_computed_blocks(seq.block_table, seq.token_ids, seq.num_computed)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child runs from now on, sharing every block of parent (copy-on-write). It joins

@@ -77,6 +77,7 @@ import router as router_mod
 import sampler
 import scheduler
 import smsplit
+import speculate
 import transport
 import workers
 from config import EngineConfig
@@ -953,6 +954,24 @@ def test_random_operations_keep_the_invariants(monkeypatch, hash_fn, prefix_cach
                     bm.append_slots(seq.table, seq.num_computed, end)
                 assert seq.table == before
                 stop(seq)
+        elif op < 0.69 and seqs[-1].num_computed == len(seqs[-1].tokens) < max_len - 6:
+            # a speculative step: the next token and d drafts written, then all but the a kept
+            # drafts and a new last token dropped (speculate.py); no cached block may hold a dropped one
+            seq = seqs[-1]
+            d, a = rng.randint(1, 4), rng.randint(0, 4)
+            a = min(a, d)
+            start = seq.num_computed
+            seq.tokens += [rng.randrange(vocab) for _ in range(1 + d)]
+            touched = seq.table[start // bs:-(-len(seq.tokens) // bs)]
+            need = max(0, -(-len(seq.tokens) // bs) - len(seq.table)) + sum(bm.blocks[b].ref_count > 1 for b in touched)
+            if need > bm.num_free_blocks:
+                del seq.tokens[start:]
+                continue
+            stats["copies"] += write(bm, seq, len(seq.tokens), contents, used)
+            seq.tokens[start + 1 + a:] = [rng.randrange(vocab)]   # kept: the token, a drafts, then the sampled one
+            seq.num_computed = len(seq.tokens) - 1
+            cache(seq)
+            stats["speculative"] += 1
         elif op < 0.73:  # fork (parallel sampling)
             seq = rng.choice(seqs)
             child = Seq(list(seq.tokens), bm.fork(seq.table), seq.num_computed)
@@ -968,7 +987,7 @@ def test_random_operations_keep_the_invariants(monkeypatch, hash_fn, prefix_cach
         stop(seqs[-1])
     check_invariants(bm, seqs, contents)
     assert bm.num_free_blocks == bm.num_blocks and len(bm.free_block_ids) + len(bm.evictable) == 40
-    assert stats["copies"] > 50
+    assert stats["copies"] > 50 and stats["speculative"] > 20
     if prefix_caching and hash_fn is None:
         assert stats["hit_blocks"] > 200 and stats["dedup"] > 0
 
@@ -2282,6 +2301,132 @@ def test_green_context_lanes_run_on_disjoint_sms():
         torch.cuda.synchronize()
         P, D = set(p.tolist()), set(d.tolist())
         assert (len(P), len(D), len(P & D)) == (split.prefill_sms, split.decode_sms, 0)
+
+
+# ======================== speculate.py, engine.py: speculative decoding
+# Drafts checked in one step: the tokens plain decoding gives (HF's greedy, the same seeded
+# draws), the model's distribution (a chi-square test against HF), every block given back.
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+def lookup_by_brute_force(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
+    """Prompt lookup the obvious way: the longest suffix first, every earlier start, latest first."""
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[-n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_prompt_lookup_proposes_what_a_brute_force_search_finds():
+    """ngram's drafts (a byte search) against a plain search over token lists: small and
+    large token ids, and a match of the bytes across two tokens, which is no match."""
+    rng = random.Random(0)
+    cases = [([0x100, 0, 1], 2, 1, 1)]   # token 1's bytes occur inside 0x100, 0
+    for _ in range(3000):
+        vocab = rng.choice([2, 5, 300, 2 ** 31 - 1])
+        n_min = rng.randint(1, 3)
+        cases.append(([rng.randrange(vocab) for _ in range(rng.randint(1, 40))], rng.randint(1, 5), n_min + rng.randint(0, 3),
+                      n_min))
+    for tokens_, k, n_max, n_min in cases:
+        assert speculate.propose_ngram(tokens_, k, n_max, n_min) == lookup_by_brute_force(tokens_, k, n_max, n_min)
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"method": "eagle"}, "method"), ({"method": "draft_model", "model": "tiny"}, "draft_model is not built"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "prompt_lookup_max": 1, "prompt_lookup_min": 2}, "prompt_lookup_max"),
+    ({"method": "ngram", "lookahead": 3}, "lookahead"), ("ngram", "dict"),
+    ({"method": "ngram", "num_speculative_tokens": 2.0}, "num_speculative_tokens"),
+])
+def test_a_bad_speculative_config_is_a_value_error_naming_it(config, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(speculative_config=config).validate()
+    with pytest.raises(ValueError, match="split"):
+        EngineConfig(speculative_config=NGRAM, sm_split=SPLIT).validate()
+
+
+@ENGINE
+def test_speculative_greedy_gives_hf_greedy_tokens_as_drafts_hit_and_miss(hf):
+    """Greedy decoding with ngram drafts gives HF's greedy tokens, on prompts that repeat
+    themselves and random ones (random weights fall into loops, which prompt lookup finds):
+    drafts were checked, some kept and some not, and every block came back."""
+    prompts = [[7, 8, 9, 10] * 6, prompt(30, 1), prompt(12, 2) * 3, PROMPTS[1]]
+    llm = make_llm(hf.path, speculative_config=NGRAM)
+    outs = generate(llm, prompts, max_tokens=24, ignore_eos=True)
+    assert tokens(outs) == [hf.greedy(p, 24) for p in prompts]
+    drafted, kept = (sum(getattr(o.metrics, f"spec_{m}_tokens") for o in outs) for m in ("draft", "accepted"))
+    assert 0 < kept < drafted
+    assert all_blocks_free(llm) and not llm.engine.requests
+
+
+@ENGINE
+def test_speculative_seeded_sampling_gives_plain_seeded_sampling_tokens(hf):
+    """Seeded sampling with drafts (temperatures, top-k, top-p, stop tokens) gives plain
+    seeded sampling's tokens, token for token: each kept token is drawn as plain decoding
+    draws it, and the generator is set back to where plain decoding leaves it."""
+    reqs = [(p, SamplingParams(temperature=t, top_k=top_k, top_p=top_p, seed=seed, max_tokens=40, ignore_eos=True,
+                               stop_token_ids=stop))
+            for seed, (p, t, top_k, top_p, stop) in enumerate([
+                ([7, 8, 9, 10] * 6, 0.05, -1, 1.0, []), (prompt(20, 3) * 2, 0.1, 20, 0.9, []),
+                (prompt(25, 4), 1.0, -1, 1.0, []), (prompt(16, 5) * 3, 0.3, -1, 0.8, [11, 12]),
+                (PROMPTS[2], 0.05, 5, 1.0, [])])]
+    plain = run_engine(Engine(EngineConfig(model=str(hf.path), dtype="float32", device=DEVICE, block_size=BLOCK_SIZE,
+                                           num_kv_blocks=256)), reqs)
+    spec = run_engine(Engine(EngineConfig(model=str(hf.path), dtype="float32", device=DEVICE, block_size=BLOCK_SIZE,
+                                          num_kv_blocks=256, speculative_config=NGRAM)), reqs)
+    assert tokens(spec) == tokens(plain)
+    assert sum(o.metrics.spec_accepted_tokens for o in spec) > 0
+
+
+def chi_square_z(counts: list[int], probs: list[float]) -> float:
+    """Pearson's statistic for counts against probs, as a z-score (Wilson-Hilferty): the
+    categories merged, least likely first, into bins of at least 10 expected draws."""
+    n, bins, e, o = sum(counts), [], 0.0, 0
+    for p, c in sorted(zip(probs, counts)):
+        e, o = e + n * p, o + c
+        if e >= 10:
+            bins.append((o, e))
+            e, o = 0.0, 0
+    if bins and e:
+        bins[-1] = (bins[-1][0] + o, bins[-1][1] + e)
+    stat, df = sum((o - e) ** 2 / e for o, e in bins), len(bins) - 1
+    return ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+
+
+@ENGINE
+def test_speculative_sampling_keeps_the_models_distribution(hf):
+    """Unseeded sampling at temperature 1 with drafts: over 2000 requests, the second output
+    token's counts fit its exact distribution under HF's model (the sum over the first
+    token t of p(t) p(second | t)) by a chi-square test; the prompt holds every token, so
+    prompt lookup drafts after any first token."""
+    ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        first = torch.softmax(hf_logits(hf.model, ids)[-1].double(), -1)   # [vocab]
+        x = torch.tensor([ids + [t] for t in range(VOCAB)])
+        second = torch.softmax(hf.model(x).logits[:, -1].double(), -1)   # [first token, vocab]
+    exact = (first @ second).tolist()
+    torch.manual_seed(0)
+    llm = make_llm(hf.path, speculative_config=NGRAM, max_num_seqs=128, num_kv_blocks=1024)
+    outs = generate(llm, [ids] * 2000, max_tokens=3, temperature=1.0, ignore_eos=True)
+    assert all(o.metrics.spec_draft_tokens == 1 for o in outs)   # max_tokens leaves room for one draft
+    counts = Counter(o.outputs[0].token_ids[1] for o in outs)
+    assert chi_square_z([counts[t] for t in range(VOCAB)], exact) < 3.1   # p > 0.001
+    assert all_blocks_free(llm)
+
+
+@pytest.mark.usefixtures("worker_env", "torch_twins")
+@pytest.mark.parametrize("policy", ["collocated", "disaggregated"])
+def test_speculative_decoding_on_worker_processes_gives_hf_greedy_tokens(hf, policy):
+    """Two collocated workers, or a prefill worker and a decode worker (which drafts for the
+    requests it imports): HF's greedy tokens, drafts kept, every block back."""
+    prompts = [[7, 8, 9, 10] * 6] + MIXED_PROMPTS[:3]
+    with make_cluster(hf, policy, 2, speculative_config=NGRAM) as llm:
+        outs = generate(llm, prompts, max_tokens=20, ignore_eos=True)
+        assert tokens(outs) == [hf.greedy(p, 20) for p in prompts]
+        assert sum(o.metrics.spec_accepted_tokens for o in outs) > 0
+        assert workers_all_free(llm)
 
 
 # ======================= transport.py, workers.py: the handoff, in one process
@@ -4546,6 +4691,17 @@ def test_microbench_small_engine_gives_every_row_and_generates_every_token(tmp_p
     assert g["requests"] == count and g["output_tokens"] == count * n_out
     assert finite_positive(*(g[k] for k in ("seconds", "output_tokens_per_s", "total_tokens_per_s", "matmul_s",
                                             "kv_read_s", "roofline_s")))
+
+
+def test_speculative_bench_small_checks_every_case_against_plain_decoding(tmp_path):
+    """`bench.py speculative --small` (here or on a GPU): every case gave plain greedy
+    decoding's tokens, at finite, positive rates; the drafter that is always wrong (a = 0)
+    had every draft dropped, the one right 80% of the time had some kept."""
+    res = run_microbench(tmp_path, "speculative")
+    rows = res["acceptance"] + res["crossover"] + res["ngram"]
+    assert rows and all(r["same_tokens"] and finite_positive(r["plain_tok_s"], r["spec_tok_s"]) for r in rows)
+    assert all(r["accepted"] == 0 < r["drafted"] for r in res["acceptance"] if r["case"] == "a=0.0")
+    assert all(r["accepted"] > 0 for r in res["acceptance"] if r["case"] == "a=0.8")
 
 
 @MICROBENCH_GPU

@@ -1,0 +1,156 @@
+"""`python bench.py speculative`: speculative decoding (speculate.py) on Qwen3-8B (random
+weights), each case against plain decoding of the same requests in the same run:
+
+  acceptance  output tokens/s at batch 1 and 32, k = 4, with a drafter that proposes the
+              model's own greedy tokens, each right with probability a (0, 0.5, 0.8, 0.9):
+              random weights make a real drafter's acceptance meaningless, so the bench
+              sets it; a = 0 is what speculation costs when every draft misses
+  crossover   the speed-up against the batch (1 to 128) at a = 0.8: where checking drafts
+              costs more than it keeps
+  ngram       prompt lookup on the preset as it is, its acceptance and speed-up: a model
+              with random weights falls into loops, which prompt lookup finds, so these
+              say little of a trained model
+
+Every case also checks that speculation gave plain greedy decoding's tokens. Results are
+printed and, with --out, written as JSON (a plot beside it, .png). --small runs at toy
+sizes, seconds, to check that it runs; its numbers mean nothing.
+"""
+
+import argparse
+import dataclasses
+import json
+import random
+import time
+
+import torch
+
+from nanopd import LLM, SamplingParams
+
+
+@dataclasses.dataclass
+class SpecSizes:
+    model: str = "qwen3-8b"
+    k: int = 4
+    prompt_len: int = 128
+    output_len: int = 128
+    batches: tuple[int, ...] = (1, 32)                 # acceptance
+    acceptances: tuple[float, ...] = (0.0, 0.5, 0.8, 0.9)
+    crossover: tuple[int, ...] = (1, 4, 16, 32, 64, 128)
+    crossover_a: float = 0.8
+
+
+SMALL_SPEC = SpecSizes(model="tiny", prompt_len=16, output_len=16, batches=(1, 2), acceptances=(0.0, 0.8),
+                       crossover=(1, 4))
+
+
+class OracleDrafter:
+    """Drafts the model's own greedy continuation of each prompt (known from a plain run),
+    each token right with probability a and otherwise another token (so a step keeps each
+    next draft with probability a, as the acceptance arithmetic assumes)."""
+
+    def __init__(self, continuations: dict[tuple, list[int]], prompt_len: int, a: float, vocab: int):
+        self.continuations, self.prompt_len, self.a, self.vocab = continuations, prompt_len, a, vocab
+        self.rng = random.Random(0)
+
+    def __call__(self, tokens: list[int], k: int) -> list[int]:
+        done = len(tokens) - self.prompt_len
+        right = self.continuations[tuple(tokens[:self.prompt_len])][done:done + k]
+        return [t if self.rng.random() < self.a else (t + 1) % self.vocab for t in right]
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], sizes: SpecSizes, drafter) -> tuple[float, list, dict]:
+    """Output tokens/s of greedy decoding of prompts with this drafter (None: plain), the
+    outputs' tokens, and the drafts checked and kept."""
+    engine = llm.engine
+    engine.drafter = drafter
+    params = SamplingParams(temperature=0.0, max_tokens=sizes.output_len, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    drafted = sum(o.metrics.spec_draft_tokens for o in outs)
+    kept = sum(o.metrics.spec_accepted_tokens for o in outs)
+    steps = sum(o.metrics.spec_steps for o in outs)
+    return (len(prompts) * sizes.output_len / seconds, [o.outputs[0].token_ids for o in outs],
+            {"drafted": drafted, "accepted": kept, "acceptance": kept / drafted if drafted else 0.0,
+             "mean_kept_per_step": 1 + kept / steps if steps else 1.0})
+
+
+def compare(llm: LLM, sizes: SpecSizes, batch: int, drafter_for, name: str) -> dict:
+    """One case: plain decoding of `batch` prompts, then with drafter_for(continuations)."""
+    vocab = llm.engine.model.config.vocab_size
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(0, vocab, (sizes.prompt_len,), generator=g).tolist() for _ in range(batch)]
+    timed_generate(llm, prompts[:1], sizes, None)   # warm: the shapes of this batch's steps
+    plain, plain_tokens, _ = timed_generate(llm, prompts, sizes, None)
+    drafter = drafter_for({tuple(p): t for p, t in zip(prompts, plain_tokens)})
+    timed_generate(llm, prompts[:1], sizes, drafter)
+    spec, spec_tokens, stats = timed_generate(llm, prompts, sizes, drafter)
+    row = {"case": name, "batch": batch, "plain_tok_s": plain, "spec_tok_s": spec, "speedup": spec / plain,
+           "same_tokens": spec_tokens == plain_tokens, **stats}
+    print(f"{name:>10}  batch {batch:>3}: {plain:8.1f} -> {spec:8.1f} tokens/s ({row['speedup']:.2f}x), "
+          f"acceptance {stats['acceptance']:.2f}, {stats['mean_kept_per_step']:.2f} kept per drafting step, "
+          f"tokens {'the same' if row['same_tokens'] else 'DIFFER'}", flush=True)
+    return row
+
+
+def run_speculative(out: str | None, sizes: SpecSizes) -> dict:
+    llm = LLM(sizes.model, speculative_config={"method": "ngram", "num_speculative_tokens": sizes.k},
+              max_num_seqs=max(sizes.crossover + sizes.batches), max_model_len=sizes.prompt_len + sizes.output_len + 8)
+    vocab, prompt_lookup = llm.engine.model.config.vocab_size, llm.engine.drafter   # the engine's own ngram drafter
+    oracle = lambda a: lambda conts: OracleDrafter(conts, sizes.prompt_len, a, vocab)
+    ngram = lambda conts: prompt_lookup
+    res = {"sizes": dataclasses.asdict(sizes), "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+           else "cpu", "acceptance": [], "crossover": [], "ngram": []}
+    for a in sizes.acceptances:
+        res["acceptance"] += [compare(llm, sizes, b, oracle(a), f"a={a}") for b in sizes.batches]
+    res["crossover"] = [compare(llm, sizes, b, oracle(sizes.crossover_a), f"a={sizes.crossover_a}")
+                        for b in sizes.crossover]
+    res["ngram"] = [compare(llm, sizes, b, ngram, "ngram") for b in sizes.batches]
+    llm.close()
+    if out:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+        plot_speculative(res, out.rsplit(".", 1)[0] + ".png")
+    return res
+
+
+def plot_speculative(res: dict, path: str) -> None:
+    """Speed-up against acceptance (one line per batch, the arithmetic's ideal dotted), and
+    against the batch at the crossover's acceptance."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    k = res["sizes"]["k"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for b in res["sizes"]["batches"]:
+        rows = [r for r in res["acceptance"] if r["batch"] == b]
+        ax1.plot([float(r["case"][2:]) for r in rows], [r["speedup"] for r in rows], "o-", label=f"batch {b}")
+    a = [i / 20 for i in range(19)]
+    ax1.plot(a, [(1 - x ** (k + 1)) / (1 - x) for x in a], ":", color="gray", label=f"tokens per step, k={k}")
+    ax1.axhline(1, color="black", linewidth=0.8)
+    ax1.set(xlabel="acceptance a (each draft right with probability a)", ylabel="speed-up over plain decoding",
+            title=f"Speculative decoding, {res['sizes']['model']}")
+    ax1.legend(fontsize=8)
+    rows = res["crossover"]
+    ax2.plot([r["batch"] for r in rows], [r["speedup"] for r in rows], "o-")
+    ax2.axhline(1, color="black", linewidth=0.8)
+    ax2.set(xscale="log", xlabel="batch (sequences)", ylabel="speed-up over plain decoding",
+            title=f"Against the batch, a = {res['sizes']['crossover_a']}")
+    ax2.set_xticks([r["batch"] for r in rows], [str(r["batch"]) for r in rows])
+    ax2.minorticks_off()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="bench.py speculative", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["speculative"])
+    p.add_argument("--model", default=None, help="preset (random weights) or checkpoint folder; default qwen3-8b, "
+                   "or tiny with --small")
+    p.add_argument("--small", action="store_true", help="toy sizes: seconds, to check that it runs")
+    p.add_argument("--out", default=None, help="write the results here as JSON, and a plot beside it (.png)")
+    args = p.parse_args(argv)
+    sizes = SMALL_SPEC if args.small else SpecSizes()
+    run_speculative(args.out, dataclasses.replace(sizes, model=args.model or sizes.model))

@@ -1,0 +1,104 @@
+"""Speculative decoding: a drafter guesses the next few tokens of a sequence, and the engine
+checks them all in one step (engine.py).
+
+A decode step at a small batch reads every weight to produce one token per sequence; the
+same read can compute a few more positions. So a drafter proposes k tokens d_1..d_k after a
+sequence's last token, and the step computes the last token and the drafts as one short
+chunk (the paged attention kernel attends a chunk to the context before it, as for a
+prompt). Each of the k + 1 positions gives the model's distribution p_j of the token after
+it. The engine samples s_j from each p_j, exactly as it would without drafts (same
+temperature, top-k, top-p; a seeded sequence draws from its own generator in the same
+order), and keeps
+
+    d_1 .. d_a, then s_a      where a is how many leading drafts equal what was sampled
+                              (d_{j+1} == s_j); all k agree: d_1 .. d_k, then s_k.
+
+This is Leviathan et al.'s rejection rule for drafts that are certain (a drafter that
+proposes one token, q = that token with probability 1): a draft is kept with probability
+min(1, p/q) = p(d), which is the chance that s, drawn from p, is d; on a mismatch s is
+drawn from p without d, renormalised, which is max(0, p - q) normalised. So every kept
+token has the model's distribution, and greedy rows (s_j the argmax) give the tokens
+plain greedy decoding gives. A seeded sequence's generator is set back after the step to
+where plain decoding would have left it (one draw per kept token), so its tokens are
+those of plain decoding too, token for token.
+
+If each draft is right with probability a, independently, a step keeps
+(1 - a^(k+1)) / (1 - a) tokens on average. Checking k drafts costs little while the step
+is bound by reading the weights (small batches) and as much as k more decodes once it is
+bound by compute (large ones): above `disable_by_batch_size` running sequences (vLLM's
+setting) nothing drafts.
+
+A draft needs the token before it on the host, so a step that will be followed by drafts
+ends before the next is scheduled, giving up the overlap of the host's work with the
+device's. Drafts that miss would make speculation cost more than it gains; so a sequence
+whose drafts miss backs off (due), and a step after which nothing is due keeps the overlap.
+
+Drafters (vLLM's `speculative_config` methods):
+  ngram   prompt lookup: the tokens that followed the latest earlier occurrence of the
+          sequence's last n tokens, n from prompt_lookup_max down to prompt_lookup_min.
+"""
+
+from array import array
+from collections.abc import Callable
+
+import torch
+
+from config import SpeculativeConfig
+from request import Sequence
+
+Drafter = Callable[[list[int], int], list[int]]   # (a sequence's tokens, at most how many) -> drafts
+
+
+def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens (the longest n
+    first) and propose the up to k tokens that followed it; [] if none occurs."""
+    data, size = array("i", tokens).tobytes(), len(tokens)   # 4 bytes a token: bytes.rfind runs in C
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        suffix, end = data[4 * (size - n):], 4 * (size - 1)   # an occurrence ends before the last token
+        while (at := data.rfind(suffix, 0, end)) >= 0:
+            if at % 4 == 0:   # on a token boundary
+                return tokens[at // 4 + n:at // 4 + n + k]
+            end = at + len(suffix) - 1
+    return []
+
+
+DRAFTERS: dict[str, Callable[[SpeculativeConfig], Drafter]] = {
+    "ngram": lambda cfg: lambda tokens, k: propose_ngram(tokens, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min),
+}
+
+
+def can_speculate(seq: Sequence) -> bool:
+    """Whether seq's drafts can be checked: its request samples from the model's own logits
+    (no penalties nor bans: those would have to count each draft), reports no logprobs,
+    searches no beams and decodes here (a prefill worker's parks after its first token)."""
+    req = seq.request
+    return not req.adjusts and not req.beam_width and req.params.logprobs is None and not req.prefill_only
+
+
+MAX_BACKOFF = 6   # a sequence whose drafts keep missing drafts every 2^6 = 64 steps at least
+
+
+def due(seq: Sequence, step: int) -> bool:
+    """Whether seq drafts at engine step `step`: every step while its drafts are kept (one
+    miss in between is forgiven), then, with each more drafting step in a row that kept
+    none (or found none), half as often, down to every 2^MAX_BACKOFF steps. Due steps are
+    multiples of a power of two, so sequences backed off alike draft at the same steps,
+    and the steps between them keep the host's overlap (engine.py)."""
+    return step % (1 << min(max(seq.draft_misses - 1, 0), MAX_BACKOFF)) == 0
+
+
+def num_accepted(drafts: list[int], sampled: list[int]) -> int:
+    """How many leading drafts the sampled tokens agree with (sampled[j]: after draft j)."""
+    a = 0
+    while a < len(drafts) and drafts[a] == sampled[a]:
+        a += 1
+    return a
+
+
+def rewind(generator: torch.Generator, state: torch.Tensor, draws: int, vocab: int) -> None:
+    """Set a seeded sequence's generator to where plain decoding would leave it: back to
+    state, then `draws` tokens on, each drawing one vocab-wide exponential sample, as
+    sampler.sample draws a token."""
+    generator.set_state(state)
+    for _ in range(draws):
+        torch.empty(vocab, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
