@@ -104,6 +104,7 @@ class Result:
     phase: str = ""                              # the mix that drew it (phased: the phase)
     arrival: float = 0.0                         # s after the run's start
     lag: float = 0.0                             # s from its arrival to its submit: the client fell behind
+    spec: tuple[int, int, int] = (0, 0, 0)       # speculative decoding: drafts checked, kept, in how many steps
 
 
 def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec], desc: str) -> tuple[list[Result], float]:
@@ -138,7 +139,8 @@ def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec], desc:
                     tpot=(m.finish_time - m.first_token_time) / max(1, n - 1) if m.first_token_time else 0.0,
                     e2e=m.finish_time - sent, path=list(m.path),
                     error=None if out.error is None else str(out.error), routed=routed, phase=spec.phase,
-                    arrival=spec.arrival, lag=max(0.0, m.arrival_time - sent)))
+                    arrival=spec.arrival, lag=max(0.0, m.arrival_time - sent),
+                    spec=(m.spec_draft_tokens, m.spec_accepted_tokens, m.spec_steps)))
                 bar.update()
     return results, time.perf_counter() - start
 
@@ -169,6 +171,9 @@ def summarize(results: list[Result], seconds: float, ttft_slo: float, tpot_slo: 
         for q in (50, 90, 99):
             row[f"{name}_p{q}"] = percentile([getattr(r, name) for r in ok], q)
     row["lag_max"] = max((r.lag for r in results), default=0.0)
+    drafted, kept, steps = (sum(r.spec[i] for r in ok) for i in range(3))
+    if drafted:   # speculative decoding: vLLM's acceptance rate and mean acceptance length
+        row["spec_acceptance"], row["spec_mean_kept_per_step"] = kept / drafted, 1 + kept / steps
     return row
 
 
@@ -196,6 +201,10 @@ def print_table(rows: list[dict], title: str) -> None:
               f"| {r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} | {r['tpot_p50'] * 1e3:.1f} / {r['tpot_p99'] * 1e3:.1f} "
               f"| {r['e2e_p50']:.2f} / {r['e2e_p99']:.2f} | {r['slo_attainment']:.0%} "
               f"| {r['disaggregated_share']:.0%} |")
+    for r in rows:
+        if "spec_acceptance" in r:
+            print(f"{r['policy']} {r['workload']}: drafts kept {r['spec_acceptance']:.0%}, "
+                  f"{r['spec_mean_kept_per_step']:.2f} tokens per drafting step")
 
 
 def plot(run: "Run", rows: list[dict], results: list[Result], goodput: dict, timelines: list[dict]) -> list[str]:
@@ -431,6 +440,8 @@ def parser() -> argparse.ArgumentParser:
                    help="seats per worker, every policy (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step (default: 8192 on GPUs, 256 on CPUs)")
+    p.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="speculative decoding, K ngram drafts a step (docs/speculative.md); 0: none (default)")
     p.add_argument("--out", default="runs/bench", help="folder for results.json and the plots (runs/ is not "
                    "tracked; results/ holds the measurements the docs quote) (default: %(default)s)")
     return p
@@ -457,7 +468,9 @@ def make_run(args: argparse.Namespace) -> Run:
               model=args.model or ("qwen3-8b" if gpu else "tiny"), devices=devices, scale=1.0 if gpu else 1 / 8,
               ttft_slo=default(args.ttft_slo, 2.0 if gpu else 0.5), tpot_slo=default(args.tpot_slo, 0.1 if gpu else 0.05),
               engine={"max_num_seqs": args.max_num_seqs, "max_model_len": 4096,
-                      "max_num_batched_tokens": default(args.max_num_batched_tokens, 8192 if gpu else 256)},
+                      "max_num_batched_tokens": default(args.max_num_batched_tokens, 8192 if gpu else 256),
+                      **({"speculative_config": {"method": "ngram", "num_speculative_tokens": args.speculative}}
+                         if args.speculative != 0 else {})},
               seed=args.seed, out=Path(args.out), join=args.join,
               transport=args.transport or ("distributed" if args.join else "p2p"),
               slo=None if args.ttft_slo is None and args.tpot_slo is None else
@@ -483,6 +496,9 @@ def check_run(run: Run) -> None:
             raise SystemExit(f"error: {flag} must be above 0 and finite, got {bad[0]:g}")
     if run.count < 1:
         raise SystemExit(f"error: --num-requests must be at least 1, got {run.count}")
+    spec = run.engine.get("speculative_config")
+    if spec is not None and spec["num_speculative_tokens"] < 0:
+        raise SystemExit(f"error: --speculative must be at least 0, got {spec['num_speculative_tokens']}")
     if max(run.rates) * run.duration > MAX_REQUESTS or run.count > MAX_REQUESTS:
         raise SystemExit(f"error: --rate x --duration (or --num-requests) asks for more than {MAX_REQUESTS:,} requests")
     try:   # the results must have somewhere to go before any time is spent serving

@@ -324,7 +324,9 @@ class Engine:
         except Exception as e:  # noqa: BLE001 (the requests end with it; nothing else is lost)
             return self._fail_step([batch], e)
         self.in_flight = launched
-        if launched is not None and (launched.beams or self._drafters(self.num_steps + 1)):   # chosen on the host, now
+        # Chosen on the host, now: beams; drafts (the sequence's next tokens depend on them);
+        # and any step before a sequence drafts (a draft needs the token before it).
+        if launched is not None and (launched.beams or launched.drafted or self._drafters(self.num_steps + 1)):
             finished += self._finish(launched)
             self.in_flight = None
         return [r.request_id for r in finished]
@@ -332,9 +334,10 @@ class Engine:
     def _drafters(self, step: int) -> list[Sequence]:
         """The running sequences that draft at this step (speculate.py): none without a
         drafter, or while more run than the config's disable_by_batch_size."""
-        limit = self.cfg.speculative_config.disable_by_batch_size if self.drafter is not None else 0
-        running = self.scheduler.running
-        if self.drafter is None or (limit is not None and len(running) > limit):
+        if self.drafter is None:
+            return []
+        limit, running = self.cfg.speculative_config.disable_by_batch_size, self.scheduler.running
+        if limit is not None and len(running) > limit:
             return []
         return [s for s in running if can_speculate(s) and due(s, step)]
 
@@ -343,8 +346,9 @@ class Engine:
         max_model_len leave room for after the token the step samples anyway (the scheduler
         checks as many as the step's budget holds; the step clears them). Finding none
         counts as a miss. The sequences given drafts."""
-        k, drafting = self.cfg.speculative_config.num_speculative_tokens if self.drafter else 0, []
+        drafting = []
         for seq in self._drafters(self.num_steps):
+            k = self.cfg.speculative_config.num_speculative_tokens
             room = min(k, seq.request.params.max_tokens - seq.num_outputs - 1,
                        self.cfg.max_model_len - len(seq.token_ids) - 1)
             if seq.num_pending == 1 and seq.num_outputs > 0 and seq.pending_row is None and room > 0:

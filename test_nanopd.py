@@ -2380,6 +2380,37 @@ def test_speculative_seeded_sampling_gives_plain_seeded_sampling_tokens(hf):
     assert sum(o.metrics.spec_accepted_tokens for o in spec) > 0
 
 
+@ENGINE
+def test_drafts_that_always_miss_back_off_and_leave_the_tokens_alone(hf):
+    """A drafter that is always wrong (HF's next greedy token, plus one): the tokens stay
+    HF's greedy ones, nothing is kept, and the sequence drafts less and less often (at most
+    every step twice, then every 2, 4, 8 ... steps: speculate.due), so a drafting step is
+    followed by steps that keep the overlap, each drafting step still ending at once."""
+    p, n = PROMPTS[2], 80
+    right = hf.greedy(p, n)
+    llm = make_llm(hf.path, speculative_config=NGRAM)
+    eng, late = llm.engine, []
+    eng.drafter = lambda tokens, k: [(right[len(tokens) - len(p)] + 1) % VOCAB] * k
+    launch, finish, launched_in = eng._launch, eng._finish, {}
+
+    def launching(*args):
+        step = launch(*args)
+        launched_in[id(step)] = eng.num_steps
+        return step
+
+    def finishing(step):
+        late.append((launched_in[id(step)] != eng.num_steps, bool(step.drafted)))   # later: overlapped
+        return finish(step)
+    eng._launch, eng._finish = launching, finishing
+    outs = generate(llm, [p], max_tokens=n, ignore_eos=True)
+    assert tokens(outs) == [right]
+    m = outs[0].metrics
+    assert m.spec_accepted_tokens == 0 and 4 <= m.spec_steps <= 10 and m.spec_draft_tokens >= m.spec_steps
+    assert sum(overlapped for overlapped, _ in late) > n / 2   # most steps overlapped the next
+    assert not any(overlapped for overlapped, drafted in late if drafted)   # a drafting step ends at once
+    assert all_blocks_free(llm)
+
+
 def chi_square_z(counts: list[int], probs: list[float]) -> float:
     """Pearson's statistic for counts against probs, as a z-score (Wilson-Hilferty): the
     categories merged, least likely first, into bins of at least 10 expected draws."""
@@ -4446,9 +4477,9 @@ def test_a_script_without_a_main_guard_gets_one_clear_line(tmp_path):
 
 @pytest.mark.usefixtures("worker_env")
 @pytest.mark.parametrize("args", [["--rate", "0"], ["--mode", "sweep", "--rates", "4", "-2"], ["--duration", "-1"],
-                                  ["--mode", "static", "--num-requests", "0"]])
+                                  ["--mode", "static", "--num-requests", "0"], ["--speculative", "-1"]])
 def test_bench_bad_arguments_are_a_one_line_error(args):
-    """A rate, duration or request count that could give no run is refused, naming the flags."""
+    """A rate, duration, request count or draft count that could give no run is refused, naming the flags."""
     run = subprocess.run([sys.executable, "bench.py", *args, "--devices", "cpu", "cpu"], cwd=HERE,
                          capture_output=True, timeout=120, check=False)
     flag = next(a for a in reversed(args) if a.startswith("--")).encode()
@@ -4693,6 +4724,7 @@ def test_microbench_small_engine_gives_every_row_and_generates_every_token(tmp_p
                                             "kv_read_s", "roofline_s")))
 
 
+@pytest.mark.usefixtures("worker_env")   # on CPU: the kernels' torch twins, not the Triton interpreter
 def test_speculative_bench_small_checks_every_case_against_plain_decoding(tmp_path):
     """`bench.py speculative --small` (here or on a GPU): every case gave plain greedy
     decoding's tokens, at finite, positive rates; the drafter that is always wrong (a = 0)
