@@ -106,10 +106,9 @@ def wait_for(lane: Lane, step: LaunchedStep | None) -> None:
 
 class Engine:
     def __init__(self, cfg: EngineConfig):
-        cfg.validate()
-        on_cuda = torch.cuda.is_available() and (cfg.device is None or torch.device(cfg.device).type == "cuda")
-        if cfg.splits_sms and on_cuda:
+        if cfg.splits_sms:   # before anything asks CUDA about the device (validate does)
             load_kernels_at_start()
+        cfg.validate()
         self.model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
         config = self.model.config
         cfg.max_model_len = min(cfg.max_model_len, config.max_position_embeddings)

@@ -61,13 +61,15 @@ def default_menu(total_sms: int) -> list[Split]:
 
 
 def load_kernels_at_start() -> None:
-    """Call before CUDA starts in a process that will split its GPU: CUDA then loads every
-    kernel when it starts instead of at the kernel's first launch. Loading a kernel may
+    """Call before CUDA starts in a process that will split its GPU (before anything asks
+    CUDA about devices, torch.cuda.is_available() included): CUDA then loads every kernel
+    when it starts instead of at the kernel's first launch. Loading a kernel may
     synchronise the whole context (the CUDA programming guide, on lazy loading), so a
     decode step that launches one for the first time (a GEMM cuBLAS picks for a new batch
     size, say) would wait for the prompt chunk running beside it. The cost: a longer
     start and the device memory of every kernel (the KV cache is sized after it). Once
-    CUDA has started, it is too late: a warning says so."""
+    CUDA has started, it is too late: a warning says so (and make_lanes checks the mode
+    CUDA runs in). On a machine without CUDA the setting does nothing."""
     if os.environ.get("CUDA_MODULE_LOADING") == "EAGER":
         return
     if torch.cuda.is_initialized():
@@ -104,6 +106,7 @@ def _split_streams(device_index: int, decode_sms: int):
     from cuda.bindings import driver as cu
 
     torch.cuda.init()   # the primary context, which the green contexts' streams run beside
+    _warn_if_lazy(cu)
     dev = _check(cu.cuDeviceGet(device_index))
     sms = _check(cu.cuDeviceGetDevResource(dev, cu.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM))
     groups, _, rest = _check(cu.cuDevSmResourceSplitByCount(1, sms, 0, decode_sms))
@@ -115,3 +118,16 @@ def _split_streams(device_index: int, decode_sms: int):
         streams.append(torch.cuda.ExternalStream(int(stream), device=torch.device("cuda", device_index)))
         keep += [desc, ctx, stream]
     return streams, (rest.sm.smCount, groups[0].sm.smCount), tuple(keep)
+
+
+def _warn_if_lazy(cu) -> None:
+    """A warning if CUDA runs this process with lazy loading (load_kernels_at_start came too
+    late); nothing if this driver's bindings cannot say."""
+    try:
+        lazy = _check(cu.cuModuleGetLoadingMode()) != cu.CUmoduleLoadingMode.CU_MODULE_EAGER_LOADING
+    except (AttributeError, RuntimeError):
+        return
+    if lazy:
+        warnings.warn("CUDA loads kernels at their first launch in this process, and a split worker's decode step "
+                      "that loads one waits for the prompt chunk beside it: build the engine before anything uses "
+                      "CUDA, or set CUDA_MODULE_LOADING=EAGER (smsplit.load_kernels_at_start)", stacklevel=3)

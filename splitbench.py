@@ -60,7 +60,6 @@ def bench_menu(total: int) -> list[Split]:
 
 
 def make_engine(sizes: SplitSizes) -> Engine:
-    load_kernels_at_start()   # before num_sms starts CUDA, as a split worker does
     total = num_sms(torch.device("cuda"))
     menu = tuple((s.prefill_sms, s.decode_sms) for s in bench_menu(total))
     return Engine(EngineConfig(model=sizes.model, max_num_seqs=max(sizes.batches), split_menu=menu,
@@ -265,6 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--small", action="store_true", help="toy sizes: seconds, to check that it runs")
     p.add_argument("--out", default=None, help="write the results here as JSON, and a plot beside it (.png)")
     args = p.parse_args(argv)
+    load_kernels_at_start()   # before anything asks CUDA about the device, as a split worker does
     if not torch.cuda.is_available():
         raise SystemExit("bench.py split measures the GPU: no CUDA device found")
     sizes = SMALL_SPLIT if args.small else SplitSizes()
