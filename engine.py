@@ -161,13 +161,17 @@ class Engine:
         ids = [self.submit([0] * n, p, request_id=next(names)) for p in params]
         if self.split is not None:
             room = self.bm.num_blocks - self.bm.watermark_blocks - len(ids) * cdiv(n + 2, bs)   # blocks left
-            chunk = max(1, min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len - 1, room // 2 * bs))
-            seats = max(0, min(self.cfg.max_num_seqs - len(ids) - 1, (room - cdiv(chunk + 1, bs)) // cdiv(n + 3, bs)))
+            chunk = max(1, min(self.cfg.max_num_batched_tokens, room // 2 * bs))
+            longest = self.cfg.max_model_len - 1
+            prompts = [min(longest, chunk - i) for i in range(0, chunk, longest)]   # the chunk, in prompts that fit
+            blocks = sum(cdiv(p + 1, bs) for p in prompts)
+            seats = max(0, min(self.cfg.max_num_seqs - len(ids) - len(prompts), (room - blocks) // cdiv(n + 3, bs)))
             short = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
             ids += [self.submit([0] * n, short, request_id=next(names)) for _ in range(seats)]
             self.step()   # their prompts, on the whole GPU (nothing decodes yet)
-            token = 1 + list(self.runner.splits).index(self.split)   # a prompt the prefix cache has not seen
-            ids.append(self.submit([token] * chunk, SamplingParams(max_tokens=1), request_id=next(names)))
+            first = 1 + list(self.runner.splits).index(self.split) * len(prompts)   # prompts no cache has seen
+            ids += [self.submit([first + j] * p, SamplingParams(max_tokens=1), request_id=next(names))
+                    for j, p in enumerate(prompts)]
         while self.has_unfinished():
             self.step()
         for request_id in ids:

@@ -2245,15 +2245,16 @@ def test_split_engine_preempts_and_aborts_without_losing_blocks(hf):
 @ENGINE
 def test_a_split_warms_up_each_lane_with_its_biggest_step(hf, monkeypatch):
     """The start-up warm-up of a split (run here by hand: CPU engines skip it) fills every
-    seat but the prompt's with decodes on the decode lane, beside a prompt chunk of the
-    whole token budget on the prefill lane, so each lane's stream has run its biggest step
-    before serving; it leaves no request and no block behind."""
-    eng = split_engine(hf, max_num_seqs=12, max_num_batched_tokens=40)
+    seat but the prompts' with decodes on the decode lane, beside a prompt chunk of the
+    whole token budget on the prefill lane (two prompts: the budget is more than a prompt
+    may be), so each lane's stream has run its biggest step before serving; it leaves no
+    request and no block behind."""
+    eng = split_engine(hf, max_num_seqs=12, max_num_batched_tokens=40, max_model_len=32)
     log = lane_log(monkeypatch, eng)
     eng._warm_up()
     decode_batches = [len(seqs) for name, seqs, _, _ in log if name == "decode"]
     chunks = [sum(s.num_prompt_tokens for s in seqs) for name, seqs, _, prompts in log if name == "prefill"]
-    assert max(decode_batches) == 12 - 1 and max(chunks) == 40
+    assert max(decode_batches) == 12 - 2 and max(chunks) == 40   # two prompts: one of 31 tokens (max_model_len), one of 9
     assert not eng.requests and not eng.has_unfinished() and eng.bm.num_free_blocks == eng.bm.num_blocks
 
 
