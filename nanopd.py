@@ -181,7 +181,7 @@ class LLM:
         # disable=None: the bar shows only on a terminal
         with tqdm(total=len(ids), desc="generating", disable=True if not use_tqdm or len(ids) < 2 else None) as bar:
             while pending:
-                with self.lock:
+                with self.lock, interrupts_held():   # a Ctrl-C lands between steps, never inside one
                     for request_id in self.backend.poll(0.05):
                         self.ended[request_id] = self.output_of(request_id)
                     done = pending & self.ended.keys()
@@ -208,8 +208,9 @@ def failed_output(prompt, error: Exception) -> RequestOutput:
 @contextlib.contextmanager
 def interrupts_held():
     """Hold a Ctrl-C that arrives inside the block until the block has ended, so that what
-    it does (a submit: registering a request and returning its id) is never cut in half.
-    Only the main thread receives signals; elsewhere this does nothing."""
+    it does (a submit: registering a request and returning its id; a poll: an engine step,
+    whose scheduler moves blocks between sequences) is never cut in half. Only the main
+    thread receives signals; elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -2085,6 +2085,30 @@ def test_ctrl_c_while_submitting_aborts_everything_the_call_submitted(hf, monkey
 
 
 @ENGINE
+def test_ctrl_c_inside_a_step_lands_after_the_step(hf, monkeypatch):
+    """A SIGINT that arrives inside an engine step (here: just as the scheduler has given a
+    prompt its blocks, before the prompt holds them) is held until the step has ended:
+    every request is aborted, every block is back, and the next generate serves."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)   # as in a terminal
+    llm = make_llm(hf.path)
+    allocate, sent = llm.engine.bm.allocate, []
+
+    def allocating(*args):
+        blocks = allocate(*args)
+        if not sent:
+            sent.append(os.kill(os.getpid(), signal.SIGINT))   # the handler runs here, unless held
+        return blocks
+    monkeypatch.setattr(llm.engine.bm, "allocate", allocating)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            generate(llm, PROMPTS, max_tokens=8)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert sent and all_blocks_free(llm) and not llm.engine.requests and not llm.engine.has_unfinished()
+    assert tokens(generate(llm, [PROMPTS[1]], max_tokens=5)) == [hf.greedy(PROMPTS[1], 5)]
+
+
+@ENGINE
 def test_an_error_of_any_kind_in_one_request_ends_only_that_request(hf, monkeypatch):
     """Whatever one request raises on its way in (here a TypeError from submit) ends that
     request with the error; the others get HF's tokens and nothing stale is left."""
