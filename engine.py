@@ -317,8 +317,9 @@ class Engine:
         self.num_steps += 1
         drafting = self._draft()
         batch = self.scheduler.schedule()
-        for seq in set(drafting) - set(batch.seqs):   # not scheduled (preempted, no budget): drafts dropped
-            seq.drafts = []
+        if drafting:
+            for seq in set(drafting) - set(batch.seqs):   # not scheduled (preempted, no budget): drafts dropped
+                seq.drafts = []
         if self._restart_beams() + len(batch.seqs) == 0 and self.in_flight is None:
             return self._end_unschedulable()
         try:
@@ -349,9 +350,9 @@ class Engine:
         max_model_len leave room for after the token the step samples anyway (the scheduler
         checks as many as the step's budget holds; the step clears them). Finding none
         counts as a miss. The sequences given drafts."""
-        drafting = []
-        for seq in self._drafters(self.num_steps):
-            k = self.cfg.speculative_config.num_speculative_tokens
+        drafting, due_now = [], self._drafters(self.num_steps)
+        k = self.cfg.speculative_config.num_speculative_tokens if due_now else 0
+        for seq in due_now:
             room = min(k, seq.request.params.max_tokens - seq.num_outputs - 1,
                        self.cfg.max_model_len - len(seq.token_ids) - 1)
             if seq.num_pending == 1 and seq.num_outputs > 0 and seq.pending_row is None and room > 0:
