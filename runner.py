@@ -171,8 +171,8 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         self.max_blocks_per_seq = cdiv(cfg.max_model_len, cfg.block_size)
         # Each split of the menu (cfg.sm_split and cfg.split_menu): two streams on disjoint SMs.
-        menu = [tuple(s) for s in dict.fromkeys([cfg.sm_split, *cfg.split_menu]) if s]
-        self.split_lanes = [make_lanes(self.device, Split(*s)) for s in menu]   # (these keep the driver's objects)
+        self.menu = [tuple(s) for s in dict.fromkeys([cfg.sm_split, *cfg.split_menu]) if s]   # as asked
+        self.split_lanes = [make_lanes(self.device, Split(*s)) for s in self.menu]   # (these keep the driver's objects)
         try:
             self.num_blocks = self._check_fits(cfg.num_kv_blocks or self._blocks_that_fit())
             self.kv_cache = allocate_kv_cache(self.num_blocks, model.num_layers, model.num_kv_heads,
@@ -191,8 +191,7 @@ class ModelRunner:
         self.alone = Lane()   # the whole GPU without graphs: a split worker's prompts with nothing to decode
         # Each split of the menu, under the SM counts the driver gave: its prefill lane and its decode lane.
         self.splits: dict[Split, tuple[Lane, Lane]] = {}
-        menu = [tuple(s) for s in dict.fromkeys([self.cfg.sm_split, *self.cfg.split_menu]) if s]
-        for lanes, asked in zip(self.split_lanes, menu):
+        for lanes, asked in zip(self.split_lanes, self.menu):
             if lanes.prefill is not None and tuple(asked) != (lanes.split.prefill_sms, lanes.split.decode_sms):
                 raise ValueError(f"split {tuple(asked)}: the decode lane gets its SMs in multiples the driver "
                                  f"allows and the prefill lane the rest, here {lanes.split.prefill_sms} + "
@@ -244,7 +243,7 @@ class ModelRunner:
             start = seq.num_computed
             if seq.pending_row is not None and start <= len(seq.token_ids) - 1 < start + n:
                 fills += (len(ids) + len(seq.token_ids) - 1 - start, seq.pending_row)
-            ids += (seq.token_ids + seq.drafts if seq.drafts else seq.token_ids)[start:start + n]   # drafts: speculate.py
+            ids += (seq.token_ids[start:] + seq.drafts)[:n] if seq.drafts else seq.token_ids[start:start + n]
             positions += range(start, start + n)
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
             tables.append(seq.block_table)
