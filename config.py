@@ -21,12 +21,14 @@ class SpeculativeConfig:
     proposes num_speculative_tokens tokens after a sequence's last, the model checks them
     all in one step. "ngram" drafts by prompt lookup: the tokens that followed the latest
     earlier occurrence of the sequence's last n tokens (n from prompt_lookup_max down to
-    prompt_lookup_min)."""
+    prompt_lookup_min). num_branches (nanoPD's key, not vLLM's) checks up to that many
+    candidate continuations of a sequence in the same step, on copy-on-write branches."""
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     disable_by_batch_size: int | None = None   # no drafts while more sequences than this run (None: any)
+    num_branches: int = 1                      # candidate continuations checked at once (1: vLLM's one)
 
 
 SPECULATIVE_METHODS = {"ngram": ("prompt_lookup_max", "prompt_lookup_min")}   # method -> the keys it takes
@@ -46,13 +48,15 @@ def speculative_config(value) -> SpeculativeConfig | None:
             if method == "draft_model" else ""
         raise ValueError(f"speculative_config's method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                          f"got {method!r}{left_out}")
-    allowed = {"method", "num_speculative_tokens", "disable_by_batch_size", *SPECULATIVE_METHODS[method]}
+    allowed = {"method", "num_speculative_tokens", "disable_by_batch_size", "num_branches",
+               *SPECULATIVE_METHODS[method]}
     unknown = sorted(set(value) - allowed)
     if unknown:
         raise ValueError(f"speculative_config for {method} does not take {', '.join(map(repr, unknown))} "
                          f"(it takes {', '.join(sorted(allowed))})")
     cfg = SpeculativeConfig(**value)
     check_int("speculative_config's num_speculative_tokens", cfg.num_speculative_tokens, low=1)
+    check_int("speculative_config's num_branches", cfg.num_branches, low=1)
     check_int("speculative_config's prompt_lookup_min", cfg.prompt_lookup_min, low=1)
     check_int("speculative_config's prompt_lookup_max", cfg.prompt_lookup_max, low=cfg.prompt_lookup_min)
     if cfg.disable_by_batch_size is not None:

@@ -81,6 +81,7 @@ class Drafted:
     drafts: list[int]
     checks: int
     generator_state: torch.Tensor | None   # a seeded sampled sequence's generator before the step
+    branches: list[tuple[Sequence, list[int], int]] = field(default_factory=list)   # (branch, drafts, checks)
 
 
 @dataclass
@@ -320,6 +321,7 @@ class Engine:
         if drafting:
             for seq in set(drafting) - set(batch.seqs):   # not scheduled (preempted, no budget): drafts dropped
                 seq.drafts = []
+                self.scheduler.drop_branches(seq)
         if self._restart_beams() + len(batch.seqs) == 0 and self.in_flight is None:
             return self._end_unschedulable()
         try:
@@ -348,19 +350,22 @@ class Engine:
     def _draft(self) -> list[Sequence]:
         """Drafts for the sequences that draft now, decoding, as many as max_tokens and
         max_model_len leave room for after the token the step samples anyway (the scheduler
-        checks as many as the step's budget holds; the step clears them). Finding none
+        checks as many as the step's budget holds; the step clears them): the longest
+        candidate on the sequence, each other on a branch (Scheduler.branch). Finding none
         counts as a miss. The sequences given drafts."""
-        drafting, due_now = [], self._drafters(self.num_steps)
-        k = self.cfg.speculative_config.num_speculative_tokens if due_now else 0
+        drafting, due_now, spec = [], self._drafters(self.num_steps), self.cfg.speculative_config
         for seq in due_now:
-            room = min(k, seq.request.params.max_tokens - seq.num_outputs - 1,
+            room = min(spec.num_speculative_tokens, seq.request.params.max_tokens - seq.num_outputs - 1,
                        self.cfg.max_model_len - len(seq.token_ids) - 1)
             if seq.num_pending == 1 and seq.num_outputs > 0 and seq.pending_row is None and room > 0:
-                seq.drafts = self.drafter(seq.token_ids, room)
-                if seq.drafts:
-                    drafting.append(seq)
-                else:
+                candidates = self.drafter(seq.token_ids, room, spec.num_branches)
+                if not candidates:
                     seq.draft_misses += 1
+                    continue
+                seq.drafts = candidates[0]
+                for drafts in candidates[1:]:
+                    self.scheduler.branch(seq, drafts)
+                drafting.append(seq)
         return drafting
 
     def _step_lanes(self) -> list[int]:
@@ -532,11 +537,15 @@ class Engine:
         beam_rows = [i for i in done if batch.seqs[i].request.beam_width]
         checks = self._plan_checks(batch, done, step)
         plan, draws = self._plan_draws(batch, done)
+        checks += self._plan_branch_checks(batch, step, len(checks), plan)
+        step.num_checks = len(checks)
         beam_k = 2 * max((s.request.beam_width for s in step.beams), default=0)
         step.output = self.runner.run(batch, checks + draws, beam_rows, beam_k,
                                       previous.output.tokens if previous else None, lane)
         for seq in step.drafted:   # their tokens are on their way: the drafts are the step's now
             seq.drafts = []
+            for branch in seq.branches:
+                branch.drafts = []
         self.scheduler.computed(batch)
         targets = [batch.seqs[i] if j == 0 else self.fork(batch.seqs[i], j, d.generator)
                    for (i, j), d in zip(plan, draws)]
@@ -554,12 +563,33 @@ class Engine:
         checks = []
         for i in done:
             seq = batch.seqs[i]
-            if seq.drafts:
+            if seq.drafts and seq.trunk is None:
                 seeded = seq.generator is not None and not seq.request.params.greedy
                 step.drafted[seq] = Drafted(seq.drafts, len(checks), seq.generator.get_state() if seeded else None)
                 checks += [Draw(i, seq.request.params, seq.generator, position=j) for j in range(len(seq.drafts))]
-        step.num_checks = len(checks)
         return checks
+
+    def _plan_branch_checks(self, batch: Batch, step: LaunchedStep, first: int, plan: list[tuple[int, int]]
+                            ) -> list[Draw]:
+        """The draws of the drafted sequences' branches, after their own checks (from draw
+        `first` on) and before the ordinary draws (plan): a token after the last token and
+        after each draft. The draw at depth j of every branch reuses the noise of its
+        sequence's draw at depth j (sampler.sample), so all candidates that agree up to a
+        depth sample the same token there, the one plain decoding samples: checking more
+        candidates changes how many tokens are kept, never which."""
+        branched = [(seq, drafted) for seq, drafted in step.drafted.items() if seq.branches]
+        if not branched:
+            return []
+        row = {s: i for i, s in enumerate(batch.seqs)}
+        ordinary = first + sum(len(b.drafts) + 1 for seq, _ in branched for b in seq.branches)
+        draws = []
+        for seq, drafted in branched:
+            depths = [drafted.checks + j for j in range(len(drafted.drafts))] + [ordinary + plan.index((row[seq], 0))]
+            for branch in seq.branches:
+                drafted.branches.append((branch, branch.drafts, first + len(draws)))
+                draws += [Draw(row[branch], seq.request.params, position=j, noise_of=depths[j])
+                          for j in range(len(branch.drafts) + 1)]
+        return draws
 
     def _plan_draws(self, batch: Batch, done: list[int]) -> tuple[list[tuple[int, int]], list[Draw]]:
         """The tokens to sample after the sequences batch.seqs[done] (beams excepted): per
@@ -571,7 +601,7 @@ class Engine:
         for i in done:
             seq = batch.seqs[i]
             req = seq.request
-            if req.beam_width:
+            if req.beam_width or seq.trunk is not None:   # a branch's draws are checks (_plan_branch_checks)
                 continue
             for j in range(req.params.n if seq.num_outputs == 0 else 1):
                 g = seq.generator if j == 0 else self._generator(req, j)
@@ -632,18 +662,27 @@ class Engine:
         return finished
 
     def _kept(self, seq: Sequence, drafted: Drafted, checked: list[int], last: int) -> list[int]:
-        """The tokens a drafted sequence keeps (speculate.py): its drafts up to the first the
-        tokens sampled after each position disagree with, then the token sampled there."""
+        """The tokens a drafted sequence keeps (speculate.py): of the candidate (its own
+        drafts or a branch's) that keeps the most, the drafts up to the first the tokens
+        sampled after each position disagree with, then the token sampled there. A branch
+        that wins gives the sequence its blocks; every branch is then dropped."""
         sampled = checked[drafted.checks:drafted.checks + len(drafted.drafts)] + [last]
-        a = num_accepted(drafted.drafts, sampled)
+        a, drafts, winner = num_accepted(drafted.drafts, sampled), drafted.drafts, None
+        for branch, its_drafts, at in drafted.branches:
+            its_sampled = checked[at:at + len(its_drafts) + 1]
+            if (its_a := num_accepted(its_drafts, its_sampled)) > a:
+                a, drafts, sampled, winner = its_a, its_drafts, its_sampled, branch
+        if winner is not None:
+            self.scheduler.take_branch(seq, winner)
+        self.scheduler.drop_branches(seq)
         seq.draft_misses = 0 if a else seq.draft_misses + 1
         metrics = seq.request.metrics
-        metrics.spec_draft_tokens += len(drafted.drafts)
+        metrics.spec_draft_tokens += len(drafted.drafts) + sum(len(d) for _, d, _ in drafted.branches)
         metrics.spec_accepted_tokens += a
         metrics.spec_steps += 1
         if drafted.generator_state is not None:   # where plain decoding leaves it: one draw per kept token
             rewind(seq.generator, drafted.generator_state, a + 1, self.model.config.vocab_size)
-        return drafted.drafts[:a] + [sampled[a]]
+        return drafts[:a] + [sampled[a]]
 
     def _banned(self, seq: Sequence) -> list[int]:
         """The tokens seq's next token may not be: before min_tokens, EOS and the stop ids."""

@@ -162,6 +162,13 @@ class BlockManager:
             block_table.append(self._take_fresh_block())
         return copies
 
+    def truncate(self, block_table: list[int], num_tokens: int) -> None:
+        """Give back the table's blocks past its first num_tokens slots (rejected drafts')."""
+        keep = cdiv(num_tokens, self.block_size)
+        for block_id in reversed(block_table[keep:]):
+            self._release(block_id)
+        del block_table[keep:]
+
     def cache_computed_blocks(self, block_table: list[int], token_ids: list[int],
                               num_computed_tokens: int) -> None:
         """Enter the table's full, computed blocks into the prefix cache.

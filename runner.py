@@ -97,6 +97,7 @@ class Draw:
     child: bool = False                 # the token starts a child forked from seq (n > 1), not seq's own
     banned: list[int] = field(default_factory=list)   # tokens it may not be (min_tokens: EOS, stop ids)
     position: int = -1                  # after which of the row's new tokens (-1: the last; drafts: each, speculate.py)
+    noise_of: int = -1                  # a speculative branch's: the draw whose sampling noise it reuses
 
 
 @dataclass
@@ -298,7 +299,8 @@ class ModelRunner:
         of the model's own logits, where asked; start the copies home."""
         row_logits = logits if src == list(range(len(logits))) else logits[self.upload(src)]
         x, counted = self._adjust(row_logits, draws, prev_tokens)
-        out.tokens = sample(x, [d.params for d in draws], [d.generator for d in draws], self.upload)
+        out.tokens = sample(x, [d.params for d in draws], [d.generator for d in draws], self.upload,
+                            [(k, d.noise_of) for k, d in enumerate(draws) if d.noise_of >= 0])
         if counted is not None:   # the penalised sequences' own new tokens join their counts
             self.token_counts.count(counted[1], out.tokens[counted[0]])
         host = [out.tokens]

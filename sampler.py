@@ -15,12 +15,13 @@ Upload = Callable[[list, torch.dtype], torch.Tensor]   # host list -> tensor on 
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           upload: Upload | None = None) -> torch.Tensor:
+           upload: Upload | None = None, same_noise: list[tuple[int, int]] = ()) -> torch.Tensor:
     """One token per row of logits [R, vocab]. Greedy rows take the argmax; the others draw
     from softmax(logits / T) restricted by top-k and top-p, through the exponential race
     argmax(p / E), E ~ Exp(1): seeded rows draw E from their own generator, so their tokens
-    do not depend on the other rows. upload puts host lists on the logits' device
-    (ModelRunner.upload, which never waits for the device)."""
+    do not depend on the other rows. same_noise (row, src): row reuses src's E, so rows of
+    the same logits sample the same token (speculative branches). upload puts host lists on
+    the logits' device (ModelRunner.upload, which never waits for the device)."""
     upload = upload or (lambda data, dtype: torch.tensor(data, dtype=dtype, device=logits.device))
     greedy = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -37,6 +38,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     for j, i in enumerate(rows):
         if generators[i] is not None:
             noise[j].exponential_(generator=generators[i])
+    if same_noise:
+        j_of = {i: j for j, i in enumerate(rows)}
+        tied = [(j_of[r], j_of[src]) for r, src in same_noise if r in j_of]
+        if tied:
+            at = upload(tied, torch.int64)
+            noise[at[:, 0]] = noise[at[:, 1]]
     greedy[row_ids] = (x.softmax(-1) / noise).argmax(-1)
     return greedy
 

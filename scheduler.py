@@ -93,7 +93,7 @@ class Scheduler:
             del seq.drafts[max(0, n - seq.num_pending):]
             if n == 0 or not self._append_slots(seq, n, batch, busy):
                 continue
-            budget -= n
+            budget -= n + self._schedule_branches(seq, n, batch, budget - n)
             prompt_room -= n if seq.num_pending > 1 else 0
         # Then new (or preempted) sequences, first come first served, while budget and seats remain.
         while self.waiting and budget > 0 and prompt_room > 0:
@@ -148,10 +148,54 @@ class Scheduler:
 
     def drafts_checked(self, seq: Sequence) -> None:
         """A drafted sequence's step has ended and its tokens are known: K/V counts up to
-        the last (a rejected draft's slot is written again when its position comes), and
-        the blocks now known enter the prefix cache."""
+        the last, the blocks past its tokens (rejected drafts') go back, and the blocks now
+        known enter the prefix cache. A rejected draft's slot in its last block is written
+        again when its position comes."""
         seq.num_computed = len(seq.token_ids) - 1
+        self.bm.truncate(seq.block_table, len(seq.token_ids))
         self.bm.cache_computed_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+
+    # -- speculative branches: more candidates of one drafted sequence, for one step (speculate.py)
+
+    def branch(self, trunk: Sequence, drafts: list[int]) -> None:
+        """Check drafts on a branch of trunk: a sequence sharing every block of it
+        (copy-on-write), in no queue, scheduled right after trunk, gone after the step."""
+        branch = Sequence(trunk.request, trunk.index, list(trunk.token_ids), trunk.num_prompt_tokens,
+                          arrival=trunk.arrival, status=Status.RUNNING, block_table=self.bm.fork(trunk.block_table),
+                          num_computed=trunk.num_computed, drafts=drafts, trunk=trunk)
+        trunk.branches.append(branch)
+
+    def _schedule_branches(self, trunk: Sequence, n: int, batch: Batch, budget: int) -> int:
+        """trunk's branches, scheduled with it (n tokens), each checking no more drafts than
+        trunk does (its draws share trunk's noise at each depth: engine.py), while the budget
+        and free blocks hold: a branch is worth no preemption. The others are dropped; the
+        tokens taken."""
+        kept, used = [], 0
+        for branch in trunk.branches:
+            m = min(1 + len(branch.drafts), n, budget - used)
+            if m < 2:
+                continue
+            try:
+                copies = self.bm.append_slots(branch.block_table, branch.num_computed, branch.num_computed + m)
+            except OutOfBlocks:
+                continue
+            del branch.drafts[m - 1:]
+            batch.add(branch, m, copies)
+            kept.append(branch)
+            used += m
+        self.drop_branches(trunk, keep=kept)
+        return used
+
+    def take_branch(self, trunk: Sequence, branch: Sequence) -> None:
+        """branch's drafts won: trunk takes its blocks (and branch trunk's, to be dropped)."""
+        trunk.block_table, branch.block_table = branch.block_table, trunk.block_table
+
+    def drop_branches(self, trunk: Sequence, keep: list[Sequence] = ()) -> None:
+        """Free trunk's branches but those in keep."""
+        for branch in trunk.branches:
+            if branch not in keep:
+                self.bm.free(branch.block_table)
+        trunk.branches = list(keep)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child runs from now on, sharing every block of parent (copy-on-write). It joins
@@ -232,6 +276,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, free: bool = True) -> None:
         """Retire seq; free=False keeps its blocks (a prefill worker's, until handed off)."""
+        self.drop_branches(seq)
         if free:
             self.bm.free(seq.block_table)
         (self.running if seq.status == Status.RUNNING else self.waiting).remove(seq)

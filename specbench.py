@@ -7,9 +7,10 @@ weights), each case against plain decoding of the same requests in the same run:
               sets it; a = 0 is what speculation costs when every draft misses
   crossover   the speed-up against the batch (1 to 128) at a = 0.8: where checking drafts
               costs more than it keeps
-  ngram       prompt lookup on the preset as it is, its acceptance and speed-up: a model
-              with random weights falls into loops, which prompt lookup finds, so these
-              say little of a trained model
+  ngram       prompt lookup on the preset as it is, one candidate a step and three (on
+              copy-on-write branches), its acceptance and speed-up: a model with random
+              weights falls into loops, which prompt lookup finds, so these say little of
+              a trained model
 
 Every case also checks that speculation gave plain greedy decoding's tokens. Results are
 printed and, with --out, written as JSON (a plot beside it, .png). --small runs at toy
@@ -43,6 +44,9 @@ SMALL_SPEC = SpecSizes(model="tiny", prompt_len=16, output_len=16, batches=(1, 2
                        crossover=(1, 4))
 
 
+BRANCHES = 3   # the ngram case with branches: up to 3 candidates a step (docs/speculative.md)
+
+
 class OracleDrafter:
     """Drafts the model's own greedy continuation of each prompt (known from a plain run),
     each token right with probability a and otherwise another token (so a step keeps each
@@ -52,10 +56,10 @@ class OracleDrafter:
         self.continuations, self.prompt_len, self.a, self.vocab = continuations, prompt_len, a, vocab
         self.rng = random.Random(0)
 
-    def __call__(self, tokens: list[int], k: int) -> list[int]:
+    def __call__(self, tokens: list[int], k: int, branches: int = 1) -> list[list[int]]:
         done = len(tokens) - self.prompt_len
         right = self.continuations[tuple(tokens[:self.prompt_len])][done:done + k]
-        return [t if self.rng.random() < self.a else (t + 1) % self.vocab for t in right]
+        return [[t if self.rng.random() < self.a else (t + 1) % self.vocab for t in right]]
 
 
 def timed_generate(llm: LLM, prompts: list[list[int]], sizes: SpecSizes, drafter) -> tuple[float, list, dict]:
@@ -94,11 +98,13 @@ def compare(llm: LLM, sizes: SpecSizes, batch: int, drafter_for, name: str) -> d
 
 
 def run_speculative(out: str | None, sizes: SpecSizes) -> dict:
-    llm = LLM(sizes.model, speculative_config={"method": "ngram", "num_speculative_tokens": sizes.k},
+    llm = LLM(sizes.model, speculative_config={"method": "ngram", "num_speculative_tokens": sizes.k,
+                                               "num_branches": BRANCHES},
               max_num_seqs=max(sizes.crossover + sizes.batches), max_model_len=sizes.prompt_len + sizes.output_len + 8)
     vocab, prompt_lookup = llm.engine.model.config.vocab_size, llm.engine.drafter   # the engine's own ngram drafter
     oracle = lambda a: lambda conts: OracleDrafter(conts, sizes.prompt_len, a, vocab)
-    ngram = lambda conts: prompt_lookup
+    ngram = lambda conts: lambda tokens, k, branches: prompt_lookup(tokens, k, 1)
+    branched = lambda conts: prompt_lookup
     res = {"sizes": dataclasses.asdict(sizes), "device": torch.cuda.get_device_name() if torch.cuda.is_available()
            else "cpu", "acceptance": [], "crossover": [], "ngram": []}
     for a in sizes.acceptances:
@@ -106,6 +112,7 @@ def run_speculative(out: str | None, sizes: SpecSizes) -> dict:
     res["crossover"] = [compare(llm, sizes, b, oracle(sizes.crossover_a), f"a={sizes.crossover_a}")
                         for b in sizes.crossover]
     res["ngram"] = [compare(llm, sizes, b, ngram, "ngram") for b in sizes.batches]
+    res["ngram"] += [compare(llm, sizes, b, branched, f"ngram x{BRANCHES}") for b in sizes.batches]
     llm.close()
     if out:
         with open(out, "w") as f:

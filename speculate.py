@@ -46,24 +46,29 @@ import torch
 from config import SpeculativeConfig
 from request import Sequence
 
-Drafter = Callable[[list[int], int], list[int]]   # (a sequence's tokens, at most how many) -> drafts
+Drafter = Callable[[list[int], int, int], list[list[int]]]   # (tokens, at most how many, branches) -> candidates
 
 
-def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
-    """Prompt lookup: find the latest earlier occurrence of the last n tokens (the longest n
-    first) and propose the up to k tokens that followed it; [] if none occurs."""
-    data, size = array("i", tokens).tobytes(), len(tokens)   # 4 bytes a token: bytes.rfind runs in C
+def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int, branches: int = 1) -> list[list[int]]:
+    """Prompt lookup: the up to k tokens that followed earlier occurrences of the sequence's
+    last n tokens, the longest n first, the latest occurrence first: up to `branches`
+    candidate continuations, none a prefix of another, the longest first (the step checks
+    the first on the sequence itself, the others on branches: engine.py). [] if none occurs."""
+    data, size, found = array("i", tokens).tobytes(), len(tokens), []   # 4 bytes a token: bytes.rfind runs in C
     for n in range(min(n_max, size - 1), n_min - 1, -1):
         suffix, end = data[4 * (size - n):], 4 * (size - 1)   # an occurrence ends before the last token
-        while (at := data.rfind(suffix, 0, end)) >= 0:
-            if at % 4 == 0:   # on a token boundary
-                return tokens[at // 4 + n:at // 4 + n + k]
+        while len(found) < branches and (at := data.rfind(suffix, 0, end)) >= 0:
             end = at + len(suffix) - 1
-    return []
+            if at % 4 == 0:   # on a token boundary
+                follows = tokens[at // 4 + n:at // 4 + n + k]
+                if not any(c[:len(follows)] == follows for c in found):
+                    found = [c for c in found if follows[:len(c)] != c] + [follows]
+    return sorted(found, key=len, reverse=True)
 
 
 DRAFTERS: dict[str, Callable[[SpeculativeConfig], Drafter]] = {
-    "ngram": lambda cfg: lambda tokens, k: propose_ngram(tokens, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min),
+    "ngram": lambda cfg: lambda tokens, k, branches: propose_ngram(tokens, k, cfg.prompt_lookup_max,
+                                                                   cfg.prompt_lookup_min, branches),
 }
 
 

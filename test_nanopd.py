@@ -955,21 +955,43 @@ def test_random_operations_keep_the_invariants(monkeypatch, hash_fn, prefix_cach
                 assert seq.table == before
                 stop(seq)
         elif op < 0.69 and seqs[-1].num_computed == len(seqs[-1].tokens) < max_len - 6:
-            # a speculative step: the next token and d drafts written, then all but the a kept
-            # drafts and a new last token dropped (speculate.py); no cached block may hold a dropped one
-            seq = seqs[-1]
-            d, a = rng.randint(1, 4), rng.randint(0, 4)
-            a = min(a, d)
-            start = seq.num_computed
-            seq.tokens += [rng.randrange(vocab) for _ in range(1 + d)]
-            touched = seq.table[start // bs:-(-len(seq.tokens) // bs)]
-            need = max(0, -(-len(seq.tokens) // bs) - len(seq.table)) + sum(bm.blocks[b].ref_count > 1 for b in touched)
-            if need > bm.num_free_blocks:
-                del seq.tokens[start:]
+            # a speculative step: the next token and d drafts written on the sequence, and on up
+            # to 2 copy-on-write branches their own drafts (none longer); the candidate that keeps
+            # most gives the sequence its blocks, the others are freed, all but its a kept drafts
+            # and a new last token are dropped and the blocks past them given back
+            # (speculate.py, Scheduler.branch); no cached block may hold a dropped token
+            seq, start = seqs[-1], seqs[-1].num_computed
+            drafts = rng.randint(1, 4)
+            head = seq.tokens + [rng.randrange(vocab)]
+            cands = [Seq(head + [rng.randrange(vocab) for _ in range(drafts)], seq.table, start)]
+            cands += [Seq(head + [rng.randrange(vocab) for _ in range(rng.randint(1, drafts))], bm.fork(seq.table), start)
+                      for _ in range(rng.choice([0, 0, 1, 2]))]
+            written = []
+            for cand in cands:   # the sequence first, then each branch while blocks are free
+                touched = cand.table[start // bs:-(-len(cand.tokens) // bs)]
+                need = max(0, -(-len(cand.tokens) // bs) - len(cand.table)) + sum(bm.blocks[b].ref_count > 1
+                                                                                   for b in touched)
+                if need > bm.num_free_blocks or (cand is not cands[0] and not written):
+                    continue
+                stats["copies"] += write(bm, cand, len(cand.tokens), contents, used)
+                written.append(cand)
+            for cand in cands[1:]:
+                if cand not in written:
+                    bm.free(cand.table)
+            if not written:
                 continue
-            stats["copies"] += write(bm, seq, len(seq.tokens), contents, used)
-            seq.tokens[start + 1 + a:] = [rng.randrange(vocab)]   # kept: the token, a drafts, then the sampled one
+            winner = rng.choice(written)
+            for cand in written:
+                if cand is not winner and cand.table is not seq.table:
+                    bm.free(cand.table)
+            if winner is not cands[0]:
+                bm.free(seq.table)
+                stats["branch_wins"] += 1
+            a = rng.randint(0, len(winner.tokens) - start - 1)
+            seq.tokens, seq.table = winner.tokens[:start + 1 + a] + [rng.randrange(vocab)], winner.table
             seq.num_computed = len(seq.tokens) - 1
+            bm.truncate(seq.table, len(seq.tokens))
+            assert -(-seq.num_computed // bs) <= len(seq.table) <= -(-len(seq.tokens) // bs)
             cache(seq)
             stats["speculative"] += 1
         elif op < 0.73:  # fork (parallel sampling)
@@ -987,7 +1009,7 @@ def test_random_operations_keep_the_invariants(monkeypatch, hash_fn, prefix_cach
         stop(seqs[-1])
     check_invariants(bm, seqs, contents)
     assert bm.num_free_blocks == bm.num_blocks and len(bm.free_block_ids) + len(bm.evictable) == 40
-    assert stats["copies"] > 50 and stats["speculative"] > 20
+    assert stats["copies"] > 50 and stats["speculative"] > 20 and stats["branch_wins"] > 5
     if prefix_caching and hash_fn is None:
         assert stats["hit_blocks"] > 200 and stats["dedup"] > 0
 
@@ -2335,27 +2357,37 @@ def test_green_context_lanes_run_on_disjoint_sms():
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-def lookup_by_brute_force(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
-    """Prompt lookup the obvious way: the longest suffix first, every earlier start, latest first."""
+def lookup_by_brute_force(tokens: list[int], k: int, n_max: int, n_min: int, branches: int = 1) -> list[list[int]]:
+    """Prompt lookup the obvious way: the longest suffix first, every earlier start, latest
+    first; a continuation that another found extends is left out (or replaces it), the
+    longest first."""
+    found = []
     for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
         for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start:start + n] == tokens[-n:]:
-                return tokens[start + n:start + n + k]
-    return []
+            if tokens[start:start + n] == tokens[-n:] and len(found) < branches:
+                follows = tokens[start + n:start + n + k]
+                if not any(c[:len(follows)] == follows for c in found):
+                    found = [c for c in found if follows[:len(c)] != c] + [follows]
+    return sorted(found, key=len, reverse=True)
 
 
 def test_prompt_lookup_proposes_what_a_brute_force_search_finds():
-    """ngram's drafts (a byte search) against a plain search over token lists: small and
-    large token ids, and a match of the bytes across two tokens, which is no match."""
+    """ngram's candidates (a byte search) against a plain search over token lists: small and
+    large token ids, one candidate or several, and a match of the bytes across two tokens,
+    which is no match."""
     rng = random.Random(0)
-    cases = [([0x100, 0, 1], 2, 1, 1)]   # token 1's bytes occur inside 0x100, 0
+    cases = [([0x100, 0, 1], 2, 1, 1, 1)]   # token 1's bytes occur inside 0x100, 0
     for _ in range(3000):
         vocab = rng.choice([2, 5, 300, 2 ** 31 - 1])
         n_min = rng.randint(1, 3)
         cases.append(([rng.randrange(vocab) for _ in range(rng.randint(1, 40))], rng.randint(1, 5), n_min + rng.randint(0, 3),
-                      n_min))
-    for tokens_, k, n_max, n_min in cases:
-        assert speculate.propose_ngram(tokens_, k, n_max, n_min) == lookup_by_brute_force(tokens_, k, n_max, n_min)
+                      n_min, rng.choice([1, 1, 2, 4])))
+    several = 0
+    for tokens_, k, n_max, n_min, branches in cases:
+        got = speculate.propose_ngram(tokens_, k, n_max, n_min, branches)
+        assert got == lookup_by_brute_force(tokens_, k, n_max, n_min, branches)
+        several += len(got) > 1
+    assert several > 100
 
 
 @pytest.mark.parametrize("config, match", [
@@ -2364,6 +2396,7 @@ def test_prompt_lookup_proposes_what_a_brute_force_search_finds():
     ({"method": "ngram", "prompt_lookup_max": 1, "prompt_lookup_min": 2}, "prompt_lookup_max"),
     ({"method": "ngram", "lookahead": 3}, "lookahead"), ("ngram", "dict"),
     ({"method": "ngram", "num_speculative_tokens": 2.0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_branches": 0}, "num_branches"),
 ])
 def test_a_bad_speculative_config_is_a_value_error_naming_it(config, match):
     with pytest.raises(ValueError, match=match):
@@ -2405,6 +2438,62 @@ def test_speculative_seeded_sampling_gives_plain_seeded_sampling_tokens(hf):
     assert sum(o.metrics.spec_accepted_tokens for o in spec) > 0
 
 
+def branching_drafter(continuations: dict[tuple, list[int]]):
+    """A drafter of three candidates after a sequence whose continuation it knows: a wrong
+    one (the longest, so the sequence itself checks it), the right one, and one right at
+    depth 1 only; each a branch's but the first (Scheduler.branch)."""
+    def drafter(tokens: list[int], k: int, branches: int) -> list[list[int]]:
+        assert branches == 3
+        p = next(p for p in continuations if tuple(tokens[:len(p)]) == p)
+        right = continuations[p][len(tokens) - len(p):][:k]
+        wrong = [(t + 1) % VOCAB for t in right]
+        return [wrong, right[:max(1, k - 1)], right[:1] + wrong[1:k - 1]] if k > 1 else [wrong, right]
+    return drafter
+
+
+def count_branch_wins(engine: Engine) -> list:
+    """Each call of the scheduler's take_branch (a branch's candidate kept), recorded."""
+    wins, take = [], engine.scheduler.take_branch
+    engine.scheduler.take_branch = lambda trunk, branch: (wins.append(trunk), take(trunk, branch))
+    return wins
+
+
+@ENGINE
+def test_speculative_branches_give_hf_greedy_tokens_and_the_right_branch_wins(hf):
+    """Candidates on copy-on-write branches (a wrong one on the sequence, HF's next greedy
+    tokens and a half-right one on branches): the tokens stay HF's greedy ones, a branch
+    wins every drafting step, and every block comes back."""
+    prompts = [PROMPTS[2], prompt(21, 7)]   # 21 tokens: a last block partly written, shared, copied
+    llm = make_llm(hf.path, speculative_config={**NGRAM, "num_branches": 3})
+    llm.engine.drafter = branching_drafter({tuple(p): hf.greedy(p, 30) for p in prompts})
+    wins = count_branch_wins(llm.engine)
+    outs = generate(llm, prompts, max_tokens=30, ignore_eos=True)
+    assert tokens(outs) == [hf.greedy(p, 30) for p in prompts]
+    steps = sum(o.metrics.spec_steps for o in outs)
+    assert steps > 0 and len(wins) == steps
+    assert all_blocks_free(llm) and not llm.engine.requests
+
+
+@ENGINE
+def test_speculative_branches_keep_plain_seeded_sampling_tokens(hf):
+    """Seeded sampling, candidates on branches, the right one (plain seeded sampling's
+    tokens) on a branch: the same tokens, token for token. A branch draws no noise of its
+    own: each of its positions reuses the sequence's at the same depth (sampler.sample's
+    same_noise), so it samples what plain decoding samples there."""
+    ps = [prompt(20, 3), prompt(25, 4), prompt(16, 5)]
+    reqs = [(p, SamplingParams(temperature=t, top_p=top_p, seed=seed, max_tokens=30, ignore_eos=True))
+            for seed, (p, t, top_p) in enumerate(zip(ps, [0.5, 1.0, 0.8], [1.0, 1.0, 0.9]))]
+    config = {"model": str(hf.path), "dtype": "float32", "device": DEVICE, "block_size": BLOCK_SIZE,
+              "num_kv_blocks": 256}
+    plain = run_engine(Engine(EngineConfig(**config)), reqs)
+    eng = Engine(EngineConfig(**config, speculative_config={**NGRAM, "num_branches": 3}))
+    eng.drafter = branching_drafter({tuple(p): o.outputs[0].token_ids for p, o in zip(ps, plain)})
+    wins = count_branch_wins(eng)
+    spec = run_engine(eng, reqs)
+    assert tokens(spec) == tokens(plain)
+    assert len(wins) == sum(o.metrics.spec_steps for o in spec) > 0
+
+
 @ENGINE
 def test_drafts_that_always_miss_back_off_and_leave_the_tokens_alone(hf):
     """A drafter that is always wrong (HF's next greedy token, plus one): the tokens stay
@@ -2415,7 +2504,7 @@ def test_drafts_that_always_miss_back_off_and_leave_the_tokens_alone(hf):
     right = hf.greedy(p, n)
     llm = make_llm(hf.path, speculative_config=NGRAM)
     eng, late = llm.engine, []
-    eng.drafter = lambda tokens, k: [(right[len(tokens) - len(p)] + 1) % VOCAB] * k
+    eng.drafter = lambda tokens, k, branches: [[(right[len(tokens) - len(p)] + 1) % VOCAB] * k]
     launch, finish, launched_in = eng._launch, eng._finish, {}
 
     def launching(*args):
@@ -2452,33 +2541,60 @@ def chi_square_z(counts: list[int], probs: list[float]) -> float:
 
 
 @ENGINE
-def test_speculative_sampling_keeps_the_models_distribution(hf):
-    """Unseeded sampling at temperature 1 with drafts: over 2000 requests, the second output
-    token's counts fit its exact distribution under HF's model (the sum over the first
-    token t of p(t) p(second | t)) by a chi-square test; the prompt holds every token, so
-    prompt lookup drafts after any first token."""
+@pytest.mark.parametrize("candidates, temperature", [(1, 1.0), (2, 0.3)])
+def test_speculative_sampling_keeps_the_models_distribution(hf, candidates, temperature):
+    """Unseeded sampling with drafts: over 2000 requests, the second output token's counts
+    fit its exact distribution under HF's model at that temperature (the sum over the first
+    token t of p(t) p(second | t)) by a chi-square test. One candidate: the prompt holds
+    every token, so prompt lookup drafts after any first token. Two: the two likeliest
+    second tokens after the first, the second on a branch; at 0.3 both are likely, and had
+    the branch drawn noise of its own, the second would be kept in 22% of the draws, not
+    the 14.5% it should (z 8.3 on the second test, 3.6 on the first)."""
     ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0)).tolist()
     with torch.no_grad():
-        first = torch.softmax(hf_logits(hf.model, ids)[-1].double(), -1)   # [vocab]
+        first = torch.softmax(hf_logits(hf.model, ids)[-1].double() / temperature, -1)   # [vocab]
         x = torch.tensor([ids + [t] for t in range(VOCAB)])
-        second = torch.softmax(hf.model(x).logits[:, -1].double(), -1)   # [first token, vocab]
+        second = torch.softmax(hf.model(x).logits[:, -1].double() / temperature, -1)   # [first token, vocab]
     exact = (first @ second).tolist()
     torch.manual_seed(0)
-    llm = make_llm(hf.path, speculative_config=NGRAM, max_num_seqs=128, num_kv_blocks=1024)
-    outs = generate(llm, [ids] * 2000, max_tokens=3, temperature=1.0, ignore_eos=True)
-    assert all(o.metrics.spec_draft_tokens == 1 for o in outs)   # max_tokens leaves room for one draft
+    llm = make_llm(hf.path, speculative_config={**NGRAM, "num_branches": candidates}, max_num_seqs=128,
+                   num_kv_blocks=1024)
+    if candidates == 2:
+        likeliest = second.topk(2, -1).indices.tolist()   # [first token, 2]
+        llm.engine.drafter = lambda tokens_, k, branches: [[t] for t in likeliest[tokens_[-1]]]
+    outs = generate(llm, [ids] * 2000, max_tokens=3, temperature=temperature, ignore_eos=True)
+    assert all(o.metrics.spec_draft_tokens == candidates for o in outs)   # max_tokens leaves room for one draft
     counts = Counter(o.outputs[0].token_ids[1] for o in outs)
     assert chi_square_z([counts[t] for t in range(VOCAB)], exact) < 3.1   # p > 0.001
+    if candidates == 2:   # and whether it is the first candidate, the second or neither, which a bias shows most
+        kept = Counter(likeliest[o.outputs[0].token_ids[0]].index(o.outputs[0].token_ids[1])
+                       if o.outputs[0].token_ids[1] in likeliest[o.outputs[0].token_ids[0]] else 2 for o in outs)
+        p = [float(sum(first[t] * second[t, likeliest[t][j]] for t in range(VOCAB))) for j in (0, 1)]
+        assert chi_square_z([kept[0], kept[1], kept[2]], [p[0], p[1], 1 - p[0] - p[1]]) < 3.1
     assert all_blocks_free(llm)
+
+
+def prompt_whose_drafts_all_hit(hf, n: int) -> list[int]:
+    """A prompt after which every ngram draft's first token is HF's next greedy token, at
+    any step: a random prompt followed by HF's greedy tokens once they fall into a loop
+    (random weights do), so a test's drafts are kept however its steps are scheduled."""
+    for seed in range(200):
+        q = prompt(8, 900 + seed)
+        p = q + hf.greedy(q, 40)
+        g = hf.greedy(p, n)
+        if all((lookup_by_brute_force(p + g[:i], 4, 3, 1) or [[]])[0][:1] == g[i:i + 1] for i in range(1, n)):
+            return p
+    raise AssertionError("no prompt of 200 has greedy tokens that loop")
 
 
 @pytest.mark.usefixtures("worker_env", "torch_twins")
 @pytest.mark.parametrize("policy", ["collocated", "disaggregated"])
 def test_speculative_decoding_on_worker_processes_gives_hf_greedy_tokens(hf, policy):
     """Two collocated workers, or a prefill worker and a decode worker (which drafts for the
-    requests it imports): HF's greedy tokens, drafts kept, every block back."""
-    prompts = [[7, 8, 9, 10] * 6] + MIXED_PROMPTS[:3]
-    with make_cluster(hf, policy, 2, speculative_config=NGRAM) as llm:
+    requests it imports), two candidates a step: HF's greedy tokens, drafts kept, every
+    block back."""
+    prompts = [prompt_whose_drafts_all_hit(hf, 20)] + MIXED_PROMPTS[:3]
+    with make_cluster(hf, policy, 2, speculative_config={**NGRAM, "num_branches": 2}) as llm:
         outs = generate(llm, prompts, max_tokens=20, ignore_eos=True)
         assert tokens(outs) == [hf.greedy(p, 20) for p in prompts]
         assert sum(o.metrics.spec_accepted_tokens for o in outs) > 0
