@@ -632,16 +632,16 @@ class Engine:
         for k, ((seq, index), token) in enumerate(zip(step.targets, tokens)):
             if seq.status == Status.FINISHED:   # it stopped one step earlier: this token is void
                 continue
-            drafted = step.drafted.get(seq)
-            kept = self._kept(seq, drafted, checked, token) if drafted else [token]
+            drafted, draw = step.drafted.get(seq), step.num_checks + k
+            kept, draws = self._kept(seq, drafted, checked, token, draw) if drafted else ([token], [draw])
             seq.token_ids[index:index + 1] = kept
             if index + len(kept) == len(seq.token_ids):   # no later step has sampled after it yet
                 seq.pending_row = None
             if drafted:
                 self.scheduler.drafts_checked(seq)
-            if step.num_checks + k in logprobs:
-                self._record_logprobs(seq, token, *logprobs[step.num_checks + k])
-            for at in range(index, index + len(kept)):
+            for at, draw in zip(range(index, index + len(kept)), draws):
+                if draw in logprobs:
+                    self._record_logprobs(seq, seq.token_ids[at], *logprobs[draw])
                 self._check_stop(seq, at)
                 if seq.status == Status.FINISHED:
                     break
@@ -661,17 +661,22 @@ class Engine:
                 finished.append(req)
         return finished
 
-    def _kept(self, seq: Sequence, drafted: Drafted, checked: list[int], last: int) -> list[int]:
-        """The tokens a drafted sequence keeps (speculate.py): of the candidate (its own
-        drafts or a branch's) that keeps the most, the drafts up to the first the tokens
-        sampled after each position disagree with, then the token sampled there. A branch
-        that wins gives the sequence its blocks; every branch is then dropped."""
+    def _kept(self, seq: Sequence, drafted: Drafted, checked: list[int], last: int, last_draw: int
+              ) -> tuple[list[int], list[int]]:
+        """The tokens a drafted sequence keeps (speculate.py), and the draws that sampled
+        them (their logprobs): of the candidate (its own drafts or a branch's) that keeps
+        the most, the drafts up to the first the tokens sampled after each position disagree
+        with, then the token sampled there. A branch that wins gives the sequence its
+        blocks; every branch is then dropped. last: the token of the sequence's ordinary
+        draw, last_draw."""
         sampled = checked[drafted.checks:drafted.checks + len(drafted.drafts)] + [last]
         a, drafts, winner = num_accepted(drafted.drafts, sampled), drafted.drafts, None
+        draws = [*range(drafted.checks, drafted.checks + len(drafted.drafts)), last_draw]
         for branch, its_drafts, at in drafted.branches:
             its_sampled = checked[at:at + len(its_drafts) + 1]
             if (its_a := num_accepted(its_drafts, its_sampled)) > a:
                 a, drafts, sampled, winner = its_a, its_drafts, its_sampled, branch
+                draws = list(range(at, at + len(its_drafts) + 1))
         if winner is not None:
             self.scheduler.take_branch(seq, winner)
         self.scheduler.drop_branches(seq)
@@ -682,7 +687,7 @@ class Engine:
         metrics.spec_steps += 1
         if drafted.generator_state is not None:   # where plain decoding leaves it: one draw per kept token
             rewind(seq.generator, drafted.generator_state, a + 1, self.model.config.vocab_size)
-        return drafts[:a] + [sampled[a]]
+        return drafts[:a] + [sampled[a]], draws[:a + 1]
 
     def _banned(self, seq: Sequence) -> list[int]:
         """The tokens seq's next token may not be: before min_tokens, EOS and the stop ids."""

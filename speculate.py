@@ -74,10 +74,11 @@ DRAFTERS: dict[str, Callable[[SpeculativeConfig], Drafter]] = {
 
 def can_speculate(seq: Sequence) -> bool:
     """Whether seq's drafts can be checked: its request samples from the model's own logits
-    (no penalties nor bans: those would have to count each draft), reports no logprobs,
-    searches no beams and decodes here (a prefill worker's parks after its first token)."""
+    (no penalties nor bans: those would have to count each draft), searches no beams and
+    decodes here (a prefill worker's parks after its first token). Logprobs come from the
+    draw that sampled each kept token."""
     req = seq.request
-    return not req.adjusts and not req.beam_width and req.params.logprobs is None and not req.prefill_only
+    return not req.adjusts and not req.beam_width and not req.prefill_only
 
 
 MAX_BACKOFF = 6   # a sequence whose drafts keep missing drafts every 2^6 = 64 steps at least

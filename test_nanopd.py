@@ -2495,6 +2495,29 @@ def test_speculative_branches_keep_plain_seeded_sampling_tokens(hf):
 
 
 @ENGINE
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_speculative_logprobs_match_hf(hf, temperature):
+    """logprobs=3 with drafts, two candidates a step: each token's entry, kept drafts
+    included, holds it and the top 3, equal to HF's log_softmax after the same tokens; the
+    sum is cumulative."""
+    prompts = [prompt_whose_drafts_all_hit(hf, 16), PROMPTS[1]]
+    llm = make_llm(hf.path, speculative_config={**NGRAM, "num_branches": 2})
+    outs = generate(llm, prompts, max_tokens=16, logprobs=3, temperature=temperature, seed=7, ignore_eos=True)
+    assert temperature > 0 or sum(o.metrics.spec_accepted_tokens for o in outs) > 0
+    for p, out in zip(prompts, outs, strict=True):
+        c = out.outputs[0]
+        ref = hf.logprobs(p + c.token_ids)
+        assert len(c.logprobs) == len(c.token_ids) == 16
+        for i, (t, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+            row = ref[len(p) - 1 + i]
+            assert set(entry) == set(row.topk(3).indices.tolist()) | {t}
+            assert all(abs(v - row[k].item()) < 1e-4 for k, v in entry.items())
+        expect = sum(ref[len(p) - 1 + i, t].item() for i, t in enumerate(c.token_ids))
+        assert c.cumulative_logprob == pytest.approx(expect, abs=1e-4)
+    assert all_blocks_free(llm)
+
+
+@ENGINE
 def test_drafts_that_always_miss_back_off_and_leave_the_tokens_alone(hf):
     """A drafter that is always wrong (HF's next greedy token, plus one): the tokens stay
     HF's greedy ones, nothing is kept, and the sequence drafts less and less often (at most
@@ -4813,10 +4836,14 @@ MICROBENCH_GPU = pytest.mark.skipif(DEVICE != "cuda", reason="the micro-benchmar
 
 def run_microbench(tmp_path, what: str, *args: str) -> dict:
     """`python bench.py <what> --small --out FILE`: it exits 0 printing no traceback (the
-    engine benchmark prints a failed measurement's and goes on); the JSON it wrote."""
+    engine benchmark prints a failed measurement's and goes on); the JSON it wrote. Its
+    own HOME keeps the profile cache (profiler.CACHE) the test's; Triton's compiled kernels
+    stay shared (compiling them again would take most of the run)."""
     out = tmp_path / f"{what}.json"
+    triton_cache = os.environ.get("TRITON_CACHE_DIR", str(Path.home() / ".triton" / "cache"))
     run = subprocess.run([sys.executable, "bench.py", what, "--small", "--out", str(out), *args], cwd=HERE,
-                         env={**os.environ, "HOME": str(tmp_path)}, capture_output=True, timeout=600, check=False)
+                         env={**os.environ, "HOME": str(tmp_path), "TRITON_CACHE_DIR": triton_cache},
+                         capture_output=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr.decode()[-3000:]
     assert b"Traceback" not in run.stdout + run.stderr, (run.stdout + run.stderr).decode()[-3000:]
     return json.loads(out.read_text())
