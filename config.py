@@ -22,16 +22,20 @@ class SpeculativeConfig:
     all in one step. "ngram" drafts by prompt lookup: the tokens that followed the latest
     earlier occurrence of the sequence's last n tokens (n from prompt_lookup_max down to
     prompt_lookup_min). num_branches (nanoPD's key, not vLLM's) checks up to that many
-    candidate continuations of a sequence in the same step, on copy-on-write branches."""
+    candidate continuations of a sequence in the same step, on copy-on-write branches.
+    "draft_model" drafts with a smaller model (a preset or a checkpoint folder) of the same
+    vocabulary, greedily."""
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     disable_by_batch_size: int | None = None   # no drafts while more sequences than this run (None: any)
     num_branches: int = 1                      # candidate continuations checked at once (1: vLLM's one)
+    model: str | None = None                   # draft_model: the drafting model
 
 
-SPECULATIVE_METHODS = {"ngram": ("prompt_lookup_max", "prompt_lookup_min")}   # method -> the keys it takes
+SPECULATIVE_METHODS = {"ngram": ("prompt_lookup_max", "prompt_lookup_min", "num_branches"),
+                       "draft_model": ("model",)}   # method -> the keys it takes besides the common ones
 
 
 def speculative_config(value) -> SpeculativeConfig | None:
@@ -44,12 +48,9 @@ def speculative_config(value) -> SpeculativeConfig | None:
                          f"'num_speculative_tokens': 4}}, got {value!r}")
     method = value.get("method")
     if method not in SPECULATIVE_METHODS:
-        left_out = " (draft_model is not built: no second model runs beside the first yet)" \
-            if method == "draft_model" else ""
         raise ValueError(f"speculative_config's method must be one of {', '.join(SPECULATIVE_METHODS)}, "
-                         f"got {method!r}{left_out}")
-    allowed = {"method", "num_speculative_tokens", "disable_by_batch_size", "num_branches",
-               *SPECULATIVE_METHODS[method]}
+                         f"got {method!r}")
+    allowed = {"method", "num_speculative_tokens", "disable_by_batch_size", *SPECULATIVE_METHODS[method]}
     unknown = sorted(set(value) - allowed)
     if unknown:
         raise ValueError(f"speculative_config for {method} does not take {', '.join(map(repr, unknown))} "
@@ -57,6 +58,9 @@ def speculative_config(value) -> SpeculativeConfig | None:
     cfg = SpeculativeConfig(**value)
     check_int("speculative_config's num_speculative_tokens", cfg.num_speculative_tokens, low=1)
     check_int("speculative_config's num_branches", cfg.num_branches, low=1)
+    if method == "draft_model" and not (isinstance(cfg.model, str) and cfg.model):
+        raise ValueError(f"speculative_config for draft_model needs 'model': a preset name or a checkpoint "
+                         f"folder, got {cfg.model!r}")
     check_int("speculative_config's prompt_lookup_min", cfg.prompt_lookup_min, low=1)
     check_int("speculative_config's prompt_lookup_max", cfg.prompt_lookup_max, low=cfg.prompt_lookup_min)
     if cfg.disable_by_batch_size is not None:

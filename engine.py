@@ -27,7 +27,7 @@ import torch
 
 from config import EngineConfig
 from kv_cache import BlockManager, cdiv
-from model import Detokenizer, load_model, load_tokenizer
+from model import Detokenizer, Qwen3, load_model, load_tokenizer
 from request import (
     PENDING,
     CompletionOutput,
@@ -117,7 +117,9 @@ class Engine:
         self.tokenizer = load_tokenizer(cfg.model)
         eos = config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.runner = ModelRunner(self.model, cfg)
+        spec = cfg.speculative_config
+        draft = self._load_draft(spec) if spec is not None and spec.method == "draft_model" else None
+        self.runner = ModelRunner(self.model, cfg, draft)
         self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, cfg.block_size,
                                                 enable_prefix_caching=cfg.enable_prefix_caching),
                                    cfg.max_num_seqs, cfg.max_num_batched_tokens)
@@ -131,8 +133,8 @@ class Engine:
         self.prefill_lane_steps: collections.deque[PrefillLaneStep] = collections.deque(maxlen=1024)
         self._request_ids = itertools.count()
         self.num_steps = 0                           # whole-GPU steps so far (speculate.due counts them)
-        spec = cfg.speculative_config
-        self.drafter = DRAFTERS[spec.method](spec) if spec is not None else None   # speculate.py
+        self.drafter = DRAFTERS[spec.method](spec, self.runner, self.scheduler.reserve_slots) \
+            if spec is not None else None   # speculate.py
         if self.model.device.type == "cuda":
             for split in [None, *self.runner.splits]:   # every lane of the menu, first the whole GPU
                 self.set_split(split)
@@ -177,6 +179,16 @@ class Engine:
             self.step()
         for request_id in ids:
             self.output(request_id)
+
+    def _load_draft(self, spec) -> Qwen3:
+        """draft_model's model, on the target's device in its dtype; its vocabulary must be the target's."""
+        cfg = self.cfg
+        draft = load_model(spec.model, dtype=self.model.dtype, device=self.model.device, seed=cfg.seed + 1)
+        if draft.config.vocab_size != self.model.config.vocab_size:
+            raise ValueError(f"speculative_config's draft model {spec.model!r} has a vocabulary of "
+                             f"{draft.config.vocab_size} tokens, the model {self.model.config.vocab_size}: "
+                             "a draft must share the model's tokenizer")
+        return draft
 
     @property
     def bm(self):
@@ -353,19 +365,22 @@ class Engine:
         checks as many as the step's budget holds; the step clears them): the longest
         candidate on the sequence, each other on a branch (Scheduler.branch). Finding none
         counts as a miss. The sequences given drafts."""
-        drafting, due_now, spec = [], self._drafters(self.num_steps), self.cfg.speculative_config
-        for seq in due_now:
+        spec, seqs, rooms = self.cfg.speculative_config, [], []
+        for seq in self._drafters(self.num_steps):
             room = min(spec.num_speculative_tokens, seq.request.params.max_tokens - seq.num_outputs - 1,
                        self.cfg.max_model_len - len(seq.token_ids) - 1)
             if seq.num_pending == 1 and seq.num_outputs > 0 and seq.pending_row is None and room > 0:
-                candidates = self.drafter(seq.token_ids, room, spec.num_branches)
-                if not candidates:
-                    seq.draft_misses += 1
-                    continue
-                seq.drafts = candidates[0]
-                for drafts in candidates[1:]:
-                    self.scheduler.branch(seq, drafts)
-                drafting.append(seq)
+                seqs.append(seq)
+                rooms.append(room)
+        drafting = []
+        for seq, candidates in zip(seqs, self.drafter(seqs, rooms, spec.num_branches) if seqs else []):
+            if not candidates:
+                seq.draft_misses += 1
+                continue
+            seq.drafts = candidates[0]
+            for drafts in candidates[1:]:
+                self.scheduler.branch(seq, drafts)
+            drafting.append(seq)
         return drafting
 
     def _step_lanes(self) -> list[int]:

@@ -253,6 +253,7 @@ class Sequence:
     # one's blocks (copy-on-write), in no queue and no request (Scheduler.branch).
     branches: list["Sequence"] = field(default_factory=list)
     trunk: "Sequence | None" = None     # a branch's: the sequence it was forked from
+    draft_computed: int = 0             # draft_model: leading tokens whose K/V the draft's cache holds
 
     @property
     def num_pending(self) -> int:

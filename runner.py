@@ -101,6 +101,16 @@ class Draw:
 
 
 @dataclass
+class DraftRow:
+    """A row of a draft model's pass (ModelRunner.draft_next), as prepare reads a sequence."""
+    token_ids: list[int]
+    num_computed: int
+    block_table: list[int]
+    pending_row: None = None
+    drafts: tuple = ()
+
+
+@dataclass
 class Lane:
     """Where a step runs: a stream (None: the current one) and the decode graphs captured on
     it. The whole GPU's lane also has the piece graphs for mixed steps; a split's prefill
@@ -166,8 +176,8 @@ class StepOutput:
 class ModelRunner:
     """Owns the model and its KV cache; turns a Batch into sampled tokens."""
 
-    def __init__(self, model: Qwen3, cfg: EngineConfig):
-        self.model, self.cfg, self.device = model, cfg, model.device
+    def __init__(self, model: Qwen3, cfg: EngineConfig, draft: Qwen3 | None = None):
+        self.model, self.cfg, self.device, self.draft = model, cfg, model.device, draft
         if self.device.type == "cuda":   # the streams, graphs and memory queries below mean this device
             torch.cuda.set_device(self.device)
         self.max_blocks_per_seq = cdiv(cfg.max_model_len, cfg.block_size)
@@ -178,6 +188,10 @@ class ModelRunner:
             self.num_blocks = self._check_fits(cfg.num_kv_blocks or self._blocks_that_fit())
             self.kv_cache = allocate_kv_cache(self.num_blocks, model.num_layers, model.num_kv_heads,
                                               cfg.block_size, model.head_dim, model.dtype, self.device)
+            # A draft model's K/V (speculate.py:DraftModel): its own cache, the same block ids.
+            self.draft_cache = None if draft is None else allocate_kv_cache(
+                self.num_blocks, draft.num_layers, draft.num_kv_heads, cfg.block_size, draft.head_dim, draft.dtype,
+                self.device)
             self._set_up_steps()
         except torch.OutOfMemoryError as e:
             raise ValueError(f"these engine settings need more memory than {self.device} has "
@@ -340,7 +354,7 @@ class ModelRunner:
         tokens = [starts[r] + (batch.num_new[r] - 1 if p < 0 else p) for r, p in wanted]
         pairs, rows = self._upload_many([b for pair in batch.copies for b in pair], tokens)
         if batch.copies:
-            kernels.copy_blocks(self.kv_cache, pairs.view(-1, 2))
+            self._copy_blocks(pairs.view(-1, 2))
         num_seqs, num_tokens = len(batch.seqs), sum(batch.num_new)
         graph_bs = next((b for b in lane.sizes if b >= num_seqs), None)
         if graph_bs is not None and max(batch.num_new) == 1:
@@ -352,6 +366,31 @@ class ModelRunner:
         else:
             hidden = self._replay_pieces(ids, positions, meta, padded)
         return hidden[rows]
+
+    def _copy_blocks(self, pairs: torch.Tensor) -> None:
+        """Copy-on-write: block src to dst [P, 2], in every cache (the draft model's too)."""
+        for cache in (self.kv_cache, self.draft_cache):
+            if cache is not None:
+                kernels.copy_blocks(cache, pairs)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write pairs (src, dst) now, outside a step (a draft model's slots)."""
+        if copies:
+            self._copy_blocks(self.upload([b for pair in copies for b in pair]).view(-1, 2))
+
+    @torch.inference_mode()
+    def draft_next(self, tokens: list[list[int]], starts: list[int], tables: list[list[int]]) -> list[int]:
+        """The draft model's greedy next token after each row: row r computes tokens[r] from
+        position starts[r] on (the K/V before it in its draft cache), under block table
+        tables[r]. Waits for the device."""
+        order = sorted(range(len(tokens)), key=lambda r: len(tokens[r]) - starts[r] > 1)   # one-token rows first
+        rows = [DraftRow(tokens[r], starts[r], tables[r]) for r in order]
+        batch = Batch(rows, [len(row.token_ids) - row.num_computed for row in rows])
+        ids, positions, meta = self.prepare(batch)
+        last = self.upload(list(itertools.accumulate(batch.num_new)), torch.int64) - 1
+        hidden = self.draft(ids, positions, self.draft_cache, meta)[last]
+        ahead = self.draft.compute_logits(hidden).argmax(-1).tolist()
+        return [ahead[order.index(r)] for r in range(len(tokens))]
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """Start copying t to the host; the result is valid once the device reaches this point."""
@@ -514,11 +553,15 @@ class ModelRunner:
 
     # -- KV cache sizing
 
+    def _bytes_per_block(self) -> int:
+        """A block's K/V in every cache: the model's, and a draft model's."""
+        return sum(kv_bytes_per_block(m.num_layers, m.num_kv_heads, self.cfg.block_size, m.head_dim, m.dtype)
+                   for m in (self.model, self.draft) if m is not None)
+
     def _check_fits(self, num_blocks: int) -> int:
         """num_blocks, or a ValueError naming num_kv_blocks if a cache that size cannot fit in
         the device's free memory (on a CPU, the machine's available memory)."""
-        m = self.model
-        need = num_blocks * kv_bytes_per_block(m.num_layers, m.num_kv_heads, self.cfg.block_size, m.head_dim, m.dtype)
+        need = num_blocks * self._bytes_per_block()
         if self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
         elif hasattr(os, "sysconf") and "SC_AVPHYS_PAGES" in os.sysconf_names:
@@ -531,8 +574,7 @@ class ModelRunner:
         return num_blocks
 
     def _blocks_that_fit(self) -> int:
-        cfg, m = self.cfg, self.model
-        per_block = kv_bytes_per_block(m.num_layers, m.num_kv_heads, cfg.block_size, m.head_dim, m.dtype)
+        cfg, m, per_block = self.cfg, self.model, self._bytes_per_block()
         if self.device.type != "cuda":   # CPU: a fixed 256 MiB, enough for tests and demos
             return max(blocks_for_memory(1 << 28, per_block), self.max_blocks_per_seq + 1)
         # Profile the largest step (a full token budget, and logits for every seat), then

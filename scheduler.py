@@ -152,8 +152,18 @@ class Scheduler:
         known enter the prefix cache. A rejected draft's slot in its last block is written
         again when its position comes."""
         seq.num_computed = len(seq.token_ids) - 1
+        seq.draft_computed = min(seq.draft_computed, seq.num_computed)
         self.bm.truncate(seq.block_table, len(seq.token_ids))
         self.bm.cache_computed_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+
+    def reserve_slots(self, seq: Sequence, end: int) -> list[tuple[int, int]] | None:
+        """Make seq's positions up to end writable now (a draft model's passes write them
+        before the step is scheduled): the copy-on-write pairs to copy at once, or None if
+        the blocks are not free (drafts are worth no preemption)."""
+        try:
+            return self.bm.append_slots(seq.block_table, seq.num_computed, end)
+        except OutOfBlocks:
+            return None
 
     # -- speculative branches: more candidates of one drafted sequence, for one step (speculate.py)
 
@@ -270,7 +280,7 @@ class Scheduler:
             self.restarted.append(req)
             return
         self.bm.free(seq.block_table)
-        seq.num_computed = 0
+        seq.num_computed = seq.draft_computed = 0
         self.running.remove(seq)
         self.add(seq)
 

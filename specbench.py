@@ -26,6 +26,7 @@ import time
 import torch
 
 from nanopd import LLM, SamplingParams
+from speculate import per_sequence
 
 
 @dataclasses.dataclass
@@ -102,8 +103,8 @@ def run_speculative(out: str | None, sizes: SpecSizes) -> dict:
                                                "num_branches": BRANCHES},
               max_num_seqs=max(sizes.crossover + sizes.batches), max_model_len=sizes.prompt_len + sizes.output_len + 8)
     vocab, prompt_lookup = llm.engine.model.config.vocab_size, llm.engine.drafter   # the engine's own ngram drafter
-    oracle = lambda a: lambda conts: OracleDrafter(conts, sizes.prompt_len, a, vocab)
-    ngram = lambda conts: lambda tokens, k, branches: prompt_lookup(tokens, k, 1)
+    oracle = lambda a: lambda conts: per_sequence(OracleDrafter(conts, sizes.prompt_len, a, vocab))
+    ngram = lambda conts: lambda seqs, ks, branches: prompt_lookup(seqs, ks, 1)
     branched = lambda conts: prompt_lookup
     res = {"sizes": dataclasses.asdict(sizes), "device": torch.cuda.get_device_name() if torch.cuda.is_available()
            else "cpu", "acceptance": [], "crossover": [], "ngram": []}

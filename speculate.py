@@ -34,8 +34,10 @@ device's. Drafts that miss would make speculation cost more than it gains; so a 
 whose drafts miss backs off (due), and a step after which nothing is due keeps the overlap.
 
 Drafters (vLLM's `speculative_config` methods):
-  ngram   prompt lookup: the tokens that followed the latest earlier occurrence of the
-          sequence's last n tokens, n from prompt_lookup_max down to prompt_lookup_min.
+  ngram        prompt lookup: the tokens that followed the latest earlier occurrence of
+               the sequence's last n tokens, n from prompt_lookup_max down to
+               prompt_lookup_min (and up to num_branches such continuations).
+  draft_model  a smaller model's greedy tokens (DraftModel).
 """
 
 from array import array
@@ -45,8 +47,10 @@ import torch
 
 from config import SpeculativeConfig
 from request import Sequence
+from runner import ModelRunner
 
-Drafter = Callable[[list[int], int, int], list[list[int]]]   # (tokens, at most how many, branches) -> candidates
+# (the sequences, at most how many drafts each, branches) -> each one's candidates
+Drafter = Callable[[list[Sequence], list[int], int], list[list[list[int]]]]
 
 
 def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int, branches: int = 1) -> list[list[int]]:
@@ -66,9 +70,71 @@ def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int, branches: i
     return sorted(found, key=len, reverse=True)
 
 
-DRAFTERS: dict[str, Callable[[SpeculativeConfig], Drafter]] = {
-    "ngram": lambda cfg: lambda tokens, k, branches: propose_ngram(tokens, k, cfg.prompt_lookup_max,
-                                                                   cfg.prompt_lookup_min, branches),
+def per_sequence(propose: Callable[[list[int], int, int], list[list[int]]]) -> Drafter:
+    """A Drafter from a function of one sequence's tokens (tokens, k, branches) -> candidates."""
+    return lambda seqs, ks, branches: [propose(s.token_ids, k, branches) for s, k in zip(seqs, ks)]
+
+
+class DraftModel:
+    """draft_model: a smaller model of the same vocabulary proposes each sequence's next k
+    tokens greedily, k passes a drafting step over all the sequences that draft. Its K/V
+    live in a cache of its own under the target's block ids (one block table, two caches:
+    runner.py), so the scheduler's blocks, copy-on-write copies and truncation serve both.
+    A sequence's draft K/V is caught up lazily: the first pass computes every token since
+    its last drafting step (all of them after an import or a preemption) and the last
+    token, each next pass one draft. A prefix-cache hit shares blocks whose draft K/V the
+    first pass writes again, the same values for the same tokens."""
+
+    def __init__(self, runner: ModelRunner, reserve: "Reserve"):
+        self.runner, self.reserve = runner, reserve
+
+    def __call__(self, seqs: list[Sequence], ks: list[int], branches: int) -> list[list[list[int]]]:
+        drafts: list[list[int]] = [[] for _ in seqs]
+        live = []
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            copies = self.reserve(seq, len(seq.token_ids) + k)   # the slots the passes and the check write
+            if copies is not None:   # else no blocks free: no drafts
+                self.runner.copy_blocks(copies)
+                live.append(i)
+        self._catch_up([seqs[i] for i in live], [drafts[i] for i in live])
+        for j in range(1, max((ks[i] for i in live), default=0)):   # then one draft a pass
+            rows = [i for i in live if j < ks[i]]
+            tokens = self.runner.draft_next([seqs[i].token_ids + drafts[i] for i in rows],
+                                            [len(seqs[i].token_ids) - 1 + j for i in rows],
+                                            [seqs[i].block_table for i in rows])
+            for i, t in zip(rows, tokens):
+                drafts[i].append(t)
+        for i in live:
+            seqs[i].draft_computed = len(seqs[i].token_ids) - 1 + ks[i]
+        return [[d] if d else [] for d in drafts]
+
+    def _catch_up(self, seqs: list[Sequence], drafts: list[list[int]]) -> None:
+        """The first pass: each sequence's tokens the draft has not computed, up to its last,
+        in passes of at most a step's token budget; the first draft after each."""
+        todo = {i: min(seq.draft_computed, seq.num_computed) for i, seq in enumerate(seqs)}
+        while todo:
+            rows, budget = [], self.runner.cfg.max_num_batched_tokens
+            for i, start in todo.items():
+                take = min(len(seqs[i].token_ids) - start, budget)
+                if take == 0:
+                    break
+                rows.append((i, start, start + take))
+                budget -= take
+            tokens = self.runner.draft_next([seqs[i].token_ids[:end] for i, _, end in rows], [s for _, s, _ in rows],
+                                            [seqs[i].block_table for i, _, _ in rows])
+            for (i, _, end), t in zip(rows, tokens):
+                if end == len(seqs[i].token_ids):
+                    drafts[i].append(t)
+                    del todo[i]
+                else:
+                    todo[i] = end
+
+
+Reserve = Callable[[Sequence, int], list[tuple[int, int]] | None]   # Scheduler.reserve_slots
+DRAFTERS: dict[str, Callable[[SpeculativeConfig, ModelRunner, Reserve], Drafter]] = {   # a method's drafter
+    "ngram": lambda cfg, runner, reserve: per_sequence(
+        lambda tokens, k, branches: propose_ngram(tokens, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min, branches)),
+    "draft_model": lambda cfg, runner, reserve: DraftModel(runner, reserve),
 }
 
 

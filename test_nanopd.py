@@ -2391,7 +2391,8 @@ def test_prompt_lookup_proposes_what_a_brute_force_search_finds():
 
 
 @pytest.mark.parametrize("config, match", [
-    ({"method": "eagle"}, "method"), ({"method": "draft_model", "model": "tiny"}, "draft_model is not built"),
+    ({"method": "eagle"}, "method"), ({"method": "draft_model"}, "needs 'model'"),
+    ({"method": "draft_model", "model": "tiny", "num_branches": 2}, "num_branches"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "prompt_lookup_max": 1, "prompt_lookup_min": 2}, "prompt_lookup_max"),
     ({"method": "ngram", "lookahead": 3}, "lookahead"), ("ngram", "dict"),
@@ -2448,7 +2449,7 @@ def branching_drafter(continuations: dict[tuple, list[int]]):
         right = continuations[p][len(tokens) - len(p):][:k]
         wrong = [(t + 1) % VOCAB for t in right]
         return [wrong, right[:max(1, k - 1)], right[:1] + wrong[1:k - 1]] if k > 1 else [wrong, right]
-    return drafter
+    return speculate.per_sequence(drafter)
 
 
 def count_branch_wins(engine: Engine) -> list:
@@ -2518,6 +2519,31 @@ def test_speculative_logprobs_match_hf(hf, temperature):
 
 
 @ENGINE
+@pytest.mark.parametrize("draft", ["itself", "another"])
+def test_a_draft_model_gives_hf_greedy_tokens(hf, tmp_path, draft):
+    """draft_model: the model itself as its own draft (its greedy drafts are the model's
+    tokens: nearly all kept), or another random checkpoint of the same vocabulary (2 heads,
+    1 K/V head: few kept). HF's greedy tokens either way, with a cache small enough that
+    sequences are preempted; every block comes back. Without the first pass's catch-up
+    (only the last token computed), the model as its own draft keeps few. A draft of
+    another vocabulary is a ValueError naming both."""
+    path = hf.path if draft == "itself" else tmp_path
+    if draft == "another":
+        hf_checkpoint(tmp_path, heads=2, kv_heads=1)
+    prompts = [PROMPTS[2], prompt(21, 7), PROMPTS[3], prompt(30, 8)]
+    llm = make_llm(hf.path, speculative_config={"method": "draft_model", "model": str(path),
+                                                "num_speculative_tokens": 3}, num_kv_blocks=14)
+    outs = generate(llm, prompts, max_tokens=24, ignore_eos=True)
+    assert tokens(outs) == [hf.greedy(p, 24) for p in prompts]
+    drafted, kept = (sum(getattr(o.metrics, f"spec_{m}_tokens") for o in outs) for m in ("draft", "accepted"))
+    assert drafted > 0 and (kept > 0.9 * drafted if draft == "itself" else kept < 0.5 * drafted)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert all_blocks_free(llm)
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_llm(hf.path, speculative_config={"method": "draft_model", "model": "tiny"})
+
+
+@ENGINE
 def test_drafts_that_always_miss_back_off_and_leave_the_tokens_alone(hf):
     """A drafter that is always wrong (HF's next greedy token, plus one): the tokens stay
     HF's greedy ones, nothing is kept, and the sequence drafts less and less often (at most
@@ -2527,7 +2553,7 @@ def test_drafts_that_always_miss_back_off_and_leave_the_tokens_alone(hf):
     right = hf.greedy(p, n)
     llm = make_llm(hf.path, speculative_config=NGRAM)
     eng, late = llm.engine, []
-    eng.drafter = lambda tokens, k, branches: [[(right[len(tokens) - len(p)] + 1) % VOCAB] * k]
+    eng.drafter = speculate.per_sequence(lambda tokens, k, branches: [[(right[len(tokens) - len(p)] + 1) % VOCAB] * k])
     launch, finish, launched_in = eng._launch, eng._finish, {}
 
     def launching(*args):
@@ -2584,7 +2610,7 @@ def test_speculative_sampling_keeps_the_models_distribution(hf, candidates, temp
                    num_kv_blocks=1024)
     if candidates == 2:
         likeliest = second.topk(2, -1).indices.tolist()   # [first token, 2]
-        llm.engine.drafter = lambda tokens_, k, branches: [[t] for t in likeliest[tokens_[-1]]]
+        llm.engine.drafter = speculate.per_sequence(lambda tokens_, k, branches: [[t] for t in likeliest[tokens_[-1]]])
     outs = generate(llm, [ids] * 2000, max_tokens=3, temperature=temperature, ignore_eos=True)
     assert all(o.metrics.spec_draft_tokens == candidates for o in outs)   # max_tokens leaves room for one draft
     counts = Counter(o.outputs[0].token_ids[1] for o in outs)
@@ -2611,13 +2637,16 @@ def prompt_whose_drafts_all_hit(hf, n: int) -> list[int]:
 
 
 @pytest.mark.usefixtures("worker_env", "torch_twins")
-@pytest.mark.parametrize("policy", ["collocated", "disaggregated"])
-def test_speculative_decoding_on_worker_processes_gives_hf_greedy_tokens(hf, policy):
+@pytest.mark.parametrize("policy, method", [("collocated", "ngram"), ("disaggregated", "ngram"),
+                                            ("disaggregated", "draft_model")])
+def test_speculative_decoding_on_worker_processes_gives_hf_greedy_tokens(hf, policy, method):
     """Two collocated workers, or a prefill worker and a decode worker (which drafts for the
-    requests it imports), two candidates a step: HF's greedy tokens, drafts kept, every
-    block back."""
+    requests it imports): ngram with two candidates a step, or the model as its own draft
+    model (the decode worker's draft cache catches up on each import): HF's greedy tokens,
+    drafts kept, every block back."""
     prompts = [prompt_whose_drafts_all_hit(hf, 20)] + MIXED_PROMPTS[:3]
-    with make_cluster(hf, policy, 2, speculative_config={**NGRAM, "num_branches": 2}) as llm:
+    spec = {**NGRAM, "num_branches": 2} if method == "ngram" else {"method": "draft_model", "model": str(hf.path)}
+    with make_cluster(hf, policy, 2, speculative_config=spec) as llm:
         outs = generate(llm, prompts, max_tokens=20, ignore_eos=True)
         assert tokens(outs) == [hf.greedy(p, 20) for p in prompts]
         assert sum(o.metrics.spec_accepted_tokens for o in outs) > 0
