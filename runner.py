@@ -390,7 +390,8 @@ class ModelRunner:
         last = self.upload(list(itertools.accumulate(batch.num_new)), torch.int64) - 1
         hidden = self.draft(ids, positions, self.draft_cache, meta)[last]
         ahead = self.draft.compute_logits(hidden).argmax(-1).tolist()
-        return [ahead[order.index(r)] for r in range(len(tokens))]
+        at = {r: j for j, r in enumerate(order)}
+        return [ahead[at[r]] for r in range(len(tokens))]
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """Start copying t to the host; the result is valid once the device reaches this point."""

@@ -152,7 +152,6 @@ class Scheduler:
         known enter the prefix cache. A rejected draft's slot in its last block is written
         again when its position comes."""
         seq.num_computed = len(seq.token_ids) - 1
-        seq.draft_computed = min(seq.draft_computed, seq.num_computed)
         self.bm.truncate(seq.block_table, len(seq.token_ids))
         self.bm.cache_computed_blocks(seq.block_table, seq.token_ids, seq.num_computed)
 

@@ -11,6 +11,8 @@ weights), each case against plain decoding of the same requests in the same run:
               copy-on-write branches), its acceptance and speed-up: a model with random
               weights falls into loops, which prompt lookup finds, so these say little of
               a trained model
+  draft       draft_model: the qwen3-0.6b preset drafting for the model at batch 1 and
+              32; random weights, so its drafts miss: what its passes cost
 
 Every case also checks that speculation gave plain greedy decoding's tokens. Results are
 printed and, with --out, written as JSON (a plot beside it, .png). --small runs at toy
@@ -19,6 +21,7 @@ sizes, seconds, to check that it runs; its numbers mean nothing.
 
 import argparse
 import dataclasses
+import gc
 import json
 import random
 import time
@@ -39,10 +42,11 @@ class SpecSizes:
     acceptances: tuple[float, ...] = (0.0, 0.5, 0.8, 0.9)
     crossover: tuple[int, ...] = (1, 4, 16, 32, 64, 128)
     crossover_a: float = 0.8
+    draft: str = "qwen3-0.6b"                         # draft_model's model
 
 
 SMALL_SPEC = SpecSizes(model="tiny", prompt_len=16, output_len=16, batches=(1, 2), acceptances=(0.0, 0.8),
-                       crossover=(1, 4))
+                       crossover=(1, 4), draft="tiny")
 
 
 BRANCHES = 3   # the ngram case with branches: up to 3 candidates a step (docs/speculative.md)
@@ -107,13 +111,23 @@ def run_speculative(out: str | None, sizes: SpecSizes) -> dict:
     ngram = lambda conts: lambda seqs, ks, branches: prompt_lookup(seqs, ks, 1)
     branched = lambda conts: prompt_lookup
     res = {"sizes": dataclasses.asdict(sizes), "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-           else "cpu", "acceptance": [], "crossover": [], "ngram": []}
+           else "cpu", "acceptance": [], "crossover": [], "ngram": [], "draft_model": []}
     for a in sizes.acceptances:
         res["acceptance"] += [compare(llm, sizes, b, oracle(a), f"a={a}") for b in sizes.batches]
     res["crossover"] = [compare(llm, sizes, b, oracle(sizes.crossover_a), f"a={sizes.crossover_a}")
                         for b in sizes.crossover]
     res["ngram"] = [compare(llm, sizes, b, ngram, "ngram") for b in sizes.batches]
     res["ngram"] += [compare(llm, sizes, b, branched, f"ngram x{BRANCHES}") for b in sizes.batches]
+    llm.close()
+    del llm
+    gc.collect()   # the model's memory back before the next LLM sizes its KV cache
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    llm = LLM(sizes.model, speculative_config={"method": "draft_model", "model": sizes.draft,
+                                               "num_speculative_tokens": sizes.k},
+              max_num_seqs=max(sizes.batches), max_model_len=sizes.prompt_len + sizes.output_len + 8)
+    draft_model = llm.engine.drafter
+    res["draft_model"] = [compare(llm, sizes, b, lambda conts: draft_model, "draft") for b in sizes.batches]
     llm.close()
     if out:
         with open(out, "w") as f:

@@ -104,8 +104,8 @@ class DraftModel:
                                             [seqs[i].block_table for i in rows])
             for i, t in zip(rows, tokens):
                 drafts[i].append(t)
-        for i in live:
-            seqs[i].draft_computed = len(seqs[i].token_ids) - 1 + ks[i]
+        for i in live:   # its own tokens only: the drafts' K/V is right only where they are kept
+            seqs[i].draft_computed = len(seqs[i].token_ids)
         return [[d] if d else [] for d in drafts]
 
     def _catch_up(self, seqs: list[Sequence], drafts: list[list[int]]) -> None:

@@ -4923,11 +4923,11 @@ def test_microbench_small_engine_gives_every_row_and_generates_every_token(tmp_p
 
 @pytest.mark.usefixtures("worker_env")   # on CPU: the kernels' torch twins, not the Triton interpreter
 def test_speculative_bench_small_checks_every_case_against_plain_decoding(tmp_path):
-    """`bench.py speculative --small` (here or on a GPU): every case gave plain greedy
-    decoding's tokens, at finite, positive rates; the drafter that is always wrong (a = 0)
+    """`bench.py speculative --small` (here or on a GPU): every case, draft_model's too, gave
+    plain greedy decoding's tokens, at finite, positive rates; the drafter that is always wrong (a = 0)
     had every draft dropped, the one right 80% of the time had some kept."""
     res = run_microbench(tmp_path, "speculative")
-    rows = res["acceptance"] + res["crossover"] + res["ngram"]
+    rows = res["acceptance"] + res["crossover"] + res["ngram"] + res["draft_model"]
     assert rows and all(r["same_tokens"] and finite_positive(r["plain_tok_s"], r["spec_tok_s"]) for r in rows)
     assert all(r["accepted"] == 0 < r["drafted"] for r in res["acceptance"] if r["case"] == "a=0.0")
     assert all(r["accepted"] > 0 for r in res["acceptance"] if r["case"] == "a=0.8")
