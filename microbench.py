@@ -770,6 +770,18 @@ def summarize_transports(res: dict, rows: list[dict]) -> None:
 MICRO = ("kernels", "engine", "profile", "transfer")
 
 
+def sub_bench_parser(what: str, doc: str) -> argparse.ArgumentParser:
+    """The command line of `bench.py split` and `bench.py speculative`: --model, --small, --out."""
+    p = argparse.ArgumentParser(prog=f"bench.py {what}", description=doc,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=[what])
+    p.add_argument("--model", default=None, help="preset (random weights) or checkpoint folder; default qwen3-8b, "
+                   "or tiny with --small")
+    p.add_argument("--small", action="store_true", help="toy sizes: seconds, to check that it runs")
+    p.add_argument("--out", default=None, help="write the results here as JSON, and a plot beside it (.png)")
+    return p
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -156,9 +156,9 @@ class Scheduler:
         self.bm.cache_computed_blocks(seq.block_table, seq.token_ids, seq.num_computed)
 
     def reserve_slots(self, seq: Sequence, end: int) -> list[tuple[int, int]] | None:
-        """Make seq's positions up to end writable now (a draft model's passes write them
-        before the step is scheduled): the copy-on-write pairs to copy at once, or None if
-        the blocks are not free (drafts are worth no preemption)."""
+        """Make seq's positions up to end writable (a branch's, or those a draft model's
+        passes write before the step is scheduled): the copy-on-write pairs, or None if the
+        blocks are not free (drafts are worth no preemption)."""
         try:
             return self.bm.append_slots(seq.block_table, seq.num_computed, end)
         except OutOfBlocks:
@@ -184,9 +184,8 @@ class Scheduler:
             m = min(1 + len(branch.drafts), n, budget - used)
             if m < 2:
                 continue
-            try:
-                copies = self.bm.append_slots(branch.block_table, branch.num_computed, branch.num_computed + m)
-            except OutOfBlocks:
+            copies = self.reserve_slots(branch, branch.num_computed + m)
+            if copies is None:
                 continue
             del branch.drafts[m - 1:]
             batch.add(branch, m, copies)

@@ -19,7 +19,6 @@ printed and, with --out, written as JSON (a plot beside it, .png). --small runs 
 sizes, seconds, to check that it runs; its numbers mean nothing.
 """
 
-import argparse
 import dataclasses
 import gc
 import json
@@ -28,6 +27,7 @@ import time
 
 import torch
 
+from microbench import sub_bench_parser
 from nanopd import LLM, SamplingParams
 from speculate import per_sequence
 
@@ -166,13 +166,6 @@ def plot_speculative(res: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="bench.py speculative", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["speculative"])
-    p.add_argument("--model", default=None, help="preset (random weights) or checkpoint folder; default qwen3-8b, "
-                   "or tiny with --small")
-    p.add_argument("--small", action="store_true", help="toy sizes: seconds, to check that it runs")
-    p.add_argument("--out", default=None, help="write the results here as JSON, and a plot beside it (.png)")
-    args = p.parse_args(argv)
+    args = sub_bench_parser("speculative", __doc__).parse_args(argv)
     sizes = SMALL_SPEC if args.small else SpecSizes()
     run_speculative(args.out, dataclasses.replace(sizes, model=args.model or sizes.model))

@@ -19,7 +19,6 @@ Every result is printed as a table and, with --out, written as JSON (and a plot 
 it, .png). --small runs at toy sizes, seconds, to check that it runs; its numbers mean nothing.
 """
 
-import argparse
 import dataclasses
 import json
 import random
@@ -31,6 +30,7 @@ import torch
 import kernels
 from config import EngineConfig
 from engine import Engine
+from microbench import sub_bench_parser
 from request import SamplingParams
 from smsplit import Split, default_menu, load_kernels_at_start, num_sms
 from timing import decode_beside_prefill_ms, fake_batch, free_batch, prefill_beside_decode_ms, time_step_ms
@@ -256,14 +256,7 @@ def plot_split(res: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="bench.py split", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=["split"])
-    p.add_argument("--model", default=None, help="preset (random weights) or checkpoint folder; default qwen3-8b, "
-                   "or tiny with --small")
-    p.add_argument("--small", action="store_true", help="toy sizes: seconds, to check that it runs")
-    p.add_argument("--out", default=None, help="write the results here as JSON, and a plot beside it (.png)")
-    args = p.parse_args(argv)
+    args = sub_bench_parser("split", __doc__).parse_args(argv)
     load_kernels_at_start()   # before anything asks CUDA about the device, as a split worker does
     if not torch.cuda.is_available():
         raise SystemExit("bench.py split measures the GPU: no CUDA device found")

@@ -1561,10 +1561,16 @@ def test_logprobs_match_hf(hf, llm, temperature):
     """logprobs=3: each step holds its token and the top 3, equal to HF's log_softmax; the sum is cumulative."""
     prompts = PROMPTS[:2]
     outs = generate(llm, prompts, max_tokens=8, logprobs=3, temperature=temperature, seed=7)
+    assert_top3_logprobs_match_hf(hf, prompts, outs, 8)
+
+
+def assert_top3_logprobs_match_hf(hf, prompts, outs, n: int) -> None:
+    """Each of the n tokens' logprobs=3 entry holds it and HF's top 3, at HF's log_softmax
+    after the same tokens; the cumulative logprob is their sum."""
     for p, out in zip(prompts, outs, strict=True):
         c = out.outputs[0]
         ref = hf.logprobs(p + c.token_ids)
-        assert len(c.logprobs) == len(c.token_ids) == 8
+        assert len(c.logprobs) == len(c.token_ids) == n
         for i, (t, entry) in enumerate(zip(c.token_ids, c.logprobs)):
             row = ref[len(p) - 1 + i]
             assert set(entry) == set(row.topk(3).indices.tolist()) | {t}
@@ -2505,16 +2511,7 @@ def test_speculative_logprobs_match_hf(hf, temperature):
     llm = make_llm(hf.path, speculative_config={**NGRAM, "num_branches": 2})
     outs = generate(llm, prompts, max_tokens=16, logprobs=3, temperature=temperature, seed=7, ignore_eos=True)
     assert temperature > 0 or sum(o.metrics.spec_accepted_tokens for o in outs) > 0
-    for p, out in zip(prompts, outs, strict=True):
-        c = out.outputs[0]
-        ref = hf.logprobs(p + c.token_ids)
-        assert len(c.logprobs) == len(c.token_ids) == 16
-        for i, (t, entry) in enumerate(zip(c.token_ids, c.logprobs)):
-            row = ref[len(p) - 1 + i]
-            assert set(entry) == set(row.topk(3).indices.tolist()) | {t}
-            assert all(abs(v - row[k].item()) < 1e-4 for k, v in entry.items())
-        expect = sum(ref[len(p) - 1 + i, t].item() for i, t in enumerate(c.token_ids))
-        assert c.cumulative_logprob == pytest.approx(expect, abs=1e-4)
+    assert_top3_logprobs_match_hf(hf, prompts, outs, 16)
     assert all_blocks_free(llm)
 
 
