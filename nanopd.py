@@ -23,6 +23,7 @@ import numbers
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Self
 
 import torch
@@ -158,30 +159,33 @@ class LLM:
         if self.closed:
             raise RuntimeError("this LLM is closed: create a new LLM(...) to generate again")
         outputs, ids = [None] * len(work), {}
-        try:
-            for i, (prompt, params, extra) in enumerate(work):
-                with self.lock, interrupts_held():   # an id is recorded once it exists
-                    try:
-                        ids[self.backend.submit(prompt, params, **extra)] = i
-                    except Exception as e:  # noqa: BLE001 (this request fails, alone)
-                        outputs[i] = failed_output(prompt, e)
-            self._wait(ids, outputs, use_tqdm)
-        except BaseException:
-            with self.lock:
-                mine = [r for r in ids if outputs[ids[r]] is None]
-                self.backend.abort(mine)
-                for r in mine:
-                    self.ended.pop(r, None)
-            raise
+        with interrupts_held() as safe_point:   # a Ctrl-C lands between submits and steps, never inside one
+            try:
+                for i, (prompt, params, extra) in enumerate(work):
+                    with self.lock:   # an id is recorded once it exists
+                        try:
+                            ids[self.backend.submit(prompt, params, **extra)] = i
+                        except Exception as e:  # noqa: BLE001 (this request fails, alone)
+                            outputs[i] = failed_output(prompt, e)
+                    safe_point()
+                self._wait(ids, outputs, use_tqdm, safe_point)
+            except BaseException:
+                with self.lock:
+                    mine = [r for r in ids if outputs[ids[r]] is None]
+                    self.backend.abort(mine)
+                    for r in mine:
+                        self.ended.pop(r, None)
+                raise
         return outputs
 
-    def _wait(self, ids: dict[int, int], outputs: list, use_tqdm: bool) -> None:
-        """Poll until every request of ids (request id -> index) has its output."""
+    def _wait(self, ids: dict[int, int], outputs: list, use_tqdm: bool, safe_point: Callable[[], None]) -> None:
+        """Poll until every request of ids (request id -> index) has its output; a held
+        Ctrl-C is taken at safe_point, between steps (interrupts_held)."""
         pending = set(ids)
         # disable=None: the bar shows only on a terminal
         with tqdm(total=len(ids), desc="generating", disable=True if not use_tqdm or len(ids) < 2 else None) as bar:
             while pending:
-                with self.lock, interrupts_held():   # a Ctrl-C lands between steps, never inside one
+                with self.lock:
                     for request_id in self.backend.poll(0.05):
                         self.ended[request_id] = self.output_of(request_id)
                     done = pending & self.ended.keys()
@@ -189,6 +193,7 @@ class LLM:
                         outputs[ids[request_id]] = self.ended.pop(request_id)
                 pending -= done
                 bar.update(len(done))
+                safe_point()
                 time.sleep(0)   # let a thread waiting for the lock have it
 
     def output_of(self, request_id: int) -> RequestOutput:
@@ -207,23 +212,32 @@ def failed_output(prompt, error: Exception) -> RequestOutput:
 
 @contextlib.contextmanager
 def interrupts_held():
-    """Hold a Ctrl-C that arrives inside the block until the block has ended, so that what
-    it does (a submit: registering a request and returning its id; a poll: an engine step,
-    whose scheduler moves blocks between sequences) is never cut in half. Only the main
-    thread receives signals; elsewhere this does nothing."""
+    """Hold every Ctrl-C that arrives inside the block: the signal only records itself, and
+    the block takes it at its safe points (the function it yields: between one submit or
+    engine step and the next), so that no submit (registering a request and returning its
+    id) and no step (whose scheduler moves blocks between sequences) is cut in half, and no
+    KeyboardInterrupt is raised inside whatever Python runs at that instant (a garbage
+    collector's callback swallows it). One still held at the end is taken there. Only the
+    main thread receives signals; elsewhere this holds nothing."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield lambda: None
         return
     caught = []
     previous = signal.signal(signal.SIGINT, lambda *args: caught.append(args))
+
+    def take() -> None:   # the held Ctrl-C goes to the handler it would have reached
+        if caught:
+            args = caught.pop(0)
+            if callable(previous):
+                previous(*args)
+            elif previous == signal.SIG_DFL:
+                signal.signal(signal.SIGINT, previous)
+                signal.raise_signal(signal.SIGINT)
     try:
-        yield
+        yield take
     finally:
         signal.signal(signal.SIGINT, previous)
-        if caught and callable(previous):
-            previous(*caught[0])
-        elif caught and previous == signal.SIG_DFL:
-            signal.raise_signal(signal.SIGINT)
+        take()
 
 
 def check_settings(kwargs: dict) -> None:
