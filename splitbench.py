@@ -132,12 +132,13 @@ def switch_cost(eng: Engine, sizes: SplitSizes, steps: int = 12) -> dict:
     return {"step_ms": step, "switch_ms": statistics.median(after) * 1e3 - step, "switches": len(after)}
 
 
-def long_prompts(sizes: SplitSizes, vocab: int) -> list[tuple[float, list[int], int]]:
-    """(arrival s, prompt, max_tokens) of serve's requests: Poisson arrivals, fixed seed."""
+def long_prompts(sizes: SplitSizes, vocab: int, max_len: int) -> list[tuple[float, list[int], int]]:
+    """(arrival s, prompt, max_tokens) of serve's requests: Poisson arrivals, fixed seed;
+    prompt and output within max_len tokens."""
     rng, t, specs = random.Random(0), 0.0, []
     while t < sizes.serve_s:
         n, out = int(rng.randint(1024, 2048) * sizes.serve_scale), max(2, int(rng.randint(32, 256) * sizes.serve_scale))
-        specs.append((t, [rng.randrange(vocab) for _ in range(n)], out))
+        specs.append((t, [rng.randrange(vocab) for _ in range(min(n, max_len - out))], out))
         t += rng.expovariate(sizes.serve_rate)
     return specs
 
@@ -147,7 +148,7 @@ def serve_steps(eng: Engine, sizes: SplitSizes, split: Split | None) -> dict:
     decodes while a prompt prefills (on a split: beside its chunk in flight; on the whole
     GPU: a mixed step), timed on the host, launch to the previous step's tokens taken."""
     eng.set_split(split)
-    specs, times, i = long_prompts(sizes, eng.model.config.vocab_size), [], 0
+    specs, times, i = long_prompts(sizes, eng.model.config.vocab_size, eng.cfg.max_model_len), [], 0
     start = time.perf_counter()
     while i < len(specs) or eng.has_unfinished():
         while i < len(specs) and specs[i][0] <= time.perf_counter() - start:

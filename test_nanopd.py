@@ -58,6 +58,12 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if (_runners := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))) > 1:
+    # pytest -n N: the N test processes share the cores, and so do the CPU workers each one
+    # starts (workers.py divides what it inherits). With every process on every core, CPU
+    # worker tests on a 16-core machine ran many times slower than on CI's 2 cores.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _runners)))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 import pytest
 from hypothesis import HealthCheck, given, settings

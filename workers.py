@@ -362,7 +362,7 @@ def worker_main(spec: WorkerSpec, inbox, outbox, readers: list, share_queue) -> 
                 load_kernels_at_start()
             torch.cuda.set_device(device)
         else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // 4))   # several workers share the cores
+            torch.set_num_threads(max(1, torch.get_num_threads() // 4))   # several workers share the cores (or OMP_NUM_THREADS's)
         engine = Engine(spec.cfg)
         peers = _share_caches(spec, engine.runner.kv_cache, readers, share_queue)
         if spec.group is not None:   # the workers' process group, for the transport's sends and receives
