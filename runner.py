@@ -100,6 +100,16 @@ class Draw:
     noise_of: int = -1                  # a speculative branch's: the draw whose sampling noise it reuses
 
 
+def attention_rows(seq: Sequence, n: int) -> list[tuple[int, int]]:
+    """(first position, query length) of each attention row a sequence's n new tokens make:
+    one row, except that a decode's drafts (speculate.py) are rows of their own, one token
+    each, attending up to their own position. So the decode kernel and the decode graphs
+    verify them as they decode, rather than as a prompt chunk (the prefill tiles, eager)."""
+    if seq.drafts:
+        return [(seq.num_computed + i, 1) for i in range(n)]
+    return [(seq.num_computed, n)]
+
+
 @dataclass
 class DraftRow:
     """A row of a draft model's pass (ModelRunner.draft_next), as prepare reads a sequence."""
@@ -261,21 +271,24 @@ class ModelRunner:
             ids += (seq.token_ids[start:] + seq.drafts)[:n] if seq.drafts else seq.token_ids[start:start + n]
             positions += range(start, start + n)
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            tables.append(seq.block_table)
-            cu.append(cu[-1] + n)
-            ctx.append(start)
+            for q_start, q_len in attention_rows(seq, n):
+                tables.append(seq.block_table)
+                cu.append(cu[-1] + q_len)
+                ctx.append(q_start)
         width = max(len(t) for t in tables)
         flat_tables = [b for t in tables for b in itertools.chain(t, itertools.repeat(0, width - len(t)))]
+        cu_host = cu
         ids, positions, slots, cu, ctx, flat_tables, fills = self._upload_many(
             ids, positions, slots, cu, ctx, flat_tables, fills)
         if len(fills):
             dst, src = fills.view(-1, 2).unbind(1)
             ids[dst] = prev_tokens[src].to(ids.dtype)
-        num_decodes = next((i for i, n in enumerate(batch.num_new) if n > 1), len(batch.num_new))
+        q_lens = [b - a for a, b in itertools.pairwise(cu_host)]
+        num_decodes = next((i for i, n in enumerate(q_lens) if n > 1), len(q_lens))
         max_kv_len = max(s.num_computed + n for s, n in zip(batch.seqs, batch.num_new))
         meta = AttentionMetadata(
             slot_mapping=slots, block_tables=flat_tables.view(len(tables), width), cu_q_lens=cu, ctx_lens=ctx,
-            max_q_len=max(batch.num_new), num_decodes=num_decodes,
+            max_q_len=max(q_lens), num_decodes=num_decodes,
             num_splits=kernels.choose_num_splits(num_decodes, self.model.num_kv_heads, 1, max_kv_len,
                                                  self.device))
         return ids, positions, meta
@@ -355,10 +368,11 @@ class ModelRunner:
         pairs, rows = self._upload_many([b for pair in batch.copies for b in pair], tokens)
         if batch.copies:
             self._copy_blocks(pairs.view(-1, 2))
-        num_seqs, num_tokens = len(batch.seqs), sum(batch.num_new)
-        graph_bs = next((b for b in lane.sizes if b >= num_seqs), None)
-        if graph_bs is not None and max(batch.num_new) == 1:
-            return self._replay(batch, lane.graphs[graph_bs], prev_tokens)[rows]   # one token per sequence
+        num_tokens = sum(batch.num_new)
+        one_token_rows = all(n == 1 or seq.drafts for seq, n in zip(batch.seqs, batch.num_new))
+        graph_bs = next((b for b in lane.sizes if b >= num_tokens), None)
+        if graph_bs is not None and one_token_rows:   # decodes (and their drafts): one token per row
+            return self._replay(batch, lane.graphs[graph_bs], prev_tokens)[rows]
         ids, positions, meta = self.prepare(batch, prev_tokens)
         padded = next((t for t in self.piece_sizes if t >= num_tokens), None) if lane.pieces else None
         if padded is None:
@@ -515,9 +529,10 @@ class ModelRunner:
                 prev_tokens: torch.Tensor | None) -> torch.Tensor:
         """Copy the step's inputs into the graph's static buffers (padding the batch to the
         graph's size with sequences of no tokens and no cache writes), then replay it."""
-        (graph, hidden), st, n = captured, self.static, len(batch.seqs)
+        (graph, hidden), st = captured, self.static
         bs = len(hidden)
         ids, positions, meta = self.prepare(batch, prev_tokens)
+        n = len(ids)   # rows: a sequence's drafts are rows of their own (attention_rows)
         width = meta.block_tables.shape[1]
         self._stage_tokens(ids, positions, meta.slot_mapping, bs)
         st["tables"][:n, :width].copy_(meta.block_tables)
