@@ -581,8 +581,18 @@ class Engine:
             if seq.drafts and seq.trunk is None:
                 seeded = seq.generator is not None and not seq.request.params.greedy
                 step.drafted[seq] = Drafted(seq.drafts, len(checks), seq.generator.get_state() if seeded else None)
-                checks += [Draw(i, seq.request.params, seq.generator, position=j) for j in range(len(seq.drafts))]
+                checks += [self._check_draw(i, seq, seq.drafts[:j], generator=seq.generator)
+                           for j in range(len(seq.drafts))]
         return checks
+
+    def _check_draw(self, row: int, seq: Sequence, before: list[int], **kw) -> Draw:
+        """The draw after `before`, drafts of seq (or of a branch of seq) at batch row `row`:
+        its penalties count them and its bans hold while seq's outputs and they are under
+        min_tokens."""
+        if not seq.request.adjusts:
+            return Draw(row, seq.request.params, position=len(before), before=before, **kw)
+        return Draw(row, seq.request.params, seq=seq, banned=self._banned(seq, len(before)), position=len(before),
+                    before=before, **kw)
 
     def _plan_branch_checks(self, batch: Batch, step: LaunchedStep, first: int, plan: list[tuple[int, int]]
                             ) -> list[Draw]:
@@ -602,7 +612,7 @@ class Engine:
             depths = [drafted.checks + j for j in range(len(drafted.drafts))] + [ordinary + plan.index((row[seq], 0))]
             for branch in seq.branches:
                 drafted.branches.append((branch, branch.drafts, first + len(draws)))
-                draws += [Draw(row[branch], seq.request.params, position=j, noise_of=depths[j])
+                draws += [self._check_draw(row[branch], seq, branch.drafts[:j], noise_of=depths[j])
                           for j in range(len(branch.drafts) + 1)]
         return draws
 
@@ -621,8 +631,9 @@ class Engine:
             for j in range(req.params.n if seq.num_outputs == 0 else 1):
                 g = seq.generator if j == 0 else self._generator(req, j)
                 plan.append((i, j))
-                draws.append(Draw(i, req.params, g, seq, j > 0, self._banned(seq)) if req.adjusts
-                             else Draw(i, req.params, g))
+                before = list(seq.drafts) if seq.drafts else None   # drafted: after its last draft
+                draws.append(Draw(i, req.params, g, seq, j > 0, self._banned(seq, len(seq.drafts)), before=before)
+                             if req.adjusts else Draw(i, req.params, g))
         return plan, draws
 
     def _shape(self, batch: Batch) -> StepShape:
@@ -649,6 +660,8 @@ class Engine:
                 continue
             drafted, draw = step.drafted.get(seq), step.num_checks + k
             kept, draws = self._kept(seq, drafted, checked, token, draw) if drafted else ([token], [draw])
+            if drafted and seq.request.params.penalized:   # its draws were not counted: what it kept is
+                self.runner.token_counts.count_kept(seq, kept, self.runner.upload)
             seq.token_ids[index:index + 1] = kept
             if index + len(kept) == len(seq.token_ids):   # no later step has sampled after it yet
                 seq.pending_row = None
@@ -704,10 +717,11 @@ class Engine:
             rewind(seq.generator, drafted.generator_state, a + 1, self.model.config.vocab_size)
         return drafts[:a] + [sampled[a]], draws[:a + 1]
 
-    def _banned(self, seq: Sequence) -> list[int]:
-        """The tokens seq's next token may not be: before min_tokens, EOS and the stop ids."""
+    def _banned(self, seq: Sequence, ahead: int = 0) -> list[int]:
+        """The tokens seq's next token (after `ahead` drafts) may not be: before min_tokens,
+        EOS and the stop ids."""
         params = seq.request.params
-        if seq.num_outputs >= params.min_tokens:
+        if seq.num_outputs + ahead >= params.min_tokens:
             return []
         return list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(self.eos_ids))
 

@@ -98,6 +98,9 @@ class Draw:
     banned: list[int] = field(default_factory=list)   # tokens it may not be (min_tokens: EOS, stop ids)
     position: int = -1                  # after which of the row's new tokens (-1: the last; drafts: each, speculate.py)
     noise_of: int = -1                  # a speculative branch's: the draw whose sampling noise it reuses
+    # A drafted sequence's draw: the drafts before its position, which its penalties count as
+    # the sequence's own; its token is counted only once kept (engine.py:_finish).
+    before: list[int] | None = None
 
 
 def attention_rows(seq: Sequence, n: int) -> list[tuple[int, int]]:
@@ -351,8 +354,9 @@ class ModelRunner:
         x, counted = logits.to(torch.float32, copy=True), None
         if penalized:
             rows = self.token_counts.penalize(x, penalized, [draws[k].seq for k in penalized],
-                                              [draws[k].params for k in penalized], prev_tokens, self.upload)
-            own = [j for j, k in enumerate(penalized) if not draws[k].child]
+                                              [draws[k].params for k in penalized], prev_tokens, self.upload,
+                                              [draws[k].before or [] for k in penalized])
+            own = [j for j, k in enumerate(penalized) if not draws[k].child and draws[k].before is None]
             counted = (self.upload([penalized[j] for j in own], torch.int64), rows[self.upload(own, torch.int64)])
         if bans:
             at = self.upload(bans, torch.int64)

@@ -139,18 +139,32 @@ class TokenCounts:
         self.free += range(new - 1, old - 1, -1)
 
     def penalize(self, logits: torch.Tensor, draws: list[int], seqs: list[Sequence], params: list[SamplingParams],
-                 prev_tokens: torch.Tensor | None, upload: Upload) -> torch.Tensor:
+                 prev_tokens: torch.Tensor | None, upload: Upload, before: list[list[int]] = ()) -> torch.Tensor:
         """Apply the penalties of params[i] to row draws[i] of logits [D, vocab] (float32, in
-        place), from the statistics of seqs[i], all in one launch; the rows used [P]."""
+        place), from the statistics of seqs[i] and the tokens before[i] (a speculative check's
+        drafts ahead of it, not yet the sequence's), all in one launch; the rows used [P]."""
         rows = upload(self.rows(seqs, prev_tokens, upload), torch.int64)
         knobs = upload([[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in params],
                        torch.float32)
-        kernels.apply_penalties(logits, upload(draws, torch.int64), rows, knobs, self.counts, self.in_prompt)
+        counts, in_prompt, at = self.counts, self.in_prompt, rows
+        if any(before):   # each draw its own copy of its row, with its drafts counted
+            counts, in_prompt = self.counts[rows], self.in_prompt[rows]
+            at = torch.arange(len(rows), device=rows.device)
+            pairs = upload([[i, t] for i, tokens in enumerate(before) for t in tokens], torch.int64).view(-1, 2)
+            counts.index_put_((pairs[:, 0], pairs[:, 1]), torch.ones(len(pairs), dtype=torch.int32,
+                                                                     device=rows.device), accumulate=True)
+        kernels.apply_penalties(logits, upload(draws, torch.int64), at, knobs, counts, in_prompt)
         return rows
 
     def count(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """The step sampled tokens[i] for the sequence of row rows[i]."""
         self.counts.index_put_((rows, tokens.long()), torch.ones_like(rows, dtype=torch.int32), accumulate=True)
+
+    @torch.inference_mode()   # the table is an inference tensor (built inside a step)
+    def count_kept(self, seq: Sequence, tokens: list[int], upload: Upload) -> None:
+        """seq kept these tokens of a speculative step (whose draws were not counted)."""
+        if seq in self.row_of and tokens:
+            self.count(upload([self.row_of[seq]] * len(tokens), torch.int64), upload(tokens, torch.int64))
 
     def forget(self, seq: Sequence) -> None:
         row = self.row_of.pop(seq, None)

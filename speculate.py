@@ -139,12 +139,12 @@ DRAFTERS: dict[str, Callable[[SpeculativeConfig, ModelRunner, Reserve], Drafter]
 
 
 def can_speculate(seq: Sequence) -> bool:
-    """Whether seq's drafts can be checked: its request samples from the model's own logits
-    (no penalties nor bans: those would have to count each draft), searches no beams and
-    decodes here (a prefill worker's parks after its first token). Logprobs come from the
-    draw that sampled each kept token."""
+    """Whether seq's drafts can be checked: its request searches no beams and decodes here
+    (a prefill worker's parks after its first token). Logprobs come from the draw that
+    sampled each kept token; penalties and min_tokens bans at a depth count the drafts
+    before it (engine.py:_plan_checks)."""
     req = seq.request
-    return not req.adjusts and not req.beam_width and not req.prefill_only
+    return not req.beam_width and not req.prefill_only
 
 
 MAX_BACKOFF = 6   # a sequence whose drafts keep missing drafts every 2^6 = 64 steps at least

@@ -2546,6 +2546,46 @@ def test_a_draft_model_gives_hf_greedy_tokens(hf, tmp_path, draft):
         make_llm(hf.path, speculative_config={"method": "draft_model", "model": "tiny"})
 
 
+def knowing_drafter(continuations: dict[tuple, list[int]]):
+    """A drafter that proposes the continuation it knows after each sequence: every draft
+    right."""
+    def drafter(tokens: list[int], k: int, branches: int) -> list[list[int]]:
+        p = next(p for p in continuations if tuple(tokens[:len(p)]) == p)
+        return [continuations[p][len(tokens) - len(p):][:k]]
+    return speculate.per_sequence(drafter)
+
+
+@ENGINE
+@pytest.mark.parametrize("candidates", ["one", "on a branch"])
+def test_speculative_checks_count_their_drafts_toward_penalties_and_min_tokens(hf, tmp_path, candidates):
+    """Penalties and min_tokens with drafts that are the reference's own tokens (the plain-torch
+    penalised loop; HF's min_new_tokens, with EOS and stop tokens among the first greedy
+    tokens), the right ones proposed by the sequence itself or on a branch: every right draft
+    is kept and the tokens are the reference's. A check that did not count the drafts ahead
+    of it (as penalised tokens, as outputs toward min_tokens) samples another token."""
+    k, knobs = 12, (0.5, 0.7, 1.3)
+    ref, ref0 = hf.greedy(PROMPTS[1], 10), hf.greedy(PROMPTS[0], 10)
+    eos, stop, stop0 = ref[1], ref[2], ref0[2]
+    config = {**NGRAM, "num_branches": 3} if candidates != "one" else NGRAM
+    llm = make_llm(with_eos(hf.path, tmp_path / "eos", eos), speculative_config=config)
+    penalised = [penalised_greedy(hf, p, k, *knobs) for p in PROMPTS[2:]]
+    held = [hf._generate(p, do_sample=False, min_new_tokens=m, max_new_tokens=10, eos_token_id=[eos, s]
+                         )[0, len(p):].tolist() for p, m, s in ((PROMPTS[1], 4, stop), (PROMPTS[0], 2, stop0))]
+    assert len(held[0]) > 4 and held[0][-1] in (eos, stop)   # held back, then stopped
+    assert held[1] == ref0[:3]   # the bans lift inside the first drafting step, at its second check
+    prompts = PROMPTS[2:] + [PROMPTS[1], PROMPTS[0]]   # no prompt a prefix of another (the drafter's key)
+    llm.engine.drafter = (knowing_drafter if candidates == "one" else branching_drafter)(
+        {tuple(p): r for p, r in zip(prompts, penalised + held)})
+    params = [SamplingParams(temperature=0.0, max_tokens=k, presence_penalty=knobs[0], frequency_penalty=knobs[1],
+                             repetition_penalty=knobs[2], ignore_eos=True)] * 2
+    params += [SamplingParams(temperature=0.0, max_tokens=10, min_tokens=m, stop_token_ids=[s])
+               for m, s in ((4, stop), (2, stop0))]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert tokens(outs) == penalised + held
+    assert all(o.metrics.spec_accepted_tokens > 0 for o in outs)
+    assert all_blocks_free(llm) and not llm.engine.runner.token_counts.row_of
+
+
 @ENGINE
 def test_drafts_that_always_miss_back_off_and_leave_the_tokens_alone(hf):
     """A drafter that is always wrong (HF's next greedy token, plus one): the tokens stay
