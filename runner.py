@@ -99,7 +99,7 @@ class Draw:
     position: int = -1                  # after which of the row's new tokens (-1: the last; drafts: each, speculate.py)
     noise_of: int = -1                  # a speculative branch's: the draw whose sampling noise it reuses
     # A drafted sequence's draw: the drafts before its position, which its penalties count as
-    # the sequence's own; its token is counted only once kept (engine.py:_finish).
+    # the sequence's own; its token is counted only once kept (Engine._finish).
     before: list[int] | None = None
 
 
@@ -107,7 +107,7 @@ def attention_rows(seq: Sequence, n: int) -> list[tuple[int, int]]:
     """(first position, query length) of each attention row a sequence's n new tokens make:
     one row, except that a decode's drafts (speculate.py) are rows of their own, one token
     each, attending up to their own position. So the decode kernel and the decode graphs
-    verify them as they decode, rather than as a prompt chunk (the prefill tiles, eager)."""
+    verify them as they decode, rather than as a prompt chunk (prefill tiles, in a mixed step)."""
     if seq.drafts:
         return [(seq.num_computed + i, 1) for i in range(n)]
     return [(seq.num_computed, n)]
@@ -280,13 +280,12 @@ class ModelRunner:
                 ctx.append(q_start)
         width = max(len(t) for t in tables)
         flat_tables = [b for t in tables for b in itertools.chain(t, itertools.repeat(0, width - len(t)))]
-        cu_host = cu
+        q_lens = [b - a for a, b in itertools.pairwise(cu)]
         ids, positions, slots, cu, ctx, flat_tables, fills = self._upload_many(
             ids, positions, slots, cu, ctx, flat_tables, fills)
         if len(fills):
             dst, src = fills.view(-1, 2).unbind(1)
             ids[dst] = prev_tokens[src].to(ids.dtype)
-        q_lens = [b - a for a, b in itertools.pairwise(cu_host)]
         num_decodes = next((i for i, n in enumerate(q_lens) if n > 1), len(q_lens))
         max_kv_len = max(s.num_computed + n for s, n in zip(batch.seqs, batch.num_new))
         meta = AttentionMetadata(
