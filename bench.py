@@ -616,6 +616,9 @@ def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timel
               f"{calib['median_rel_error']:.1%} (by decile of the run: "
               f"{', '.join(f'{e:.0%}' for e in calib['by_decile'])}); with the true output lengths "
               f"{calib['cost_model_median_rel_error']:.1%}")
+    for tl in timelines:   # when the planner changed the regime (the plots and results.json say more)
+        print(f"{tl['policy']} regimes, {tl['workload']} at {tl['rate']:g} req/s: "
+              + ", ".join(f"{c['time']:.1f} s {c['regime']}" for c in tl["changes"]))
     run.out.mkdir(parents=True, exist_ok=True)
     files = plot(run, rows, results, goodput, timelines)
     gpu = run.devices[0].startswith("cuda") if run.devices else torch.cuda.is_available()
