@@ -88,14 +88,14 @@ def learn_script(llm: LLM, prompts: list[list[int]], sizes: SpecSizes, drafter_f
 
 def partings(plain: list, spec: list, logprobs: list) -> list[dict]:
     """Where each output with speculation first differs from plain decoding's, and by how
-    much plain decoding preferred its own token there (log-probability, nats; inf if
-    speculation's token was not among plain decoding's top 5): a parting at a near-tie
-    is bf16 rounding, one at a wide margin a wrong token."""
+    much plain decoding preferred its own token there, its top one (log-probability, nats;
+    inf if speculation's token was not among plain decoding's top 5): a parting at a
+    near-tie is bf16 rounding, one at a wide margin a wrong token."""
     out = []
     for p, s, lps in zip(plain, spec, logprobs):
         at = next((i for i, (x, y) in enumerate(zip(p, s)) if x != y), None)
         if at is not None:
-            out.append({"position": at, "margin": lps[at][p[at]] - lps[at].get(s[at], -float("inf"))})
+            out.append({"position": at, "margin": max(lps[at].values()) - lps[at].get(s[at], -float("inf"))})
     return out
 
 
