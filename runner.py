@@ -265,7 +265,7 @@ class ModelRunner:
         """Token ids, positions [num_tokens] and the attention metadata, on the device.
         A PENDING token id is taken, on the device, from prev_tokens (the sampled tokens of
         the step still running), so the host never waits for it."""
-        ids, positions, slots, tables, cu, ctx, fills = [], [], [], [], [0], [], []
+        ids, positions, slots, tables, q_lens, ctx, fills = [], [], [], [], [], [], []
         bs = self.cfg.block_size
         for seq, n in zip(batch.seqs, batch.num_new):
             start = seq.num_computed
@@ -274,13 +274,18 @@ class ModelRunner:
             ids += (seq.token_ids[start:] + seq.drafts)[:n] if seq.drafts else seq.token_ids[start:start + n]
             positions += range(start, start + n)
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            for q_start, q_len in attention_rows(seq, n):
+            if seq.drafts:   # rows of their own (most steps have none: the plain path stays lean)
+                for q_start, q_len in attention_rows(seq, n):
+                    tables.append(seq.block_table)
+                    q_lens.append(q_len)
+                    ctx.append(q_start)
+            else:
                 tables.append(seq.block_table)
-                cu.append(cu[-1] + q_len)
-                ctx.append(q_start)
+                q_lens.append(n)
+                ctx.append(start)
         width = max(len(t) for t in tables)
         flat_tables = [b for t in tables for b in itertools.chain(t, itertools.repeat(0, width - len(t)))]
-        q_lens = [b - a for a, b in itertools.pairwise(cu)]
+        cu = list(itertools.accumulate(q_lens, initial=0))
         ids, positions, slots, cu, ctx, flat_tables, fills = self._upload_many(
             ids, positions, slots, cu, ctx, flat_tables, fills)
         if len(fills):
@@ -372,9 +377,9 @@ class ModelRunner:
         if batch.copies:
             self._copy_blocks(pairs.view(-1, 2))
         num_tokens = sum(batch.num_new)
-        one_token_rows = all(n == 1 or seq.drafts for seq, n in zip(batch.seqs, batch.num_new))
+        one_token_rows = max(batch.num_new) == 1 or all(n == 1 or s.drafts for s, n in zip(batch.seqs, batch.num_new))
         graph_bs = next((b for b in lane.sizes if b >= num_tokens), None)
-        if graph_bs is not None and one_token_rows:   # decodes (and their drafts): one token per row
+        if graph_bs is not None and one_token_rows:   # decodes, and their drafts (attention_rows): a token a row
             return self._replay(batch, lane.graphs[graph_bs], prev_tokens)[rows]
         ids, positions, meta = self.prepare(batch, prev_tokens)
         padded = next((t for t in self.piece_sizes if t >= num_tokens), None) if lane.pieces else None
