@@ -104,13 +104,12 @@ class Draw:
 
 
 def attention_rows(seq: Sequence, n: int) -> list[tuple[int, int]]:
-    """(first position, query length) of each attention row a sequence's n new tokens make:
-    one row, except that a decode's drafts (speculate.py) are rows of their own, one token
-    each, attending up to their own position. So the decode kernel and the decode graphs
-    verify them as they decode, rather than as a prompt chunk (prefill tiles, in a mixed step)."""
-    if seq.drafts:
-        return [(seq.num_computed + i, 1) for i in range(n)]
-    return [(seq.num_computed, n)]
+    """(first position, query length) of each attention row of a decode with drafts
+    (speculate.py): its n new tokens are rows of their own, one token each, attending up to
+    their own position. So the decode kernel and the decode graphs verify them as they
+    decode, rather than as a prompt chunk (prefill tiles, in a mixed step). Any other
+    sequence's n new tokens are one row (ModelRunner.prepare)."""
+    return [(seq.num_computed + i, 1) for i in range(n)]
 
 
 @dataclass

@@ -90,12 +90,13 @@ class DraftModel:
 
     def __call__(self, seqs: list[Sequence], ks: list[int], branches: int) -> list[list[list[int]]]:
         drafts: list[list[int]] = [[] for _ in seqs]
-        live = []
+        live, copies = [], []
         for i, (seq, k) in enumerate(zip(seqs, ks)):
-            copies = self.reserve(seq, len(seq.token_ids) + k)   # the slots the passes and the check write
-            if copies is not None:   # else no blocks free: no drafts
-                self.runner.copy_blocks(copies)
+            pairs = self.reserve(seq, len(seq.token_ids) + k)   # the slots the passes and the check write
+            if pairs is not None:   # else no blocks free: no drafts
+                copies += pairs
                 live.append(i)
+        self.runner.copy_blocks(copies)   # all of them in one launch
         self._catch_up([seqs[i] for i in live], [drafts[i] for i in live])
         for j in range(1, max((ks[i] for i in live), default=0)):   # then one draft a pass
             rows = [i for i in live if j < ks[i]]
