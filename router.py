@@ -23,6 +23,7 @@ arriving while a request decodes, is part of that request's latency: a worker pr
 r prompt tokens per ms spends gamma x r of its time on them, beside its decodes.
 """
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -80,6 +81,7 @@ def split_key(split: tuple[int, int]) -> str:
 MAX_PREFILL_SHARE = 0.9   # of a worker's time spent on prefills beside its decodes: past it, none would finish
 OUTLIER_CLIP = 4.0        # a refit moves by at most this many typical residuals per observation
 SCALE_WEIGHT = 0.05       # ... the typical residual: an average of the last ~20 (RecursiveLeastSquares)
+PRIOR_SCALE = 0.1         # ... before any is seen: this share of what the profile predicts
 GROWTH_SEGMENTS = 16      # pieces a decode under a moving batch is integrated in
 
 
@@ -327,7 +329,11 @@ class RecursiveLeastSquares:
     A residual far larger than the typical one (a step the host stalled, which no term
     of the model explains) moves the fit only as far as OUTLIER_CLIP typical residuals
     would (Huber's robust regression, in its recursive form): one 250 ms stall among
-    10 ms steps would otherwise carry a lane's beta to tens of ms and leave it there."""
+    10 ms steps would otherwise carry a lane's beta to tens of ms and leave it there.
+    The first residual is clipped too, against PRIOR_SCALE of the profile's prediction
+    (where that is not 0):
+    the first step on a split just taken is often a stall, and taken whole it set both the
+    fit and the typical residual off by a hundredfold."""
 
     def __init__(self, theta: list[float], floor: list[float], forget: float = 0.995):
         self.theta = torch.tensor(theta, dtype=torch.float64)
@@ -339,7 +345,10 @@ class RecursiveLeastSquares:
         x = torch.tensor(x, dtype=torch.float64)
         px = self.P @ x
         gain = px / (self.forget + x @ px)
-        residual = y - float(x @ self.theta)
+        predicted = float(x @ self.theta)
+        if self.scale is None and predicted:   # before any residual: a share of the prediction
+            self.scale = PRIOR_SCALE * abs(predicted)
+        residual = y - predicted
         if self.scale is not None:
             bound = OUTLIER_CLIP * self.scale
             residual = min(max(residual, -bound), bound)
@@ -387,10 +396,10 @@ class Router:
     it was routed under (a snapshot) only estimates the load it decodes under, and a fit
     on a noisy estimate flattens the slopes, so the router learns the slopes from steps,
     whose shapes are exact. batch_thresh and alpha2 stay as profiled. A split worker's
-    lanes learn from its steps alone: its prompt chunks refit the prefill lane's alpha0 and
-    alpha (a request's wait there is mostly the chunk ahead of it, not its own prefill),
-    its decode steps on the lane the decode lane's step model (on the whole GPU, with no
-    prompt beside, the whole GPU's)."""
+    lanes learn from its steps alone: its prompt chunks rescale the prefill lane's model
+    (a request's wait there is mostly the chunk ahead of it, not its own prefill), its
+    decode steps on the lane the decode lane's (on the whole GPU, with no prompt beside,
+    they refit the whole GPU's)."""
 
     def __init__(self, params: HardwareParams, predictor: OutputLengthPredictor | None = None,
                  slo: tuple[float, float] | None = None):
@@ -402,7 +411,8 @@ class Router:
         self.fit_transfer = RecursiveLeastSquares([p.transfer_rate], [1e-4])
         self.fit_links: dict[str, RecursiveLeastSquares] = {}
         self.fit_step = RecursiveLeastSquares([p.beta, p.slope, p.kv, p.gamma], [1e-1, 1e-3, 1e-6, 1e-3])
-        self.fit_splits: dict[str, RecursiveLeastSquares] = {}   # "P/D prefill", "P/D decode": each split's lanes
+        self.fit_splits: dict[str, RecursiveLeastSquares] = {}   # "P/D prefill", "P/D decode": each lane's factor
+        self.profiled_splits = copy.deepcopy(params.splits)      # ... on these models of the lanes
         self.errors: list[float] = []         # |route()'s prediction - measured| / measured, per request
         self.model_errors: list[float] = []   # the same with the true output length (the cost model alone)
 
@@ -486,27 +496,34 @@ class Router:
     def observe_step(self, decodes: int, context_tokens: int, prefill_tokens: int, ms: float,
                      sm_split: tuple[int, int] | None = None) -> None:
         """Learn from one step a worker timed. sm_split: it ran on a lane of that split,
-        whose own model it refits: a chunk of prompts (decodes 0) the prefill lane's,
-        alpha0 + alpha * tokens; decodes the decode lane's. On the whole GPU, steps without
-        decodes say nothing (its prefill rate is learned from requests)."""
+        whose model it rescales (_rescale_lane): a chunk of prompts (decodes 0) the prefill
+        lane's, decodes the decode lane's. On the whole GPU, steps without decodes say
+        nothing (its prefill rate is learned from requests)."""
         p = self.cost.p
         if sm_split is not None:
-            key = split_key(sm_split)
-            if key not in p.splits or decodes == 0 and prefill_tokens == 0:
-                return
-            s = p.splits[key]
-            if decodes == 0:
-                fit = self.fit_splits.setdefault(f"{key} prefill", RecursiveLeastSquares([s.alpha0, s.alpha],
-                                                                                          [1e-1, 1e-3]))
-                fit.update([1.0, prefill_tokens], ms)
-                s.alpha0, s.alpha = fit.physical()
-                return
-            fit = self.fit_splits.setdefault(f"{key} decode", RecursiveLeastSquares([s.beta, s.slope, s.kv],
-                                                                                     [1e-1, 1e-3, 1e-6]))
-            fit.update([1.0, max(0.0, decodes - s.batch_thresh), context_tokens], ms)
-            s.beta, s.slope, s.kv = fit.physical()
+            if split_key(sm_split) in p.splits and (decodes or prefill_tokens):
+                self._rescale_lane(split_key(sm_split), decodes, context_tokens, prefill_tokens, ms)
             return
         if decodes == 0:
             return
         self.fit_step.update([1.0, max(0.0, decodes - p.batch_thresh), context_tokens, prefill_tokens], ms)
         p.beta, p.slope, p.kv, p.gamma = self.fit_step.physical()
+
+    def _rescale_lane(self, key: str, decodes: int, context_tokens: int, prefill_tokens: int, ms: float) -> None:
+        """A lane's step refits one factor on the profile's model of that lane, not its terms
+        one by one: a split worker's decode batch sits near its seats for seconds, where the
+        step's terms (beta, slope, kv) cannot be told apart, and a fit of each, clamped to
+        be >= 0, predicted steps many times too long (every term grows the same way with
+        the batch). What live traffic changes is the level (how hard the other lane presses
+        on the memory bandwidth); the shape in batch and context is the profile's."""
+        s, shape = self.cost.p.splits[key], self.profiled_splits[key]
+        lane = "prefill" if decodes == 0 else "decode"
+        fit = self.fit_splits.setdefault(f"{key} {lane}", RecursiveLeastSquares([1.0], [0.0]))
+        if lane == "prefill":
+            fit.update([shape.alpha0 + shape.alpha * prefill_tokens], ms)
+            (k,) = fit.physical()
+            s.alpha0, s.alpha = k * shape.alpha0, k * shape.alpha
+        else:
+            fit.update([shape.beta + shape.slope * max(0.0, decodes - shape.batch_thresh) + shape.kv * context_tokens], ms)
+            (k,) = fit.physical()
+            s.beta, s.slope, s.kv = k * shape.beta, k * shape.slope, k * shape.kv
