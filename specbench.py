@@ -16,7 +16,9 @@ weights), each case against plain decoding of the same requests in the same run:
 
 Every case also checks that speculation gave plain greedy decoding's tokens. Results are
 printed and, with --out, written as JSON (a plot beside it, .png). --small runs at toy
-sizes, seconds, to check that it runs; its numbers mean nothing.
+sizes, seconds, to check that it runs; its numbers mean nothing. Every case drafts at
+any batch (disable_by_batch_size None), so the crossover is measured, not the default
+that it sets (config.py:SpeculativeConfig).
 """
 
 import dataclasses
@@ -40,7 +42,7 @@ class SpecSizes:
     output_len: int = 128
     batches: tuple[int, ...] = (1, 32)                 # acceptance
     acceptances: tuple[float, ...] = (0.0, 0.5, 0.8, 0.9)
-    crossover: tuple[int, ...] = (1, 4, 16, 32, 64, 128)
+    crossover: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 128)
     crossover_a: float = 0.8
     draft: str = "qwen3-0.6b"                         # draft_model's model
 
@@ -146,7 +148,7 @@ def compare(llm: LLM, sizes: SpecSizes, batch: int, drafter_for, name: str, lear
 
 def run_speculative(out: str | None, sizes: SpecSizes) -> dict:
     llm = LLM(sizes.model, speculative_config={"method": "ngram", "num_speculative_tokens": sizes.k,
-                                               "num_branches": BRANCHES},
+                                               "num_branches": BRANCHES, "disable_by_batch_size": None},
               max_num_seqs=max(sizes.crossover + sizes.batches), max_model_len=sizes.prompt_len + sizes.output_len + 8)
     vocab, prompt_lookup = llm.engine.model.config.vocab_size, llm.engine.drafter   # the engine's own ngram drafter
     oracle = lambda a: lambda conts: per_sequence(OracleDrafter(conts, sizes.prompt_len, a, vocab))
@@ -166,7 +168,7 @@ def run_speculative(out: str | None, sizes: SpecSizes) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     llm = LLM(sizes.model, speculative_config={"method": "draft_model", "model": sizes.draft,
-                                               "num_speculative_tokens": sizes.k},
+                                               "num_speculative_tokens": sizes.k, "disable_by_batch_size": None},
               max_num_seqs=max(sizes.batches), max_model_len=sizes.prompt_len + sizes.output_len + 8)
     draft_model = llm.engine.drafter
     res["draft_model"] = [compare(llm, sizes, b, lambda conts: draft_model, "draft") for b in sizes.batches]

@@ -2366,7 +2366,9 @@ def test_green_context_lanes_run_on_disjoint_sms():
 # Drafts checked in one step: the tokens plain decoding gives (HF's greedy, the same seeded
 # draws), the model's distribution (a chi-square test against HF), every block given back.
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# Drafting at any batch (the default stops past 8 sequences), so tests of many requests draft too.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "disable_by_batch_size": None}
 
 
 def lookup_by_brute_force(tokens: list[int], k: int, n_max: int, n_min: int, branches: int = 1) -> list[list[int]]:
@@ -2553,6 +2555,31 @@ def knowing_drafter(continuations: dict[tuple, list[int]]):
         p = next(p for p in continuations if tuple(tokens[:len(p)]) == p)
         return [continuations[p][len(tokens) - len(p):][:k]]
     return speculate.per_sequence(drafter)
+
+
+@ENGINE
+def test_nothing_drafts_while_more_sequences_run_than_disable_by_batch_size(hf):
+    """disable_by_batch_size 2, three requests drafted the right tokens (HF's greedy ones)
+    and of different lengths: while three run no step drafts; once one has ended the rest
+    do, and keep every draft; the tokens are HF's greedy ones."""
+    prompts, lengths = [PROMPTS[0], PROMPTS[1], PROMPTS[2]], [6, 30, 30]
+    right = {tuple(p): hf.greedy(p, n) for p, n in zip(prompts, lengths)}
+    llm = make_llm(hf.path, speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    eng, drafting_at = llm.engine, []
+    eng.drafter, drafters = knowing_drafter(right), eng._drafters
+
+    def recording(step):
+        seqs = drafters(step)
+        drafting_at.extend(len(eng.scheduler.running) for _ in seqs)
+        return seqs
+    eng._drafters = recording
+    outs = llm.generate(prompts,
+                        [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths], use_tqdm=False)
+    assert tokens(outs) == [right[tuple(p)] for p in prompts]
+    assert drafting_at and max(drafting_at) <= 2
+    assert outs[0].metrics.spec_draft_tokens == 0 and all(o.metrics.spec_accepted_tokens > 0 for o in outs[1:])
+    assert all(o.metrics.spec_accepted_tokens == o.metrics.spec_draft_tokens for o in outs)
+    assert all_blocks_free(llm)
 
 
 @ENGINE
