@@ -26,7 +26,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm import tqdm
@@ -213,10 +213,21 @@ class CentralScheduler:
                              f"{num_prefill} with {n} workers")
         if join is None:
             # Workers time every step for the router only under a steered policy.
-            self.workers = WorkerProcesses(self.cfg, list(devices), self._sources(n), self.transport, self.steered,
+            configs = [self._worker_config(device, role) for device, role in zip(devices, roles)]
+            self.workers = WorkerProcesses(configs, self._sources(n), self.transport, self.steered,
                                            [f"nanopd-{self.roles.name(w)}-{w}" for w in range(n)])
             self._close = weakref.finalize(self, self.workers.close)   # it holds the workers, not this object
         self.liveness = Liveness(self.workers, list(devices), worker_timeout_s)
+
+    def _worker_config(self, device: str, role: str) -> EngineConfig:
+        """A worker's engine config: the cluster's, on its device. A worker whose role only
+        ever prefills (a fixed policy's prefill worker) gets no drafter: drafts are made where
+        a request decodes, and a handoff moves the target's K/V only (a draft model's cache
+        catches up on the decode worker), so a draft model there would only take memory.
+        Workers on other hosts (hosts.py) build theirs from the cluster's config, drafter
+        and all."""
+        prefills_only = not self.steered and ROLES[role].hands_off and not ROLES[role].takes_handoffs
+        return replace(self.cfg, device=device, **({"speculative_config": None} if prefills_only else {}))
 
     def _split_menu(self, devices: list[str], roles: list[str]) -> None:
         """The SM splits the workers' engines are built for (their decode graphs are captured

@@ -2713,7 +2713,7 @@ def test_speculative_decoding_on_worker_processes_gives_hf_greedy_tokens(hf, pol
     """Two collocated workers, or a prefill worker and a decode worker (which drafts for the
     requests it imports): ngram with two candidates a step, or the model as its own draft
     model (the decode worker's draft cache catches up on each import): HF's greedy tokens,
-    drafts kept, every block back."""
+    drafts kept, every block back; the prefill worker has no drafter."""
     prompts = [prompt_whose_drafts_all_hit(hf, 20)] + MIXED_PROMPTS[:3]
     spec = {**NGRAM, "num_branches": 2} if method == "ngram" else {"method": "draft_model", "model": str(hf.path)}
     with make_cluster(hf, policy, 2, speculative_config=spec) as llm:
@@ -2721,6 +2721,9 @@ def test_speculative_decoding_on_worker_processes_gives_hf_greedy_tokens(hf, pol
         assert tokens(outs) == [hf.greedy(p, 20) for p in prompts]
         assert sum(o.metrics.spec_accepted_tokens for o in outs) > 0
         assert workers_all_free(llm)
+        # A prefill worker, which never decodes, is started without a drafter.
+        drafting = [c.speculative_config is not None for c in llm.cluster.workers.configs]
+        assert drafting == ([True, True] if policy == "collocated" else [False, True])
 
 
 # ======================= transport.py, workers.py: the handoff, in one process

@@ -23,7 +23,6 @@ the router refits its model of a step on them (router.py).
 
 import ast
 import contextlib
-import dataclasses
 import datetime
 import multiprocessing.connection
 import os
@@ -462,11 +461,12 @@ def exit_in_order_on_sigterm() -> None:
 
 
 class WorkerProcesses:
-    """One worker process per device and the channels to them: an inbox queue each, a
-    report pipe each. sources[i]: the workers whose caches worker i pulls from. close()
+    """One worker process per engine config (each on its device) and the channels to them:
+    an inbox queue each, a report pipe each. sources[i]: the workers whose caches worker i
+    pulls from. close()
     releases everything it opened; so do its collection and the interpreter's exit."""
 
-    def __init__(self, cfg: EngineConfig, devices: list[str], sources: list[list[int]], transport: str,
+    def __init__(self, configs: list[EngineConfig], sources: list[list[int]], transport: str,
                  report_steps: bool, names: list[str]):
         check_main_module()
         ctx = torch.multiprocessing.get_context("spawn")
@@ -477,16 +477,17 @@ class WorkerProcesses:
         # Before anything is opened, so that a failure half-way releases what was.
         self._stop = weakref.finalize(self, stop_processes, self.procs, self.inboxes, self.reports, self.shares,
                                       self.heard)
-        pipes = [ctx.Pipe(duplex=False) for _ in devices]
+        self.configs = configs   # each worker's engine, on its device
+        n = len(configs)
+        pipes = [ctx.Pipe(duplex=False) for _ in configs]
         self.reports += [reader for reader, _ in pipes]
-        self.inboxes += [ctx.Queue() for _ in devices]
+        self.inboxes += [ctx.Queue() for _ in configs]
         # Where each worker's peer caches arrive; kept here, since a queue the parent drops
         # before a child has unpickled it is gone (its semaphore unlinked).
-        self.shares += [ctx.Queue() if sources[i] else None for i in range(len(devices))]
-        for i, device in enumerate(devices):
-            spec = WorkerSpec(i, dataclasses.replace(cfg, device=device), transport, report_steps, len(sources[i]),
-                              group, len(devices))
-            readers = [self.shares[j] for j in range(len(devices)) if i in sources[j]]
+        self.shares += [ctx.Queue() if sources[i] else None for i in range(n)]
+        for i, cfg in enumerate(configs):
+            spec = WorkerSpec(i, cfg, transport, report_steps, len(sources[i]), group, n)
+            readers = [self.shares[j] for j in range(n) if i in sources[j]]
             self.procs.append(ctx.Process(target=worker_main, args=(spec, self.inboxes[i], pipes[i][1], readers,
                                                                     self.shares[i]), daemon=True, name=names[i]))
         with SIGTERM_EXIT.held():
