@@ -331,9 +331,8 @@ class RecursiveLeastSquares:
     would (Huber's robust regression, in its recursive form): one 250 ms stall among
     10 ms steps would otherwise carry a lane's beta to tens of ms and leave it there.
     The first residual is clipped too, against PRIOR_SCALE of the profile's prediction
-    (where that is not 0):
-    the first step on a split just taken is often a stall, and taken whole it set both the
-    fit and the typical residual off by a hundredfold."""
+    (where that is not 0): the first step on a split just taken is often a stall, and
+    taken whole it set both the fit and the typical residual off by a hundredfold."""
 
     def __init__(self, theta: list[float], floor: list[float], forget: float = 0.995):
         self.theta = torch.tensor(theta, dtype=torch.float64)
