@@ -4236,9 +4236,9 @@ class FakeWorkers:
     """Stands in for cluster.py's worker processes: each is Ready at once, the reports the
     test queues (worker, [reports]) come back from receive, and what is sent is recorded."""
 
-    def __init__(self, cfg, devices, sources, transport, report_steps, names):
+    def __init__(self, configs, sources, transport, report_steps, names):
         self.names, self.sent = names, []
-        self.reports = [(w, [messages.Ready(64, 1, 1024, "fake")]) for w in range(len(devices))]
+        self.reports = [(w, [messages.Ready(64, 1, 1024, "fake")]) for w in range(len(configs))]
 
     def send(self, w: int, msg) -> None:
         self.sent.append((w, msg))
