@@ -226,7 +226,7 @@ class CentralScheduler:
         catches up on the decode worker), so a draft model there would only take memory.
         Workers on other hosts (hosts.py) build theirs from the cluster's config, drafter
         and all."""
-        prefills_only = not self.steered and ROLES[role].hands_off and not ROLES[role].takes_handoffs
+        prefills_only = not self.steered and not ROLES[role].decodes
         return replace(self.cfg, device=device, **({"speculative_config": None} if prefills_only else {}))
 
     def _split_menu(self, devices: list[str], roles: list[str]) -> None:

@@ -655,13 +655,14 @@ class Engine:
         for seq in step.seqs:
             if seq.request.metrics.first_token_time is None:
                 seq.request.metrics.first_token_time = now
+        counted: list[tuple[Sequence, list[int]]] = []   # penalized drafted sequences: what they kept
         for k, ((seq, index), token) in enumerate(zip(step.targets, tokens)):
             if seq.status == Status.FINISHED:   # it stopped one step earlier: this token is void
                 continue
             drafted, draw = step.drafted.get(seq), step.num_checks + k
             kept, draws = self._kept(seq, drafted, checked, token, draw) if drafted else ([token], [draw])
             if drafted and seq.request.params.penalized:   # its draws were not counted: what it kept is
-                self.runner.token_counts.count_kept(seq, kept, self.runner.upload)
+                counted.append((seq, kept))
             seq.token_ids[index:index + 1] = kept
             if index + len(kept) == len(seq.token_ids):   # no later step has sampled after it yet
                 seq.pending_row = None
@@ -673,6 +674,7 @@ class Engine:
                 self._check_stop(seq, at)
                 if seq.status == Status.FINISHED:
                     break
+        self.runner.token_counts.count_kept(counted, self.runner.upload)
         for seq, candidates in zip(step.beams, step.output.beams):
             k = 2 * seq.request.beam_width
             seq.beam_candidates = list(zip(candidates[0][:k], candidates[1][:k]))

@@ -27,6 +27,11 @@ class Role:
     hands_off: bool           # what it prefills decodes elsewhere (else here, unless the router picks another)
     splits_sms: bool = False  # its prefills and decodes run on SM partitions of its own (SetRole.sm_split)
 
+    @property
+    def decodes(self) -> bool:
+        """Whether any request decodes here: handed to it, or kept from its own prefill."""
+        return self.takes_handoffs or not self.hands_off
+
 
 ROLES = {
     "both": Role(takes_prompts=True, takes_handoffs=True, hands_off=False),

@@ -161,10 +161,13 @@ class TokenCounts:
         self.counts.index_put_((rows, tokens.long()), torch.ones_like(rows, dtype=torch.int32), accumulate=True)
 
     @torch.inference_mode()   # the table is an inference tensor (built inside a step)
-    def count_kept(self, seq: Sequence, tokens: list[int], upload: Upload) -> None:
-        """seq kept these tokens of a speculative step (whose draws were not counted)."""
-        if seq in self.row_of and tokens:
-            self.count(upload([self.row_of[seq]] * len(tokens), torch.int64), upload(tokens, torch.int64))
+    def count_kept(self, kept: list[tuple[Sequence, list[int]]], upload: Upload) -> None:
+        """Each seq kept these tokens of a speculative step (whose draws were not counted):
+        all of a step's in one launch."""
+        pairs = [(self.row_of[seq], t) for seq, tokens in kept if seq in self.row_of for t in tokens]
+        if pairs:
+            rows, tokens = upload(pairs, torch.int64).unbind(1)
+            self.count(rows, tokens)
 
     def forget(self, seq: Sequence) -> None:
         row = self.row_of.pop(seq, None)
