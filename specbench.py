@@ -45,10 +45,11 @@ class SpecSizes:
     crossover: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 128)
     crossover_a: float = 0.8
     draft: str = "qwen3-0.6b"                         # draft_model's model
+    num_kv_blocks: int | None = None                   # None: what fits; --small sizes its own (beside other GPU work)
 
 
 SMALL_SPEC = SpecSizes(model="tiny", prompt_len=16, output_len=16, batches=(1, 2), acceptances=(0.0, 0.8),
-                       crossover=(1, 4), draft="tiny")
+                       crossover=(1, 4), draft="tiny", num_kv_blocks=512)
 
 
 BRANCHES = 3   # the ngram case with branches: up to 3 candidates a step (docs/speculative.md)
@@ -149,7 +150,8 @@ def compare(llm: LLM, sizes: SpecSizes, batch: int, drafter_for, name: str, lear
 def run_speculative(out: str | None, sizes: SpecSizes) -> dict:
     llm = LLM(sizes.model, speculative_config={"method": "ngram", "num_speculative_tokens": sizes.k,
                                                "num_branches": BRANCHES, "disable_by_batch_size": None},
-              max_num_seqs=max(sizes.crossover + sizes.batches), max_model_len=sizes.prompt_len + sizes.output_len + 8)
+              max_num_seqs=max(sizes.crossover + sizes.batches), max_model_len=sizes.prompt_len + sizes.output_len + 8,
+              num_kv_blocks=sizes.num_kv_blocks)
     vocab, prompt_lookup = llm.engine.model.config.vocab_size, llm.engine.drafter   # the engine's own ngram drafter
     oracle = lambda a: lambda conts: per_sequence(OracleDrafter(conts, sizes.prompt_len, a, vocab))
     ngram = lambda conts: lambda seqs, ks, branches: prompt_lookup(seqs, ks, 1)
@@ -169,7 +171,8 @@ def run_speculative(out: str | None, sizes: SpecSizes) -> dict:
         torch.cuda.empty_cache()
     llm = LLM(sizes.model, speculative_config={"method": "draft_model", "model": sizes.draft,
                                                "num_speculative_tokens": sizes.k, "disable_by_batch_size": None},
-              max_num_seqs=max(sizes.batches), max_model_len=sizes.prompt_len + sizes.output_len + 8)
+              max_num_seqs=max(sizes.batches), max_model_len=sizes.prompt_len + sizes.output_len + 8,
+              num_kv_blocks=sizes.num_kv_blocks)
     draft_model = llm.engine.drafter
     res["draft_model"] = [compare(llm, sizes, b, lambda conts: draft_model, "draft") for b in sizes.batches]
     llm.close()

@@ -47,10 +47,12 @@ class SplitSizes:
     serve_rate: float = 10.0    # serve: long prompts per second (1024-2048 tokens, 32-256 out, times serve_scale)
     serve_s: float = 20.0       # ... arriving over this many seconds
     serve_scale: float = 1.0
+    num_kv_blocks: int | None = None   # None: what fits; --small sizes its own, so it runs beside other GPU processes
 
 
 SMALL_SPLIT = SplitSizes(model="tiny", batches=(1, 4), context=64, prefill_tokens=256, beside_batch=4, reps=3,
-                         serve_rate=1000.0, serve_s=0.04, serve_scale=1 / 8)   # ~40 at once: more than a step
+                         serve_rate=1000.0, serve_s=0.04, serve_scale=1 / 8,   # ~40 at once: more than a step
+                         num_kv_blocks=2048)
 
 
 def bench_menu(total: int) -> list[Split]:
@@ -64,7 +66,8 @@ def make_engine(sizes: SplitSizes) -> Engine:
     menu = tuple((s.prefill_sms, s.decode_sms) for s in bench_menu(total))
     return Engine(EngineConfig(model=sizes.model, max_num_seqs=max(sizes.batches), split_menu=menu,
                                max_num_batched_tokens=max(sizes.prefill_tokens, max(sizes.batches)),
-                               max_model_len=max(sizes.context + 8, sizes.prefill_tokens)))
+                               max_model_len=max(sizes.context + 8, sizes.prefill_tokens),
+                               num_kv_blocks=sizes.num_kv_blocks))
 
 
 def split_rows(eng: Engine, sizes: SplitSizes) -> list[dict]:
