@@ -149,15 +149,19 @@ class CostModel:
         rate * T. Meanwhile the batch moves by batch_growth per ms, so each step is longer (or
         shorter) than the one before: dt / dstep = step(batch + growth t), integrated over
         GROWTH_SEGMENTS pieces. At most `seats` sequences share a step.
+        The batch it starts in holds w's decodes and the prompts queued there: they are ahead
+        of it, so each is decoding by the time it is (left out, a split's decode steps at the
+        sharegpt phase's queues were predicted 0.6x as long as they ran).
         The growth counts only past saturation, while sequences wait for w's seats: below it,
         starts and ends balance, and a trend over the last seconds is the batch's random swing,
         which does not go on (taken as a trend, it made every prediction too long)."""
         stretch = 1.0 - min(self.p.gamma * w.prefill_rate, MAX_PREFILL_SHARE)
-        per_seq = w.context_tokens / max(1, w.decode_batch)
+        ahead = w.decode_batch + w.queued_prefills
+        per_seq = (w.context_tokens + w.queued_prefill_tokens) / max(1, ahead)   # context tokens each holds
         growth = w.batch_growth if self.excess_share(w) > 0 else 0.0
 
         def step_at(t: float) -> float:   # a step t ms into the decode, stretched
-            running = min(max(1.0, w.decode_batch + 1 + growth * t), w.seats)
+            running = min(max(1.0, ahead + 1 + growth * t), w.seats)
             return self.decode_step_ms(running, per_seq * (running - 1) + prompt_len + out_len / 2) / stretch
         if not growth:
             return out_len * step_at(0.0)

@@ -3437,8 +3437,9 @@ def test_router_changes_path_with_load():
 def test_the_decode_prediction_follows_a_growing_batch():
     """Past saturation (sequences waiting for seats) a worker's batch grows while a request
     decodes: with batch_growth g the predicted decode is what stepping through it one step
-    at a time gives, the batch N + g t at each step (within 2%); a draining batch (g < 0)
-    decodes faster. Below saturation a trend is noise: the batch is taken to stand still."""
+    at a time gives, the batch N + Q + 1 + g t at each step (within 2%), the Q prompts queued
+    ahead of it decoding beside it; a draining batch (g < 0) decodes faster. Below
+    saturation a trend is noise: the batch is taken to stand still."""
     rng = random.Random(7)
     for _ in range(200):
         p = random_params(rng)
@@ -3446,12 +3447,14 @@ def test_the_decode_prediction_follows_a_growing_batch():
         cost = CostModel(p)
         seats = rng.randint(16, 512)
         w = WorkerLoad(decode_batch=rng.randint(0, 200), context_tokens=0, seats=seats,
-                       queued_prefills=rng.choice([0, seats]), batch_growth=rng.uniform(-0.02, 0.05))
+                       queued_prefills=rng.choice([0, rng.randint(1, seats), seats]),
+                       batch_growth=rng.uniform(-0.02, 0.05))
         waiting = w.decode_batch + w.queued_prefills + 1 > seats
         out = rng.randint(16, 512)
         t = 0.0
         for _ in range(out):   # brute force: one step at a time
-            t += cost.decode_step_ms(min(max(1.0, w.decode_batch + 1 + w.batch_growth * waiting * t), seats))
+            batch = w.decode_batch + w.queued_prefills + 1 + w.batch_growth * waiting * t
+            t += cost.decode_step_ms(min(max(1.0, batch), seats))
         assert cost.steps_ms(0, out, w) == pytest.approx(t, rel=0.02)
 
 
