@@ -13,6 +13,10 @@ weights), each case against plain decoding of the same requests in the same run:
               a trained model
   draft       draft_model: the qwen3-0.6b preset drafting for the model at batch 1 and
               32; random weights, so its drafts miss: what its passes cost
+  verify      (CUDA) a drafting step's cost at batch 1, in plain steps: the whole step
+              (the crossover's batch-1 case) against its decode graph
+              alone (k + 1 rows against one, GPU time): the difference is the host's work,
+              which a drafting step cannot hide behind the step before it
 
 Every case also checks that speculation gave plain greedy decoding's tokens. Results are
 printed and, with --out, written as JSON (a plot beside it, .png). --small runs at toy
@@ -49,7 +53,7 @@ class SpecSizes:
 
 
 SMALL_SPEC = SpecSizes(model="tiny", prompt_len=16, output_len=16, batches=(1, 2), acceptances=(0.0, 0.8),
-                       crossover=(1, 4), draft="tiny", num_kv_blocks=512)
+                       crossover=(1, 8), draft="tiny", num_kv_blocks=512)   # 8: a graph for a verify step
 
 
 BRANCHES = 3   # the ngram case with branches: up to 3 candidates a step (docs/speculative.md)
@@ -164,6 +168,9 @@ def run_speculative(out: str | None, sizes: SpecSizes) -> dict:
                         for b in sizes.crossover]
     res["ngram"] = [compare(llm, sizes, b, ngram, "ngram") for b in sizes.batches]
     res["ngram"] += [compare(llm, sizes, b, branched, f"ngram x{BRANCHES}") for b in sizes.batches]
+    one = next((r for r in res["crossover"] if r["batch"] == 1), None)
+    if torch.cuda.is_available() and one is not None:   # this LLM's last use: a replay writes the last step's slots
+        res["verify"] = verify_cost(llm, sizes, one)
     llm.close()
     del llm
     gc.collect()   # the model's memory back before the next LLM sizes its KV cache
@@ -180,6 +187,26 @@ def run_speculative(out: str | None, sizes: SpecSizes) -> dict:
         with open(out, "w") as f:
             json.dump(res, f, indent=1)
         plot_speculative(res, out.rsplit(".", 1)[0] + ".png")
+    return res
+
+
+def verify_cost(llm: LLM, sizes: SpecSizes, row: dict) -> dict:
+    """A drafting step's cost in plain steps at batch 1 (row: a batch-1 case): the whole
+    step, from its tokens/s and tokens kept a step, against the GPU time of its decode
+    graph alone (k + 1 rows, one each, against one row)."""
+    import triton
+    lane = llm.engine.runner.whole
+    graphs = {n: next((b for b in lane.sizes if b >= n), None) for n in (1, sizes.k + 1)}
+    if None in graphs.values():   # no graph that large (max_num_seqs): verify steps run without one
+        return {}
+    graph_ms = {n: triton.testing.do_bench(lane.graphs[b][0].replay, warmup=20, rep=200, return_mode="median")
+                for n, b in graphs.items()}
+    step = row["mean_kept_per_step"] * row["plain_tok_s"] / row["spec_tok_s"]
+    res = {"step_in_plain_steps": step, "graph_ms": graph_ms, "graph_ratio": graph_ms[sizes.k + 1] / graph_ms[1],
+           "needed_for_3x": row["mean_kept_per_step"] / 3.0}
+    print(f"    verify  batch   1: a drafting step costs {step:.2f} plain steps; its graph alone "
+          f"{graph_ms[sizes.k + 1]:.3f} ms on the GPU against {graph_ms[1]:.3f} for one row "
+          f"({res['graph_ratio']:.2f}x); 3x would need {res['needed_for_3x']:.2f}", flush=True)
     return res
 
 

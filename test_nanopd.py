@@ -5030,6 +5030,9 @@ def test_speculative_bench_small_checks_every_case_against_plain_decoding(tmp_pa
     assert rows and all(r["same_tokens"] and finite_positive(r["plain_tok_s"], r["spec_tok_s"]) for r in rows)
     assert all(r["accepted"] == 0 < r["drafted"] for r in res["acceptance"] if r["case"] == "a=0.0")
     assert all(r["accepted"] > 0 for r in res["acceptance"] if r["case"] == "a=0.8")
+    if torch.cuda.is_available():   # the verify step measured: its graph alone, and the whole step
+        v = res["verify"]
+        assert finite_positive(v["graph_ratio"], v["step_in_plain_steps"], *v["graph_ms"].values())
 
 
 @MICROBENCH_GPU
