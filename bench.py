@@ -131,8 +131,7 @@ def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec], desc:
                 routed = {}
                 if m.routed is not None:
                     predicted_ms, load, _ = m.routed
-                    routed = {"predicted_ms": predicted_ms, "decode_batch": load.decode_batch,
-                              "queued_prefill": load.queued_prefill_tokens}
+                    routed = {"predicted_ms": predicted_ms, **asdict(load)}   # the whole load it was routed under
                 results.append(Result(
                     policy, workload, rate, len(spec.prompt_ids), n,
                     ttft=(m.first_token_time or m.finish_time) - sent,
@@ -563,16 +562,23 @@ def regime_timeline(planner, start: float, seconds: float) -> dict:
 
 
 def calibration(router, profiled: dict | None = None) -> dict:
-    """The router's median |predicted - measured| / measured latency, overall and by tenth of
-    the run; the same for the cost model alone (predicted with each request's true output
+    """The router's median |predicted - measured| / measured latency, overall, by tenth of
+    the run and apart for the requests whose worker kept its SM split and those whose split
+    the planner changed while they ran (their prediction was for the split they were
+    routed to); the same for the cost model alone (predicted with each request's true output
     length, where the router had to guess it); its parameters as profiled and as refitted
     by the end (what an error comes from)."""
     if router is None:
         return {}
     errs = router.errors
-    return {"median_rel_error": statistics.median(errs) if errs else float("nan"),
-            "cost_model_median_rel_error": statistics.median(router.model_errors) if router.model_errors
-            else float("nan"),
+
+    def median(xs: list[float]) -> float:
+        return statistics.median(xs) if xs else float("nan")
+    return {"median_rel_error": median(errs), "cost_model_median_rel_error": median(router.model_errors),
+            "split_kept": {"requests": router.split_changed.count(False),
+                           "median_rel_error": median([e for e, c in zip(errs, router.split_changed) if not c])},
+            "split_changed": {"requests": router.split_changed.count(True),
+                              "median_rel_error": median([e for e, c in zip(errs, router.split_changed) if c])},
             "by_decile": [statistics.median(errs[i * len(errs) // 10:(i + 1) * len(errs) // 10] or [float("nan")])
                           for i in range(10)],
             "profiled": profiled, "refitted": asdict(router.cost.p)}
@@ -616,6 +622,10 @@ def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timel
               f"{calib['median_rel_error']:.1%} (by decile of the run: "
               f"{', '.join(f'{e:.0%}' for e in calib['by_decile'])}); with the true output lengths "
               f"{calib['cost_model_median_rel_error']:.1%}")
+        kept, changed = calib["split_kept"], calib["split_changed"]
+        if changed["requests"]:
+            print(f"  {kept['median_rel_error']:.1%} over the {kept['requests']} requests whose worker kept its "
+                  f"SM split, {changed['median_rel_error']:.1%} over the {changed['requests']} whose split changed")
     for tl in timelines:   # when the planner changed the regime (the plots and results.json say more)
         print(f"{tl['policy']} regimes, {tl['workload']} at {tl['rate']:g} req/s: "
               + ", ".join(f"{c['time']:.1f} s {c['regime']}" for c in tl["changes"]))

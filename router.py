@@ -418,6 +418,7 @@ class Router:
         self.profiled_splits = copy.deepcopy(params.splits)      # ... on these models of the lanes
         self.errors: list[float] = []         # |route()'s prediction - measured| / measured, per request
         self.model_errors: list[float] = []   # the same with the true output length (the cost model alone)
+        self.split_changed: list[bool] = []   # per error: its worker changed SM split while it ran
 
     def route(self, prompt_len: int, max_tokens: int, loads: dict[int, WorkerLoad], needed_blocks: int = 0,
               prefill_workers: list[int] | None = None, decode_workers: list[int] | None = None
@@ -470,6 +471,7 @@ class Router:
         self.model_errors.append(abs(self.predicted_ms(o) - measured) / measured)
         if o.predicted_ms is not None:
             self.errors.append(abs(o.predicted_ms - measured) / measured)
+            self.split_changed.append(o.split_changed)
         self.predictor.update(o.prompt_len, o.output_len, o.max_tokens or o.output_len)
         if o.split_changed:   # it ran partly on another split: it says nothing of the one it was routed to
             return

@@ -3346,6 +3346,22 @@ def test_a_split_is_refit_on_its_own():
     assert router.cost.p == fitted and len(router.errors) == errors + 1
 
 
+def test_the_calibration_scores_requests_whose_split_changed_apart():
+    """bench.calibration: beside the median error of all requests, the median over those
+    whose worker kept its SM split and over those whose split changed, each of |predicted -
+    measured| / measured over its own requests only."""
+    import bench
+    router = Router(HardwareParams(alpha=0.02, beta=5, batch_thresh=16, slope=0.02, gamma=0.02, transfer_rate=0.01))
+    for predicted, measured, changed in [(100, 120, False), (100, 80, False), (100, 100, False),
+                                         (100, 200, True), (100, 50, True)]:
+        router.observe(Observation(64, 8, 0, 0, WorkerLoad(), WorkerLoad(), measured / 2, 0.0, measured / 2,
+                                   float(predicted), split_changed=changed))
+    calib = bench.calibration(router)
+    assert calib["median_rel_error"] == pytest.approx(0.25)   # of 1/6, 1/4, 0, 1/2 and 1
+    assert calib["split_kept"] == {"requests": 3, "median_rel_error": pytest.approx(1 / 6)}
+    assert calib["split_changed"] == {"requests": 2, "median_rel_error": pytest.approx(0.75)}
+
+
 @pytest.mark.parametrize("clip", [router_mod.OUTLIER_CLIP, math.inf])
 def test_a_few_stalled_steps_do_not_carry_the_step_model_away(clip, monkeypatch):
     """Decode steps by a known model (1% noise), 3% of them stalled by 250 ms (the host
