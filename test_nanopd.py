@@ -3913,16 +3913,19 @@ ROUTER_TEST_PARAMS = HardwareParams(alpha=0.2, beta=1.0, batch_thresh=1, slope=5
 @pytest.mark.usefixtures("worker_env")
 @pytest.mark.parametrize("transport", ["p2p", "distributed"])
 def test_adaptive_gives_hf_tokens_on_both_paths_and_learns(hf, transport):
-    """Adaptive on two workers: HF's greedy tokens on both paths. The first request goes to
-    an idle worker (collocated); while it decodes, a second is collocated on the other
-    worker and a third, sent right after, is prefilled beside the first request's decode
-    (no queue there) and decoded on the second worker (no decodes yet), since the second
-    prompt is queued there. Every finished request updates the output-length predictor, and
-    the steps the workers time refit the router's step model."""
-    params = dataclasses.replace(ROUTER_TEST_PARAMS)
+    """Adaptive on two workers: HF's greedy tokens on both paths. The first request, a long
+    prompt, goes to an idle worker (collocated); while it decodes, a second is collocated on
+    the other worker and a third, sent right after, is prefilled beside the first request's
+    decode (no queue there, where the second prompt is queued) and decoded on the second
+    worker: either way it decodes beside one other sequence, but there the other's context
+    is the shorter, and each token of context costs kv a step. Every finished request
+    updates the output-length predictor, and the steps the workers time refit the router's
+    step model."""
+    params = dataclasses.replace(ROUTER_TEST_PARAMS, kv=0.5)
+    long = prompt(150, seed=59)
     with make_cluster(hf, "adaptive", 2, profile=params, transport=transport) as llm:
         cluster, router = llm.cluster, llm.cluster.router
-        first = cluster.submit(MIXED_PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=60))
+        first = cluster.submit(long, SamplingParams(temperature=0.0, max_tokens=60))
         deadline = time.monotonic() + 60
         while not cluster.active[first].tokens:
             assert time.monotonic() < deadline
@@ -3933,7 +3936,7 @@ def test_adaptive_gives_hf_tokens_on_both_paths_and_learns(hf, transport):
             assert time.monotonic() < deadline + 60
             ended |= set(cluster.poll(0.05))
         outs = [cluster.output(r) for r in [first] + later]
-        assert tokens(outs) == [hf.greedy(MIXED_PROMPTS[0], 60)] + [hf.greedy(p, 10) for p in MIXED_PROMPTS[3:1:-1]]
+        assert tokens(outs) == [hf.greedy(long, 60)] + [hf.greedy(p, 10) for p in MIXED_PROMPTS[3:1:-1]]
         a, b = outs[0].metrics.path[0], 1 - outs[0].metrics.path[0]
         assert [o.metrics.path for o in outs] == [(a,), (b,), (a, b)]
         # Each output carries the loads it was routed under.
