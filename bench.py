@@ -575,10 +575,9 @@ def calibration(router, profiled: dict | None = None) -> dict:
     def median(xs: list[float]) -> float:
         return statistics.median(xs) if xs else float("nan")
     return {"median_rel_error": median(errs), "cost_model_median_rel_error": median(router.model_errors),
-            "split_kept": {"requests": router.split_changed.count(False),
-                           "median_rel_error": median([e for e, c in zip(errs, router.split_changed) if not c])},
-            "split_changed": {"requests": router.split_changed.count(True),
-                              "median_rel_error": median([e for e, c in zip(errs, router.split_changed) if c])},
+            **{name: {"requests": router.split_changed.count(changed),
+                      "median_rel_error": median([e for e, c in zip(errs, router.split_changed) if c == changed])}
+               for name, changed in (("split_kept", False), ("split_changed", True))},
             "by_decile": [statistics.median(errs[i * len(errs) // 10:(i + 1) * len(errs) // 10] or [float("nan")])
                           for i in range(10)],
             "profiled": profiled, "refitted": asdict(router.cost.p)}

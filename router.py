@@ -150,8 +150,8 @@ class CostModel:
         shorter) than the one before: dt / dstep = step(batch + growth t), integrated over
         GROWTH_SEGMENTS pieces. At most `seats` sequences share a step.
         The batch it starts in holds w's decodes and the prompts queued there: they are ahead
-        of it, so each is decoding by the time it is (left out, a split's decode steps at the
-        sharegpt phase's queues were predicted 0.6x as long as they ran).
+        of it, so each is decoding by the time it is (left out, the decode of a request queued
+        behind a burst of prompts was predicted too short).
         The growth counts only past saturation, while sequences wait for w's seats: below it,
         starts and ends balance, and a trend over the last seconds is the batch's random swing,
         which does not go on (taken as a trend, it made every prediction too long)."""

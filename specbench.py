@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from microbench import sub_bench_parser
+from microbench import sub_bench_parser, time_ms
 from nanopd import LLM, SamplingParams
 from speculate import per_sequence
 
@@ -194,13 +194,11 @@ def verify_cost(llm: LLM, sizes: SpecSizes, row: dict) -> dict:
     """A drafting step's cost in plain steps at batch 1 (row: a batch-1 case): the whole
     step, from its tokens/s and tokens kept a step, against the GPU time of its decode
     graph alone (k + 1 rows, one each, against one row)."""
-    import triton
     lane = llm.engine.runner.whole
     graphs = {n: next((b for b in lane.sizes if b >= n), None) for n in (1, sizes.k + 1)}
     if None in graphs.values():   # no graph that large (max_num_seqs): verify steps run without one
         return {}
-    graph_ms = {n: triton.testing.do_bench(lane.graphs[b][0].replay, warmup=20, rep=200, return_mode="median")
-                for n, b in graphs.items()}
+    graph_ms = {n: time_ms(lane.graphs[b][0].replay) for n, b in graphs.items()}
     step = row["mean_kept_per_step"] * row["plain_tok_s"] / row["spec_tok_s"]
     res = {"step_in_plain_steps": step, "graph_ms": graph_ms, "graph_ratio": graph_ms[sizes.k + 1] / graph_ms[1],
            "needed_for_3x": row["mean_kept_per_step"] / 3.0}

@@ -463,8 +463,8 @@ def exit_in_order_on_sigterm() -> None:
 class WorkerProcesses:
     """One worker process per engine config (each on its device) and the channels to them:
     an inbox queue each, a report pipe each. sources[i]: the workers whose caches worker i
-    pulls from. close()
-    releases everything it opened; so do its collection and the interpreter's exit."""
+    pulls from. close() releases everything it opened; so do its collection and the
+    interpreter's exit."""
 
     def __init__(self, configs: list[EngineConfig], sources: list[list[int]], transport: str,
                  report_steps: bool, names: list[str]):
