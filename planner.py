@@ -51,6 +51,7 @@ MIN_ARRIVALS = 8         # fewer say too little to plan on
 MIX_SAMPLE = 400         # the lengths a forecast weighs: an even sample of the window's (planning blocks the loop)
 MIX_CHANGE = 0.5         # a rate or mean prompt length this far (50%) off the window's is a new mix
 MIN_BUDGET = 16          # prompt tokens per step a budgeted worker always takes
+MIN_DWELL_S = 6.0        # a regime the planner chose is kept at least this long (Planner.plan)
 
 
 @dataclass(frozen=True)
@@ -333,8 +334,12 @@ class Planner:
     the cluster writes into its role map, roles.py). The cluster tells it of every arrival
     (arrived) and asks it every PLAN_INTERVAL_S (plan): it forecasts every regime for the
     arrivals of the last MIX_WINDOW_S and switches when one beats the current by the
-    hysteresis margin (or the current is overloaded and another less so). Every change is
-    logged with its forecasts."""
+    hysteresis margin (or the current is overloaded and another less so). A regime it chose
+    is kept MIN_DWELL_S, a few requests' lifetimes: a switch changes the split (or the role)
+    under every request running, whose predicted costs were for the one they were routed
+    under, and over a few seconds the arrivals' rate swings by more than a forecast's margin
+    (a burst, then a lull), so without it the regime chased them. A worker's death is not a
+    choice and holds nothing. Every change is logged with its forecasts."""
 
     def __init__(self, workers: list[int], slo: tuple[float, float] | None = None, hysteresis: float = HYSTERESIS):
         self.slo, self.hysteresis = slo, hysteresis
@@ -344,6 +349,7 @@ class Planner:
         self.budgets: dict[int, int | None] = dict.fromkeys(workers)
         self.arrivals: collections.deque[tuple[float, int, float]] = collections.deque()   # (time, L, O predicted)
         self.planned_at = -math.inf
+        self.chosen_at = -math.inf   # when the planner last chose a regime (not a worker's death)
         self.log: list[PlanLog] = []
 
     def arrived(self, now: float, prompt_len: int, predicted_out: float) -> None:
@@ -353,7 +359,7 @@ class Planner:
         """A worker died: every live worker both, unbudgeted, until the next plan says
         otherwise (the regime it had may have lost the only worker of a role)."""
         self.switch(Regime(both=len(live)), {w: WorkerLoad() for w in live}, now, [])
-        self.budgets = dict.fromkeys(self.roles)
+        self.budgets, self.chosen_at = dict.fromkeys(self.roles), -math.inf
 
     def due(self, now: float) -> bool:
         """Whether PLAN_INTERVAL_S has passed since the last plan."""
@@ -367,10 +373,11 @@ class Planner:
         self.planned_at, before = now, (dict(self.roles), dict(self.budgets), dict(self.splits))
         if set(loads) != set(self.roles):   # a worker died: all mixed on the live ones, then plan
             self.switch(Regime(both=len(loads)), loads, now, [])
+            self.chosen_at = -math.inf
         while self.arrivals and now - self.arrivals[0][0] > MIX_WINDOW_S:
             self.arrivals.popleft()
         self.forget_a_changed_mix(now)
-        if len(self.arrivals) >= MIN_ARRIVALS:
+        if len(self.arrivals) >= MIN_ARRIVALS and now - self.chosen_at >= MIN_DWELL_S:
             span = max(now - self.arrivals[0][0], PLAN_INTERVAL_S)
             sample = list(self.arrivals)[::cdiv(len(self.arrivals), MIX_SAMPLE)]
             mix = Mix(len(self.arrivals) / (span * 1e3), [a[1] for a in sample], [a[2] for a in sample],
@@ -380,6 +387,7 @@ class Planner:
             if forecasts[0].regime != self.regime and (current is None or (
                     self.clearly_better(forecasts[0], current) and self.better_below(cost, forecasts[0], current, mix, seats))):
                 self.switch(forecasts[0].regime, loads, now, forecasts)
+                self.chosen_at = now
         self.set_budgets(cost, loads)
         return (self.roles, self.budgets, self.splits) != before
 

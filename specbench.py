@@ -138,13 +138,15 @@ def compare(llm: LLM, sizes: SpecSizes, batch: int, drafter_for, name: str, lear
     drafter = drafter_for(dict(zip(map(tuple, prompts), script)))
     timed_generate(llm, prompts[:1], sizes, drafter)
     spec, spec_tokens, stats = timed_generate(llm, prompts, sizes, drafter)
-    parted = []
-    if spec_tokens != plain_tokens:   # where, and at what margin (an untimed plain run, with logprobs)
-        parted = partings(plain_tokens, spec_tokens, timed_generate(llm, prompts, sizes, None, logprobs=5)[2]["logprobs"])
+    parted, replayed = [], True
+    if spec_tokens != plain_tokens:   # where, and at what margin: against an untimed plain run with logprobs,
+        _, ref_tokens, ref = timed_generate(llm, prompts, sizes, None, logprobs=5)   # its own tokens' margins
+        parted, replayed = partings(ref_tokens, spec_tokens, ref["logprobs"]), ref_tokens == plain_tokens
     row = {"case": name, "batch": batch, "plain_tok_s": plain, "spec_tok_s": spec, "speedup": spec / plain,
-           "same_tokens": not parted, "partings": parted, **stats}
+           "same_tokens": spec_tokens == plain_tokens, "partings": parted, "plain_replayed": replayed, **stats}
     same = "the same" if not parted else (f"{len(parted)} of {batch} part from plain decoding, at margins up to "
                                           f"{max(p['margin'] for p in parted):.3f} nats")
+    same += "" if replayed else " (plain decoding with logprobs parted from plain decoding without)"
     print(f"{name:>10}  batch {batch:>3}: {plain:8.1f} -> {spec:8.1f} tokens/s ({row['speedup']:.2f}x), "
           f"acceptance {stats['acceptance']:.2f}, {stats['mean_kept_per_step']:.2f} kept per drafting step, "
           f"tokens {same}", flush=True)

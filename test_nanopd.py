@@ -3757,6 +3757,37 @@ def test_the_planner_forecasts_from_a_bounded_sample_at_the_full_rate(monkeypatc
     assert mix.count == 1000 and mix.rate == pytest.approx(1000 / (10.0 * 1e3))
 
 
+def test_the_planner_keeps_a_regime_it_chose_for_the_dwell(monkeypatch):
+    """Mixes that alternate every 2 s between long prompts at 24 per s (one prefill and one
+    decode worker best) and short ones at 96 per s (both best), planned every 2 s: the regimes the planner chooses are
+    MIN_DWELL_S apart, where without the dwell it follows every mix; a worker's death holds
+    nothing, and the plan after it may choose at once."""
+    p = HardwareParams(alpha=0.022, alpha0=2.09, beta=5.05, batch_thresh=16, slope=0.0135, kv=4e-5, gamma=0.0234,
+                       transfer_rate=0.0042)
+
+    def choices(dwell: float) -> list[float]:
+        monkeypatch.setattr(planner, "MIN_DWELL_S", dwell)
+        rng, plan, loads = random.Random(5), planner.Planner([0, 1]), {0: WorkerLoad(), 1: WorkerLoad()}
+        for k in range(12):
+            (lo, hi), rate = ((1024, 2048), 24) if k % 2 == 0 else ((16, 64), 96)
+            for i in range(2 * rate):
+                plan.arrived(2 * k + i / rate, rng.randint(lo, hi), rng.randint(32, 256))
+            plan.plan(CostModel(dataclasses.replace(p)), loads, 256, now=2.0 * (k + 1))
+        return [entry.time for entry in plan.log]
+    assert len(choices(0.0)) >= 10   # it follows every mix
+    held = choices(6.0)
+    assert len(held) >= 3 and all(b - a >= 6.0 for a, b in itertools.pairwise(held))
+    plan, loads = planner.Planner([0, 1]), {0: WorkerLoad(), 1: WorkerLoad()}
+    rng = random.Random(6)
+    for i in range(48):
+        plan.arrived(i / 24, rng.randint(1024, 2048), rng.randint(32, 256))
+    assert plan.plan(CostModel(dataclasses.replace(p)), loads, 256, now=2.0) and plan.regime == planner.Regime(0, 1, 1)
+    plan.reset([0, 1], now=3.0)   # a death: both, and nothing held
+    for i in range(48):
+        plan.arrived(2 + i / 24, rng.randint(1024, 2048), rng.randint(32, 256))
+    assert plan.plan(CostModel(dataclasses.replace(p)), loads, 256, now=4.0) and plan.regime == planner.Regime(0, 1, 1)
+
+
 def test_the_planner_follows_a_clear_change_of_mix_at_once():
     """Ten seconds of short prompts, then two of long ones at the same rate: at the next plan
     the planner forgets the old mix (it changed clearly) and splits the workers, instead of
