@@ -359,7 +359,7 @@ class Planner:
         """A worker died: every live worker both, unbudgeted, until the next plan says
         otherwise (the regime it had may have lost the only worker of a role)."""
         self.switch(Regime(both=len(live)), {w: WorkerLoad() for w in live}, now, [])
-        self.budgets, self.chosen_at = dict.fromkeys(self.roles), -math.inf
+        self.budgets = dict.fromkeys(self.roles)
 
     def due(self, now: float) -> bool:
         """Whether PLAN_INTERVAL_S has passed since the last plan."""
@@ -373,7 +373,6 @@ class Planner:
         self.planned_at, before = now, (dict(self.roles), dict(self.budgets), dict(self.splits))
         if set(loads) != set(self.roles):   # a worker died: all mixed on the live ones, then plan
             self.switch(Regime(both=len(loads)), loads, now, [])
-            self.chosen_at = -math.inf
         while self.arrivals and now - self.arrivals[0][0] > MIX_WINDOW_S:
             self.arrivals.popleft()
         self.forget_a_changed_mix(now)
@@ -387,7 +386,6 @@ class Planner:
             if forecasts[0].regime != self.regime and (current is None or (
                     self.clearly_better(forecasts[0], current) and self.better_below(cost, forecasts[0], current, mix, seats))):
                 self.switch(forecasts[0].regime, loads, now, forecasts)
-                self.chosen_at = now
         self.set_budgets(cost, loads)
         return (self.roles, self.budgets, self.splits) != before
 
@@ -417,7 +415,9 @@ class Planner:
                                    forecast(cost, current.regime, low, seats, self.slo))
 
     def switch(self, regime: Regime, loads: dict[int, WorkerLoad], now: float, forecasts: list[Forecast]) -> None:
+        """Take the regime: chosen by its forecasts, or forced (none: a worker died), which holds nothing."""
         self.regime, self.roles = regime, assign_roles(regime, loads)
+        self.chosen_at = now if forecasts else -math.inf
         self.splits = {w: regime.sm_split for w, role in self.roles.items() if role == "split"}
         self.log.append(PlanLog(now, regime, dict(self.roles), forecasts))
 

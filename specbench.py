@@ -139,8 +139,8 @@ def compare(llm: LLM, sizes: SpecSizes, batch: int, drafter_for, name: str, lear
     timed_generate(llm, prompts[:1], sizes, drafter)
     spec, spec_tokens, stats = timed_generate(llm, prompts, sizes, drafter)
     parted, replayed = [], True
-    if spec_tokens != plain_tokens:   # where, and at what margin: against an untimed plain run with logprobs,
-        _, ref_tokens, ref = timed_generate(llm, prompts, sizes, None, logprobs=5)   # its own tokens' margins
+    if spec_tokens != plain_tokens:   # where, and at what margin: an untimed plain run, its logprobs its own tokens'
+        _, ref_tokens, ref = timed_generate(llm, prompts, sizes, None, logprobs=5)
         parted, replayed = partings(ref_tokens, spec_tokens, ref["logprobs"]), ref_tokens == plain_tokens
     row = {"case": name, "batch": batch, "plain_tok_s": plain, "spec_tok_s": spec, "speedup": spec / plain,
            "same_tokens": spec_tokens == plain_tokens, "partings": parted, "plain_replayed": replayed, **stats}

@@ -3759,9 +3759,9 @@ def test_the_planner_forecasts_from_a_bounded_sample_at_the_full_rate(monkeypatc
 
 def test_the_planner_keeps_a_regime_it_chose_for_the_dwell(monkeypatch):
     """Mixes that alternate every 2 s between long prompts at 24 per s (one prefill and one
-    decode worker best) and short ones at 96 per s (both best), planned every 2 s: the regimes the planner chooses are
-    MIN_DWELL_S apart, where without the dwell it follows every mix; a worker's death holds
-    nothing, and the plan after it may choose at once."""
+    decode worker best) and short ones at 96 per s (both best), planned every 2 s: the
+    regimes the planner chooses are MIN_DWELL_S apart, where without the dwell it follows
+    every mix; a worker's death holds nothing, and the plan after it may choose at once."""
     p = HardwareParams(alpha=0.022, alpha0=2.09, beta=5.05, batch_thresh=16, slope=0.0135, kv=4e-5, gamma=0.0234,
                        transfer_rate=0.0042)
 
