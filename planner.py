@@ -52,6 +52,7 @@ MIX_SAMPLE = 400         # the lengths a forecast weighs: an even sample of the 
 MIX_CHANGE = 0.5         # a rate or mean prompt length this far (50%) off the window's is a new mix
 MIN_BUDGET = 16          # prompt tokens per step a budgeted worker always takes
 MIN_DWELL_S = 6.0        # a regime the planner chose is kept at least this long (Planner.plan)
+SPLIT_MIN_SHARE = 0.25   # splits are weighed only while prompts take this share of the whole GPU's time (rank)
 
 
 @dataclass(frozen=True)
@@ -313,10 +314,23 @@ def request_outcomes(cost: CostModel, regime: Regime, mix: Mix, roles: dict[str,
 # ----------------------------------------------------------------------------- choosing
 
 
+def prompt_share(cost: CostModel, mix: Mix, n: int) -> float:
+    """u, the share of their time n workers that all prefill and decode spend on the mix's
+    prompt tokens (both_state): what stretches their decode steps."""
+    return cost.p.gamma * mix.rate / n * sum(mix.prompt_lens) / len(mix.prompt_lens)
+
+
 def rank(cost: CostModel, mix: Mix, seats: int, n: int, slo: tuple[float, float] | None = None) -> list[Forecast]:
     """Every regime of n workers forecast for the mix, best first (Forecast.key); splits
-    where the profile measured them."""
-    splits = [tuple(map(int, key.split("/"))) for key in cost.p.splits]
+    where the profile measured them, and only while the prompts would take at least
+    SPLIT_MIN_SHARE of the workers' time were they all both. What a split wins back is that
+    share of the decode steps (the prompts leave them for the other lane); below it, the
+    split's forecast gain is inside its error, and its costs are real: a prompt's chunk
+    moves the decodes to the smaller lane and holds the host while it is launched (on
+    short prompts with long outputs, the split measured 1.4x the whole GPU's TPOT where
+    its forecast was 1.0x; docs/split.md)."""
+    share = prompt_share(cost, mix, n)
+    splits = [tuple(map(int, key.split("/"))) for key in cost.p.splits] if share >= SPLIT_MIN_SHARE else []
     return sorted((forecast(cost, r, mix, seats, slo) for r in regimes(n, slo, splits)), key=Forecast.key)
 
 

@@ -145,14 +145,32 @@ def fit(timings: dict, handoffs: list[tuple[int, int, float, float]]) -> Profile
                             slope=slope, gamma=gamma, transfer_rate=rate, kv=kv)
     errors = {"prefill": e_prefill, "decode": e_decode, "gamma": e_gamma}
     for key, t in timings.get("splits", {}).items():
-        params.splits[key], errors[f"split {key}"] = fit_split(timings, kv, t)
+        params.splits[key], errors[f"split {key}"] = fit_split(timings, kv, t, params)
     return Profile(params, bandwidth, errors, timings=timings)
 
 
-def fit_split(timings: dict, kv: float, split: dict) -> tuple[SplitParams, float]:
-    """A split's lanes (timing.measure_splits) fitted as the whole GPU's are; its context
-    term is the whole GPU's scaled as its batch-1 step is; the larger fit error."""
-    alpha0, alpha, alpha2, e_prefill = fit_prefill(timings["lengths"], split["prefill_ms"])
+def fit_lane_factor(whole: list[float], ms: list[float]) -> tuple[float, float]:
+    """(k, error): the lane's times as k x the whole GPU's at the same sizes, by relative
+    error (the k minimising sum((k w / t - 1)^2))."""
+    ratios = [w / t for w, t in zip(whole, ms)]
+    k = sum(ratios) / sum(r * r for r in ratios)
+    return k, relative_rms([k * w for w in whole], ms)
+
+
+def fit_split(timings: dict, kv: float, split: dict, whole: HardwareParams) -> tuple[SplitParams, float]:
+    """A split's lanes (timing.measure_splits): the prefill lane as the whole GPU's prefill
+    (whole) slowed by one factor, the decode lane fitted as the whole GPU's decode is, its
+    context term the whole GPU's scaled as its batch-1 step is; the larger fit error.
+    Prefill is bound by arithmetic, so on P of the GPU's SMs it keeps the whole GPU's shape
+    in L and runs about P / all as fast (bench.py split: 0.81, 0.70, 0.62 and 0.54 of the
+    whole GPU's rate on 116, 100, 84 and 68 of 132 SMs). Three terms of its own, fitted on
+    lengths up to 4,096, bent the shape where one factor cannot: the profile of 84/48 in
+    results/h200/decode_heavy8/adaptive_459eded.json (a 30 ms fixed cost, a quadratic term
+    8x the whole GPU's) prefills 1,538 tokens at 0.66 of the whole GPU's rate and 8,192 at
+    0.45, where bench.py split measured 0.62."""
+    k, e_prefill = fit_lane_factor([whole.alpha0 + whole.alpha * n + whole.alpha2 * n * n for n in timings["lengths"]],
+                                   split["prefill_ms"])
+    alpha0, alpha, alpha2 = k * whole.alpha0, k * whole.alpha, k * whole.alpha2
     kv_split = kv * split["decode_ms"][0] / timings["decode_ms"][0]
     beta, knee, slope, e_decode = fit_knee(timings["batches"], [t - kv_split * b * timings["context"]
                                                                 for b, t in zip(timings["batches"], split["decode_ms"])])

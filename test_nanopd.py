@@ -3540,6 +3540,16 @@ H200X2 = HardwareParams(alpha=0.02202, alpha0=2.09, alpha2=8.21e-7, beta=5.046, 
                         kv=4.02e-5, gamma=0.02342, transfer_rate=0.00422)
 
 
+# The profile one H200 measured for its split menu (nvidia-h200, code 459eded:
+# results/h200/decode_heavy8/adaptive_459eded.json, router_calibration.profiled).
+H200 = HardwareParams(alpha=0.0220762, alpha0=2.42313, alpha2=7.80002e-07, beta=5.29812, batch_thresh=16,
+                      slope=0.0196892, kv=4.80308e-05, gamma=0.0260869, transfer_rate=math.inf, splits={
+                          "100/32": SplitParams(21.1694, 0.0251105, 0.0, 10.5359, 64, 0.120092, 9.04951e-05),
+                          "84/48": SplitParams(29.9929, 0.00874391, 6.26667e-06, 7.82519, 32, 0.05668, 7.31225e-05),
+                          "68/64": SplitParams(8.03738, 0.0334717, 4.0624e-06, 6.99392, 64, 0.0503261, 6.10564e-05),
+                          "52/80": SplitParams(10.434, 0.0544447, 0.0, 6.37759, 32, 0.0324195, 5.67524e-05)})
+
+
 def simulated_prefill_worker(cost: CostModel, rate: float, lens: list[int], n: int, seed: int) -> float:
     """Mean wait before a prompt's step ends, less that step's alpha0 + w, on a worker whose
     every step takes all the prompts waiting (Poisson arrivals, rate per ms, lengths drawn
@@ -3644,6 +3654,8 @@ def test_the_planner_ranks_as_brute_force_over_every_role_assignment(seed, n, ra
     for roles in itertools.product(("both", "prefill", "decode", "split"), repeat=n):
         if not {"both", "prefill", "split"} & set(roles) or not {"both", "decode", "split"} & set(roles):
             continue   # nobody prefills, or nobody decodes
+        if "split" in roles and params.gamma * mix.rate / n * statistics.mean(mix.prompt_lens) < planner.SPLIT_MIN_SHARE:
+            continue   # splits only where the prompts would take that share of every worker both
         for budgeted, sm_split in itertools.product((False, True) if slo and "both" in roles else (False,),
                                                     ((96, 32), (64, 64)) if "split" in roles else (None,)):
             regime = planner.Regime(roles.count("both"), roles.count("prefill"), roles.count("decode"), budgeted,
@@ -3738,6 +3750,40 @@ def test_the_planner_follows_phases_but_not_bursts():
     at = lambda rate: planner.forecast(cost, split, planner.Mix(rate / 1e3, lens, outs), 256).load
     assert at(len(burst) / (4.5 - burst[0].arrival)) > 1 and at(24) < 0.9
     assert regimes[19.5] == both and regimes[29.5] == split
+
+
+@pytest.mark.parametrize("gamma", [0.0260869, 0.104])
+def test_the_planner_splits_one_gpu_only_where_prompts_hold_the_decodes_back(monkeypatch, gamma):
+    """One H200's profile, ten seconds of bench.py's decode-heavy workload at 8 req/s
+    (short prompts, long outputs; measured on that GPU: a split's TPOT 1.4x the whole
+    GPU's): the prompts take under SPLIT_MIN_SHARE of the GPU's time (gamma x their tokens
+    per ms), and the planner keeps the whole GPU, also with gamma 4x the profile's, where
+    a split's forecast is more than the hysteresis ahead (without the gate the planner
+    takes it). The phased workload's long prompts at 17 req/s take more than that share,
+    and the planner weighs splits there as before."""
+    import bench
+    cost = CostModel(dataclasses.replace(H200, gamma=gamma))
+
+    def plan_for(workload: str, rate: float) -> tuple[planner.Planner, planner.Mix]:
+        plan, specs = planner.Planner([0]), bench.make_requests(workload, rate, 10.0, 0, 0, 1000, 1.0)
+        for spec in specs:
+            plan.arrived(spec.arrival, len(spec.prompt_ids), spec.max_tokens)
+        plan.plan(cost, {0: WorkerLoad()}, 256, now=10.0)
+        return plan, planner.Mix(len(specs) / 1e4, [len(s.prompt_ids) for s in specs], [s.max_tokens for s in specs])
+    plan, mix = plan_for("decode-heavy", 8)
+    u = gamma * mix.rate * sum(mix.prompt_lens) / len(mix.prompt_lens)   # one worker: all the prompts are its
+    assert u < planner.SPLIT_MIN_SHARE and plan.regime == planner.Regime(both=1)
+    if gamma > 0.1:
+        whole = planner.forecast(cost, planner.Regime(both=1), mix, 256)
+        split = min((planner.forecast(cost, planner.Regime(split=1, sm_split=s), mix, 256) for s in
+                     ((100, 32), (84, 48), (68, 64), (52, 80))), key=planner.Forecast.key)
+        assert split.e2e_ms < (1 - planner.HYSTERESIS) * whole.e2e_ms
+        monkeypatch.setattr(planner, "SPLIT_MIN_SHARE", 0.0)
+        assert plan_for("decode-heavy", 8)[0].regime.split == 1
+    monkeypatch.undo()
+    mix = plan_for("phased", 17)[1]
+    assert gamma * mix.rate * sum(mix.prompt_lens) / len(mix.prompt_lens) > planner.SPLIT_MIN_SHARE
+    assert sum(f.regime.split for f in planner.rank(cost, mix, 256, 1)) == 4
 
 
 def test_the_planner_forecasts_from_a_bounded_sample_at_the_full_rate(monkeypatch):
@@ -4384,6 +4430,27 @@ def test_profiler_fits_recover_known_parameters():
     assert (p.alpha, p.beta, p.batch_thresh, p.slope, p.kv, p.gamma) == (
         pytest.approx(0.02, rel=0.02), pytest.approx(5.0, rel=0.05), 64, pytest.approx(0.08, rel=0.1),
         pytest.approx(2e-5, rel=0.1), pytest.approx(0.03, rel=0.02))
+
+
+def test_a_prefill_lane_is_fitted_as_the_whole_gpus_prefill_slowed_by_one_factor():
+    """A split's prefill lane timed at five lengths up to 4,096 (5% noise), truly the whole
+    GPU's prefill (2 ms + 0.02 ms/token + 8e-7 ms/token^2) 1.6x slower: the fitted lane
+    predicts 8,192 tokens, past the lengths timed, within 5% of the truth, and the factor
+    within 3%."""
+    rng = random.Random(4)
+    lengths, batches = [256, 512, 1024, 2048, 4096], [1, 2, 4, 8, 16, 32, 64]
+    whole = lambda n: 2.0 + 0.02 * n + 8e-7 * n * n
+    step = lambda b: 5.0 + 0.08 * max(0, b - 16)
+    timings = {"lengths": lengths, "prefill_ms": [whole(n) for n in lengths], "batches": batches,
+               "decode_ms": [step(b) for b in batches], "context": 512, "kv_batches": [], "long_context": 2048,
+               "long_decode_ms": [], "chunks": [256, 512], "extra_ms": [7.7, 15.4],
+               "splits": {"84/48": {"prefill_ms": [1.6 * whole(n) * (1 + rng.gauss(0, 0.05)) for n in lengths],
+                                    "decode_ms": [1.4 * step(b) for b in batches]}}}
+    p = profiler.fit(timings, []).params
+    lane = p.splits["84/48"]
+    assert lane.alpha / p.alpha == pytest.approx(1.6, rel=0.03)
+    assert lane.alpha0 + lane.alpha * 8192 + lane.alpha2 * 8192 ** 2 == pytest.approx(1.6 * whole(8192), rel=0.05)
+    assert lane.beta == pytest.approx(1.4 * 5.0, rel=0.01)
 
 
 @pytest.mark.usefixtures("worker_env")
