@@ -5273,10 +5273,16 @@ def symbols_of(path: Path) -> set[str]:
     return names
 
 
+def doc_pages() -> list[Path]:
+    """Every page a reader reads: the READMEs, docs/ and the Chinese twins in docs/zh/."""
+    return [*sorted(HERE.glob("README*.md")), HERE / "results" / "README.md",
+            *sorted((HERE / "docs").glob("*.md")), *sorted((HERE / "docs" / "zh").glob("*.md"))]
+
+
 def test_every_symbol_the_docs_cite_exists():
-    """README.md, docs/ and results/README.md point at the code as `file.py:Symbol`; each
-    such file and symbol exists."""
-    pages = [HERE / "README.md", HERE / "results" / "README.md", *sorted((HERE / "docs").glob("*.md"))]
+    """README.md, docs/ and results/README.md (and the Chinese twins) point at the code as
+    `file.py:Symbol`; each such file and symbol exists."""
+    pages = doc_pages()
     cited, missing = 0, []
     for page in pages:
         for file, symbol in re.findall(r"\b(\w+\.py):([A-Za-z_][\w.]*\w)", page.read_text()):
@@ -5297,7 +5303,7 @@ def test_every_file_and_link_the_docs_and_code_name_exists():
     (and a heading of it, if it names one), and every file name the pages or the code's text
     mention (`name.py`, `name.md`, `docs/...`) is in the repository: nothing cites a file
     the repository does not have."""
-    pages = [HERE / "README.md", HERE / "results" / "README.md", *sorted((HERE / "docs").glob("*.md"))]
+    pages = doc_pages()
     known = {p.name for p in HERE.rglob("*") if ".git" not in p.parts} | {"requirements.txt"}
     broken = []
     for page in pages:
@@ -5319,9 +5325,55 @@ def test_every_file_and_link_the_docs_and_code_name_exists():
     assert not broken
 
 
+def outline(page: Path) -> dict:
+    """What a page and its twin in the other language must share: its `##` sections (outside
+    code blocks), the code it cites (`file.py:Symbol`) and the figures it shows (resolved)."""
+    text = page.read_text()
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.MULTILINE | re.DOTALL)
+    return {"sections": len(re.findall(r"^## ", prose, re.MULTILINE)),
+            "cites": set(re.findall(r"\b\w+\.py:[A-Za-z_][\w.]*\w", text)),
+            "figures": {(page.parent / f).resolve() for f in re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", text)}}
+
+
+def test_every_page_has_a_chinese_twin_in_step_with_it():
+    """README.md has README.zh.md and every docs/<page>.md has docs/zh/<page>.md: the twin
+    is written in Chinese, each links to the other near its top, and they have the same
+    number of `##` sections, the same `file.py:Symbol` citations and the same figures, so a
+    change to one fails here until the other follows."""
+    pairs = [(HERE / "README.md", HERE / "README.zh.md")] + [
+        (page, HERE / "docs" / "zh" / page.name) for page in sorted((HERE / "docs").glob("*.md"))]
+    assert len(pairs) > 10 and {p.name for p in (HERE / "docs" / "zh").glob("*.md")} == {
+        en.name for en, _ in pairs[1:]}, "docs/zh/ has a twin of each docs/ page and nothing else"
+    for en, zh in pairs:
+        assert zh.is_file(), f"{zh.relative_to(HERE)} is missing"
+        en_top, zh_top = en.read_text().splitlines()[:4], zh.read_text().splitlines()[:4]
+        assert any(f"]({os.path.relpath(zh, en.parent)})" in line for line in en_top), f"{en.name} links its twin"
+        assert any(f"]({os.path.relpath(en, zh.parent)})" in line for line in zh_top), f"{zh.name} links its twin"
+        assert len(re.findall(r"[\u4e00-\u9fff]", zh.read_text())) > 0.2 * len(en.read_text().split()), \
+            f"{zh.relative_to(HERE)} is written in Chinese"
+        assert outline(zh) == outline(en), f"{zh.relative_to(HERE)} is out of step with {en.relative_to(HERE)}"
+
+
+def test_the_figures_are_the_code_run_on_the_docs_examples(tmp_path):
+    """figures.py draws every figure the pages show, and nothing else, from the code itself:
+    docs/kv_cache.md's fork example on the BlockManager gives the tables and counts that
+    page works out by hand (copies (1, 2) and (1, 3), the last child keeping block 1), and
+    docs/scheduling.md's worked example on the Scheduler gives that page's table, step by step."""
+    import figures
+    (_, forked, refs0), (_, written, refs1) = figures.fork_states()
+    assert forked == {"parent": [0, 1], "child 1": [0, 1], "child 2": [0, 1]} and refs0 == {0: 3, 1: 3}
+    assert written == {"parent": [0, 2], "child 1": [0, 3], "child 2": [0, 1]} and refs1 == {0: 3, 1: 1, 2: 1, 3: 1}
+    table = [["A 5*", "B 3"], ["A 1*", "B 7"], ["A 1*", "B 2*", "C 3*"], ["A 1*", "B 1*", "C 1*"]]   # docs/scheduling.md
+    assert [[f"{name} {n}" + "*" * sampled for name, n, sampled, _ in step] for step in figures.worked_example_steps()] \
+        == table
+    drawn = {draw(tmp_path).name for draw in figures.DRAW}
+    shown = {f for page in doc_pages() if "results" not in page.parts for f in outline(page)["figures"]}
+    assert {f.name for f in shown} == drawn and all(f.is_file() and f.parent == HERE / "docs" / "figures" for f in shown)
+
+
 def test_the_docs_speak_of_the_project_only():
     """No lab notebook in the README, the docs or the code's comments."""
-    files = [HERE / "README.md", HERE / "results" / "README.md", *(HERE / "docs").glob("*.md"), *MODULES]
+    files = [*doc_pages(), *MODULES]
     words = re.compile(r"\b(this|previous|last) session\b|\bthrowaway\b|\bscratch/", re.IGNORECASE)
     hits = [f"{f.name}:{i + 1}" for f in files for i, line in enumerate(f.read_text().splitlines())
             if words.search(line)]
