@@ -152,8 +152,8 @@ def fit(timings: dict, handoffs: list[tuple[int, int, float, float]]) -> Profile
 def fit_lane_factor(whole: list[float], ms: list[float]) -> tuple[float, float]:
     """(k, error): the lane's times as k x the whole GPU's at the same sizes, by relative
     error (the k minimising sum((k w / t - 1)^2))."""
-    ratios = [w / t for w, t in zip(whole, ms)]
-    k = sum(ratios) / sum(r * r for r in ratios)
+    ratios = [w / max(t, 1e-9) for w, t in zip(whole, ms)]
+    k = sum(ratios) / sum(r * r for r in ratios) if any(ratios) else 0.0   # a whole GPU fitted as free: so is the lane
     return k, relative_rms([k * w for w in whole], ms)
 
 

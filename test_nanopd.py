@@ -4504,9 +4504,12 @@ def test_profiler_fits_are_physical_whatever_the_timings(data):
     timings = {"lengths": lengths, "prefill_ms": data.draw(st.lists(ms, min_size=4, max_size=4)),
                "batches": batches, "decode_ms": data.draw(st.lists(ms, min_size=5, max_size=5)), "context": 16,
                "kv_batches": [4, 8], "long_context": 64, "long_decode_ms": data.draw(st.lists(ms, min_size=2, max_size=2)),
-               "chunks": chunks, "extra_ms": data.draw(st.lists(st.floats(-5, 50), min_size=3, max_size=3))}
+               "chunks": chunks, "extra_ms": data.draw(st.lists(st.floats(-5, 50), min_size=3, max_size=3)),
+               "splits": {"4/4": {"prefill_ms": data.draw(st.lists(ms, min_size=4, max_size=4)),
+                                  "decode_ms": data.draw(st.lists(ms, min_size=5, max_size=5))}}}
     p = profiler.fit(timings, [(64, 1e6, 1e-4, data.draw(st.floats(0, 5)))]).params
     assert all(v >= 0 for v in dataclasses.asdict(p).values() if not isinstance(v, dict))
+    assert all(v >= 0 for v in dataclasses.asdict(p.splits["4/4"]).values())
 
 
 def test_the_profile_cache_key_names_what_was_measured():
