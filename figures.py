@@ -44,11 +44,14 @@ def save(fig, out: Path, name: str) -> Path:
 # ----------------------------------------------------------------------------- the KV cache
 
 
+FORK_BLOCKS = 8   # the physical blocks the fork figure shows
+
+
 def fork_states() -> list[tuple[str, dict[str, list[int]], dict[int, int]]]:
     """docs/kv_cache.md's example on a real BlockManager: a 6-token prompt (block size 4)
     forked for n = 3, then every sequence writes position 6. Per moment: its title, each
     sequence's block table and each used block's reference count."""
-    bm = BlockManager(num_blocks=8, block_size=4, watermark=0.0, enable_prefix_caching=False)
+    bm = BlockManager(num_blocks=FORK_BLOCKS, block_size=4, watermark=0.0, enable_prefix_caching=False)
     parent, _ = bm.allocate(list(range(6)))
     tables = {"parent": parent, "child 1": bm.fork(parent), "child 2": bm.fork(parent)}
 
@@ -68,16 +71,15 @@ def draw_kv_fork(out: Path) -> Path:
     states = fork_states()
     fig, axes = plt.subplots(1, 2, figsize=(12, 3.6), layout="constrained")
     for ax, (title, tables, refs) in zip(axes, states):
-        slots = {b: i for i, b in enumerate(range(8))}
         for row, (name, table) in enumerate(tables.items()):
             y = 2.6 - 0.75 * row
             ax.text(-0.2, y + 0.25, name, ha="right", va="center", fontsize=10)
             for i, b in enumerate(table):
                 ax.add_patch(Rectangle((i * 0.9, y), 0.8, 0.5, fc=COLORS[row], alpha=0.85))
                 ax.text(i * 0.9 + 0.4, y + 0.25, str(b), ha="center", va="center", color="white", fontsize=10)
-                ax.add_patch(FancyArrowPatch((i * 0.9 + 0.4, y), (3 + slots[b] * 0.9 + 0.4, 0.5),
+                ax.add_patch(FancyArrowPatch((i * 0.9 + 0.4, y), (3 + b * 0.9 + 0.4, 0.5),
                                              arrowstyle="->", color=COLORS[row], alpha=0.5, mutation_scale=8))
-        for b in range(8):
+        for b in range(FORK_BLOCKS):
             held = b in refs
             ax.add_patch(Rectangle((3 + b * 0.9, 0), 0.8, 0.5, fc="#555555" if held else IDLE))
             ax.text(3 + b * 0.9 + 0.4, 0.25, str(b), ha="center", va="center", color="white" if held else "black")

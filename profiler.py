@@ -44,7 +44,7 @@ import triton
 from cluster import CentralScheduler, default_devices
 from config import EngineConfig
 from kv_cache import cdiv
-from router import HardwareParams, SplitParams
+from router import CostModel, HardwareParams, SplitParams
 
 CACHE = Path.home() / ".cache" / "nanopd"
 log = logging.getLogger("nanopd")
@@ -168,8 +168,7 @@ def fit_split(timings: dict, kv: float, split: dict, whole: HardwareParams) -> t
     results/h200/decode_heavy8/adaptive_459eded.json (a 30 ms fixed cost, a quadratic term
     8x the whole GPU's) prefills 1,538 tokens at 0.66 of the whole GPU's rate and 8,192 at
     0.45, where bench.py split measured 0.62."""
-    k, e_prefill = fit_lane_factor([whole.alpha0 + whole.alpha * n + whole.alpha2 * n * n for n in timings["lengths"]],
-                                   split["prefill_ms"])
+    k, e_prefill = fit_lane_factor([CostModel(whole).prefill_ms(n) for n in timings["lengths"]], split["prefill_ms"])
     alpha0, alpha, alpha2 = k * whole.alpha0, k * whole.alpha, k * whole.alpha2
     kv_split = kv * split["decode_ms"][0] / timings["decode_ms"][0]
     beta, knee, slope, e_decode = fit_knee(timings["batches"], [t - kv_split * b * timings["context"]
