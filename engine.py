@@ -1,7 +1,7 @@
 """The single-device engine: requests in (submit), one step at a time (step), outputs out
 (output). The offline LLM (nanopd.py) drives it through submit / poll / output, the same
 interface the cluster of workers offers (cluster.py); a worker (workers.py) drives one per
-device, adding the handoff's parking, importing and releasing.
+device.
 
 How a step works:
   1. Scheduler.schedule (scheduler.py) picks this step's work.
@@ -13,20 +13,22 @@ How a step works:
   step N+1, which reads them on the device (PENDING ids), so the GPU is not left idle
   while Python does its bookkeeping. Beam search, which chooses on the host, waits.
 
-Parallel sampling (n > 1) prefills the prompt once and forks the sequence; beam search
-forks and frees sequences each step. Both share blocks through the scheduler's
-copy-on-write forks.
+Parallel sampling (n > 1) prefills the prompt once and forks the sequence (copy-on-write).
+The features live beside this file, each called at a few named points of the step, so a
+first reading can skip them: speculative decoding (speculate.py: Speculator), beam search
+(beams.py), the split worker's two lanes (lanes.py: SplitEngine, a subclass), and the KV
+handoff's import (workers.py, through the scheduler).
 """
 
-import collections
 import itertools
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+import beams
 from config import EngineConfig
-from kv_cache import BlockManager, cdiv
+from kv_cache import BlockManager
 from model import Detokenizer, Qwen3, load_model, load_tokenizer
 from request import (
     PENDING,
@@ -38,12 +40,12 @@ from request import (
     Sequence,
     Status,
     check_request,
+    seeded_generator,
     tokenize,
 )
 from runner import Draw, Lane, ModelRunner, StepOutput
 from scheduler import Batch, Scheduler
-from smsplit import Split, load_kernels_at_start
-from speculate import DRAFTERS, can_speculate, due, num_accepted, rewind
+from speculate import Drafted, Speculator
 
 
 @dataclass
@@ -61,54 +63,28 @@ class LaunchedStep:
     seqs: list[Sequence]                 # the sequences whose last token this step computed
     beams: list[Sequence]                # ... those in beam search: the host picks their tokens
     shape: StepShape
+    lane: Lane                           # where it runs
     output: StepOutput | None = None
     targets: list[tuple[Sequence, int]] = field(default_factory=list)   # per draw: where its token goes
-    lane: Lane | None = None             # where it runs
     launched_at: float = field(default_factory=time.perf_counter)
-    drafted: dict[Sequence, "Drafted"] = field(default_factory=dict)   # the sequences whose drafts it checks
-    num_checks: int = 0                  # its first draws: a token after each draft's position (Drafted)
+    drafted: dict[Sequence, Drafted] = field(default_factory=dict)   # the sequences whose drafts it checks
+    num_checks: int = 0                  # its first draws check drafts (speculate.py:Drafted)
 
-    def computing(self) -> set[Sequence]:
-        """The sequences this step computes or samples for (the other lane leaves them alone)."""
+    def sequences(self) -> set[Sequence]:
+        """The sequences this step computes or samples for."""
         return set(self.batch.seqs) | {seq for seq, _ in self.targets}
 
 
-@dataclass
-class Drafted:
-    """A sequence whose drafts a step checks (speculate.py): the step samples a token after
-    its last token and after each draft but the last (the check draws, from `checks` on),
-    and after the last draft (its ordinary draw)."""
-    drafts: list[int]
-    checks: int
-    generator_state: torch.Tensor | None   # a seeded sampled sequence's generator before the step
-    branches: list[tuple[Sequence, list[int], int]] = field(default_factory=list)   # (branch, drafts, checks)
-
-
-@dataclass
-class PrefillLaneStep:
-    """A split worker's prompt chunk, done: what it computed, where (lane.split: None is
-    the whole GPU), and the ms its lane was taken by it, from its launch until the host saw
-    its tokens (the lane's next chunk starts only then)."""
-    shape: StepShape
-    split: Split | None
-    ms: float
-
-
-def computing(step: LaunchedStep | None) -> set[Sequence]:
-    """The sequences a lane's step in flight computes (none if no step)."""
-    return step.computing() if step is not None else set()
-
-
-def wait_for(lane: Lane, step: LaunchedStep | None) -> None:
-    """lane's next work starts on the device only once step (another lane's) has ended."""
-    if step is not None and step.output.ready is not None:
-        (lane.stream or torch.cuda.current_stream()).wait_event(step.output.ready)
+WARM_UP = [SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0, logprobs=1),
+           SamplingParams(max_tokens=2, ignore_eos=True, temperature=1.0, top_k=2, top_p=0.9, seed=0, min_tokens=1,
+                          repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1)]
 
 
 class Engine:
     def __init__(self, cfg: EngineConfig):
-        if cfg.splits_sms:   # before anything asks CUDA about the device (validate does)
-            load_kernels_at_start()
+        if cfg.splits_sms and type(self) is Engine:
+            raise ValueError("sm_split and split_menu are a split worker's: lanes.py:SplitEngine "
+                             "(lanes.make_engine picks it)")
         cfg.validate()
         self.model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
         config = self.model.config
@@ -118,80 +94,51 @@ class Engine:
         eos = config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         spec = cfg.speculative_config
-        draft = self._load_draft(spec) if spec is not None and spec.method == "draft_model" else None
+        draft = self._load_draft(spec.model) if spec is not None and spec.method == "draft_model" else None
         self.runner = ModelRunner(self.model, cfg, draft)
         self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, cfg.block_size,
                                                 enable_prefix_caching=cfg.enable_prefix_caching),
                                    cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.speculator = Speculator(spec, self.runner, self.scheduler, self._banned) if spec is not None else None
         self.requests: dict[int, Request] = {}      # submitted, output not yet taken
-        self.in_flight: LaunchedStep | None = None   # launched, its tokens not yet taken (split: the decode lane's)
-        self.split: Split | None = None              # the SM split steps run on (None: the whole GPU)
-        self.prefilling: LaunchedStep | None = None  # split: the prefill lane's step in flight
-        self.fence_decode = False                    # the decode lane's next step waits for the prefill lane's
-        self.ended_between: list[int] = []           # requests that finished while the split changed
-        # Done since a worker last took them (bounded: an offline engine has nobody taking them).
-        self.prefill_lane_steps: collections.deque[PrefillLaneStep] = collections.deque(maxlen=1024)
+        self.in_flight: LaunchedStep | None = None   # launched, its tokens not yet taken
         self._request_ids = itertools.count()
-        self.num_steps = 0                           # whole-GPU steps so far (speculate.due counts them)
-        self.drafter = DRAFTERS[spec.method](spec, self.runner, self.scheduler.reserve_slots) \
-            if spec is not None else None   # speculate.py
         if self.model.device.type == "cuda":
-            for split in [None, *self.runner.splits]:   # every lane of the menu, first the whole GPU
-                self.set_split(split)
-                self._warm_up()
-            self.prefill_lane_steps.clear()   # the warm-up's chunks: no work anyone sent
-        self.set_split(cfg.sm_split)
+            self._warm_up()
 
     def _warm_up(self) -> None:
         """Serve two short requests, one greedy with logprobs and one sampled with top-k,
-        top-p and a seed, through the whole step path, so that no request served later
-        pays a one-off cost: CUDA loads a kernel at its first launch (a split worker's at
-        start, smsplit.load_kernels_at_start), Triton compiles (or loads) a kernel at its
-        first use, the first copies set up their buffers. Such a cost inside a step also
-        delays every message the worker has not read yet (an Import waits in the inbox
-        while the step runs). The sampled one has penalties and min_tokens too, so their
-        kernels are compiled here.
-        On a split, its two lanes too (a lane is taken only while the other has work): the
-        two, and short requests in every other seat, decode on the decode lane beside the
-        biggest prompt chunk on the prefill lane, so that each lane's stream has run its
-        biggest step and keeps the memory for it. A stream that allocates from the driver
-        mid-serve waits for the whole device: a decode step, for the chunk beside it."""
-        n, bs = max(1, min(2, self.cfg.max_model_len - 2)), self.cfg.block_size
-        params = [SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0, logprobs=1),
-                  SamplingParams(max_tokens=2, ignore_eos=True, temperature=1.0, top_k=2, top_p=0.9, seed=0,
-                                 min_tokens=1, repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1)]
+        top-p, a seed, penalties and min_tokens, through the whole step path, so that no
+        request served later pays a one-off cost: CUDA loads a kernel at its first launch,
+        Triton compiles (or loads) a kernel at its first use, the first copies set up their
+        buffers. Such a cost inside a step also delays every message a worker has not read
+        yet (an Import waits in the inbox while the step runs)."""
         names = itertools.count(-1, -1)   # ids no request sent from outside has
-        ids = [self.submit([0] * n, p, request_id=next(names)) for p in params]
-        if self.split is not None:
-            room = self.bm.num_blocks - self.bm.watermark_blocks - len(ids) * cdiv(n + 2, bs)   # blocks left
-            chunk = max(1, min(self.cfg.max_num_batched_tokens, room // 2 * bs))
-            longest = self.cfg.max_model_len - 1
-            prompts = [min(longest, chunk - i) for i in range(0, chunk, longest)]   # the chunk, in prompts that fit
-            blocks = sum(cdiv(p + 1, bs) for p in prompts)
-            seats = max(0, min(self.cfg.max_num_seqs - len(ids) - len(prompts), (room - blocks) // cdiv(n + 3, bs)))
-            short = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
-            ids += [self.submit([0] * n, short, request_id=next(names)) for _ in range(seats)]
-            self.step()   # their prompts, on the whole GPU (nothing decodes yet)
-            first = 1 + list(self.runner.splits).index(self.split) * len(prompts)   # prompts no cache has seen
-            ids += [self.submit([first + j] * p, SamplingParams(max_tokens=1), request_id=next(names))
-                    for j, p in enumerate(prompts)]
+        ids = [self.submit([0] * self._warm_up_len(), p, request_id=next(names)) for p in WARM_UP]
+        self._serve_warm_up(ids, names)
+
+    def _warm_up_len(self) -> int:
+        """The warm-up's prompt length: two tokens, or what max_model_len leaves room for."""
+        return max(1, min(2, self.cfg.max_model_len - 2))
+
+    def _serve_warm_up(self, ids: list[int], names: itertools.count) -> None:
+        """Step until the warm-up's requests (ids) end, then forget them; names: more ids."""
         while self.has_unfinished():
             self.step()
         for request_id in ids:
             self.output(request_id)
 
-    def _load_draft(self, spec) -> Qwen3:
+    def _load_draft(self, name: str) -> Qwen3:
         """draft_model's model, on the target's device in its dtype; its vocabulary must be the target's."""
-        cfg = self.cfg
-        draft = load_model(spec.model, dtype=self.model.dtype, device=self.model.device, seed=cfg.seed + 1)
+        draft = load_model(name, dtype=self.model.dtype, device=self.model.device, seed=self.cfg.seed + 1)
         if draft.config.vocab_size != self.model.config.vocab_size:
-            raise ValueError(f"speculative_config's draft model {spec.model!r} has a vocabulary of "
+            raise ValueError(f"speculative_config's draft model {name!r} has a vocabulary of "
                              f"{draft.config.vocab_size} tokens, the model {self.model.config.vocab_size}: "
                              "a draft must share the model's tokenizer")
         return draft
 
     @property
-    def bm(self):
+    def bm(self) -> BlockManager:
         """The block manager, for inspection: the scheduler owns every block's lifetime."""
         return self.scheduler.bm
 
@@ -212,105 +159,37 @@ class Engine:
 
     def _add_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(req, index, token_ids, len(req.prompt_token_ids), arrival=req.arrival,
-                       generator=self._generator(req, index))
+                       generator=seeded_generator(req.params, index, self.model.device))
         req.seqs.append(seq)
         self.scheduler.add(seq)
         return seq
+
+    def add_imported(self, seq: Sequence) -> None:
+        """A request prefilled elsewhere, whose KV is in seq's blocks (workers.py copied it in
+        on a seat the scheduler gave it), joins the decodes."""
+        self.requests.pop(seq.request.request_id, None)   # our own parked record gives way to the decoding one
+        self.requests[seq.request.request_id] = seq.request
+        self.scheduler.finish_import(seq)
 
     def fork(self, seq: Sequence, index: int, generator: torch.Generator | None = None) -> Sequence:
         """A running child sharing every block of seq (copy-on-write); its own generator
         (seeded seed + index) unless given one."""
         child = Sequence(seq.request, index, list(seq.token_ids), seq.num_prompt_tokens,
                          num_computed=seq.num_computed, cumulative_logprob=seq.cumulative_logprob,
-                         logprobs=list(seq.logprobs), generator=generator or self._generator(seq.request, index))
+                         logprobs=list(seq.logprobs),
+                         generator=generator or seeded_generator(seq.request.params, index, self.model.device))
         self.scheduler.fork(seq, child)
         seq.request.seqs.append(child)
         return child
 
-    def _generator(self, req: Request, index: int) -> torch.Generator | None:
-        """Completion `index` of a seeded request draws from its own generator, seeded seed + index."""
-        if req.params.seed is None:
-            return None
-        return torch.Generator(self.model.device).manual_seed(req.params.seed + index)
-
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or self.in_flight is not None or self.prefilling is not None
-
-    # -- the split worker: prefill and decode at once on disjoint SMs (smsplit.py)
+        return self.scheduler.has_work() or self.in_flight is not None
 
     def set_split(self, split: tuple[int, int] | None) -> None:
-        """Run the next steps on this entry of the split menu (prefill SMs, decode SMs), or on
-        the whole GPU (None). Between steps only: the steps in flight finish first, on the
-        streams they were launched on (a step reads the one before it's tokens)."""
-        key = None if split is None else Split(*split)
-        if key is not None and key not in self.runner.splits:
-            menu = ", ".join(f"({s.prefill_sms}, {s.decode_sms})" for s in self.runner.splits) or "none"
-            raise ValueError(f"sm_split {tuple(split)} is not in this engine's split menu ({menu}): "
+        """Run the next steps on this SM split (lanes.py:SplitEngine); this engine has no split menu."""
+        if split is not None:
+            raise ValueError(f"sm_split {tuple(split)} is not in this engine's split menu (none): "
                              "pass one of those, or list it in split_menu")
-        if key == self.split:
-            return
-        self.ended_between += [r.request_id for r in self._drain()]
-        self.split = key
-
-    def _drain(self) -> list[Request]:
-        """Finish the steps in flight, on the device and on the host; the requests that finished."""
-        finished = []
-        for step in (self.prefilling, self.in_flight):
-            if step is not None:
-                finished += self._finish(step)
-        self.prefilling = self.in_flight = None
-        if self.model.device.type == "cuda":
-            torch.cuda.synchronize(self.model.device)
-        return finished
-
-    # -- the handoff: a prefill worker parks, a decode worker imports (workers.py)
-
-    def queue_import(self, order: int) -> None:
-        """An import arrived (order: request.arrival_order): it waits for a seat, first
-        come, first served with the prompts here (the scheduler admits it: start_import)."""
-        self.scheduler.queue_import(order)
-
-    def forget_import(self, order: int) -> None:
-        """An import still waiting for a seat was dropped: nothing waits for it now."""
-        self.scheduler.forget_import(order)
-
-    def start_import(self, request_id: int, token_ids: list[int], order: int, own: bool = False
-                     ) -> tuple[list[int], int] | None:
-        """A seat and blocks for a request prefilled elsewhere whose KV is about to be copied
-        in: its block table and how many leading tokens the prefix cache already holds.
-        own=True: this engine prefilled and parked it, and its blocks stay where they are.
-        None while no seat or not enough blocks are free, or a prompt or a queued import
-        that arrived before it (order: request.arrival_order) waits for a seat."""
-        parked = self.requests[request_id].seqs[0].block_table if own else None
-        return self.scheduler.start_import(token_ids, order, parked)
-
-    def cancel_import(self, block_table: list[int]) -> None:
-        """An import started but dropped (its source died): seat and blocks go back."""
-        self.scheduler.cancel_import(block_table)
-
-    def finish_import(self, request_id: int, token_ids: list[int], num_prompt_tokens: int, params: SamplingParams,
-                      block_table: list[int], logprobs: list[dict[int, float]], cumulative_logprob: float,
-                      generator_state: bytes | None) -> None:
-        """The request's prompt KV is in block_table (start_import's); its first token is
-        token_ids[-1]. It joins the decodes."""
-        req = Request(request_id, None, token_ids[:num_prompt_tokens], params, RequestMetrics(time.perf_counter()),
-                      num_streamed=1)   # the first token was streamed where it was prefilled
-        seq = Sequence(req, 0, list(token_ids), num_prompt_tokens, block_table=block_table,
-                       num_computed=num_prompt_tokens, cumulative_logprob=cumulative_logprob,
-                       logprobs=list(logprobs), generator=self._generator(req, 0))
-        if generator_state is not None:   # carry on the random stream where the prefill worker left it
-            seq.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
-        req.seqs.append(seq)
-        self.requests.pop(request_id, None)   # our own parked record gives way to the decoding one
-        self.requests[request_id] = req
-        self.scheduler.finish_import(seq)
-
-    def release(self, request_id: int) -> None:
-        """Forget a parked request and free its blocks (its KV has been copied, or never will be)."""
-        req = self.requests.get(request_id)
-        if req is not None and req.parked:
-            self._retire(req)
-            del self.requests[request_id]
 
     # -- one step: launch it, then finish the previous one while the device computes
 
@@ -319,21 +198,13 @@ class Engine:
         sampled tokens were copied to the host meanwhile: the host's bookkeeping overlaps
         the device's work instead of leaving it idle. Returns the ids of the requests that
         finished (a prefill_only one: prefilled and parked). A step that raises ends the
-        requests it carried with that error; the engine goes on serving the others."""
-        ended, self.ended_between = self.ended_between, []
-        return ended + (self._step_whole() if self.split is None else self._step_lanes())
-
-    def _step_whole(self) -> list[int]:
-        """A step on the whole GPU: decodes and prompt chunks together (chunked prefill).
+        requests it carried with that error; the engine goes on serving the others.
         With speculative decoding a step ends before the next is scheduled when a sequence
         will draft in the next (a draft needs the token before it on the host)."""
-        self.num_steps += 1
-        drafting = self._draft()
+        drafting = self.speculator.draft() if self.speculator else []
         batch = self.scheduler.schedule()
         if drafting:
-            for seq in set(drafting) - set(batch.seqs):   # not scheduled (preempted, no budget): drafts dropped
-                seq.drafts = []
-                self.scheduler.drop_branches(seq)
+            self.speculator.unscheduled(drafting, batch)
         if self._restart_beams() + len(batch.seqs) == 0 and self.in_flight is None:
             return self._end_unschedulable()
         try:
@@ -344,108 +215,19 @@ class Engine:
         self.in_flight = launched
         # Chosen on the host, now: beams; drafts (the sequence's next tokens depend on them);
         # and any step before a sequence drafts (a draft needs the token before it).
-        if launched is not None and (launched.beams or launched.drafted or self._drafters(self.num_steps + 1)):
+        if launched is not None and (launched.beams or launched.drafted
+                                     or self.speculator and self.speculator.drafts_next_step()):
             finished += self._finish(launched)
             self.in_flight = None
         return [r.request_id for r in finished]
 
-    def _drafters(self, step: int) -> list[Sequence]:
-        """The running sequences that draft at this step (speculate.py): none without a
-        drafter, or while more run than the config's disable_by_batch_size."""
-        if self.drafter is None:
-            return []
-        limit, running = self.cfg.speculative_config.disable_by_batch_size, self.scheduler.running
-        if limit is not None and len(running) > limit:
-            return []
-        return [s for s in running if can_speculate(s) and due(s, step)]
-
-    def _draft(self) -> list[Sequence]:
-        """Drafts for the sequences that draft now, decoding, as many as max_tokens and
-        max_model_len leave room for after the token the step samples anyway (the scheduler
-        checks as many as the step's budget holds; the step clears them): the longest
-        candidate on the sequence, each other on a branch (Scheduler.branch). Finding none
-        counts as a miss. The sequences given drafts."""
-        spec, seqs, rooms = self.cfg.speculative_config, [], []
-        for seq in self._drafters(self.num_steps):
-            room = min(spec.num_speculative_tokens, seq.request.params.max_tokens - seq.num_outputs - 1,
-                       self.cfg.max_model_len - len(seq.token_ids) - 1)
-            if seq.num_pending == 1 and seq.num_outputs > 0 and seq.pending_row is None and room > 0:
-                seqs.append(seq)
-                rooms.append(room)
-        drafting = []
-        for seq, candidates in zip(seqs, self.drafter(seqs, rooms, spec.num_branches) if seqs else []):
-            if not candidates:
-                seq.draft_misses += 1
-                continue
-            seq.drafts = candidates[0]
-            for drafts in candidates[1:]:
-                self.scheduler.branch(seq, drafts)
-            drafting.append(seq)
-        return drafting
-
-    def _step_lanes(self) -> list[int]:
-        """A split worker's step: the prefill lane and the decode lane each keep a step on
-        the device, at once, on their own SMs (smsplit.py).
-          prefill lane: once its chunk's tokens have landed, take them (the prompts done
-            join the decodes: their KV is in their blocks already) and launch the next;
-          decode lane: a step of the decodes alone (launch N+1, finish N).
-        Only while both have work are they split: the decodes step on the whole GPU's graphs
-        while no prompt is in flight, and prompts prefill on the whole GPU while nothing
-        decodes (a lane apart from the other has nothing to gain from fewer SMs). A step
-        that reads the tokens of a step on another stream waits for it there.
-        Both batches are scheduled first, then the decode step is launched before the
-        chunk: a call in a launch that waits for the whole device (the driver allocating
-        memory, loading a module) then waits for a decode step, never for a chunk just
-        launched (which would hold the decode lane for the chunk's length).
-        The host waits on the prefill lane only when there is nothing to decode. The lanes
-        leave each other's sequences alone (busy). The decode lane's step in flight may
-        still write blocks the host has freed (a sequence that just stopped): the prefill
-        lane's next chunk waits for that step on the device before it starts; an abort of
-        a sequence the prefill lane computes makes the decode lane wait likewise."""
-        prefill_lane, decode_lane = self.runner.splits[self.split]
-        idle = self.in_flight is None and self.prefilling is None   # nothing will land that frees room
-        restarted, finished, batches, launched = self._restart_beams(), [], [], None
-        try:
-            if self.prefilling is not None and self.prefilling.output.done():
-                step, self.prefilling = self.prefilling, None
-                self.prefill_lane_steps.append(PrefillLaneStep(step.shape, step.lane.split,
-                                                               (time.perf_counter() - step.launched_at) * 1e3))
-                finished += self._finish(step)
-            prompts = self.scheduler.schedule(decodes=False, busy=computing(self.in_flight)) \
-                if self.prefilling is None else Batch()
-            decodes = self.scheduler.schedule(prompts=False, busy=computing(self.prefilling) | set(prompts.seqs))
-            batches = [prompts, decodes]
-            written_by = self.in_flight   # the decode step the chunk waits for: it may write blocks freed since
-            if decodes.seqs:
-                lane = decode_lane if self.prefilling is not None or prompts.seqs else self.runner.whole
-                if self.fence_decode:
-                    wait_for(lane, self.prefilling)
-                    self.fence_decode = False
-                launched = self._launch(decodes, lane, self.in_flight)
-            if prompts.seqs:
-                lane = prefill_lane if self._decoding() else self.runner.alone
-                wait_for(lane, written_by)
-                self.prefilling = self._launch(prompts, lane, None)
-                if self.prefilling.beams:   # beam search chooses on the host, now
-                    finished += self._finish(self.prefilling)
-                    self.prefilling = None
-            finished += self._finish(self.in_flight) if self.in_flight else []
-            self.in_flight = launched
-            if launched is not None and launched.beams:
-                finished += self._finish(launched)
-                self.in_flight = None
-        except Exception as e:  # noqa: BLE001 (the requests end with it; nothing else is lost)
-            return self._fail_step(batches, e, launched)
-        if self.in_flight is None and self.prefilling is not None:   # nothing to decode meanwhile
-            self.prefilling.output.wait()
-        ended = [r.request_id for r in finished]
-        if idle and restarted + sum(len(b.seqs) for b in batches) == 0:
-            ended += self._end_unschedulable()
-        return ended
-
-    def _decoding(self) -> bool:
-        """Whether a decode step is in flight or a running sequence is past its prompt."""
-        return self.in_flight is not None or any(s.num_computed >= s.num_prompt_tokens for s in self.scheduler.running)
+    def poll(self, timeout: float = 0.0) -> list[int]:
+        """Run a step if there is work, else wait timeout seconds; the ids of requests that
+        ended (LLM's loop, which polls a cluster the same way)."""
+        if self.has_unfinished():
+            return self.step()
+        time.sleep(timeout)
+        return []
 
     def _restart_beams(self) -> int:
         """Beam searches the scheduler preempted whole start again from their prompt, in
@@ -458,109 +240,24 @@ class Engine:
             self._add_seq(req, 0, list(req.prompt_token_ids))
         return len(restarted)
 
-    def _end_unschedulable(self) -> list[int]:
-        """Nothing was scheduled, nothing is in flight: unless an import or a handoff will
-        free seats or blocks (workers.py), no later step can differ from this one. End the
-        requests that hold the engine still, with an error saying what they need, rather
-        than spin: the running ones if any (none of them could compute), else the first in
-        the queue (it cannot fit even in an empty engine). Their ids."""
-        sched = self.scheduler
-        if not sched.has_work() or sched.importing or sched.imports_waiting \
-                or any(r.parked for r in self.requests.values()):
-            return []
-        stuck = {s.request: None for s in sched.running} or {sched.waiting[0].request: None}
-        bm, cfg = self.bm, self.cfg
-        error = RuntimeError(
-            f"no step could make progress: {len(sched.running)} sequences running, {len(sched.waiting)} waiting, "
-            f"{bm.num_free_blocks} of {bm.num_blocks} KV blocks free ({bm.watermark_blocks} kept back), "
-            f"{cfg.max_num_seqs} seats (max_num_seqs), a step budget of {cfg.max_num_batched_tokens} tokens "
-            f"(max_num_batched_tokens): a larger num_kv_blocks or max_num_seqs may let it run")
-        for req in stuck:
-            self._retire(req)
-            req.error, req.metrics.finish_time = error, time.perf_counter()
-        return [req.request_id for req in stuck]
-
-    def _fail_step(self, batches: list[Batch], error: Exception, launched: LaunchedStep | None = None) -> list[int]:
-        """End every request of the batches and of the steps in flight (and of launched, a
-        step of this one already on the device) with error, freeing all they hold; their ids."""
-        steps = [s for s in (self.in_flight, self.prefilling, launched) if s is not None]
-        self.in_flight = self.prefilling = None
-        if steps and self.model.device.type == "cuda":   # nothing launched may still write what is freed here
-            try:
-                torch.cuda.synchronize(self.model.device)
-            except RuntimeError:   # the device itself failed: the error below says so
-                pass
-        involved = {s.request: None for batch in batches for s in batch.seqs}
-        for step in steps:
-            involved.update({s.request: None for s in step.computing()})
-        ended = []
-        for req in involved:
-            if req.request_id in self.requests and req.metrics.finish_time is None:
-                self._retire(req)
-                req.error, req.metrics.finish_time = error, time.perf_counter()
-                ended.append(req.request_id)
-        return ended
-
-    def _retire(self, req: Request) -> None:
-        """Finish every sequence of req and give back every block it holds."""
-        for seq in req.seqs:
-            if seq.status != Status.FINISHED:
-                self._end(seq)
-        if req.parked:
-            self.scheduler.free(req.seqs[0].block_table)
-
-    def _end(self, seq: Sequence, free: bool = True) -> None:
-        """seq is finished: the scheduler retires it (free=False keeps its blocks, a parked
-        prefill's), and its token counts, if the penalties kept any, go back."""
-        self.scheduler.finish(seq, free=free)
-        self.runner.token_counts.forget(seq)
-
-    def abort(self, request_ids: list[int]) -> None:
-        """End these requests now and forget them, wherever they are (waiting, running,
-        parked); their blocks go back. A step in flight drops their tokens."""
-        prefilling = computing(self.prefilling)
-        for request_id in request_ids:
-            req = self.requests.pop(request_id, None)
-            if req is not None:
-                self.fence_decode |= any(s in prefilling for s in req.seqs)   # its blocks: not before that step ends
-                self._retire(req)
-        step = self.in_flight
-        if self.split is None and step is not None and all(s.request.request_id not in self.requests
-                                                           for s in step.computing()):
-            self.in_flight = None   # nothing left to take from it (a split keeps it: see _step_lanes)
-
-    def poll(self, timeout: float = 0.0) -> list[int]:
-        """Run a step if there is work, else wait timeout seconds; the ids of requests that
-        ended (LLM's loop, which polls a cluster the same way)."""
-        if self.has_unfinished():
-            return self.step()
-        time.sleep(timeout)
-        return []
-
     def _launch(self, batch: Batch, lane: Lane, previous: LaunchedStep | None) -> LaunchedStep:
         """Run the model on the batch on lane and sample on the device; each sampled sequence
         gets a PENDING token, filled in by _finish (from previous, the lane's step in flight,
         where a sequence's last token is still PENDING)."""
-        shape = self._shape(batch)
-        if previous is not None and previous.lane is not lane:   # it reads previous's tokens from another stream
-            wait_for(lane, previous)
-            if previous.output.tokens is not None and previous.output.tokens.is_cuda:
-                previous.output.tokens.record_stream(lane.stream or torch.cuda.current_stream())
         done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if n == s.num_pending + len(s.drafts)]
         seqs = [batch.seqs[i] for i in done]
-        step = LaunchedStep(batch, seqs, [s for s in seqs if s.request.beam_width], shape, lane=lane)
+        step = LaunchedStep(batch, seqs, [s for s in seqs if s.request.beam_width], self._shape(batch), lane)
         beam_rows = [i for i in done if batch.seqs[i].request.beam_width]
-        checks = self._plan_checks(batch, done, step)
         plan, draws = self._plan_draws(batch, done)
-        checks += self._plan_branch_checks(batch, step, len(checks), plan)
+        checks = []
+        if self.speculator:
+            step.drafted, checks = self.speculator.plan_checks(batch, done, plan)
         step.num_checks = len(checks)
         beam_k = 2 * max((s.request.beam_width for s in step.beams), default=0)
         step.output = self.runner.run(batch, checks + draws, beam_rows, beam_k,
                                       previous.output.tokens if previous else None, lane)
-        for seq in step.drafted:   # their tokens are on their way: the drafts are the step's now
-            seq.drafts = []
-            for branch in seq.branches:
-                branch.drafts = []
+        if step.drafted:
+            self.speculator.launched(step.drafted)
         self.scheduler.computed(batch)
         targets = [batch.seqs[i] if j == 0 else self.fork(batch.seqs[i], j, d.generator)
                    for (i, j), d in zip(plan, draws)]
@@ -569,52 +266,6 @@ class Engine:
             seq.pending_row = step.num_checks + k
             step.targets.append((seq, len(seq.token_ids) - 1))
         return step
-
-    def _plan_checks(self, batch: Batch, done: list[int], step: LaunchedStep) -> list[Draw]:
-        """The check draws of the drafted sequences among batch.seqs[done]: a token after the
-        last token and after each draft but the last, in that order (a seeded sequence's
-        generator draws them in the order plain decoding would). They go first in the step's
-        draws; each sequence's draw after its last draft is its ordinary one."""
-        checks = []
-        for i in done:
-            seq = batch.seqs[i]
-            if seq.drafts and seq.trunk is None:
-                seeded = seq.generator is not None and not seq.request.params.greedy
-                step.drafted[seq] = Drafted(seq.drafts, len(checks), seq.generator.get_state() if seeded else None)
-                checks += [self._check_draw(i, seq, seq.drafts[:j], generator=seq.generator)
-                           for j in range(len(seq.drafts))]
-        return checks
-
-    def _check_draw(self, row: int, seq: Sequence, before: list[int], **kw) -> Draw:
-        """The draw after `before`, drafts of seq (or of a branch of seq) at batch row `row`:
-        its penalties count them and its bans hold while seq's outputs and they are under
-        min_tokens."""
-        if not seq.request.adjusts:
-            return Draw(row, seq.request.params, position=len(before), before=before, **kw)
-        return Draw(row, seq.request.params, seq=seq, banned=self._banned(seq, len(before)), position=len(before),
-                    before=before, **kw)
-
-    def _plan_branch_checks(self, batch: Batch, step: LaunchedStep, first: int, plan: list[tuple[int, int]]
-                            ) -> list[Draw]:
-        """The draws of the drafted sequences' branches, after their own checks (from draw
-        `first` on) and before the ordinary draws (plan): a token after the last token and
-        after each draft. The draw at depth j of every branch reuses the noise of its
-        sequence's draw at depth j (sampler.sample), so all candidates that agree up to a
-        depth sample the same token there, the one plain decoding samples: checking more
-        candidates changes how many tokens are kept, never which."""
-        branched = [(seq, drafted) for seq, drafted in step.drafted.items() if seq.branches]
-        if not branched:
-            return []
-        row = {s: i for i, s in enumerate(batch.seqs)}
-        ordinary = first + sum(len(b.drafts) + 1 for seq, _ in branched for b in seq.branches)
-        draws = []
-        for seq, drafted in branched:
-            depths = [drafted.checks + j for j in range(len(drafted.drafts))] + [ordinary + plan.index((row[seq], 0))]
-            for branch in seq.branches:
-                drafted.branches.append((branch, branch.drafts, first + len(draws)))
-                draws += [self._check_draw(row[branch], seq, branch.drafts[:j], noise_of=depths[j])
-                          for j in range(len(branch.drafts) + 1)]
-        return draws
 
     def _plan_draws(self, batch: Batch, done: list[int]) -> tuple[list[tuple[int, int]], list[Draw]]:
         """The tokens to sample after the sequences batch.seqs[done] (beams excepted): per
@@ -626,10 +277,10 @@ class Engine:
         for i in done:
             seq = batch.seqs[i]
             req = seq.request
-            if req.beam_width or seq.trunk is not None:   # a branch's draws are checks (_plan_branch_checks)
+            if req.beam_width or seq.trunk is not None:   # a branch's draws are checks (Speculator.plan_checks)
                 continue
             for j in range(req.params.n if seq.num_outputs == 0 else 1):
-                g = seq.generator if j == 0 else self._generator(req, j)
+                g = seq.generator if j == 0 else seeded_generator(req.params, j, self.model.device)
                 plan.append((i, j))
                 before = list(seq.drafts) if seq.drafts else None   # drafted: after its last draft
                 draws.append(Draw(i, req.params, g, seq, j > 0, self._banned(seq, len(seq.drafts)), before=before)
@@ -660,7 +311,7 @@ class Engine:
             if seq.status == Status.FINISHED:   # it stopped one step earlier: this token is void
                 continue
             drafted, draw = step.drafted.get(seq), step.num_checks + k
-            kept, draws = self._kept(seq, drafted, checked, token, draw) if drafted else ([token], [draw])
+            kept, draws = self.speculator.keep(seq, drafted, checked, token, draw) if drafted else ([token], [draw])
             if drafted and seq.request.params.penalized:   # its draws were not counted: what it kept is
                 counted.append((seq, kept))
             seq.token_ids[index:index + 1] = kept
@@ -678,46 +329,24 @@ class Engine:
         for seq, candidates in zip(step.beams, step.output.beams):
             k = 2 * seq.request.beam_width
             seq.beam_candidates = list(zip(candidates[0][:k], candidates[1][:k]))
-        # Requests that may have finished: a sequence of theirs stopped, or a beam step ran.
+        return self._finished(step, now)
+
+    def _finished(self, step: LaunchedStep, now: float) -> list[Request]:
+        """The requests that finished with step: a sequence of theirs stopped, or a beam
+        search ended (beams.advance, once every live beam has its candidates)."""
         touched = {s.request: None for s, _ in step.targets if s.status == Status.FINISHED}
         touched.update({s.request: None for s in step.beams})
         finished = []
         for req in touched:
             if req.beam_width and not req.finished and all(s.beam_candidates is not None for s in req.seqs
                                                            if s.status != Status.FINISHED):
-                self._advance_beams(req)
+                beams.advance(req, self.eos_ids, self.fork, self._end)
             if req.finished and req.metrics.finish_time is None and req.request_id in self.requests:
                 req.metrics.finish_time = now
                 finished.append(req)
         return finished
 
-    def _kept(self, seq: Sequence, drafted: Drafted, checked: list[int], last: int, last_draw: int
-              ) -> tuple[list[int], list[int]]:
-        """The tokens a drafted sequence keeps (speculate.py), and the draws that sampled
-        them (their logprobs): of the candidate (its own drafts or a branch's) that keeps
-        the most, the drafts up to the first the tokens sampled after each position disagree
-        with, then the token sampled there. A branch that wins gives the sequence its
-        blocks; every branch is then dropped. last: the token of the sequence's ordinary
-        draw, last_draw."""
-        sampled = checked[drafted.checks:drafted.checks + len(drafted.drafts)] + [last]
-        a, drafts, winner = num_accepted(drafted.drafts, sampled), drafted.drafts, None
-        draws = [*range(drafted.checks, drafted.checks + len(drafted.drafts)), last_draw]
-        for branch, its_drafts, at in drafted.branches:
-            its_sampled = checked[at:at + len(its_drafts) + 1]
-            if (its_a := num_accepted(its_drafts, its_sampled)) > a:
-                a, drafts, sampled, winner = its_a, its_drafts, its_sampled, branch
-                draws = list(range(at, at + len(its_drafts) + 1))
-        if winner is not None:
-            self.scheduler.take_branch(seq, winner)
-        self.scheduler.drop_branches(seq)
-        seq.draft_misses = 0 if a else seq.draft_misses + 1
-        metrics = seq.request.metrics
-        metrics.spec_draft_tokens += len(drafted.drafts) + sum(len(d) for _, d, _ in drafted.branches)
-        metrics.spec_accepted_tokens += a
-        metrics.spec_steps += 1
-        if drafted.generator_state is not None:   # where plain decoding leaves it: one draw per kept token
-            rewind(seq.generator, drafted.generator_state, a + 1, self.model.config.vocab_size)
-        return drafts[:a] + [sampled[a]], draws[:a + 1]
+    # -- stops, logprobs
 
     def _banned(self, seq: Sequence, ahead: int = 0) -> list[int]:
         """The tokens seq's next token (after `ahead` drafts) may not be: before min_tokens,
@@ -779,56 +408,82 @@ class Engine:
         seq.text_end = at + len(found[1]) * params.include_stop_str_in_output
         return True
 
-    # -- beam search: fork the best continuations, free the rest (HF's algorithm)
+    # -- requests that end early: aborted, failed, or unable to run
 
-    def _advance_beams(self, req: Request) -> None:
-        """One beam-search step over all live beams' candidates, as HF's beam search does:
-        of the 2k best continuations (by summed logprob), those among the first k that end
-        (EOS, or max_tokens reached) become finished hypotheses, scored by summed logprob /
-        length ** length_penalty, of which the best k are kept; the best k that do not end
-        go on as the live beams. The search stops when nothing is live or, with k finished,
-        when the best live beam can no longer beat the worst finished one."""
-        k, live = req.beam_width, [s for s in req.seqs if s.status != Status.FINISHED]
-        last_step = len(live[0].output_ids) + 1 >= req.params.max_tokens
-        cands = sorted(((s.cumulative_logprob + lp, s, t) for s in live for t, lp in s.beam_candidates),
-                       key=lambda c: -c[0])[:2 * k]
-        keep = []
-        for rank, (score, parent, token) in enumerate(cands):
-            is_eos = token in self.eos_ids and not req.params.ignore_eos
-            if is_eos or last_step:
-                if rank < k:
-                    req.beams_done.append(self._finished_beam(parent, token, score, "stop" if is_eos else "length"))
-            elif len(keep) < k:
-                keep.append((score, parent, token))
-        req.beams_done = sorted(req.beams_done, key=lambda b: -self.beam_score(b))[:k]
-        # A parent chosen more than once is forked; all forks before any token is appended.
-        taken, chosen = set(), []
-        for score, parent, token in keep:
-            chosen.append((parent if parent not in taken else self.fork(parent, len(req.seqs)), score, token))
-            taken.add(parent)
-        for seq, score, token in chosen:
-            seq.token_ids.append(token)
-            seq.cumulative_logprob = score
-            seq.beam_candidates = None
-        for seq in live:
-            if seq not in taken:
-                self._drop_beam(req, seq)
-        best_live = keep[0][0] / (len(live[0].output_ids) + 1) ** req.length_penalty if keep else None
-        if best_live is None or (len(req.beams_done) == k and best_live <= self.beam_score(req.beams_done[-1])):
-            for seq in [s for s in req.seqs if s.status != Status.FINISHED]:
-                self._drop_beam(req, seq)
-            req.seqs = req.beams_done
+    def abort(self, request_ids: list[int]) -> None:
+        """End these requests now and forget them, wherever they are (waiting, running,
+        parked); their blocks go back. A step in flight drops their tokens."""
+        for request_id in request_ids:
+            req = self.requests.pop(request_id, None)
+            if req is not None:
+                self._retire(req)
+        step = self.in_flight
+        if step is not None and all(s.request.request_id not in self.requests for s in step.sequences()):
+            self.in_flight = None   # nothing left to take from it
 
-    def _drop_beam(self, req: Request, seq: Sequence) -> None:
-        self._end(seq)   # its blocks go back (shared ones stay with the other beams)
-        req.seqs.remove(seq)
+    def release(self, request_id: int) -> None:
+        """Forget a parked request and free its blocks (its KV has been copied, or never will be)."""
+        req = self.requests.get(request_id)
+        if req is not None and req.parked:
+            self._retire(req)
+            del self.requests[request_id]
 
-    def _finished_beam(self, parent: Sequence, token: int, score: float, reason: str) -> Sequence:
-        return Sequence(parent.request, -1, parent.token_ids + [token], parent.num_prompt_tokens,
-                        status=Status.FINISHED, cumulative_logprob=score, finish_reason=reason)
+    def _end_unschedulable(self) -> list[int]:
+        """Nothing was scheduled, nothing is in flight: unless an import or a handoff will
+        free seats or blocks (workers.py), no later step can differ from this one. End the
+        requests that hold the engine still, with an error saying what they need, rather
+        than spin: the running ones if any (none of them could compute), else the first in
+        the queue (it cannot fit even in an empty engine). Their ids."""
+        sched = self.scheduler
+        if not sched.has_work() or sched.importing or sched.imports_waiting \
+                or any(r.parked for r in self.requests.values()):
+            return []
+        stuck = {s.request: None for s in sched.running} or {sched.waiting[0].request: None}
+        bm, cfg = self.bm, self.cfg
+        error = RuntimeError(
+            f"no step could make progress: {len(sched.running)} sequences running, {len(sched.waiting)} waiting, "
+            f"{bm.num_free_blocks} of {bm.num_blocks} KV blocks free ({bm.watermark_blocks} kept back), "
+            f"{cfg.max_num_seqs} seats (max_num_seqs), a step budget of {cfg.max_num_batched_tokens} tokens "
+            f"(max_num_batched_tokens): a larger num_kv_blocks or max_num_seqs may let it run")
+        for req in stuck:
+            self._retire(req)
+            req.error, req.metrics.finish_time = error, time.perf_counter()
+        return [req.request_id for req in stuck]
 
-    def beam_score(self, seq: Sequence) -> float:
-        return seq.cumulative_logprob / len(seq.output_ids) ** seq.request.length_penalty
+    def _fail_step(self, batches: list[Batch], error: Exception, *launched: LaunchedStep | None) -> list[int]:
+        """End every request of the batches and of the step in flight (and of launched,
+        steps of this one already on the device) with error, freeing all they hold; their ids."""
+        steps = [s for s in (self.in_flight, *launched) if s is not None]
+        self.in_flight = None
+        if steps and self.model.device.type == "cuda":   # nothing launched may still write what is freed here
+            try:
+                torch.cuda.synchronize(self.model.device)
+            except RuntimeError:   # the device itself failed: the error below says so
+                pass
+        involved = {s.request: None for batch in batches for s in batch.seqs}
+        for step in steps:
+            involved.update({s.request: None for s in step.sequences()})
+        ended = []
+        for req in involved:
+            if req.request_id in self.requests and req.metrics.finish_time is None:
+                self._retire(req)
+                req.error, req.metrics.finish_time = error, time.perf_counter()
+                ended.append(req.request_id)
+        return ended
+
+    def _retire(self, req: Request) -> None:
+        """Finish every sequence of req and give back every block it holds."""
+        for seq in req.seqs:
+            if seq.status != Status.FINISHED:
+                self._end(seq)
+        if req.parked:
+            self.scheduler.free(req.seqs[0].block_table)
+
+    def _end(self, seq: Sequence, free: bool = True) -> None:
+        """seq is finished: the scheduler retires it (free=False keeps its blocks, a parked
+        prefill's), and its token counts, if the penalties kept any, go back."""
+        self.scheduler.finish(seq, free=free)
+        self.runner.token_counts.forget(seq)
 
     # -- outputs
 

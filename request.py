@@ -270,6 +270,13 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:len(self.token_ids) - (self.pending_row is not None)]
 
 
+def seeded_generator(params: SamplingParams, index: int, device: torch.device) -> torch.Generator | None:
+    """Completion `index` of a seeded request draws from its own generator, seeded seed + index."""
+    if params.seed is None:
+        return None
+    return torch.Generator(device).manual_seed(params.seed + index)
+
+
 @dataclass(eq=False)
 class Request:
     """An engine's record of one request, from submit until its output is taken."""

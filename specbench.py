@@ -112,7 +112,7 @@ def timed_generate(llm: LLM, prompts: list[list[int]], sizes: SpecSizes, drafter
     outputs' tokens, and the drafts checked and kept (and, with logprobs, the outputs'
     top-logprobs as "logprobs")."""
     engine = llm.engine
-    engine.drafter = drafter
+    engine.speculator.drafter = drafter
     params = SamplingParams(temperature=0.0, max_tokens=sizes.output_len, ignore_eos=True, logprobs=logprobs)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -158,7 +158,7 @@ def run_speculative(out: str | None, sizes: SpecSizes) -> dict:
                                                "num_branches": BRANCHES, "disable_by_batch_size": None},
               max_num_seqs=max(sizes.crossover + sizes.batches), max_model_len=sizes.prompt_len + sizes.output_len + 8,
               num_kv_blocks=sizes.num_kv_blocks)
-    vocab, prompt_lookup = llm.engine.model.config.vocab_size, llm.engine.drafter   # the engine's own ngram drafter
+    vocab, prompt_lookup = llm.engine.model.config.vocab_size, llm.engine.speculator.drafter   # the engine's own ngram drafter
     oracle = lambda a: lambda conts: per_sequence(OracleDrafter(conts, sizes.prompt_len, a, vocab))
     ngram = lambda conts: lambda seqs, ks, branches: prompt_lookup(seqs, ks, 1)
     branched = lambda conts: prompt_lookup
@@ -182,7 +182,7 @@ def run_speculative(out: str | None, sizes: SpecSizes) -> dict:
                                                "num_speculative_tokens": sizes.k, "disable_by_batch_size": None},
               max_num_seqs=max(sizes.batches), max_model_len=sizes.prompt_len + sizes.output_len + 8,
               num_kv_blocks=sizes.num_kv_blocks)
-    draft_model = llm.engine.drafter
+    draft_model = llm.engine.speculator.drafter
     res["draft_model"] = [compare(llm, sizes, b, lambda conts: draft_model, "draft") for b in sizes.batches]
     llm.close()
     if out:

@@ -31,7 +31,12 @@ setting) nothing drafts.
 A draft needs the token before it on the host, so a step that will be followed by drafts
 ends before the next is scheduled, giving up the overlap of the host's work with the
 device's. Drafts that miss would make speculation cost more than it gains; so a sequence
-whose drafts miss backs off (due), and a step after which nothing is due keeps the overlap.
+whose drafts miss backs off (drafts_at), and a step after which nobody drafts keeps the
+overlap.
+
+The engine calls its Speculator at four points of a step: draft (before scheduling),
+plan_checks (the step's check draws, before launching), launched, and keep (when the
+step's tokens are back: what each drafted sequence keeps).
 
 Drafters (vLLM's `speculative_config` methods):
   ngram        prompt lookup: the tokens that followed the latest earlier occurrence of
@@ -42,12 +47,14 @@ Drafters (vLLM's `speculative_config` methods):
 
 from array import array
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from config import SpeculativeConfig
 from request import Sequence
-from runner import ModelRunner
+from runner import Draw, ModelRunner
+from scheduler import Batch, Scheduler
 
 # (the sequences, at most how many drafts each, branches) -> each one's candidates
 Drafter = Callable[[list[Sequence], list[int], int], list[list[list[int]]]]
@@ -57,7 +64,7 @@ def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int, branches: i
     """Prompt lookup: the up to k tokens that followed earlier occurrences of the sequence's
     last n tokens, the longest n first, the latest occurrence first: up to `branches`
     candidate continuations, none a prefix of another, the longest first (the step checks
-    the first on the sequence itself, the others on branches: engine.py). [] if none occurs."""
+    the first on the sequence itself, the others on branches: Speculator.draft). [] if none occurs."""
     data, size, found = array("i", tokens).tobytes(), len(tokens), []   # 4 bytes a token: bytes.rfind runs in C
     for n in range(min(n_max, size - 1), n_min - 1, -1):
         suffix, end = data[4 * (size - n):], 4 * (size - 1)   # an occurrence ends before the last token
@@ -143,7 +150,7 @@ def can_speculate(seq: Sequence) -> bool:
     """Whether seq's drafts can be checked: its request searches no beams and decodes here
     (a prefill worker's parks after its first token). Logprobs come from the draw that
     sampled each kept token; penalties and min_tokens bans at a depth count the drafts
-    before it (engine.py:_plan_checks)."""
+    before it (Speculator.plan_checks)."""
     req = seq.request
     return not req.beam_width and not req.prefill_only
 
@@ -151,7 +158,7 @@ def can_speculate(seq: Sequence) -> bool:
 MAX_BACKOFF = 6   # a sequence whose drafts keep missing drafts every 2^6 = 64 steps at least
 
 
-def due(seq: Sequence, step: int) -> bool:
+def drafts_at(seq: Sequence, step: int) -> bool:
     """Whether seq drafts at engine step `step`: every step while its drafts are kept (one
     miss in between is forgiven), then, with each more drafting step in a row that kept
     none (or found none), half as often, down to every 2^MAX_BACKOFF steps. Due steps are
@@ -175,3 +182,157 @@ def rewind(generator: torch.Generator, state: torch.Tensor, draws: int, vocab: i
     generator.set_state(state)
     for _ in range(draws):
         torch.empty(vocab, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
+
+
+# ----------------------------------------------------------------------------- the engine's side
+
+
+@dataclass
+class Drafted:
+    """A sequence whose drafts a step checks: the step samples a token after its last token
+    and after each draft but the last (the check draws, from `checks` on), and after the
+    last draft (its ordinary draw)."""
+    drafts: list[int]
+    checks: int
+    generator_state: torch.Tensor | None   # a seeded sampled sequence's generator before the step
+    branches: list[tuple[Sequence, list[int], int]] = field(default_factory=list)   # (branch, drafts, checks)
+
+
+Banned = Callable[[Sequence, int], list[int]]   # (seq, drafts ahead) -> the tokens its next may not be
+
+
+class Speculator:
+    """Speculative decoding in the engine's step (engine.py): who drafts at a step, their
+    drafts (the drafter's), the draws that check them, and what each sequence keeps."""
+
+    def __init__(self, spec: SpeculativeConfig, runner: ModelRunner, scheduler: Scheduler, banned: Banned):
+        self.spec, self.scheduler, self.banned = spec, scheduler, banned
+        self.max_model_len, self.vocab_size = runner.cfg.max_model_len, runner.model.config.vocab_size
+        self.drafter = DRAFTERS[spec.method](spec, runner, scheduler.reserve_slots)
+        self.num_steps = 0   # engine steps so far: drafts_at counts them
+
+    def drafters(self, step: int) -> list[Sequence]:
+        """The running sequences that draft at this step: none while more run than the
+        config's disable_by_batch_size, or with no drafter (a benchmark's plain run)."""
+        limit, running = self.spec.disable_by_batch_size, self.scheduler.running
+        if self.drafter is None or limit is not None and len(running) > limit:
+            return []
+        return [s for s in running if can_speculate(s) and drafts_at(s, step)]
+
+    def drafts_next_step(self) -> bool:
+        """Whether a sequence drafts at the next step (the step launched now must then end
+        before it: a draft needs the token before it on the host)."""
+        return bool(self.drafters(self.num_steps + 1))
+
+    def draft(self) -> list[Sequence]:
+        """A new step: drafts for the sequences that draft now, decoding, as many as
+        max_tokens and max_model_len leave room for after the token the step samples anyway
+        (the scheduler checks as many as the step's budget holds): the longest candidate on
+        the sequence, each other on a branch (Scheduler.branch). Finding none counts as a
+        miss. The sequences given drafts."""
+        self.num_steps += 1
+        seqs, rooms = [], []
+        for seq in self.drafters(self.num_steps):
+            room = min(self.spec.num_speculative_tokens, seq.request.params.max_tokens - seq.num_outputs - 1,
+                       self.max_model_len - len(seq.token_ids) - 1)
+            if seq.num_pending == 1 and seq.num_outputs > 0 and seq.pending_row is None and room > 0:
+                seqs.append(seq)
+                rooms.append(room)
+        drafting = []
+        for seq, candidates in zip(seqs, self.drafter(seqs, rooms, self.spec.num_branches) if seqs else []):
+            if not candidates:
+                seq.draft_misses += 1
+                continue
+            seq.drafts = candidates[0]
+            for drafts in candidates[1:]:
+                self.scheduler.branch(seq, drafts)
+            drafting.append(seq)
+        return drafting
+
+    def unscheduled(self, drafting: list[Sequence], batch: Batch) -> None:
+        """Drafted sequences the step did not schedule (preempted, no budget) drop their drafts."""
+        for seq in set(drafting) - set(batch.seqs):
+            seq.drafts = []
+            self.scheduler.drop_branches(seq)
+
+    def plan_checks(self, batch: Batch, done: list[int], plan: list[tuple[int, int]]
+                    ) -> tuple[dict[Sequence, Drafted], list[Draw]]:
+        """The drafted sequences among batch.seqs[done] and their check draws, which go first
+        in the step's draws: each one's (a token after the last token and after each draft
+        but the last, in that order, so a seeded sequence's generator draws them in the
+        order plain decoding would), then their branches' (plan: the step's ordinary draws,
+        (row, j) each; a sequence's draw after its last draft is its ordinary one)."""
+        drafted, checks = {}, []
+        for i in done:
+            seq = batch.seqs[i]
+            if seq.drafts and seq.trunk is None:
+                seeded = seq.generator is not None and not seq.request.params.greedy
+                drafted[seq] = Drafted(seq.drafts, len(checks), seq.generator.get_state() if seeded else None)
+                checks += [self._check_draw(i, seq, seq.drafts[:j], generator=seq.generator)
+                           for j in range(len(seq.drafts))]
+        return drafted, checks + self._plan_branch_checks(batch, drafted, len(checks), plan)
+
+    def _check_draw(self, row: int, seq: Sequence, before: list[int], **kw) -> Draw:
+        """The draw after `before`, drafts of seq (or of a branch of seq) at batch row `row`:
+        its penalties count them and its bans hold while seq's outputs and they are under
+        min_tokens."""
+        if not seq.request.adjusts:
+            return Draw(row, seq.request.params, position=len(before), before=before, **kw)
+        return Draw(row, seq.request.params, seq=seq, banned=self.banned(seq, len(before)), position=len(before),
+                    before=before, **kw)
+
+    def _plan_branch_checks(self, batch: Batch, drafted: dict[Sequence, Drafted], first: int,
+                            plan: list[tuple[int, int]]) -> list[Draw]:
+        """The draws of the drafted sequences' branches, after their own checks (from draw
+        `first` on) and before the ordinary draws (plan): a token after the last token and
+        after each draft. The draw at depth j of every branch reuses the noise of its
+        sequence's draw at depth j (sampler.sample), so all candidates that agree up to a
+        depth sample the same token there, the one plain decoding samples: checking more
+        candidates changes how many tokens are kept, never which."""
+        branched = [(seq, d) for seq, d in drafted.items() if seq.branches]
+        if not branched:
+            return []
+        row = {s: i for i, s in enumerate(batch.seqs)}
+        ordinary = first + sum(len(b.drafts) + 1 for seq, _ in branched for b in seq.branches)
+        draws = []
+        for seq, d in branched:
+            depths = [d.checks + j for j in range(len(d.drafts))] + [ordinary + plan.index((row[seq], 0))]
+            for branch in seq.branches:
+                d.branches.append((branch, branch.drafts, first + len(draws)))
+                draws += [self._check_draw(row[branch], seq, branch.drafts[:j], noise_of=depths[j])
+                          for j in range(len(branch.drafts) + 1)]
+        return draws
+
+    def launched(self, drafted: dict[Sequence, Drafted]) -> None:
+        """The step is on the device: its drafts are the step's now, not the sequences'."""
+        for seq in drafted:
+            seq.drafts = []
+            for branch in seq.branches:
+                branch.drafts = []
+
+    def keep(self, seq: Sequence, drafted: Drafted, checked: list[int], last: int, last_draw: int
+             ) -> tuple[list[int], list[int]]:
+        """The tokens a drafted sequence keeps, and the draws that sampled them (their
+        logprobs): of the candidate (its own drafts or a branch's) that keeps the most, the
+        drafts up to the first the tokens sampled after each position disagree with, then
+        the token sampled there. A branch that wins gives the sequence its blocks; every
+        branch is then dropped. last: the token of the sequence's ordinary draw, last_draw."""
+        sampled = checked[drafted.checks:drafted.checks + len(drafted.drafts)] + [last]
+        a, drafts, winner = num_accepted(drafted.drafts, sampled), drafted.drafts, None
+        draws = [*range(drafted.checks, drafted.checks + len(drafted.drafts)), last_draw]
+        for branch, its_drafts, at in drafted.branches:
+            its_sampled = checked[at:at + len(its_drafts) + 1]
+            if (its_a := num_accepted(its_drafts, its_sampled)) > a:
+                a, drafts, sampled, winner = its_a, its_drafts, its_sampled, branch
+                draws = list(range(at, at + len(its_drafts) + 1))
+        if winner is not None:
+            self.scheduler.take_branch(seq, winner)
+        self.scheduler.drop_branches(seq)
+        seq.draft_misses = 0 if a else seq.draft_misses + 1
+        metrics = seq.request.metrics
+        metrics.spec_draft_tokens += len(drafted.drafts) + sum(len(d) for _, d, _ in drafted.branches)
+        metrics.spec_accepted_tokens += a
+        metrics.spec_steps += 1
+        if drafted.generator_state is not None:   # where plain decoding leaves it: one draw per kept token
+            rewind(seq.generator, drafted.generator_state, a + 1, self.vocab_size)
+        return drafts[:a] + [sampled[a]], draws[:a + 1]

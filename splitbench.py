@@ -29,7 +29,7 @@ import torch
 
 import kernels
 from config import EngineConfig
-from engine import Engine
+from lanes import SplitEngine
 from microbench import sub_bench_parser
 from request import SamplingParams
 from smsplit import Split, default_menu, load_kernels_at_start, num_sms
@@ -61,16 +61,16 @@ def bench_menu(total: int) -> list[Split]:
                   set(default_menu(total)), key=lambda s: s.decode_sms)
 
 
-def make_engine(sizes: SplitSizes) -> Engine:
+def make_engine(sizes: SplitSizes) -> SplitEngine:
     total = num_sms(torch.device("cuda"))
     menu = tuple((s.prefill_sms, s.decode_sms) for s in bench_menu(total))
-    return Engine(EngineConfig(model=sizes.model, max_num_seqs=max(sizes.batches), split_menu=menu,
-                               max_num_batched_tokens=max(sizes.prefill_tokens, max(sizes.batches)),
-                               max_model_len=max(sizes.context + 8, sizes.prefill_tokens),
-                               num_kv_blocks=sizes.num_kv_blocks))
+    return SplitEngine(EngineConfig(model=sizes.model, max_num_seqs=max(sizes.batches), split_menu=menu,
+                                    max_num_batched_tokens=max(sizes.prefill_tokens, max(sizes.batches)),
+                                    max_model_len=max(sizes.context + 8, sizes.prefill_tokens),
+                                    num_kv_blocks=sizes.num_kv_blocks))
 
 
-def split_rows(eng: Engine, sizes: SplitSizes) -> list[dict]:
+def split_rows(eng: SplitEngine, sizes: SplitSizes) -> list[dict]:
     """Per split (and the whole GPU): decode steps alone and beside a prefill; prefill
     alone and beside decodes."""
     rows = []
@@ -107,7 +107,7 @@ def print_row(row: dict, sizes: SplitSizes) -> None:
           f"alone, {row['prefill_beside_ms']:.1f} beside decodes", flush=True)
 
 
-def switch_cost(eng: Engine, sizes: SplitSizes, steps: int = 12) -> dict:
+def switch_cost(eng: SplitEngine, sizes: SplitSizes, steps: int = 12) -> dict:
     """Serve beside_batch requests, all decoding; the median step, and the step right
     after each change of split (to the next menu entry, and to none), less the median."""
     params = SamplingParams(temperature=0.0, max_tokens=10 * steps, ignore_eos=True)
@@ -146,7 +146,7 @@ def long_prompts(sizes: SplitSizes, vocab: int, max_len: int) -> list[tuple[floa
     return specs
 
 
-def serve_steps(eng: Engine, sizes: SplitSizes, split: Split | None) -> dict:
+def serve_steps(eng: SplitEngine, sizes: SplitSizes, split: Split | None) -> dict:
     """Serve long_prompts on split (None: the whole GPU); each engine step that carries
     decodes while a prompt prefills (on a split: beside its chunk in flight; on the whole
     GPU: a mixed step), timed on the host, launch to the previous step's tokens taken."""
@@ -162,7 +162,7 @@ def serve_steps(eng: Engine, sizes: SplitSizes, split: Split | None) -> dict:
             continue
         step = eng.in_flight
         beside = step is not None and step.shape.decodes > 0 and (
-            eng.prefilling is not None if split is not None else step.shape.prefill_tokens > 0)
+            eng.prefill_in_flight is not None if split is not None else step.shape.prefill_tokens > 0)
         t = time.perf_counter()
         for request_id in eng.step():
             eng.output(request_id)
@@ -176,7 +176,7 @@ def serve_steps(eng: Engine, sizes: SplitSizes, split: Split | None) -> dict:
             "over_4x_p50": sum(t > 4 * p50 for t in times), "times_ms": times}
 
 
-def sm_proof(eng: Engine) -> list[dict]:
+def sm_proof(eng: SplitEngine) -> list[dict]:
     """Per split: the SMs each lane's kernels ran on, and those of a graph captured on the
     decode lane and replayed on the whole GPU's stream."""
     dev, rows = eng.model.device, []

@@ -74,6 +74,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 import hosts
 import kernels
 import kv_cache
+import lanes
 import messages
 import model as qwen
 import planner
@@ -1390,13 +1391,13 @@ def test_imports_in_flight_hold_their_seats(hf):
     imports hold both seats no prompt is admitted; a cancelled import frees its seat and
     blocks, and the prompt then runs to HF's greedy tokens."""
     engine = make_llm(hf.path, max_num_seqs=2).engine
-    tables = [engine.start_import(i, prompt(9, seed=90 + i), request.arrival_order())[0] for i in range(2)]
-    assert engine.start_import(2, prompt(9, seed=92), request.arrival_order()) is None   # no seat left
+    tables = [engine.scheduler.start_import(prompt(9, seed=90 + i), request.arrival_order())[0] for i in range(2)]
+    assert engine.scheduler.start_import(prompt(9, seed=92), request.arrival_order()) is None   # no seat left
     rid = engine.submit(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4))
     engine.step()
     assert not engine.scheduler.running and len(engine.scheduler.waiting) == 1
     for table in tables:
-        engine.cancel_import(table)
+        engine.scheduler.cancel_import(table)
     assert engine.bm.num_free_blocks == engine.bm.num_blocks
     while engine.has_unfinished():
         engine.step()
@@ -1431,12 +1432,12 @@ def test_seats_go_first_come_first_served_between_prompts_and_imports(hf):
         if prompt_first:
             waiting = engine.submit(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=2))
         order = request.arrival_order()   # the import arrives now
-        engine.queue_import(order)
+        engine.scheduler.queue_import(order)
         if not prompt_first:
             waiting = engine.submit(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=2))
         while busy in engine.requests and not engine.requests[busy].finished:
             engine.step()
-        room = engine.start_import(99, prompt(9, seed=93), order)
+        room = engine.scheduler.start_import(prompt(9, seed=93), order)
         if prompt_first:
             assert room is None   # the prompt's turn
             engine.step()
@@ -1446,7 +1447,7 @@ def test_seats_go_first_come_first_served_between_prompts_and_imports(hf):
             assert not engine.scheduler.imports_waiting   # it has its seat: it left the queue
             engine.step()
             assert engine.requests[waiting].seqs[0].status == request.Status.WAITING
-            engine.cancel_import(room[0])
+            engine.scheduler.cancel_import(room[0])
         while engine.has_unfinished():
             engine.step()
         assert engine.output(waiting).outputs[0].token_ids == hf.greedy(PROMPTS[1], 2)
@@ -1459,18 +1460,18 @@ def test_imports_take_seats_in_arrival_order_and_a_dropped_one_holds_nothing_up(
     nor a prompt that arrived after it."""
     engine = make_llm(hf.path, max_num_seqs=2).engine
     first, second = request.arrival_order(), request.arrival_order()
-    engine.queue_import(first)
-    engine.queue_import(second)
-    assert engine.start_import(1, prompt(9, seed=95), second) is None   # the first came first
+    engine.scheduler.queue_import(first)
+    engine.scheduler.queue_import(second)
+    assert engine.scheduler.start_import(prompt(9, seed=95), second) is None   # the first came first
     rid = engine.submit(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3))
     engine.step()
     assert engine.requests[rid].seqs[0].status == request.Status.WAITING   # behind the first import
-    engine.forget_import(first)
-    room = engine.start_import(1, prompt(9, seed=95), second)
+    engine.scheduler.forget_import(first)
+    room = engine.scheduler.start_import(prompt(9, seed=95), second)
     assert room is not None and not engine.scheduler.imports_waiting
     engine.step()
     assert engine.requests[rid].seqs[0].status == request.Status.RUNNING
-    engine.cancel_import(room[0])
+    engine.scheduler.cancel_import(room[0])
     while engine.has_unfinished():
         engine.step()
     assert engine.output(rid).outputs[0].token_ids == hf.greedy(PROMPTS[0], 3)
@@ -2197,7 +2198,7 @@ def test_two_threads_generating_on_one_llm_each_get_their_own_outputs(hf, llm):
     assert all_blocks_free(llm) and not llm.engine.requests and not llm.ended
 
 
-# ================== smsplit.py, engine.py: the split worker, two lanes on one GPU
+# ===================== smsplit.py, lanes.py: the split worker, two lanes on one GPU
 SPLITS = smsplit.default_menu(smsplit.num_sms(torch.device(DEVICE)))   # what this machine splits into
 SPLIT = (SPLITS[1].prefill_sms, SPLITS[1].decode_sms)
 OTHER_SPLIT = (SPLITS[-1].prefill_sms, SPLITS[-1].decode_sms)
@@ -2206,7 +2207,7 @@ OTHER_SPLIT = (SPLITS[-1].prefill_sms, SPLITS[-1].decode_sms)
 def split_engine(hf, **kwargs) -> Engine:
     kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": 256, "max_num_seqs": 16, "device": DEVICE,
               "sm_split": SPLIT, "split_menu": (OTHER_SPLIT,), "max_num_batched_tokens": 24, **kwargs}
-    return Engine(EngineConfig(model=str(hf.path), dtype="float32", **kwargs))
+    return lanes.make_engine(EngineConfig(model=str(hf.path), dtype="float32", **kwargs))
 
 
 def lane_log(monkeypatch, eng: Engine) -> list[tuple[str, set, set, bool]]:
@@ -2218,7 +2219,7 @@ def lane_log(monkeypatch, eng: Engine) -> list[tuple[str, set, set, bool]]:
         split = eng.runner.splits.get(eng.split, (None, None))
         name = {id(split[0]): "prefill", id(split[1]): "decode", id(eng.runner.alone): "alone"}.get(id(lane), "whole")
         side = name in ("prefill", "alone")
-        other = set().union(*(step.computing() for s, step in live.values() if s != side))
+        other = set().union(*(step.sequences() for s, step in live.values() if s != side))
         log.append((name, set(batch.seqs), other, any(s.num_computed < s.num_prompt_tokens for s in batch.seqs)))
         step = launch(batch, lane, previous)
         live[id(step)] = (side, step)
@@ -2292,7 +2293,7 @@ def test_split_engine_preempts_and_aborts_without_losing_blocks(hf):
     keep = eng.submit(prompt(9, 5), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     gone = eng.submit(prompt(60, 6), SamplingParams(temperature=0.0, max_tokens=6))
     eng.step()
-    assert eng.prefilling is not None
+    assert eng.prefill_in_flight is not None
     eng.abort([gone])
     while eng.has_unfinished():
         eng.step()
@@ -2362,7 +2363,7 @@ def test_green_context_lanes_run_on_disjoint_sms():
         assert (len(P), len(D), len(P & D)) == (split.prefill_sms, split.decode_sms, 0)
 
 
-# ======================== speculate.py, engine.py: speculative decoding
+# ======================== speculate.py: speculative decoding, in the engine's step
 # Drafts checked in one step: the tokens plain decoding gives (HF's greedy, the same seeded
 # draws), the model's distribution (a chi-square test against HF), every block given back.
 
@@ -2480,7 +2481,7 @@ def test_speculative_branches_give_hf_greedy_tokens_and_the_right_branch_wins(hf
     wins every drafting step, and every block comes back."""
     prompts = [PROMPTS[2], prompt(21, 7)]   # 21 tokens: a last block partly written, shared, copied
     llm = make_llm(hf.path, speculative_config={**NGRAM, "num_branches": 3})
-    llm.engine.drafter = branching_drafter({tuple(p): hf.greedy(p, 30) for p in prompts})
+    llm.engine.speculator.drafter = branching_drafter({tuple(p): hf.greedy(p, 30) for p in prompts})
     wins = count_branch_wins(llm.engine)
     outs = generate(llm, prompts, max_tokens=30, ignore_eos=True)
     assert tokens(outs) == [hf.greedy(p, 30) for p in prompts]
@@ -2502,7 +2503,7 @@ def test_speculative_branches_keep_plain_seeded_sampling_tokens(hf):
               "num_kv_blocks": 256}
     plain = run_engine(Engine(EngineConfig(**config)), reqs)
     eng = Engine(EngineConfig(**config, speculative_config={**NGRAM, "num_branches": 3}))
-    eng.drafter = branching_drafter({tuple(p): o.outputs[0].token_ids for p, o in zip(ps, plain)})
+    eng.speculator.drafter = branching_drafter({tuple(p): o.outputs[0].token_ids for p, o in zip(ps, plain)})
     wins = count_branch_wins(eng)
     spec = run_engine(eng, reqs)
     assert tokens(spec) == tokens(plain)
@@ -2566,13 +2567,13 @@ def test_nothing_drafts_while_more_sequences_run_than_disable_by_batch_size(hf):
     right = {tuple(p): hf.greedy(p, n) for p, n in zip(prompts, lengths)}
     llm = make_llm(hf.path, speculative_config={**NGRAM, "disable_by_batch_size": 2})
     eng, drafting_at = llm.engine, []
-    eng.drafter, drafters = knowing_drafter(right), eng._drafters
+    eng.speculator.drafter, drafters = knowing_drafter(right), eng.speculator.drafters
 
     def recording(step):
         seqs = drafters(step)
         drafting_at.extend(len(eng.scheduler.running) for _ in seqs)
         return seqs
-    eng._drafters = recording
+    eng.speculator.drafters = recording
     outs = llm.generate(prompts,
                         [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths], use_tqdm=False)
     assert tokens(outs) == [right[tuple(p)] for p in prompts]
@@ -2601,7 +2602,7 @@ def test_speculative_checks_count_their_drafts_toward_penalties_and_min_tokens(h
     assert len(held[0]) > 4 and held[0][-1] in (eos, stop)   # held back, then stopped
     assert held[1] == ref0[:3]   # the bans lift inside the first drafting step, at its second check
     prompts = PROMPTS[2:] + [PROMPTS[1], PROMPTS[0]]   # no prompt a prefix of another (the drafter's key)
-    llm.engine.drafter = (knowing_drafter if candidates == "one" else branching_drafter)(
+    llm.engine.speculator.drafter = (knowing_drafter if candidates == "one" else branching_drafter)(
         {tuple(p): r for p, r in zip(prompts, penalised + held)})
     params = [SamplingParams(temperature=0.0, max_tokens=k, presence_penalty=knobs[0], frequency_penalty=knobs[1],
                              repetition_penalty=knobs[2], ignore_eos=True)] * 2
@@ -2617,22 +2618,22 @@ def test_speculative_checks_count_their_drafts_toward_penalties_and_min_tokens(h
 def test_drafts_that_always_miss_back_off_and_leave_the_tokens_alone(hf):
     """A drafter that is always wrong (HF's next greedy token, plus one): the tokens stay
     HF's greedy ones, nothing is kept, and the sequence drafts less and less often (at most
-    every step twice, then every 2, 4, 8 ... steps: speculate.due), so a drafting step is
+    every step twice, then every 2, 4, 8 ... steps: speculate.drafts_at), so a drafting step is
     followed by steps that keep the overlap, each drafting step still ending at once."""
     p, n = PROMPTS[2], 80
     right = hf.greedy(p, n)
     llm = make_llm(hf.path, speculative_config=NGRAM)
     eng, late = llm.engine, []
-    eng.drafter = speculate.per_sequence(lambda tokens, k, branches: [[(right[len(tokens) - len(p)] + 1) % VOCAB] * k])
+    eng.speculator.drafter = speculate.per_sequence(lambda tokens, k, branches: [[(right[len(tokens) - len(p)] + 1) % VOCAB] * k])
     launch, finish, launched_in = eng._launch, eng._finish, {}
 
     def launching(*args):
         step = launch(*args)
-        launched_in[id(step)] = eng.num_steps
+        launched_in[id(step)] = eng.speculator.num_steps
         return step
 
     def finishing(step):
-        late.append((launched_in[id(step)] != eng.num_steps, bool(step.drafted)))   # later: overlapped
+        late.append((launched_in[id(step)] != eng.speculator.num_steps, bool(step.drafted)))   # later: overlapped
         return finish(step)
     eng._launch, eng._finish = launching, finishing
     outs = generate(llm, [p], max_tokens=n, ignore_eos=True)
@@ -2680,7 +2681,7 @@ def test_speculative_sampling_keeps_the_models_distribution(hf, candidates, temp
                    num_kv_blocks=1024)
     if candidates == 2:
         likeliest = second.topk(2, -1).indices.tolist()   # [first token, 2]
-        llm.engine.drafter = speculate.per_sequence(lambda tokens_, k, branches: [[t] for t in likeliest[tokens_[-1]]])
+        llm.engine.speculator.drafter = speculate.per_sequence(lambda tokens_, k, branches: [[t] for t in likeliest[tokens_[-1]]])
     outs = generate(llm, [ids] * 2000, max_tokens=3, temperature=temperature, ignore_eos=True)
     assert all(o.metrics.spec_draft_tokens == candidates for o in outs)   # max_tokens leaves room for one draft
     counts = Counter(o.outputs[0].token_ids[1] for o in outs)
@@ -2931,13 +2932,13 @@ def test_a_split_worker_reports_where_each_decode_step_ran(hf):
     prompt tokens (prompts run on the other lane). The prompt chunks are reported apart
     (decodes 0), each with the lane it ran on, and their tokens add up to the prompts'."""
     worker = workers.Worker(0, split_engine(hf), queue.Queue(), Reports(), {}, "p2p", report_steps=True)
-    eng, lanes = worker.engine, []
+    eng, on_decode_lane = worker.engine, []
     launch = eng._launch
 
     def logged(batch, lane, previous):
         step = launch(batch, lane, previous)
         if lane is not eng.runner.splits[eng.split][0] and lane is not eng.runner.alone:
-            lanes.append(lane is eng.runner.splits[eng.split][1])   # a decode step: on the decode lane?
+            on_decode_lane.append(lane is eng.runner.splits[eng.split][1])   # a decode step: on the decode lane?
         return step
     eng._launch = logged
     for i, p in enumerate(PROMPTS + [prompt(60, 9)]):
@@ -2952,7 +2953,7 @@ def test_a_split_worker_reports_where_each_decode_step_ran(hf):
     assert sum(r.prefill_tokens for r in chunks) == sum(len(p) for p in PROMPTS + [prompt(60, 9)])
     assert {r.sm_split for r in chunks} <= {SPLIT, None} and all(r.ms > 0 for r in chunks)
     # Every decode step is reported once, in launch order, with the lane it ran on.
-    assert [r.sm_split == SPLIT for r in timed] == lanes
+    assert [r.sm_split == SPLIT for r in timed] == on_decode_lane
 
 
 @ENGINE

@@ -44,6 +44,7 @@ import torch.multiprocessing as mp
 from config import EngineConfig
 from engine import Engine, LaunchedStep
 from kv_cache import cdiv
+from lanes import SplitEngine, make_engine
 from messages import (
     Abort,
     Done,
@@ -68,7 +69,7 @@ from messages import (
     Tokens,
     ToWorker,
 )
-from request import arrival_order
+from request import Request, RequestMetrics, Sequence, arrival_order, seeded_generator
 from smsplit import load_kernels_at_start
 from timing import measure_engine
 from transport import RECEIVE_TIMEOUT_S, TRANSPORTS, DistributedTransport, Pull
@@ -80,6 +81,21 @@ GROUP_TIMEOUT_S = 600.0     # the workers' process group: joining it, and its op
 
 
 # ----------------------------------------------------------------------------- the worker loop
+
+
+def imported_sequence(m: Import, block_table: list[int], device: torch.device) -> Sequence:
+    """The decoding sequence of a request prefilled elsewhere, its prompt's KV copied into
+    block_table and its first token m.token_ids[-1], its random stream where the prefill
+    worker left it."""
+    req = Request(m.request_id, None, m.token_ids[:m.num_prompt_tokens], m.params,
+                  RequestMetrics(time.perf_counter()), num_streamed=1)   # the first token was streamed there
+    seq = Sequence(req, 0, list(m.token_ids), m.num_prompt_tokens, block_table=block_table,
+                   num_computed=m.num_prompt_tokens, cumulative_logprob=m.cumulative_logprob,
+                   logprobs=list(m.logprobs), generator=seeded_generator(m.params, 0, device))
+    if m.generator_state is not None:
+        seq.generator.set_state(torch.frombuffer(bytearray(m.generator_state), dtype=torch.uint8))
+    req.seqs.append(seq)
+    return seq
 
 
 class ParentGone(Exception):
@@ -187,7 +203,7 @@ class Worker:
             case Import():
                 t = Transfer(msg, time.perf_counter())
                 self.transfers.append(t)
-                self.engine.queue_import(t.order)   # the engine's scheduler admits it, in its turn
+                self.engine.scheduler.queue_import(t.order)   # the engine's scheduler admits it, in its turn
             case Release():
                 self.engine.release(msg.request_id)
             case Drop():
@@ -256,7 +272,8 @@ class Worker:
         for t in waiting:
             m = t.msg
             own = m.src == self.index   # our own parked request (adaptive): it keeps its blocks
-            room = eng.start_import(m.request_id, m.token_ids, t.order, own)
+            parked = eng.requests[m.request_id].seqs[0].block_table if own else None
+            room = eng.scheduler.start_import(m.token_ids, t.order, parked)
             if room is None:
                 break   # waits until decodes finish and free room; the later imports wait behind it
             t.block_table, cached = room
@@ -282,7 +299,7 @@ class Worker:
             if t.pull is None or not t.pull.ready():
                 still.append(t)
             elif t.dropped or t.pull.error is not None:   # never read blocks a copy did not fill
-                self.engine.cancel_import(t.block_table)
+                self.engine.scheduler.cancel_import(t.block_table)
                 if not t.dropped:
                     self.reports.append(PullFailed(t.msg.request_id, t.msg.src, t.pull.error))
             else:
@@ -293,10 +310,9 @@ class Worker:
         """The copy is done: the request decodes here (or, if that raises, fails as a pull)."""
         m = t.msg
         try:
-            self.engine.finish_import(m.request_id, m.token_ids, m.num_prompt_tokens, m.params, t.block_table,
-                                      m.logprobs, m.cumulative_logprob, m.generator_state)
+            self.engine.add_imported(imported_sequence(m, t.block_table, self.engine.model.device))
         except Exception as e:  # noqa: BLE001 (this request fails, alone)
-            self.engine.cancel_import(t.block_table)
+            self.engine.scheduler.cancel_import(t.block_table)
             self.reports.append(PullFailed(m.request_id, m.src, f"{type(e).__name__}: {e}"))
             return
         self.reports.append(Imported(m.request_id, time.perf_counter(), t.pull.nbytes, t.pull.seconds, t.seat_wait))
@@ -307,7 +323,7 @@ class Worker:
             if t.msg.request_id == request_id:
                 t.dropped = True
                 if t.block_table is None:
-                    self.engine.forget_import(t.order)
+                    self.engine.scheduler.forget_import(t.order)
         self.transfers = [t for t in self.transfers if not (t.dropped and t.block_table is None)]
         self.engine.release(request_id)
 
@@ -326,9 +342,9 @@ class Worker:
             self.reports.append(StepTimed(s.decodes, s.context_tokens, s.prefill_tokens,
                                           (now - self.last_collected) * 1e3, collected.lane.split))
         self.last_collected = now if self.engine.in_flight is not None else None
-        while self.engine.prefill_lane_steps:
-            p = self.engine.prefill_lane_steps.popleft()
-            self.reports.append(StepTimed(0, 0, p.shape.prefill_tokens, p.ms, p.split))
+        if isinstance(self.engine, SplitEngine):
+            for p in self.engine.take_prefill_lane_steps():
+                self.reports.append(StepTimed(0, 0, p.shape.prefill_tokens, p.ms, p.split))
 
 
 # ----------------------------------------------------------------------------- the process
@@ -362,7 +378,7 @@ def worker_main(spec: WorkerSpec, inbox, outbox, readers: list, share_queue) -> 
             torch.cuda.set_device(device)
         else:
             torch.set_num_threads(max(1, torch.get_num_threads() // 4))   # several workers share the cores (or OMP_NUM_THREADS's)
-        engine = Engine(spec.cfg)
+        engine = make_engine(spec.cfg)
         peers = _share_caches(spec, engine.runner.kv_cache, readers, share_queue)
         if spec.group is not None:   # the workers' process group, for the transport's sends and receives
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=spec.group,
