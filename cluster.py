@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from config import EngineConfig, check_device, check_int, check_real
+from costmodel import WorkerLoad
 from hosts import RemoteWorkers, parse_address
 from kv_cache import cdiv
 from lifecycle import Requests, Tracked
@@ -60,7 +61,7 @@ from model import load_config, load_tokenizer
 from planner import Planner
 from request import RequestMetrics, RequestOutput, SamplingParams, check_request, tokenize
 from roles import ROLES, RoleMap
-from router import Observation, Router, WorkerLoad
+from router import Observation, Router
 from smsplit import default_menu, num_sms
 from telemetry import Telemetry
 from transport import TRANSPORTS

@@ -31,11 +31,12 @@ from tqdm import tqdm
 
 from cluster import CentralScheduler, default_devices
 from config import EngineConfig, check_int
+from costmodel import HardwareParams
 from engine import Engine
 from model import PRESETS, Detokenizer
 from profiler import profile_cluster
 from request import RequestMetrics, RequestOutput, SamplingParams
-from router import HardwareParams, Router
+from router import Router
 
 __all__ = ["LLM", "RequestMetrics", "RequestOutput", "SamplingParams"]
 

@@ -41,8 +41,8 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from costmodel import MAX_PREFILL_SHARE, CostModel, WorkerLoad
 from kv_cache import cdiv
-from router import MAX_PREFILL_SHARE, CostModel, WorkerLoad
 
 HYSTERESIS = 0.05        # a regime must be predicted this much better to replace the current one
 PLAN_INTERVAL_S = 2.0    # how often the cluster asks the planner

@@ -1,4 +1,4 @@
-"""Measures the hardware for the router (router.py), on the workers that will serve.
+"""Measures the hardware for the router's cost model (costmodel.py), on the workers that will serve.
 
   alpha         prefill ms per token: prefills of several lengths, least squares, with a
                 fixed cost per prefill (alpha0: a step reads every weight, however few
@@ -43,8 +43,8 @@ import triton
 
 from cluster import CentralScheduler, default_devices
 from config import EngineConfig
+from costmodel import CostModel, HardwareParams, SplitParams
 from kv_cache import cdiv
-from router import CostModel, HardwareParams, SplitParams
 
 CACHE = Path.home() / ".cache" / "nanopd"
 log = logging.getLogger("nanopd")

@@ -1,235 +1,27 @@
 """The adaptive policy's decision: per request, prefill and decode on one worker
-(collocated) or on two (disaggregated), whichever the cost model predicts is faster.
+(collocated) or on two (disaggregated), whichever the cost model (costmodel.py) predicts
+is faster.
 
-  CostModel               predicted latency of a request on a path, from the hardware's
-                          fitted parameters (profiler.py) and the workers' current load
   OutputLengthPredictor   an online Bayesian model of how many tokens a request will
                           generate, given its prompt length and max_tokens
   Router                  picks the cheapest path, then learns from what each request
-                          and each step really cost: the predictor is updated, and the
-                          cost model's parameters are refitted by recursive least squares
+                          (Observation) and each step really cost: the predictor is
+                          updated, and the cost model's parameters are refitted by
+                          recursive least squares (RecursiveLeastSquares)
 
-The rule underneath (docs/router.md): disaggregation adds transfer_rate x L (the prompt's KV
-crossing the link); collocation adds gamma x L x load / batch_thresh (the prompt's
-prefill slowing the load decodes sharing its steps, which cost more once the batch is
-past the knee). Disaggregation wins when gamma / transfer_rate > batch_thresh / load.
-
-In the adaptive policy every worker also decodes, so a prefill slows the decodes of
-whichever worker runs it, on either path: the router charges that interference to both
-paths (it is a cost to the other requests, not part of this one's latency). Moving a
-request then pays only when it takes the decode to a worker with a smaller batch or free
-seats, or the prefill away from a longer queue. The same interference, from the prompts that keep
-arriving while a request decodes, is part of that request's latency: a worker prefilling
-r prompt tokens per ms spends gamma x r of its time on them, beside its decodes.
+Why one path beats the other (the rule gamma / transfer_rate > batch_thresh / load, and
+the interference a prefill costs the decodes beside it) is costmodel.py's docstring and
+docs/router.md.
 """
 
 import copy
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from statistics import NormalDist
 
 import torch
 
-
-@dataclass
-class HardwareParams:
-    """What profiler.py measures; times in ms."""
-    alpha: float              # prefill, ms per prompt token
-    beta: float               # decode step at batch 1
-    batch_thresh: float       # decode batch where the step starts to grow (the knee)
-    slope: float              # step growth per sequence past the knee
-    gamma: float              # extra decode-step time per prefill token sharing the step
-    transfer_rate: float      # ms per prompt token to move its KV between workers
-    alpha2: float = 0.0       # prefill's quadratic (attention) term, ms per token^2
-    alpha0: float = 0.0       # a prefill's fixed cost, ms: its step reads every weight, however short
-    kv: float = 0.0           # decode-step time per token of context in the batch (its KV is read)
-    # transfer_rate of each pair of workers measured apart, by "p>d": a link within a host
-    # is faster than one between hosts. Pairs not in it move at transfer_rate.
-    links: dict[str, float] = field(default_factory=dict)
-    # A split worker's lanes (smsplit.py), by "prefill_sms/decode_sms": each measured while
-    # the other lane is busy, since the lanes share the memory bandwidth.
-    splits: dict[str, "SplitParams"] = field(default_factory=dict)
-
-    def __post_init__(self):   # from JSON (profiler.py's cache), a split's parameters come as a dict
-        self.splits = {k: v if isinstance(v, SplitParams) else SplitParams(**v) for k, v in self.splits.items()}
-
-    def link(self, p: int, d: int) -> float:
-        """ms per prompt token to move a request's KV from worker p to worker d."""
-        return self.links.get(f"{p}>{d}", self.transfer_rate)
-
-
-@dataclass
-class SplitParams:
-    """One split's lanes: prefill on the prefill lane (alpha0 + alpha L + alpha2 L^2 ms)
-    beside decodes, decode steps on the decode lane (beta, then slope per sequence past
-    batch_thresh) beside a prefill; times in ms."""
-    alpha0: float
-    alpha: float
-    alpha2: float
-    beta: float
-    batch_thresh: float
-    slope: float
-    kv: float = 0.0           # decode-step time per token of context in the batch
-
-
-def split_key(split: tuple[int, int]) -> str:
-    """HardwareParams.splits' key of a (prefill SMs, decode SMs) split."""
-    return f"{split[0]}/{split[1]}"
-
-
-MAX_PREFILL_SHARE = 0.9   # of a worker's time spent on prefills beside its decodes: past it, none would finish
-OUTLIER_CLIP = 4.0        # a refit moves by at most this many typical residuals per observation
-SCALE_WEIGHT = 0.05       # ... the typical residual: an average of the last ~20 (RecursiveLeastSquares)
-PRIOR_SCALE = 0.1         # ... before any is seen: this share of what the profile predicts
-GROWTH_SEGMENTS = 16      # pieces a decode under a moving batch is integrated in
-
-
-@dataclass
-class WorkerLoad:
-    queued_prefill_tokens: int = 0   # prompt tokens waiting to be prefilled there
-    decode_batch: int = 0            # sequences decoding there
-    context_tokens: int = 0          # ... and the tokens of context they hold
-    free_blocks: int = 1 << 30       # KV blocks it can still hand out
-    # Prompt tokens per ms it will prefill beside its decodes: what the workers' steps
-    # prefilled lately, per worker. Prefilled, not sent: past the seats, prompts wait and
-    # share no step. Per worker, not its own: where the next prompts go is the router's
-    # choice, and a worker that prefilled many would look slow to decode on, get only
-    # prompts and look slower still (a lock-in of roles that, at overload, left one worker
-    # prefilling and the other out of seats).
-    prefill_rate: float = 0.0
-    seats: int = 1 << 30             # sequences it runs at once (max_num_seqs); the rest wait
-    queued_prefills: int = 0         # prompts those queued tokens belong to
-    # Sequences per ms its decode batch grows by: decodes started there lately less those
-    # that ended. Past saturation it is positive, and a request decoding there will share
-    # its steps with more sequences than it sees now; while queues drain, negative.
-    batch_growth: float = 0.0
-    prefill_budget: int | None = None   # prompt tokens per step it may carry (planner.py), None: any
-    # Prompt tokens of the requests here for their prefill and output tokens still to decode
-    # here: where no router picks, a request goes to the worker with the fewest.
-    work_tokens: int = 0
-    sm_split: tuple[int, int] | None = None   # a split worker's split (its costs: CostModel.on_split)
-
-
-# ----------------------------------------------------------------------------- cost model
-
-
-class CostModel:
-    """Predicted end-to-end latency (ms) of one request on a path."""
-
-    def __init__(self, params: HardwareParams):
-        self.p = params
-
-    def on_split(self, split: tuple[int, int], prefill_busy: float = 1.0) -> "CostModel":
-        """The cost model of a split worker's lanes: its prefills as the split measured them,
-        its decode steps on the decode lane while the prefill lane is busy (prefill_busy of
-        the time) and on the whole GPU otherwise (the split is taken only while both lanes
-        have work, engine.py); no prompt tokens in a decode step (gamma 0) and no KV to move
-        (the lanes share the cache)."""
-        s, p, b = self.p.splits[split_key(split)], self.p, min(1.0, max(0.0, prefill_busy))
-
-        def blend(lane: float, whole: float) -> float:
-            return b * lane + (1 - b) * whole
-        return CostModel(dataclasses.replace(
-            p, alpha0=s.alpha0, alpha=s.alpha, alpha2=s.alpha2, beta=blend(s.beta, p.beta),
-            batch_thresh=blend(s.batch_thresh, p.batch_thresh), slope=blend(s.slope, p.slope), kv=blend(s.kv, p.kv),
-            gamma=0.0, transfer_rate=0.0, links={}, splits={}))
-
-    def prefill_ms(self, tokens: float) -> float:
-        return self.p.alpha0 + self.p.alpha * tokens + self.p.alpha2 * tokens ** 2
-
-    def decode_step_ms(self, batch: float, context: float = 0.0) -> float:
-        """A decode step of batch sequences holding context tokens in all."""
-        return self.p.beta + self.p.slope * max(0.0, batch - self.p.batch_thresh) + self.p.kv * context
-
-    def steps_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
-        """out_len steps on w, whose batch gains this request (its context L to L + out_len),
-        beside the prompts w keeps prefilling meanwhile: over a decode of T ms, w prefills
-        rate * T prompt tokens, each adding gamma to a step, so T = out_len * step + gamma *
-        rate * T. Meanwhile the batch moves by batch_growth per ms, so each step is longer (or
-        shorter) than the one before: dt / dstep = step(batch + growth t), integrated over
-        GROWTH_SEGMENTS pieces. At most `seats` sequences share a step.
-        The batch it starts in holds w's decodes and the prompts queued there: they are ahead
-        of it, so each is decoding by the time it is (left out, the decode of a request queued
-        behind a burst of prompts was predicted too short).
-        The growth counts only past saturation, while sequences wait for w's seats: below it,
-        starts and ends balance, and a trend over the last seconds is the batch's random swing,
-        which does not go on (taken as a trend, it made every prediction too long)."""
-        stretch = 1.0 - min(self.p.gamma * w.prefill_rate, MAX_PREFILL_SHARE)
-        ahead = w.decode_batch + w.queued_prefills
-        per_seq = (w.context_tokens + w.queued_prefill_tokens) / max(1, ahead)   # context tokens each holds
-        growth = w.batch_growth if self.excess_share(w) > 0 else 0.0
-
-        def step_at(t: float) -> float:   # a step t ms into the decode, stretched
-            running = min(max(1.0, ahead + 1 + growth * t), w.seats)
-            return self.decode_step_ms(running, per_seq * (running - 1) + prompt_len + out_len / 2) / stretch
-        if not growth:
-            return out_len * step_at(0.0)
-        t, k = 0.0, out_len / GROWTH_SEGMENTS   # dt/dstep = step_at(t), by the midpoint rule
-        for _ in range(GROWTH_SEGMENTS):
-            t += k * step_at(t + k * step_at(t) / 2)
-        return t
-
-    def seat_wait_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
-        """The wait for a seat on w, which a prompt needs to be prefilled there and a
-        sequence to decode there. This request, w's decodes and the prompts queued there
-        (each holds a seat from its first chunk on) want one; past the seats, the excess
-        waits while seats free, one running decode's length (taken as this request's)
-        per `seats` of them. Equivalently, each of the in_line sequences gets a step in
-        every in_line / seats, as if they took the seats in turn."""
-        return self.steps_ms(prompt_len, out_len, w) * self.excess_share(w)
-
-    @staticmethod
-    def excess_share(w: WorkerLoad) -> float:
-        """Sequences past w's seats (this request counted), per seat."""
-        return max(0, w.decode_batch + w.queued_prefills + 1 - w.seats) / w.seats
-
-    def decode_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
-        """The wait for a seat on w, then the steps."""
-        return self.steps_ms(prompt_len, out_len, w) * (1.0 + self.excess_share(w))
-
-    def interference_ms(self, prompt_len: int, load: int) -> float:
-        """What the prompt's prefill costs the load decodes sharing its steps (docs/router.md's
-        interference term): a cost to the others, weighed in the choice of path, not in this latency."""
-        return self.p.gamma * prompt_len * load / self.p.batch_thresh
-
-    def prefill_on(self, w: WorkerLoad, prompt_len: int) -> float:
-        """Prefilling w's queued prompts and then this one: in one go (w's next step takes
-        every prompt waiting; alpha0 once, alpha per token, and alpha2 per prompt, since
-        attention is within a prompt: the queued ones taken as equally long), or, under a
-        prefill budget of b tokens per step, in ceil(tokens / b) of w's decode steps, each
-        carrying b of them."""
-        tokens = w.queued_prefill_tokens + prompt_len
-        if w.prefill_budget is None:
-            return self.p.alpha0 + self.p.alpha * tokens + self.p.alpha2 * self.squares(w, prompt_len)
-        step = self.decode_step_ms(w.decode_batch, w.context_tokens) + self.p.gamma * w.prefill_budget
-        return math.ceil(tokens / max(1, w.prefill_budget)) * step
-
-    @staticmethod
-    def squares(w: WorkerLoad, prompt_len: int) -> float:
-        """The sum of the squared prompt lengths of w's queue and this prompt, the queued
-        prompts taken as equally long: what attention's cost grows with."""
-        queued = w.queued_prefill_tokens ** 2 / w.queued_prefills if w.queued_prefills else 0.0
-        return queued + prompt_len ** 2
-
-    def path_ms(self, prompt_len: int, out_len: float, prefill: WorkerLoad, decode: WorkerLoad | None,
-                link: float | None = None) -> tuple[float, float]:
-        """(time to the first token, time from it to the last) on a path: decode None is the
-        collocated one. A seat on each worker in turn: one to be prefilled, one to decode;
-        between them the KV moves at link ms per prompt token (default transfer_rate)."""
-        ttft = self.seat_wait_ms(prompt_len, out_len, prefill) + self.prefill_on(prefill, prompt_len)
-        if decode is None:
-            return ttft, self.steps_ms(prompt_len, out_len, prefill)
-        link = self.p.transfer_rate if link is None else link
-        return ttft, link * prompt_len + self.decode_ms(prompt_len, out_len, decode)
-
-    def collocated_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
-        return sum(self.path_ms(prompt_len, out_len, w, None))
-
-    def disaggregated_ms(self, prompt_len: int, out_len: float, prefill: WorkerLoad, decode: WorkerLoad,
-                         link: float | None = None) -> float:
-        return sum(self.path_ms(prompt_len, out_len, prefill, decode, link))
-
+from costmodel import CostModel, HardwareParams, WorkerLoad, split_key
 
 # ----------------------------------------------------------------------------- output lengths
 
@@ -323,6 +115,11 @@ class OutputLengthPredictor:
 
 
 # ----------------------------------------------------------------------------- learning the parameters
+
+
+OUTLIER_CLIP = 4.0        # a refit moves by at most this many typical residuals per observation
+SCALE_WEIGHT = 0.05       # ... the typical residual: an average of the last ~20 (RecursiveLeastSquares)
+PRIOR_SCALE = 0.1         # ... before any is seen: this share of what the profile predicts
 
 
 class RecursiveLeastSquares:

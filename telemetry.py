@@ -1,7 +1,7 @@
 """Load telemetry: what the central scheduler (cluster.py) knows of each worker's load, from
 the requests it has sent there and the workers' own reports.
 
-One measure of load, per worker (router.py:WorkerLoad), from one pass over the active
+One measure of load, per worker (costmodel.py:WorkerLoad), from one pass over the active
 requests: what the router weighs, and the work tokens the least loaded worker is picked by
 where no router picks. Two of its parts are rates over the last WINDOW_S, each a Window:
 the prompt tokens the workers' steps prefilled (StepTimed), and each worker's decode batch.
@@ -11,10 +11,10 @@ import collections
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from costmodel import WorkerLoad
 from lifecycle import Tracked
 from messages import Heartbeat, StepTimed
 from roles import RoleMap
-from router import WorkerLoad
 
 WINDOW_S = 2.0           # the rates count the change of the last this many seconds
 BATCH_READING_S = 0.1    # a decode batch is read this often at most (a reading is kept per worker)
@@ -70,7 +70,7 @@ class Telemetry:
         """What each of workers holds: prompts waiting for prefill, sequences decoding (and
         their context), its work tokens, free blocks, seats, prefill budget; the prompt
         tokens per ms the workers' steps prefilled lately, shared by the workers that take
-        prompts (router.WorkerLoad says why not each worker's own); the growth of its
+        prompts (costmodel.WorkerLoad says why not each worker's own); the growth of its
         decode batch, sequences per ms, over the last WINDOW_S (past saturation the batches
         grow while a request decodes). One pass over the active requests."""
         takers = roles.takers(workers)

@@ -15,7 +15,7 @@ order of the README's file map:
   smsplit.py, engine.py      the split worker: two lanes on one GPU
   transport.py, workers.py   the handoff, in one process
   hosts.py                   workers on several hosts
-  router.py                  the cost model, the length predictor, the router
+  costmodel.py, router.py    the cost model, the length predictor, the router
   planner.py                 the regime planner
   roles.py ... cluster.py    the role map, the load telemetry, the policies on worker processes
   profiler.py                the profiler
@@ -88,6 +88,7 @@ import speculate
 import transport
 import workers
 from config import EngineConfig
+from costmodel import CostModel, HardwareParams, SplitParams, WorkerLoad
 from engine import Engine
 from kv_cache import (
     BlockManager,
@@ -97,15 +98,7 @@ from kv_cache import (
     kv_bytes_per_block,
 )
 from nanopd import LLM, SamplingParams
-from router import (
-    CostModel,
-    HardwareParams,
-    Observation,
-    OutputLengthPredictor,
-    Router,
-    SplitParams,
-    WorkerLoad,
-)
+from router import Observation, OutputLengthPredictor, Router
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -3151,7 +3144,7 @@ def test_a_host_that_dies_ends_its_requests_in_bounded_time(hf):
             time.sleep(0.1)
 
 
-# ================= router.py: the cost model, the length predictor, the router
+# ======= costmodel.py, router.py: the cost model, the length predictor, the router
 # The cost model reduces to the design rule (docs/router.md) and matches a first-come-first-served simulation; the
 # predictor's posterior converges and covers; the router refits wrong parameters from synthetic timings.
 
