@@ -11,8 +11,8 @@ under a policy. A policy only writes the regime, each worker's role (roles.py):
 
 Dispatch reads the roles, never the policy. The CentralScheduler is wiring between its
 parts, each with one job: Liveness (below: which workers are alive), Telemetry
-(telemetry.py: their load), Requests (lifecycle.py: each request's record and ending), the
-RoleMap (roles.py: the regime).
+(telemetry.py: their load), RequestLedger (lifecycle.py: each request's record and ending),
+the RoleMap (roles.py: the regime). Its settings are one ClusterConfig (below).
 
 It offers the interface the single Engine offers (submit, poll, output), so the offline
 LLM (nanopd.py) drives either with one loop. A worker that dies: the requests it held
@@ -35,7 +35,7 @@ from config import EngineConfig, check_device, check_int, check_real
 from costmodel import WorkerLoad
 from hosts import RemoteWorkers, parse_address
 from kv_cache import cdiv
-from lifecycle import Requests, Tracked
+from lifecycle import RequestLedger, RequestRecord
 from messages import (
     Abort,
     Done,
@@ -85,6 +85,69 @@ POLICIES = {
     "disaggregated": Policy(lambda n, k: ["split"] if n == 1 else ["prefill" if w < k else "decode" for w in range(n)]),
     "adaptive": Policy(lambda n, k: ["both"] * n, steered=True),
 }
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The cluster's settings (each one a keyword of nanopd.LLM); the engine's are one
+    EngineConfig (config.py), shared by every worker."""
+    policy: str                                 # one of POLICIES
+    devices: list[str] | None = None            # a worker per entry; None: every GPU, or two CPU workers
+    num_prefill: int = 1                        # disaggregated: the first num_prefill workers prefill
+    transport: str = "p2p"                      # how the KV moves (transport.py); joined workers: distributed
+    worker_timeout_s: float = 60.0              # a worker silent this long is dead (Liveness)
+    slo: tuple[float, float] | None = None      # adaptive: (ttft_s, tpot_s), to route and plan for goodput
+    join: str | None = None                     # HOST:PORT: serve workers torchrun starts on their hosts (hosts.py)
+
+    def resolved(self) -> "ClusterConfig":
+        """These settings with the defaults that depend on the others filled in: workers that
+        join from their hosts bring their own devices and take the distributed transport
+        (unless another is named); otherwise devices None is default_devices()."""
+        if self.join is not None:
+            return replace(self, transport="distributed") if self.transport == "p2p" else self
+        return replace(self, devices=default_devices()) if self.devices is None else self
+
+    def validate(self) -> None:
+        """Raise a ValueError naming the first bad setting, before any worker starts."""
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport {self.transport!r} is not one of {', '.join(TRANSPORTS)}")
+        devices = self.devices
+        if self.join is not None:   # the workers are on their hosts, torchrun's: their devices are theirs
+            parse_address(self.join)
+            if devices is not None or self.transport != "distributed":
+                raise ValueError("join (workers on other hosts) takes transport='distributed' and no devices")
+            devices = ["cpu"]
+        if not isinstance(devices, list | tuple) or not devices:
+            raise ValueError(f"devices must be a non-empty list of device names, got {devices!r}")
+        check_int("num_prefill", self.num_prefill, low=0)
+        check_real("worker_timeout_s", self.worker_timeout_s)
+        if self.worker_timeout_s <= 2 * HEARTBEAT_S:
+            raise ValueError(f"worker_timeout_s must be above {2 * HEARTBEAT_S:g} s (the workers' heartbeat "
+                             f"is {HEARTBEAT_S:g} s), got {self.worker_timeout_s}")
+        if self.slo is not None:
+            self._check_slo()
+        if len({check_device(d).type for d in devices}) > 1:   # the KV handoff shares caches of one kind
+            raise ValueError(f"devices {list(devices)} mix cpu and cuda")
+        if (self.transport == "distributed" and str(devices[0]).startswith("cuda")
+                and len(set(map(str, devices))) < len(devices)):
+            raise ValueError(f"the distributed transport (NCCL) needs a GPU of its own per worker, got {list(devices)}")
+
+    def _check_slo(self) -> None:
+        if not POLICIES[self.policy].steered:
+            raise ValueError(f"slo applies to the adaptive policy (it steers its router), not to {self.policy}")
+        if not isinstance(self.slo, list | tuple) or len(self.slo) != 2:
+            raise ValueError(f"slo must be (ttft_s, tpot_s), got {self.slo!r}")
+        for name, value in zip(("slo's ttft_s", "slo's tpot_s"), self.slo):
+            check_real(name, value)
+            if value <= 0:
+                raise ValueError(f"{name} must be above 0, got {value}")
+
+
+def default_devices() -> list[str]:
+    """Every GPU, or two CPU workers."""
+    return [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu", "cpu"]
 
 
 class Liveness:
@@ -167,58 +230,55 @@ class CentralScheduler:
     module's docstring). Under adaptive, `router` must be set before the first submit
     (nanopd.LLM does it, from the profiler's measurements)."""
 
-    def __init__(self, model: str, policy: str, devices: list[str] | None, num_prefill: int = 1,
-                 transport: str = "p2p", worker_timeout_s: float = 60.0, slo: tuple[float, float] | None = None,
-                 join: str | None = None, startup_timeout_s: float = 600.0, **engine_kwargs):
-        check_cluster(policy, devices, num_prefill, transport, worker_timeout_s, slo, join)
-        self.cfg = EngineConfig(model=model, **engine_kwargs)
+    def __init__(self, cfg: EngineConfig, cluster: ClusterConfig, startup_timeout_s: float = 600.0):
+        cluster.validate()
+        self.cluster_cfg, self.cfg = cluster, replace(cfg)   # a copy: the cluster fills in its own limits
         self.cfg.validate()
-        config = load_config(model)
+        config = load_config(self.cfg.model)
         self.cfg.max_model_len = min(self.cfg.max_model_len, config.max_position_embeddings)
-        self.vocab_size, self.tokenizer = config.vocab_size, load_tokenizer(model)
-        self.policy, self.transport, self.steered = policy, transport, POLICIES[policy].steered
-        self._start_workers(devices, num_prefill, join, worker_timeout_s, startup_timeout_s)
-        self.requests = Requests()
+        self.vocab_size, self.tokenizer = config.vocab_size, load_tokenizer(self.cfg.model)
+        self.steered = POLICIES[cluster.policy].steered
+        self._start_workers(startup_timeout_s)
+        self.requests = RequestLedger()
         self.measured: dict[int, dict] = {}
         self.router: Router | None = None
         # Under a steered policy the planner decides the roles, replanned as the arrivals change.
-        self.planner = Planner(list(range(len(self.devices))), slo) if self.steered else None
+        self.planner = Planner(list(range(len(self.devices))), cluster.slo) if self.steered else None
         try:
             readies = self.liveness.wait_ready(startup_timeout_s)
         except (ValueError, RuntimeError):
             self.close()
             raise
         self.room = min(r.num_blocks - r.watermark_blocks for r in readies.values())
-        self.kv_bytes_per_token = readies[0].kv_bytes_per_token
         self.telemetry = Telemetry(len(self.devices), self.room, self.cfg.max_num_seqs, time.perf_counter())
         for w, r in readies.items():
             self.telemetry.heartbeat(w, Heartbeat(r.num_blocks, r.num_blocks))
         self.told = {w: SetRole(part.role) for w, part in self.roles.parts.items()}   # as each worker starts
         self._tell_workers()
 
-    def _start_workers(self, devices: list[str] | None, num_prefill: int, join: str | None, worker_timeout_s: float,
-                       startup_timeout_s: float) -> None:
+    def _start_workers(self, startup_timeout_s: float) -> None:
         """Spawn a worker per device on this host, or listen at `join` for workers torchrun
         starts on their hosts (hosts.py); their roles under the policy."""
         exit_in_order_on_sigterm()   # a SIGTERM then stops the workers too, as any exit does
-        if join is not None:
-            self.workers = RemoteWorkers(join, self.cfg, self.transport, self.steered, startup_timeout_s)
+        cluster, devices = self.cluster_cfg, self.cluster_cfg.devices
+        if cluster.join is not None:
+            self.workers = RemoteWorkers(cluster.join, self.cfg, self.transport, self.steered, startup_timeout_s)
             self._close = weakref.finalize(self, self.workers.close)
             devices = [f"worker {w}" for w in range(self.workers.count)]   # named by their Ready
         n = len(devices)
-        roles = POLICIES[self.policy].roles(n, num_prefill)
+        roles = POLICIES[cluster.policy].roles(n, cluster.num_prefill)
         self._split_menu(devices, roles)
         self.roles = RoleMap(roles, {w: self.cfg.sm_split for w, r in enumerate(roles) if ROLES[r].splits_sms})
         if not self.roles.takers(list(range(n))) or not self.roles.decoders(list(range(n))):
-            raise ValueError(f"{self.policy} needs 1 <= num_prefill < the number of workers, got num_prefill="
-                             f"{num_prefill} with {n} workers")
-        if join is None:
+            raise ValueError(f"{cluster.policy} needs 1 <= num_prefill < the number of workers, got num_prefill="
+                             f"{cluster.num_prefill} with {n} workers")
+        if cluster.join is None:
             # Workers time every step for the router only under a steered policy.
             configs = [self._worker_config(device, role) for device, role in zip(devices, roles)]
             self.workers = WorkerProcesses(configs, self._sources(n), self.transport, self.steered,
                                            [f"nanopd-{self.roles.name(w)}-{w}" for w in range(n)])
             self._close = weakref.finalize(self, self.workers.close)   # it holds the workers, not this object
-        self.liveness = Liveness(self.workers, list(devices), worker_timeout_s)
+        self.liveness = Liveness(self.workers, list(devices), cluster.worker_timeout_s)
 
     def _worker_config(self, device: str, role: str) -> EngineConfig:
         """A worker's engine config: the cluster's, on its device. A worker whose role only
@@ -254,7 +314,11 @@ class CentralScheduler:
     def close(self) -> None:
         self._close()
 
-    # -- what the parts hold, as the callers (nanopd.py, profiler.py, the tests) read it
+    # -- what the parts hold, as the callers (nanopd.py, profiler.py) read it
+
+    @property
+    def transport(self) -> str:
+        return self.cluster_cfg.transport
 
     @property
     def devices(self) -> list[str]:
@@ -265,15 +329,11 @@ class CentralScheduler:
         return self.liveness.dead
 
     @property
-    def status(self) -> dict[int, Heartbeat]:
-        return self.telemetry.status
-
-    @property
-    def active(self) -> dict[int, Tracked]:
+    def active(self) -> dict[int, RequestRecord]:
         return self.requests.active
 
     @property
-    def done(self) -> dict[int, Tracked]:
+    def done(self) -> dict[int, RequestRecord]:
         return self.requests.done
 
     # -- the regime
@@ -327,7 +387,7 @@ class CentralScheduler:
             self._dispatch(r)
         return t.request_id
 
-    def _dispatch(self, t: Tracked, path: tuple[int, int] | None = None) -> None:
+    def _dispatch(self, t: RequestRecord, path: tuple[int, int] | None = None) -> None:
         """Send t to its prefill (or whole-request) worker: path's, the router's pick, or the
         least loaded of the live workers whose role takes prompts; t fails if no live worker
         can take it, or none could decode it."""
@@ -438,7 +498,7 @@ class CentralScheduler:
         t.phase = "decode"
         self.workers.send(t.prefill_worker, Release(t.request_id))
 
-    def _teach_router(self, t: Tracked, w: int) -> None:
+    def _teach_router(self, t: RequestRecord, w: int) -> None:
         """Feed the router what this request's path really cost."""
         phases, (predicted, load_p, load_d) = t.metrics.phases(), t.metrics.routed
         self.router.observe(Observation(
@@ -467,7 +527,7 @@ class CentralScheduler:
             if t.worker == w or (t.phase == "transfer" and t.prefill_worker == w):
                 self._retry(t, f"worker {w} ({self.devices[w]}) died: {why}")
 
-    def _retry(self, t: Tracked, why: str) -> None:
+    def _retry(self, t: RequestRecord, why: str) -> None:
         """Start the request again from its prompt on a live worker, once; the second time
         its path breaks it fails, with why."""
         if self.requests.restart(t):
@@ -517,41 +577,3 @@ class CentralScheduler:
         """Poll, leaving the ids it ends for the caller's next poll."""
         self.requests.ended = self.poll(timeout)
 
-
-def default_devices() -> list[str]:
-    """Every GPU, or two CPU workers."""
-    return [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu", "cpu"]
-
-
-def check_cluster(policy: str, devices: list[str] | None, num_prefill: int, transport: str,
-                  worker_timeout_s: float, slo: tuple[float, float] | None = None, join: str | None = None) -> None:
-    """Raise a ValueError naming the first bad cluster setting, before any worker starts."""
-    if policy not in POLICIES:
-        raise ValueError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
-    if join is not None:   # the workers are on their hosts, torchrun's: their devices are theirs
-        parse_address(join)
-        if devices is not None or transport != "distributed":
-            raise ValueError("join (workers on other hosts) takes transport='distributed' and no devices")
-        devices = ["cpu"]
-    if not isinstance(devices, list | tuple) or not devices:
-        raise ValueError(f"devices must be a non-empty list of device names, got {devices!r}")
-    check_int("num_prefill", num_prefill, low=0)
-    check_real("worker_timeout_s", worker_timeout_s)
-    if worker_timeout_s <= 2 * HEARTBEAT_S:
-        raise ValueError(f"worker_timeout_s must be above {2 * HEARTBEAT_S:g} s (the workers' heartbeat "
-                         f"is {HEARTBEAT_S:g} s), got {worker_timeout_s}")
-    if slo is not None:
-        if not POLICIES[policy].steered:
-            raise ValueError(f"slo applies to the adaptive policy (it steers its router), not to {policy}")
-        if not isinstance(slo, list | tuple) or len(slo) != 2:
-            raise ValueError(f"slo must be (ttft_s, tpot_s), got {slo!r}")
-        for name, value in zip(("slo's ttft_s", "slo's tpot_s"), slo):
-            check_real(name, value)
-            if value <= 0:
-                raise ValueError(f"{name} must be above 0, got {value}")
-    if len({check_device(d).type for d in devices}) > 1:   # the KV handoff shares caches of one kind
-        raise ValueError(f"devices {list(devices)} mix cpu and cuda")
-    if transport == "distributed" and str(devices[0]).startswith("cuda") and len(set(map(str, devices))) < len(devices):
-        raise ValueError(f"the distributed transport (NCCL) needs a GPU of its own per worker, got {list(devices)}")

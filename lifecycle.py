@@ -1,5 +1,5 @@
 """The request lifecycle on the central scheduler (cluster.py): its record of each request
-(Tracked) and how a request ends.
+(RequestRecord), and the ledger of them all (RequestLedger) that says how a request ends.
 
     queued -> prefill -> done                          on one worker (its prompt and decode)
     queued -> prefill -> transfer -> decode -> done    handed off: its KV moves to a decode worker
@@ -18,7 +18,7 @@ from request import RequestMetrics, RequestOutput, SamplingParams
 
 
 @dataclass(eq=False)
-class Tracked:
+class RequestRecord:
     """The central scheduler's record of one request."""
     request_id: int
     prompt: str | None
@@ -38,26 +38,26 @@ class Tracked:
     parent: int | None = None
 
 
-class Requests:
+class RequestLedger:
     """Every request the central scheduler serves: the active ones, the ended ones whose
     output was not asked for yet (done), and the ids ended since the last poll (ended)."""
 
     def __init__(self):
-        self.active: dict[int, Tracked] = {}
-        self.done: dict[int, Tracked] = {}
+        self.active: dict[int, RequestRecord] = {}
+        self.done: dict[int, RequestRecord] = {}
         self.ended: list[int] = []            # ids ended since the last poll, wherever they ended
         self._ids = itertools.count()
 
     def track(self, prompt: str | None, ids: list[int], params: SamplingParams, beam_width: int = 0,
               length_penalty: float = 1.0, metrics: RequestMetrics | None = None, parent: int | None = None
-              ) -> Tracked:
+              ) -> RequestRecord:
         """A new active request."""
-        t = Tracked(next(self._ids), prompt, ids, params, metrics or RequestMetrics(time.perf_counter()), beam_width,
-                    length_penalty, parent=parent)
+        t = RequestRecord(next(self._ids), prompt, ids, params, metrics or RequestMetrics(time.perf_counter()),
+                          beam_width, length_penalty, parent=parent)
         self.active[t.request_id] = t
         return t
 
-    def split_samples(self, t: Tracked) -> list[Tracked]:
+    def split_samples(self, t: RequestRecord) -> list[RequestRecord]:
         """n > 1 across workers: n requests of one sample each. Sample j draws from seed + j,
         as child j does in one engine."""
         samples = []
@@ -69,14 +69,14 @@ class Requests:
             samples.append(sample)
         return samples
 
-    def current(self, w: int, request_id: int, prefill_side: bool = False) -> Tracked | None:
+    def current(self, w: int, request_id: int, prefill_side: bool = False) -> RequestRecord | None:
         """The request, if w's report is about its current attempt (not one restarted elsewhere)."""
         t = self.active.get(request_id)
         if t is None or not (t.worker == w or (prefill_side and t.prefill_worker == w)):
             return None
         return t
 
-    def finish(self, t: Tracked, w: int, output: RequestOutput) -> None:
+    def finish(self, t: RequestRecord, w: int, output: RequestOutput) -> None:
         """t is done on worker w: its metrics as w saw them fill in what this process did not see."""
         m, theirs = t.metrics, output.metrics
         m.first_scheduled_time = m.first_scheduled_time or theirs.first_scheduled_time
@@ -88,12 +88,12 @@ class Requests:
         t.output = dataclasses.replace(output, request_id=t.request_id, prompt=t.prompt, metrics=m)
         self.end(t)
 
-    def fail(self, t: Tracked, error: Exception) -> None:
+    def fail(self, t: RequestRecord, error: Exception) -> None:
         t.metrics.finish_time = time.perf_counter()
         t.output = RequestOutput(t.request_id, t.prompt, t.prompt_token_ids, [], t.metrics, error=error)
         self.end(t)
 
-    def end(self, t: Tracked) -> None:
+    def end(self, t: RequestRecord) -> None:
         """Retire t; a top-level request that is now complete goes to `ended`."""
         t.phase = "done"
         self.done[t.request_id] = self.active.pop(t.request_id)
@@ -112,7 +112,7 @@ class Requests:
                                       [] if errors else outs, parent.metrics, error=errors[0] if errors else None)
         self.end(parent)
 
-    def restart(self, t: Tracked) -> bool:
+    def restart(self, t: RequestRecord) -> bool:
         """Make t's next attempt start from its prompt, if it has not had one already; False
         if it has (its path broke twice)."""
         if t.retried:
@@ -130,7 +130,7 @@ class Requests:
         """An ended request's output; it is forgotten."""
         return self.done.pop(request_id).output
 
-    def forget(self, request_id: int) -> Tracked | None:
+    def forget(self, request_id: int) -> RequestRecord | None:
         """Forget a request, ended or not; its record if it was active."""
         self.done.pop(request_id, None)
         return self.active.pop(request_id, None)

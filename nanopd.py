@@ -29,7 +29,7 @@ from typing import Self
 import torch
 from tqdm import tqdm
 
-from cluster import CentralScheduler, default_devices
+from cluster import CentralScheduler, ClusterConfig
 from config import EngineConfig, check_int
 from costmodel import HardwareParams
 from engine import Engine
@@ -42,7 +42,9 @@ __all__ = ["LLM", "RequestMetrics", "RequestOutput", "SamplingParams"]
 
 
 class LLM:
-    """The offline API: LLM(model, **EngineConfig fields).generate(prompts, params).
+    """The offline API: LLM(model, policy, **settings).generate(prompts, params), where the
+    settings are EngineConfig's fields (config.py) and, with a policy, ClusterConfig's
+    (cluster.py).
 
     Without a policy it is one engine in this process. With policy="collocated",
     "disaggregated" or "adaptive" it serves the same calls on worker processes, one per
@@ -54,38 +56,32 @@ class LLM:
     as dead (docs/workers.md). join="HOST:PORT" serves on workers torchrun starts on other
     hosts (hosts.py), over the distributed transport."""
 
-    def __init__(self, model: str = "tiny", policy: str | None = None, devices: list[str] | None = None,
-                 num_prefill: int = 1, transport: str = "p2p", profile: HardwareParams | bool | None = None,
-                 worker_timeout_s: float = 60.0, slo: tuple[float, float] | None = None, join: str | None = None,
-                 **kwargs):
-        check_settings(kwargs)
+    def __init__(self, model: str = "tiny", policy: str | None = None, *,
+                 profile: HardwareParams | bool | None = None, **settings):
+        check_settings(settings)
         self.closed = False
         self.lock = threading.Lock()   # one caller at a time drives the backend (see _run)
         self.ended: dict[int, RequestOutput] = {}   # outputs polled for another caller's requests
+        engine_settings = {k: v for k, v in settings.items() if k not in CLUSTER_SETTINGS}
+        cluster_settings = {k: v for k, v in settings.items() if k in CLUSTER_SETTINGS}
         if policy is None:
-            given = [name for name, value, default in [("devices", devices, None), ("num_prefill", num_prefill, 1),
-                                                       ("transport", transport, "p2p"), ("profile", profile, None),
-                                                       ("worker_timeout_s", worker_timeout_s, 60.0), ("slo", slo, None),
-                                                       ("join", join, None)]
-                     if value != default]
+            given = [k for k, default in CLUSTER_SETTINGS.items()
+                     if k in cluster_settings and cluster_settings[k] != default]
+            given += ["profile"] if profile is not None else []
             if given:
                 raise ValueError(f"{', '.join(given)} only apply with a policy (collocated, disaggregated, adaptive); "
                                  "without one, LLM is a single engine on `device`")
-            self.backend: Engine | CentralScheduler = Engine(EngineConfig(model=model, **kwargs))
+            self.backend: Engine | CentralScheduler = Engine(EngineConfig(model=model, **engine_settings))
             return
-        if join is not None:   # workers torchrun starts on their hosts (hosts.py): they bring their devices
-            transport = "distributed" if transport == "p2p" else transport
-        elif devices is None:
-            devices = default_devices()
-        self.backend = CentralScheduler(model, policy, devices, num_prefill, transport, worker_timeout_s, slo, join,
-                                        **kwargs)
+        cluster_cfg = ClusterConfig(policy, **cluster_settings).resolved()
+        self.backend = CentralScheduler(EngineConfig(model=model, **engine_settings), cluster_cfg)
         if policy == "adaptive" and profile is not False:
             try:
                 params = profile if isinstance(profile, HardwareParams) else profile_cluster(self.backend).params
             except BaseException:
                 self.backend.close()
                 raise
-            self.backend.router = Router(dataclasses.replace(params), slo=slo)
+            self.backend.router = Router(dataclasses.replace(params), slo=cluster_cfg.slo)
 
     @property
     def engine(self) -> Engine | None:
@@ -241,16 +237,21 @@ def interrupts_held():
         take()
 
 
-def check_settings(kwargs: dict) -> None:
+ENGINE_SETTINGS = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
+CLUSTER_SETTINGS = {f.name: f.default for f in dataclasses.fields(ClusterConfig) if f.name != "policy"}   # -> default
+
+
+def check_settings(settings: dict) -> None:
     """A ValueError for a keyword LLM does not take, naming the nearest one it does."""
-    fields = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
-    for name in kwargs:
-        if name not in fields:
-            keywords = [k for k in inspect.signature(LLM).parameters if k not in ("model", "kwargs")]
-            near = difflib.get_close_matches(name, fields + keywords, n=1, cutoff=0.5)
+    for name in settings:
+        if name not in ENGINE_SETTINGS and name not in CLUSTER_SETTINGS:
+            keywords = [k for k in inspect.signature(LLM).parameters if k not in ("model", "settings")]
+            near = difflib.get_close_matches(name, ENGINE_SETTINGS + list(CLUSTER_SETTINGS) + keywords, n=1,
+                                             cutoff=0.5)
             hint = f"; did you mean {near[0]!r}?" if near else ""
-            raise ValueError(f"LLM() got an unknown setting {name!r}{hint} (the settings are LLM's keywords and "
-                             f"EngineConfig's fields: {', '.join(fields)})")
+            raise ValueError(f"LLM() got an unknown setting {name!r}{hint} (the settings are LLM's keywords, "
+                             f"ClusterConfig's fields: {', '.join(CLUSTER_SETTINGS)}, and EngineConfig's: "
+                             f"{', '.join(ENGINE_SETTINGS)})")
 
 
 def params_per_prompt(sampling_params, n: int) -> list:

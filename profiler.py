@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import triton
 
-from cluster import CentralScheduler, default_devices
+from cluster import CentralScheduler, ClusterConfig, default_devices
 from config import EngineConfig
 from costmodel import CostModel, HardwareParams, SplitParams
 from kv_cache import cdiv
@@ -325,8 +325,9 @@ def main() -> None:
     args = p.parse_args()
     budget = args.max_num_batched_tokens or (8192 if torch.cuda.is_available() else 256)
     # The adaptive policy's wiring (every worker reads every other's cache), no router yet.
-    cluster = CentralScheduler(args.model, "adaptive", args.devices or default_devices(),
-                               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget)
+    cluster = CentralScheduler(EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs,
+                                            max_num_batched_tokens=budget),
+                               ClusterConfig("adaptive", args.devices or default_devices()))
     try:
         print_profile(profile_cluster(cluster, use_cache=not args.no_cache))
     finally:

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from costmodel import WorkerLoad
-from lifecycle import Tracked
+from lifecycle import RequestRecord
 from messages import Heartbeat, StepTimed
 from roles import RoleMap
 
@@ -65,7 +65,7 @@ class Telemetry:
             self.prefilled += msg.prefill_tokens
             self.prefill.read(now, self.prefilled)
 
-    def loads(self, workers: list[int], active: Iterable[Tracked], roles: RoleMap, now: float
+    def loads(self, workers: list[int], active: Iterable[RequestRecord], roles: RoleMap, now: float
               ) -> dict[int, WorkerLoad]:
         """What each of workers holds: prompts waiting for prefill, sequences decoding (and
         their context), its work tokens, free blocks, seats, prefill budget; the prompt
@@ -98,7 +98,7 @@ class Telemetry:
             load.batch_growth = self.batches[w].rate(now, load.decode_batch)
         return loads
 
-    def least_loaded(self, workers: list[int], active: Iterable[Tracked], roles: RoleMap, now: float) -> int:
+    def least_loaded(self, workers: list[int], active: Iterable[RequestRecord], roles: RoleMap, now: float) -> int:
         """The one of workers with the fewest work tokens."""
         loads = self.loads(workers, active, roles, now)
         return min(workers, key=lambda w: loads[w].work_tokens)

@@ -300,7 +300,8 @@ def workers_all_free(llm: LLM, timeout_s: float = 20.0) -> bool:
     while time.monotonic() < deadline:
         cluster.poll(0.05)
         live = [w for w in range(len(cluster.devices)) if w not in cluster.dead]
-        if all(w in cluster.status and cluster.status[w].free_blocks == cluster.status[w].num_blocks for w in live):
+        status = cluster.telemetry.status
+        if all(w in status and status[w].free_blocks == status[w].num_blocks for w in live):
             return True
     return False
 
@@ -4362,7 +4363,8 @@ def test_dispatch_reads_the_role_map_whatever_the_policy(monkeypatch):
     one; with no worker left to take prompts, a request fails at once."""
     import cluster
     monkeypatch.setattr(cluster, "WorkerProcesses", FakeWorkers)
-    c = cluster.CentralScheduler("tiny", "collocated", ["cpu"] * 3, max_model_len=128)
+    c = cluster.CentralScheduler(EngineConfig(model="tiny", max_model_len=128),
+                                 cluster.ClusterConfig("collocated", ["cpu"] * 3))
     fake = c.workers
     assert fake.names == [f"nanopd-both-{w}" for w in range(3)] and fake.sent == []
     c.set_roles({0: "decode", 1: "prefill", 2: "both"})
