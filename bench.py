@@ -5,14 +5,15 @@ generated workload, compared by latency, throughput and goodput.
   python bench.py --policy all --mode sweep          every policy over a list of rates
   python bench.py --policy collocated --mode static  one batch, all requests at once
   python bench.py --workload short long ...          several workloads, one start-up per policy
-  python bench.py kernels | engine | profile | transfer    the micro-benchmarks (microbench.py)
-  python bench.py split     one GPU's SMs split between prefill and decode (splitbench.py)
-  python bench.py speculative   speculative decoding against plain decoding (specbench.py)
+  python bench.py kernels | engine | profile | transfer    the micro-benchmarks (tools/microbench.py)
+  python bench.py split     one GPU's SMs split between prefill and decode (tools/splitbench.py)
+  python bench.py speculative   speculative decoding against plain decoding (tools/specbench.py)
+  python bench.py figures   the docs' figures (tools/figures.py)
 
 With GPUs it serves the qwen3-8b preset on every visible GPU; without, the tiny preset on
-two CPU worker processes, where `python bench.py --policy adaptive` took 30 s and 33 s
-(two runs on a 2-core machine with no GPU; docs/benchmark.md says which). A preset is
-the model's architecture with seeded random weights: nothing is downloaded. Requests
+two CPU worker processes, where `python bench.py --policy adaptive` takes about 30 s on a
+2-core machine with no GPU (docs/benchmark.md). A preset is the model's architecture with
+seeded random weights: nothing is downloaded. Requests
 decode greedily (temperature 0: the most likely token at every step) and ignore EOS, which
 a random-weight model would emit at random, so each generates the length its workload
 drew. Writes, under --out: the results table (printed too, headed by the policy,
@@ -25,13 +26,14 @@ import json
 import math
 import random
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+
+from tools import figures, microbench, specbench, splitbench
 
 # ----------------------------------------------------------------------------- workloads
 
@@ -400,8 +402,9 @@ class Run:
 
 
 def parser() -> argparse.ArgumentParser:
-    """The flags, each with its help and its default (those that depend on GPUs or CPUs
-    say both; make_run fills them in)."""
+    """bench.py's one command line: the serving benchmark's flags, each with its help and its
+    default (those that depend on GPUs or CPUs say both; make_run fills them in), and the
+    tools as sub-commands (add_tool_commands)."""
     from model import PRESETS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", default="adaptive", choices=["collocated", "disaggregated", "adaptive", "all"],
@@ -443,7 +446,45 @@ def parser() -> argparse.ArgumentParser:
                    help="speculative decoding, K ngram drafts a step (docs/speculative.md); 0: none (default)")
     p.add_argument("--out", default="runs/bench", help="folder for results.json and the plots (runs/ is not "
                    "tracked; results/ holds the measurements the docs quote) (default: %(default)s)")
+    add_tool_commands(p)
     return p
+
+
+def add_tool_commands(p: argparse.ArgumentParser) -> None:
+    """`bench.py COMMAND [...]`: one sub-command per tool (tools/), its module's docstring its
+    help page; without a command, bench.py runs the serving benchmark."""
+    sub = p.add_subparsers(dest="command", title="commands", description="the tools; without one, the serving "
+                           "benchmark runs (bench.py COMMAND --help for each)")
+
+    def command(name: str, module, summary: str, model: bool = True, plot: bool = False) -> argparse.ArgumentParser:
+        """A measuring tool's sub-command: --small and --out (JSON, and a plot beside it if it
+        draws one), and --model unless it times no model."""
+        c = sub.add_parser(name, help=summary, description=module.__doc__, prog=f"bench.py {name}",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        c.set_defaults(main=module.main)
+        c.add_argument("--small", action="store_true", help="every measurement at toy sizes (the tiny model, "
+                       "small batches, few requests): seconds, to check that it runs; its numbers mean nothing")
+        c.add_argument("--out", default=None, help="write the results as JSON here" + (
+            ", and a plot beside it (.png)" if plot else "") + " (default: print only)")
+        if model:
+            c.add_argument("--model", default=None, help="preset (random weights) or checkpoint folder (default: "
+                           "qwen3-8b, or tiny with --small)")
+        return c
+    command("kernels", microbench, "the kernels, each beside a same-run reference", model=False)
+    command("engine", microbench, "the single-GPU engine beside the hardware's ceilings")
+    profile = command("profile", microbench, "a decode step's GPU time, kernel by kernel")
+    profile.add_argument("--batch", type=int, default=None, help="decode batch size (default: 1, 2 with --small)")
+    profile.add_argument("--context", type=int, default=None, help="tokens of context per sequence (default: "
+                         "1024, 64 with --small)")
+    transfer = command("transfer", microbench, "the KV handoff between two GPUs")
+    transfer.add_argument("--devices", nargs=2, default=None, metavar=("PREFILL", "DECODE"),
+                          help="the two devices (default: cuda:0 cuda:1, or cuda:0 twice on one GPU)")
+    command("split", splitbench, "one GPU's SMs split between prefill and decode", plot=True)
+    command("speculative", specbench, "speculative decoding against plain decoding", plot=True)
+    figs = sub.add_parser("figures", help="draw the docs' figures", description=figures.__doc__,
+                          prog="bench.py figures", formatter_class=argparse.RawDescriptionHelpFormatter)
+    figs.set_defaults(main=figures.main)
+    figs.add_argument("--out", type=Path, default=figures.FIGURES, help="folder for the PNGs (default: docs/figures)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -642,16 +683,10 @@ def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timel
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] in ("kernels", "engine", "profile", "transfer"):
-        import microbench
-        return microbench.main()
-    if len(sys.argv) > 1 and sys.argv[1] == "split":
-        import splitbench
-        return splitbench.main()
-    if len(sys.argv) > 1 and sys.argv[1] == "speculative":
-        import specbench
-        return specbench.main()
-    run = make_run(parse_args())
+    args = parse_args()
+    if args.command is not None:   # a tool (add_tool_commands)
+        return args.main(args)
+    run = make_run(args)
     rows, results, calib, timelines = [], [], {}, []
     for policy in run.policies:
         got_rows, got, c, t = run_policy(run, policy)

@@ -1,6 +1,6 @@
 """Timing model steps of chosen shapes on an idle engine: the raw measurements the profiler
 fits (profiler.py, through a worker's Measure message) and the micro-benchmarks report
-(microbench.py). A fake batch is a set of sequences with random token ids whose context
+(tools/microbench.py). A fake batch is a set of sequences with random token ids whose context
 is "already in the cache" (its contents do not matter for timing), so any shape of step
 can be run without serving real requests.
 """

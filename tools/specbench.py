@@ -25,6 +25,7 @@ any batch (disable_by_batch_size None), so the crossover is measured, not the de
 that it sets (config.py:SpeculativeConfig).
 """
 
+import argparse
 import dataclasses
 import gc
 import json
@@ -33,9 +34,9 @@ import time
 
 import torch
 
-from microbench import sub_bench_parser, time_ms
 from nanopd import LLM, SamplingParams
 from speculate import per_sequence
+from tools.microbench import time_ms
 
 
 @dataclasses.dataclass
@@ -239,7 +240,7 @@ def plot_speculative(res: dict, path: str) -> None:
     print(f"plot: {path}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = sub_bench_parser("speculative", __doc__).parse_args(argv)
+def main(args: argparse.Namespace) -> None:
+    """`bench.py speculative`, with bench.py's flags (--model, --small, --out)."""
     sizes = SMALL_SPEC if args.small else SpecSizes()
     run_speculative(args.out, dataclasses.replace(sizes, model=args.model or sizes.model))

@@ -19,6 +19,7 @@ Every result is printed as a table and, with --out, written as JSON (and a plot 
 it, .png). --small runs at toy sizes, seconds, to check that it runs; its numbers mean nothing.
 """
 
+import argparse
 import dataclasses
 import json
 import random
@@ -30,7 +31,6 @@ import torch
 import kernels
 from config import EngineConfig
 from lanes import SplitEngine
-from microbench import sub_bench_parser
 from request import SamplingParams
 from smsplit import Split, default_menu, load_kernels_at_start, num_sms
 from timing import decode_beside_prefill_ms, fake_batch, free_batch, prefill_beside_decode_ms, time_step_ms
@@ -259,8 +259,8 @@ def plot_split(res: dict, path: str) -> None:
     print(f"plot: {path}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = sub_bench_parser("split", __doc__).parse_args(argv)
+def main(args: argparse.Namespace) -> None:
+    """`bench.py split`, with bench.py's flags (--model, --small, --out)."""
     load_kernels_at_start()   # before anything asks CUDA about the device, as a split worker does
     if not torch.cuda.is_available():
         raise SystemExit("bench.py split measures the GPU: no CUDA device found")

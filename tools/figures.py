@@ -10,7 +10,7 @@
   split_gpu.png    one H200's SMs split for each entry of the menu, with what each lane
                    measured (results/h200/split.json)
 
-    python figures.py            writes them into docs/figures/
+    python bench.py figures      writes them into docs/figures/ (--out: elsewhere)
 
 Both languages' pages show the same PNGs; labels are in English.
 """
@@ -29,7 +29,8 @@ from kv_cache import BlockManager
 from request import Request, RequestMetrics, SamplingParams, Sequence
 from scheduler import Scheduler
 
-HERE = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent   # the repository: the results read, the docs written
+FIGURES = ROOT / "docs" / "figures"
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860"]
 PREFILL, DECODE, IDLE = "#DD8452", "#4C72B0", "#DDDDDD"
 
@@ -186,7 +187,7 @@ def draw_handoff(out: Path, prompt: int = 2048, steps: int = 6) -> Path:
 # ----------------------------------------------------------------------------- regimes and splits
 
 
-def draw_regimes(out: Path, run: Path = HERE / "results" / "h200" / "split_phased17" / "adaptive_bbc1236.json") -> Path:
+def draw_regimes(out: Path, run: Path = ROOT / "results" / "h200" / "split_phased17" / "adaptive_bbc1236.json") -> Path:
     """The requests arriving per second (1 s bins, by the phase that drew them) over the
     run, and under them the regime the planner held: the whole GPU or a split (prefill SMs
     / decode SMs)."""
@@ -202,8 +203,7 @@ def draw_regimes(out: Path, run: Path = HERE / "results" / "h200" / "split_phase
         top.bar(range(len(bins)), bins, width=1.0, align="edge", color=color, label=label)
     top.legend(fontsize=8, loc="upper right")
     top.set_ylabel("requests\narriving per s")
-    top.set_title("The planner's regime over bench.py's phased workload at 17 req/s on one H200 (code bbc1236)",
-                  fontsize=10)
+    top.set_title("The planner's regime over bench.py's phased workload at 17 req/s on one H200", fontsize=10)
     for change, nxt in zip(changes, changes[1:] + [{"time": end}]):
         split = change["regime"] != "1 both"
         bottom.broken_barh([(change["time"], nxt["time"] - change["time"])], (0, 1),
@@ -216,7 +216,7 @@ def draw_regimes(out: Path, run: Path = HERE / "results" / "h200" / "split_phase
     return save(fig, out, "regimes.png")
 
 
-def draw_split_gpu(out: Path, run: Path = HERE / "results" / "h200" / "split.json") -> Path:
+def draw_split_gpu(out: Path, run: Path = ROOT / "results" / "h200" / "split.json") -> Path:
     """Each split of bench.py split's table as a bar of the GPU's SMs, prefill lane then
     decode lane, labelled with the decode step at batch 64 beside a prefill and the prefill
     rate beside decodes that the lanes measured."""
@@ -244,13 +244,7 @@ def draw_split_gpu(out: Path, run: Path = HERE / "results" / "h200" / "split.jso
 DRAW = [draw_kv_fork, draw_step_batch, draw_handoff, draw_regimes, draw_split_gpu]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=HERE / "docs" / "figures", help="folder for the PNGs")
-    args = p.parse_args()
+def main(args: argparse.Namespace) -> None:
+    """`bench.py figures`: every figure into args.out."""
     for draw in DRAW:
-        print("wrote", draw(args.out))
-
-
-if __name__ == "__main__":
-    main()
+        print("wrote", draw(Path(args.out)))

@@ -4,9 +4,7 @@ hardware ceiling measured in the same run (bench.py runs them: `python bench.py 
   python bench.py kernels   paged attention, the q/k-norm + RoPE + KV-store kernel, the
                             block copies and the small-batch linear on the GPU, each
                             beside a reference measured in the same run (SDPA on a
-                            contiguous cache, a plain device copy, cuBLAS); and a
-                            decode step's attention overlapped with its GEMMs, beside
-                            running them one after the other
+                            contiguous cache, a plain device copy, cuBLAS)
   python bench.py engine    the single-GPU engine on Qwen3-8B (random weights): decode
                             step times, a mixed step on the piecewise graphs and
                             eagerly, prefill ms/token, batch-1 decode inside
@@ -26,8 +24,8 @@ hardware ceiling measured in the same run (bench.py runs them: `python bench.py 
 
 Every result is printed as a table and, with --out, written as JSON. --small runs each
 at toy sizes (the tiny preset, small batches, few requests; the sizes are SMALL_ENGINE,
-SMALL_TRANSFER and kernel_cases(small=True)): seconds, to check that it runs, as the GPU
-tests do; its numbers mean nothing.
+SMALL_PROFILE, SMALL_TRANSFER and kernel_cases(small=True)): seconds, to check that it
+runs, as the GPU tests do; its numbers mean nothing.
 """
 
 import argparse
@@ -167,80 +165,6 @@ def bench_small_m_linear(name: str, n: int, k: int, m: int = 1, copies: int = 8)
             "rel_err": err, "ref": "cuBLAS"}
 
 
-def decode_layers(batch: int, context: int, layers: int):
-    """Qwen3-8B's decode layers at batch x context as two functions of the same kernels:
-    serial() runs each layer's four projections, then its paged attention, over the whole
-    batch (what the engine does); pipelined(carveout) splits the batch in halves on two
-    streams, one half's attention beside the other half's projections, the projections
-    kept off `carveout` SMs (torch's experimental knob) so the attention has SMs of its own."""
-    dev, dt, hkv, d, bs = "cuda", torch.bfloat16, 8, 128, 16
-    shapes = ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288))
-    ws = [[torch.randn(n, k, device=dev, dtype=dt) * 0.02 for n, k in shapes] for _ in range(3)]
-    nb = context // bs + 1
-    cache = torch.randn(layers, batch * nb, 2, hkv, bs, d, device=dev, dtype=dt)
-    tables = torch.randperm(batch * nb, device=dev).view(batch, nb).int()
-    ctx = torch.full((batch,), context, device=dev, dtype=torch.int32)
-    cu = torch.arange(batch + 1, device=dev, dtype=torch.int32)
-    q, x, h = (torch.randn(batch, n, device=dev, dtype=dt) for n in (32 * d, 4096, 12288))
-    out = torch.empty_like(q)
-    whole, halves = slice(0, batch), [slice(0, batch // 2), slice(batch // 2, batch)]
-
-    def gemms(i, rows):
-        wq, wo, wgu, wd = ws[i % 3]
-        x[rows] @ wq.t(), x[rows] @ wo.t(), x[rows] @ wgu.t(), h[rows] @ wd.t()
-
-    def attention(i, rows):
-        n = rows.stop - rows.start
-        kernels.paged_attention(q[rows].view(n, 32, d), cache[i, :, 0], cache[i, :, 1], tables[rows],
-                                cu[:n + 1], ctx[rows], 1, d ** -0.5,
-                                kernels.choose_num_splits(n, hkv, 1, context + 1, q.device), out[rows].view(n, 32, d))
-
-    def serial():
-        for i in range(layers):
-            gemms(i, whole)
-            attention(i, whole)
-
-    side = torch.cuda.Stream(priority=-1)
-
-    def pipelined(carveout):
-        main, attended = torch.cuda.current_stream(), [None, None]
-        side.wait_stream(main)
-        for i in range(layers):
-            for half, rows in enumerate(halves):
-                if attended[half] is not None:   # this half's previous attention feeds these GEMMs
-                    main.wait_event(attended[half])
-                torch._C._set_sm_carveout_experimental(carveout)
-                gemms(i, rows)
-                torch._C._set_sm_carveout_experimental(None)
-                side.wait_stream(main)
-                with torch.cuda.stream(side):
-                    attention(i, rows)
-                    attended[half] = side.record_event()
-        main.wait_stream(side)
-    return serial, pipelined, 2 * batch * layers * sum(n * k for n, k in shapes) / 1e12
-
-
-def bench_split_batch_overlap(batch: int = 1024, context: int = 192, layers: int = 36,
-                              carveouts: tuple = (None, 16, 32)) -> dict:
-    """Can a decode step hide its attention under its GEMMs (NanoFlow's idea)? The decode
-    layers (decode_layers) one kernel after the other, against halves pipelined on two
-    streams, for each carveout; the projections through cuBLASLt."""
-    serial, pipelined, tflop = decode_layers(batch, context, layers)
-    library = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    try:
-        t_serial = time_ms(serial, graph=True)
-        by_carveout = {str(c): time_ms(lambda c=c: pipelined(c), graph=True) for c in carveouts}
-    finally:
-        torch.backends.cuda.preferred_blas_library(library)
-    best = min(by_carveout, key=by_carveout.get)
-    return {"case": f"decode layers B={batch} T={context}, halves on 2 streams (carveout {best})",
-            "ours_ms": by_carveout[best], "ref_ms": t_serial, "unit": "TFLOP/s", "ours_rate": tflop / by_carveout[best] * 1e3,
-            "ref_rate": tflop / t_serial * 1e3, "ratio": t_serial / by_carveout[best],
-            "rel_err": float("nan"),   # the same kernels on the same data: nothing to compare
-            "ref": "serial", "ms_by_carveout": by_carveout}
-
-
 def kernel_cases(small: bool = False) -> list:
     """The kernels benchmark's cases, each a function giving one row: Qwen3-8B's shapes, or
     (small) every case at a toy size, seconds in all, for the tests: the same code paths,
@@ -250,14 +174,12 @@ def kernel_cases(small: bool = False) -> list:
                 lambda: bench_attention(1, 256, False), lambda: bench_rope_store_kv(1024),
                 lambda: bench_copy_blocks(16, 256, 4),
                 lambda: bench_small_m_linear("qkv", 6144, 4096, copies=2),       # split-K
-                lambda: bench_small_m_linear("gate_up", 24576, 4096, copies=2),  # enough tiles: no split
-                lambda: bench_split_batch_overlap(64, 64, 2, (None, 16))]
+                lambda: bench_small_m_linear("gate_up", 24576, 4096, copies=2)]  # enough tiles: no split
     return [lambda: bench_attention(1, 4096, True), lambda: bench_attention(64, 4096, True),
             lambda: bench_attention(256, 2048, True), lambda: bench_attention(1, 2048, False),
             lambda: bench_attention(1, 8192, False), bench_rope_store_kv, bench_copy_blocks,
             lambda: bench_small_m_linear("qkv", 6144, 4096), lambda: bench_small_m_linear("o_proj", 4096, 4096),
-            lambda: bench_small_m_linear("gate_up", 24576, 4096), lambda: bench_small_m_linear("down", 4096, 12288),
-            bench_split_batch_overlap]
+            lambda: bench_small_m_linear("gate_up", 24576, 4096), lambda: bench_small_m_linear("down", 4096, 12288)]
 
 
 def run_kernels(out: str | None, small: bool = False) -> list[dict]:
@@ -401,7 +323,7 @@ def penalty_cost(eng, sizes: EngineSizes) -> dict:
     """A decode step of the largest batch with every sequence penalised (repetition,
     presence, frequency; each with sizes.context // 8 output tokens counted), beside the
     same step unpenalised, alternating so that both see the same GPU; the penalties'
-    share of the step (the issue's bound: 3% at batch 256)."""
+    share of the step."""
     b, ctx = max(sizes.batches), sizes.context
     batch = fake_batch(eng, b, ctx, 1)
     for seq in batch.seqs:   # the last eighth of the context counts as output
@@ -452,7 +374,7 @@ def generate_throughput(llm, res: dict, facts: ModelFacts, g: torch.Generator,
     (all but the last output token of each request) and every output token through the LM
     head (prompt tokens skip it), at the matmul rate; each decode step reads its request's
     K/V so far, at the copy bandwidth. The two add: a step runs its attention after its
-    GEMMs (bench.py kernels times running them side by side)."""
+    GEMMs."""
     count, n_prompt, n_out = shape
     cfg = llm.engine.model.config
     prompts = random_prompts(cfg.vocab_size, count, n_prompt, g)
@@ -506,14 +428,26 @@ def run_engine(out: str | None, sizes: EngineSizes = EngineSizes()) -> dict:
     return res
 
 
-def run_profile(out: str | None, model: str = "qwen3-8b", batch_size: int = 1, context: int = 1024,
-                steps: int = 5) -> list[dict]:
+@dataclasses.dataclass(frozen=True)
+class ProfileSizes:
+    """What `bench.py profile` measures: a decode step of batch sequences, each context
+    tokens in, on model; SMALL_PROFILE is the same at toy sizes, for the tests."""
+    model: str = "qwen3-8b"
+    batch: int = 1
+    context: int = 1024
+
+
+SMALL_PROFILE = ProfileSizes(model="tiny", batch=2, context=64)
+
+
+def run_profile(out: str | None, sizes: ProfileSizes = ProfileSizes(), steps: int = 5) -> list[dict]:
     """A decode step run eagerly under torch.profiler: the same kernels the CUDA graph
     replays, with each one's GPU time, to show where a step's time goes. The rows: the 25
     kernels with the most GPU time, per step."""
     from torch.profiler import ProfilerActivity, profile
 
     from nanopd import LLM
+    model, batch_size, context = sizes.model, sizes.batch, sizes.context
     blocks = batch_size * (context // 16 + 2) + 64   # the fake batch's KV, not what the GPU could hold
     llm = LLM(model, max_num_seqs=max(batch_size, 16), max_model_len=4096, enforce_eager=True,
               max_num_batched_tokens=max(batch_size, 512), num_kv_blocks=blocks)
@@ -563,8 +497,7 @@ def measure_link(src: str, dst: str, nbytes: int = 1 << 30, idle_bytes: int = 30
 
 def copy_after_idle_GBps(x: torch.Tensor, y: torch.Tensor, idle_s: float = 0.05, reps: int = 6) -> float:
     """y.copy_(x) between devices, each copy after both devices have idled idle_s: the link
-    and copy engines come back from idle slower than they run back to back (on the H200
-    pair, ~0.72 of the warm rate for a 302 MB copy). Median GB/s."""
+    and copy engines come back from idle slower than they run back to back. Median GB/s."""
     rates = []
     for _ in range(reps):
         torch.cuda.synchronize(x.device)
@@ -767,58 +700,22 @@ def summarize_transports(res: dict, rows: list[dict]) -> None:
           f"handoff {at['distributed']['handoff_ms']:.2f} ms vs {at['p2p']['handoff_ms']:.2f} ms", flush=True)
 
 
-MICRO = ("kernels", "engine", "profile", "transfer")
-
-
-def sub_bench_parser(what: str, doc: str) -> argparse.ArgumentParser:
-    """The command line of `bench.py split` and `bench.py speculative`: --model, --small, --out."""
-    p = argparse.ArgumentParser(prog=f"bench.py {what}", description=doc,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=[what])
-    p.add_argument("--model", default=None, help="preset (random weights) or checkpoint folder; default qwen3-8b, "
-                   "or tiny with --small")
-    p.add_argument("--small", action="store_true", help="toy sizes: seconds, to check that it runs")
-    p.add_argument("--out", default=None, help="write the results here as JSON, and a plot beside it (.png)")
-    return p
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench.py", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", choices=MICRO, help="which micro-benchmark to run")
-    p.add_argument("--model", default=None, help="preset (random weights) or checkpoint folder (engine, profile, "
-                   "transfer); default qwen3-8b, or tiny with --small")
-    p.add_argument("--small", action="store_true", help="every measurement at toy sizes (the tiny model, small "
-                   "batches, few requests): seconds, to check that the benchmark runs; its numbers mean nothing")
-    p.add_argument("--out", default=None, help="write the results as JSON here (default: print only)")
-    p.add_argument("--batch", type=int, default=None, help="decode batch size (profile); default 1, 2 with --small")
-    p.add_argument("--context", type=int, default=None, help="tokens of context per sequence (profile); "
-                   "default 1024, 64 with --small")
-    p.add_argument("--devices", nargs=2, default=None, metavar=("PREFILL", "DECODE"),
-                   help="the two devices (transfer); default cuda:0 cuda:1, or cuda:0 twice on one GPU")
-    return p.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def main(args: argparse.Namespace) -> None:
+    """`bench.py kernels | engine | profile | transfer` (args.command), with bench.py's flags."""
     if not torch.cuda.is_available():
-        raise SystemExit(f"bench.py {args.what} measures the GPU: no CUDA device found")
-    if args.what == "kernels":
+        raise SystemExit(f"bench.py {args.command} measures the GPU: no CUDA device found")
+    if args.command == "kernels":
         run_kernels(args.out, args.small)
-    elif args.what == "engine":
+    elif args.command == "engine":
         sizes = SMALL_ENGINE if args.small else EngineSizes()
         run_engine(args.out, dataclasses.replace(sizes, model=args.model or sizes.model))
-    elif args.what == "transfer":
+    elif args.command == "transfer":
         sizes = SMALL_TRANSFER if args.small else TransferSizes()
         devices = args.devices or ("cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
         if devices[0] == devices[1]:
             print(f"one device ({devices[0]}): the KV copies stay inside it, and distributed (NCCL) is left out")
         run_transfer(args.out, tuple(devices), dataclasses.replace(sizes, model=args.model or sizes.model))
     else:
-        run_profile(args.out, args.model or ("tiny" if args.small else "qwen3-8b"),
-                    default(args.batch, 2 if args.small else 1), default(args.context, 64 if args.small else 1024))
-
-
-def default(value, fallback):
-    """A flag's value, or its default when it was not given."""
-    return fallback if value is None else value
+        sizes = SMALL_PROFILE if args.small else ProfileSizes()
+        given = {name: value for name, value in (("batch", args.batch), ("context", args.context)) if value is not None}
+        run_profile(args.out, dataclasses.replace(sizes, model=args.model or sizes.model, **given))
