@@ -356,7 +356,7 @@ class CentralScheduler:
         """Let the planner replan the regime (every planner.PLAN_INTERVAL_S); write what it
         decided into the role map."""
         now = time.perf_counter()
-        if not self.planner.due(now):   # the loads pass over every active request: not on every poll
+        if not self.planner.time_to_plan(now):   # the loads pass over every active request: not on every poll
             return
         if self.planner.plan(self.router.cost, self.worker_loads(self.liveness.live()), self.cfg.max_num_seqs, now):
             self.set_roles(self.planner.roles, self.planner.budgets, self.planner.splits)

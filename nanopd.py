@@ -33,6 +33,7 @@ from cluster import CentralScheduler, ClusterConfig
 from config import EngineConfig, check_int
 from costmodel import HardwareParams
 from engine import Engine
+from lanes import make_engine
 from model import PRESETS, Detokenizer
 from profiler import profile_cluster
 from request import RequestMetrics, RequestOutput, SamplingParams
@@ -71,7 +72,7 @@ class LLM:
             if given:
                 raise ValueError(f"{', '.join(given)} only apply with a policy (collocated, disaggregated, adaptive); "
                                  "without one, LLM is a single engine on `device`")
-            self.backend: Engine | CentralScheduler = Engine(EngineConfig(model=model, **engine_settings))
+            self.backend: Engine | CentralScheduler = make_engine(EngineConfig(model=model, **engine_settings))
             return
         cluster_cfg = ClusterConfig(policy, **cluster_settings).resolved()
         self.backend = CentralScheduler(EngineConfig(model=model, **engine_settings), cluster_cfg)

@@ -375,14 +375,14 @@ class Planner:
         self.switch(Regime(both=len(live)), {w: WorkerLoad() for w in live}, now, [])
         self.budgets = dict.fromkeys(self.roles)
 
-    def due(self, now: float) -> bool:
+    def time_to_plan(self, now: float) -> bool:
         """Whether PLAN_INTERVAL_S has passed since the last plan."""
         return now - self.planned_at >= PLAN_INTERVAL_S
 
     def plan(self, cost: CostModel, loads: dict[int, WorkerLoad], seats: int, now: float) -> bool:
         """Replan for the live workers (loads' keys) if it is due; True if a role or a budget
         changed."""
-        if not self.due(now):
+        if not self.time_to_plan(now):
             return False
         self.planned_at, before = now, (dict(self.roles), dict(self.budgets), dict(self.splits))
         if set(loads) != set(self.roles):   # a worker died: all mixed on the live ones, then plan

@@ -248,7 +248,7 @@ class Sequence:
     # from row `pending_row` of that step's sampled tokens.
     pending_row: int | None = None
     drafts: list[int] = field(default_factory=list)   # speculative decoding: guesses of the tokens after the last
-    draft_misses: int = 0               # ... its drafting steps in a row that kept no draft (speculate.due)
+    draft_misses: int = 0               # ... its drafting steps in a row that kept no draft (speculate.drafts_at)
     # ... more candidates, each on a branch: a sequence forked for one step, sharing this
     # one's blocks (copy-on-write), in no queue and no request (Scheduler.branch).
     branches: list["Sequence"] = field(default_factory=list)

@@ -4282,7 +4282,7 @@ def test_one_device_serves_as_a_split_worker_under_every_split_policy(hf, monkey
         1.0, 0.2, 0.0, 1.0, 1, 5.0) for s in SPLITS})
     with make_cluster(hf, "adaptive", 1, profile=profile) as llm:
         cluster, ended, deadline = llm.cluster, set(), time.monotonic() + 120
-        monkeypatch.setattr(cluster.planner, "due", lambda now: False)   # the test sets the regime
+        monkeypatch.setattr(cluster.planner, "time_to_plan", lambda now: False)   # the test sets the regime
         first = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=30)) for p in MIXED_PROMPTS[:3]]
         while not all(cluster.active[r].tokens for r in first):
             assert time.monotonic() < deadline
@@ -4314,7 +4314,7 @@ def test_a_split_worker_takes_handoffs_beside_a_prefill_worker(hf, monkeypatch):
         1.0, 0.2, 0.0, 1.0, 1, 5.0) for s in SPLITS})
     with make_cluster(hf, "adaptive", 2, profile=profile) as llm:
         cluster = llm.cluster
-        monkeypatch.setattr(cluster.planner, "due", lambda now: False)
+        monkeypatch.setattr(cluster.planner, "time_to_plan", lambda now: False)
         regime = planner.Regime(prefill=1, split=1, sm_split=SPLIT)
         cluster.planner.switch(regime, cluster.worker_loads([0, 1]), time.perf_counter(), [])
         cluster.set_roles(cluster.planner.roles, cluster.planner.budgets, cluster.planner.splits)

@@ -161,7 +161,7 @@ def decode_beside_prefill_ms(engine, lanes, dec: Batch, pre: Batch, reps: int) -
 
 def prefill_beside_decode_ms(engine, lanes, dec: Batch, pre: Batch) -> float:
     """A chunk of pre on the prefill lane while the decode lane runs steps of dec back to
-    back, timed as a split worker times its chunks (engine.py:PrefillLaneStep, what the
+    back, timed as a split worker times its chunks (lanes.py:PrefillLaneStep, what the
     router refits the lane on): from its launch until the host, between two decode steps,
     sees it done. The lane's next chunk could start no sooner."""
     prefill_lane, decode_lane = lanes
