@@ -3535,8 +3535,8 @@ H200X2 = HardwareParams(alpha=0.02202, alpha0=2.09, alpha2=8.21e-7, beta=5.046, 
                         kv=4.02e-5, gamma=0.02342, transfer_rate=0.00422)
 
 
-# The profile one H200 measured for its split menu (nvidia-h200, code 459eded:
-# results/h200/decode_heavy8/adaptive_459eded.json, router_calibration.profiled).
+# The profile one H200 measured for its split menu (nvidia-h200: results/README.md, "The
+# split worker, serving one H200", the run's router_calibration.profiled).
 H200 = HardwareParams(alpha=0.0220762, alpha0=2.42313, alpha2=7.80002e-07, beta=5.29812, batch_thresh=16,
                       slope=0.0196892, kv=4.80308e-05, gamma=0.0260869, transfer_rate=math.inf, splits={
                           "100/32": SplitParams(21.1694, 0.0251105, 0.0, 10.5359, 64, 0.120092, 9.04951e-05),
