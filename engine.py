@@ -81,8 +81,10 @@ WARM_UP = [SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0, logpro
 
 
 class Engine:
+    has_lanes = False   # SplitEngine (lanes.py): steps on the two lanes of an SM split
+
     def __init__(self, cfg: EngineConfig):
-        if cfg.splits_sms and type(self) is Engine:
+        if cfg.splits_sms and not self.has_lanes:
             raise ValueError("sm_split and split_menu are a split worker's: lanes.py:SplitEngine "
                              "(lanes.make_engine picks it)")
         cfg.validate()
@@ -208,7 +210,7 @@ class Engine:
         if self._restart_beams() + len(batch.seqs) == 0 and self.in_flight is None:
             return self._end_unschedulable()
         try:
-            launched = self._launch(batch, self.runner.whole, self.in_flight) if batch.seqs else None
+            launched = self._launch(batch, self.runner.full_gpu, self.in_flight) if batch.seqs else None
             finished = self._finish(self.in_flight) if self.in_flight else []
         except Exception as e:  # noqa: BLE001 (the requests end with it; nothing else is lost)
             return self._fail_step([batch], e)

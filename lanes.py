@@ -55,6 +55,7 @@ def make_engine(cfg: EngineConfig) -> Engine:
 class SplitEngine(Engine):
     """An Engine whose steps run on the two lanes of an SM split (None: the whole GPU).
     Its in_flight is the decode lane's step; prefill_in_flight the prefill lane's."""
+    has_lanes = True
 
     def __init__(self, cfg: EngineConfig):
         load_kernels_at_start()   # before anything asks CUDA about the device (validate does)
@@ -188,7 +189,7 @@ class SplitEngine(Engine):
         launched beside it). After an abort of a sequence the prefill lane computes it
         waits for that lane's step on the device (the blocks it freed)."""
         _, decode_lane = self.runner.splits[self.split]
-        lane = decode_lane if self.prefill_in_flight is not None or prompts.seqs else self.runner.whole
+        lane = decode_lane if self.prefill_in_flight is not None or prompts.seqs else self.runner.full_gpu
         if self.decode_waits_for_prefill:
             wait_for(lane, self.prefill_in_flight)
             self.decode_waits_for_prefill = False
@@ -200,7 +201,7 @@ class SplitEngine(Engine):
         sequence that just stopped): the chunk waits for it on the device before it starts.
         The requests it finished, if beam search made the host take its tokens now."""
         prefill_lane, _ = self.runner.splits[self.split]
-        lane = prefill_lane if self._decoding() else self.runner.alone
+        lane = prefill_lane if self._decoding() else self.runner.full_gpu_eager
         wait_for(lane, written_by)
         self.prefill_in_flight = self._launch(prompts, lane, None)
         if not self.prefill_in_flight.beams:
@@ -227,14 +228,13 @@ class SplitEngine(Engine):
         """The Engine's abort; on a split, the decode lane's step in flight stays (the
         prefill lane's next chunk waits for it), and an abort of a sequence the prefill lane
         computes makes the decode lane's next step wait for that chunk."""
-        if self.split is None:
-            return super().abort(request_ids)
         prefilling = sequences_of(self.prefill_in_flight)
-        for request_id in request_ids:
-            req = self.requests.pop(request_id, None)
-            if req is not None:
-                self.decode_waits_for_prefill |= any(s in prefilling for s in req.seqs)
-                self._retire(req)
+        aborted = [self.requests[r] for r in request_ids if r in self.requests]
+        self.decode_waits_for_prefill |= any(s in prefilling for req in aborted for s in req.seqs)
+        decode_step = self.in_flight
+        super().abort(request_ids)
+        if self.split is not None:
+            self.in_flight = decode_step
 
     def _fail_step(self, batches: list[Batch], error: Exception, *launched: LaunchedStep | None) -> list[int]:
         prefill, self.prefill_in_flight = self.prefill_in_flight, None

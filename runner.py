@@ -214,8 +214,8 @@ class ModelRunner:
         """The pinned buffers, the penalties' token counts and (unless enforce_eager) the
         CUDA graphs of the steps."""
         self.token_counts = TokenCounts(self.model.config.vocab_size, self.device)
-        self.whole = Lane(pieces=True)   # the whole GPU, on the current stream
-        self.alone = Lane()   # the whole GPU without graphs: a split worker's prompts with nothing to decode
+        self.full_gpu = Lane(pieces=True)   # the whole GPU, on the current stream
+        self.full_gpu_eager = Lane()   # the whole GPU without graphs: a split worker's prompts with nothing to decode
         # Each split of the menu, under the SM counts the driver gave: its prefill lane and its decode lane.
         self.splits: dict[Split, tuple[Lane, Lane]] = {}
         for lanes, asked in zip(self.split_lanes, self.menu):
@@ -232,12 +232,13 @@ class ModelRunner:
                                              if lanes.decode else None, split=lanes.split))
         self.piece_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}   # mixed: tokens -> one per piece
         self.piece_sizes: list[int] = []
-        self.lane = self.whole   # the lane of the step being launched (run): its buffers are used
+        self.lane = self.full_gpu   # the lane of the step being launched (run): its buffers are used
         if self.device.type == "cuda":
             largest = self.largest_upload_bytes()
-            for lane in [self.whole, *(lane for pair in self.splits.values() for lane in pair)]:
+            for lane in [self.full_gpu, *(lane for pair in self.splits.values() for lane in pair)]:
                 lane.uploads, lane.downloads = PinnedRing(initial_bytes=largest), PinnedRing()
-            self.alone.uploads, self.alone.downloads = self.whole.uploads, self.whole.downloads   # the same stream
+            eager, full = self.full_gpu_eager, self.full_gpu
+            eager.uploads, eager.downloads = full.uploads, full.downloads   # the same stream
         if self.device.type == "cuda" and not self.cfg.enforce_eager:
             self._capture_all_graphs()
 
@@ -306,7 +307,7 @@ class ModelRunner:
         its beam_k best continuations (read at once: beam search chooses on the host).
         prev_tokens: the running step's sampled tokens (see prepare). lane: where (the whole
         GPU unless a split's lane); everything the step allocates is that stream's."""
-        self.lane = lane = lane or self.whole
+        self.lane = lane = lane or self.full_gpu
         with lane.running():
             return self._run(batch, draws, beam_rows, beam_k, prev_tokens, lane)
 
@@ -450,7 +451,7 @@ class ModelRunner:
         try:
             with torch.cuda.stream(stream):
                 self._compile_split_variants()
-                pool = self._capture_decode_graphs(sizes, None, stream, self.whole)
+                pool = self._capture_decode_graphs(sizes, None, stream, self.full_gpu)
                 pool = self._capture_piece_graphs(pieces, pool, stream)
             # A graph keeps the SMs of the stream it was captured on: each split's decode lane
             # gets graphs of its own (all in the one pool: only one decode lane runs at a time).

@@ -1731,7 +1731,7 @@ def test_no_lane_grows_its_pinned_buffers_while_it_serves(hf):
     budget of their prompts, leave every buffer the one allocated at start-up."""
     llm = make_llm(hf.path, max_num_seqs=256, num_kv_blocks=256 * 64 + 64, max_num_batched_tokens=8192)
     runner_ = llm.engine.runner
-    lanes = [runner_.whole, runner_.alone, *(lane for pair in runner_.splits.values() for lane in pair)]
+    lanes = [runner_.full_gpu, runner_.full_gpu_eager, *(lane for pair in runner_.splits.values() for lane in pair)]
     before = [id(b) for lane in lanes for ring in (lane.uploads, lane.downloads) for b in ring.buffers]
     outs = generate(llm, [prompt(500, seed) for seed in range(256)], max_tokens=8, ignore_eos=True)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
@@ -2211,8 +2211,9 @@ def lane_log(monkeypatch, eng: Engine) -> list[tuple[str, set, set, bool]]:
 
     def logged(batch, lane, previous):
         split = eng.runner.splits.get(eng.split, (None, None))
-        name = {id(split[0]): "prefill", id(split[1]): "decode", id(eng.runner.alone): "alone"}.get(id(lane), "whole")
-        side = name in ("prefill", "alone")
+        names = {id(split[0]): "prefill", id(split[1]): "decode", id(eng.runner.full_gpu_eager): "full_gpu_eager"}
+        name = names.get(id(lane), "full_gpu")
+        side = name in ("prefill", "full_gpu_eager")
         other = set().union(*(step.sequences() for s, step in live.values() if s != side))
         log.append((name, set(batch.seqs), other, any(s.num_computed < s.num_prompt_tokens for s in batch.seqs)))
         step = launch(batch, lane, previous)
@@ -2233,15 +2234,15 @@ def test_split_engine_gives_hf_greedy_tokens_and_lanes_keep_apart(hf, monkeypatc
     prompts longer than a step chunked on the prefill lane; the decode lane runs decodes
     alone, and no lane computes a sequence the other has in flight. The split is taken
     only while both have work: the first prompts, with nothing decoding, prefill on the
-    whole GPU (alone), and the last decodes, with no prompt left, step on the whole GPU."""
+    whole GPU (full_gpu_eager), and the last decodes, with no prompt left, step on the whole GPU."""
     eng = split_engine(hf)
     log = lane_log(monkeypatch, eng)
     prompts = PROMPTS + [prompt(60, 9)]
     outs = run_engine(eng, [(p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)) for p in prompts])
     assert [o.outputs[0].token_ids for o in outs] == [hf.greedy(p, 10) for p in prompts]
     names = [name for name, *_ in log]
-    assert names[0] == "alone" and names[-1] == "whole" and {"prefill", "decode"} <= set(names)
-    assert all(prompts_in == (name in ("prefill", "alone")) for name, _, _, prompts_in in log)
+    assert names[0] == "full_gpu_eager" and names[-1] == "full_gpu" and {"prefill", "decode"} <= set(names)
+    assert all(prompts_in == (name in ("prefill", "full_gpu_eager")) for name, _, _, prompts_in in log)
     assert all(not (seqs & other) for _, seqs, other, _ in log)
     assert eng.bm.num_free_blocks == eng.bm.num_blocks
 
@@ -2931,7 +2932,7 @@ def test_a_split_worker_reports_where_each_decode_step_ran(hf):
 
     def logged(batch, lane, previous):
         step = launch(batch, lane, previous)
-        if lane is not eng.runner.splits[eng.split][0] and lane is not eng.runner.alone:
+        if lane is not eng.runner.splits[eng.split][0] and lane is not eng.runner.full_gpu_eager:
             on_decode_lane.append(lane is eng.runner.splits[eng.split][1])   # a decode step: on the decode lane?
         return step
     eng._launch = logged

@@ -290,7 +290,7 @@ def step_rows(eng, res: dict, facts: ModelFacts, rows: list[dict], sizes: Engine
             ms = time_step_ms(eng, batch, reps)   # also leaves this batch in the graph's inputs
             if graph_of is None:
                 return ms, None
-            graph = eng.runner.whole.graphs[next(s for s in eng.runner.whole.sizes if s >= graph_of)][0]
+            graph = eng.runner.full_gpu.graphs[next(s for s in eng.runner.full_gpu.sizes if s >= graph_of)][0]
             return ms, triton.testing.do_bench(graph.replay, warmup=20, rep=200, return_mode="median")
         finally:
             eng.runner.piece_sizes = pieces
@@ -545,7 +545,7 @@ def decode_step_while_pulling(model: str, src: str, dst: str, batch: int = 64, c
     eng = LLM(model, device=dst, max_num_seqs=batch, num_kv_blocks=batch * (context // 16 + 2) + chunk + 64).engine
     fake = fake_batch(eng, batch, context, 1)
     run_step(eng, fake)   # leaves the batch in the graph's inputs
-    graph = eng.runner.whole.graphs[next(s for s in eng.runner.whole.sizes if s >= batch)][0]
+    graph = eng.runner.full_gpu.graphs[next(s for s in eng.runner.full_gpu.sizes if s >= batch)][0]
     cache = eng.runner.kv_cache
     src_cache = torch.zeros(chunk, *cache.shape[1:], dtype=cache.dtype, device=src)
     dst_blocks, _ = eng.scheduler.allocate(list(range(chunk * eng.cfg.block_size)))

@@ -197,7 +197,7 @@ def verify_cost(llm: LLM, sizes: SpecSizes, row: dict) -> dict:
     """A drafting step's cost in plain steps at batch 1 (row: a batch-1 case): the whole
     step, from its tokens/s and tokens kept a step, against the GPU time of its decode
     graph alone (k + 1 rows, one each, against one row)."""
-    lane = llm.engine.runner.whole
+    lane = llm.engine.runner.full_gpu
     graphs = {n: next((b for b in lane.sizes if b >= n), None) for n in (1, sizes.k + 1)}
     if None in graphs.values():   # no graph that large (max_num_seqs): verify steps run without one
         return {}
