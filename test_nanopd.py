@@ -5222,10 +5222,13 @@ def module_name(path: Path) -> str:
     return ".".join(path.relative_to(HERE).with_suffix("").parts)
 
 
-def file_map() -> list[str]:
-    """The modules in the order of the README's file map (its tools rows `tools/name.py`)."""
-    rows = re.findall(r"^\| `((?:tools/)?\w+)\.py` \|", (HERE / "README.md").read_text(), re.MULTILINE)
-    return [row.replace("/", ".") for row in rows]
+def file_map() -> dict[str, list[str]]:
+    """The modules in the README's three tables (read first, features and the cluster,
+    tools), each table in its order; a tool's row is `tools/name.py`."""
+    text = (HERE / "README.md").read_text()
+    tables = re.split(r"\*\*(Read first|Features and the cluster|Tools)\*\*", text)[1:]
+    return {title: [row.replace("/", ".") for row in re.findall(r"^\| `((?:tools/)?\w+)\.py` \|", body, re.MULTILINE)]
+            for title, body in zip(tables[::2], tables[1::2])}
 
 
 def imports_of(path: Path) -> set[str]:
@@ -5241,23 +5244,31 @@ def imports_of(path: Path) -> set[str]:
     return names
 
 
-def test_each_module_imports_only_the_modules_above_it_in_the_file_map():
-    """The README's file map is the order of the layers: reading it top down, every file
-    uses only files already read, so there is no import circle. The tools (tools/) are the
-    top layer, listed last: bench.py, the command that runs them, is the one module that
-    uses them, and none of them uses it."""
-    order = file_map()
+def test_the_file_map_lists_every_module_and_the_imports_make_no_circle():
+    """The README's file map lists every module once, in three tables. The imports form no
+    circle (peeling off the modules that import none of those left ends with none left);
+    the "Read first" files, read in their order, each use only the ones already read; the
+    tools are imported only by bench.py, their command, and by each other; nanopd.py, the
+    front, only by bench.py and the tools; bench.py by nothing."""
+    tables = file_map()
+    order = [name for names in tables.values() for name in names]
+    assert list(tables) == ["Read first", "Features and the cluster", "Tools"] and len(tables["Read first"]) == 8
     assert sorted(order) == sorted(module_name(p) for p in MODULES if p.name != "__init__.py"), \
         "the file map lists every module once"
-    tools = {name for name in order if name.startswith("tools.")}
-    for i, name in enumerate(order):
-        above = set(order[:i])
-        if name in tools:
-            above -= {"bench"}
-        elif name == "bench":
-            above |= tools
-        ours = imports_of(HERE / f"{name.replace('.', '/')}.py") & (set(order) | {"tools"})
-        assert ours <= above, f"{name} imports {sorted(ours - above)}, below it"
+    graph = {name: imports_of(HERE / f"{name.replace('.', '/')}.py") & set(order) - {name} for name in order}
+    left = set(graph)
+    while left:
+        leaves = {name for name in left if not graph[name] & left}
+        assert leaves, f"an import circle among {sorted(left)}"
+        left -= leaves
+    first = tables["Read first"]
+    for i, name in enumerate(first):
+        assert graph[name] & set(first) <= set(first[:i]), f"{name} uses a read-first file below it"
+    tools = set(tables["Tools"]) - {"bench"}
+    for name, used in graph.items():
+        assert "bench" not in used, f"{name} imports bench"
+        if name not in tools | {"bench"}:
+            assert not used & (tools | {"nanopd"}), f"{name} imports {sorted(used & (tools | {'nanopd'}))}"
 
 
 def test_no_function_is_longer_than_60_lines_outside_triton_kernels():
