@@ -105,7 +105,9 @@ class SplitEngine(Engine):
         return steps
 
     def has_unfinished(self) -> bool:
-        return super().has_unfinished() or self.prefill_in_flight is not None
+        """Work left, a chunk in flight, or requests a split change finished that the next
+        step returns."""
+        return super().has_unfinished() or self.prefill_in_flight is not None or bool(self.ended_while_switching)
 
     def _serve_warm_up(self, ids: list[int], names: itertools.count) -> None:
         """On a split, its two lanes too (a lane is taken only while the other has work):
@@ -232,6 +234,7 @@ class SplitEngine(Engine):
         aborted = [self.requests[r] for r in request_ids if r in self.requests]
         self.decode_waits_for_prefill |= any(s in prefilling for req in aborted for s in req.seqs)
         decode_step = self.in_flight
+        self.ended_while_switching = [r for r in self.ended_while_switching if r not in request_ids]
         super().abort(request_ids)
         if self.split is not None:
             self.in_flight = decode_step
