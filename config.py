@@ -30,8 +30,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     # No drafts while more sequences than this run (None: at any batch). vLLM drafts at any
-    # batch by default; nanoPD stops past 8, where checking drafts stopped paying on the H200
-    # (results/README.md, "Speculative decoding": 1.18x at batch 4, 0.96x at 16, a = 0.8).
+    # batch by default; nanoPD stops past 8: checking drafts pays while a step is bound by
+    # reading the weights (small batches) and costs once it is bound by compute (large
+    # ones). `bench.py speculative` measures the crossover (docs/speculative.md).
     disable_by_batch_size: int | None = 8
     num_branches: int = 1                      # candidate continuations checked at once (1: vLLM's one)
     model: str | None = None                   # draft_model: the drafting model

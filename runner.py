@@ -4,8 +4,8 @@ ModelRunner.run builds the step's tensors (token ids, positions, slot mapping, b
 tables, lengths), uploads them in one copy, runs the model, samples on the device
 (sampler.py) and starts copying the tokens (and logprobs) to the host; the engine gets
 back a StepOutput whose event says when they have arrived. CUDA graphs captured at
-start-up replace the ~400 kernel launches of a step, which cost the host more time than a
-small step takes on the GPU:
+start-up replace the hundreds of kernel launches of a step, which cost the host more time
+than a small step takes on the GPU:
   - pure-decode steps replay a graph of the whole model for a padded batch size;
   - steps with prefill tokens, up to 1024 tokens (PIECE_TOKENS), replay graphs of the pieces
     between attentions (Qwen3.piece) for a padded token count, and launch each layer's
@@ -226,7 +226,7 @@ class ModelRunner:
                                  f"{lanes.split.decode_sms})")
             total = num_sms(self.device)
             # Only the decode lane's GEMMs are aimed at its SMs: a prompt's GEMMs keep cuBLAS's
-            # own choice, which measured faster on the prefill lane (bench.py split).
+            # own choice, which runs the prefill lane's chunks faster (docs/split.md).
             self.splits[lanes.split] = (Lane(lanes.prefill, split=lanes.split),
                                         Lane(lanes.decode, carveout=total - lanes.split.decode_sms
                                              if lanes.decode else None, split=lanes.split))

@@ -115,7 +115,7 @@ class P2PTransport(Transport):
 
     The copy engine is our (the destination's) own, reading the peer's memory over the
     link: torch's copy_ between devices would run on a stream of the source device,
-    pushing, which was slower on the H200 pair (docs/workers.md), and would give this
+    pushing, which is the slower way on the H200 pair (docs/workers.md), and would give this
     process a context on the prefill worker's GPU. torch has no call for a copy between
     devices on the destination's stream, so it is the driver's cuMemcpyAsync. It goes
     peer to peer once peer access is on, which worker_main's first copy from each peer
