@@ -327,8 +327,8 @@ def rank(cost: CostModel, mix: Mix, seats: int, n: int, slo: tuple[float, float]
     share of the decode steps (the prompts leave them for the other lane); below it, the
     split's forecast gain is inside its error, and its costs are real: a prompt's chunk
     moves the decodes to the smaller lane and holds the host while it is launched (on
-    short prompts with long outputs, the split measured 1.4x the whole GPU's TPOT where
-    its forecast was 1.0x; docs/split.md)."""
+    short prompts with long outputs, a split's TPOT came out well above the whole GPU's
+    where its forecast was level with it; docs/split.md)."""
     share = prompt_share(cost, mix, n)
     splits = [tuple(map(int, key.split("/"))) for key in cost.p.splits] if share >= SPLIT_MIN_SHARE else []
     return sorted((forecast(cost, r, mix, seats, slo) for r in regimes(n, slo, splits)), key=Forecast.key)

@@ -162,12 +162,11 @@ def fit_split(timings: dict, kv: float, split: dict, whole: HardwareParams) -> t
     (whole) slowed by one factor, the decode lane fitted as the whole GPU's decode is, its
     context term the whole GPU's scaled as its batch-1 step is; the larger fit error.
     Prefill is bound by arithmetic, so on P of the GPU's SMs it keeps the whole GPU's shape
-    in L and runs about P / all as fast (bench.py split: 0.81, 0.70, 0.62 and 0.54 of the
-    whole GPU's rate on 116, 100, 84 and 68 of 132 SMs). Three terms of its own, fitted on
-    lengths up to 4,096, bent the shape where one factor cannot: the profile of 84/48 in
-    results/h200/decode_heavy8/adaptive_459eded.json (a 30 ms fixed cost, a quadratic term
-    8x the whole GPU's) prefills 1,538 tokens at 0.66 of the whole GPU's rate and 8,192 at
-    0.45, where bench.py split measured 0.62."""
+    in L and runs about P / all as fast (bench.py split measures each lane beside the whole
+    GPU). Three terms of its own, fitted on lengths up to 4,096, bent the shape where one
+    factor cannot: a lane's own fit came out with a large fixed cost and a quadratic term
+    several times the whole GPU's, and so forecast long prompts far slower than bench.py
+    split finds them."""
     k, e_prefill = fit_lane_factor([CostModel(whole).prefill_ms(n) for n in timings["lengths"]], split["prefill_ms"])
     alpha0, alpha, alpha2 = k * whole.alpha0, k * whole.alpha, k * whole.alpha2
     kv_split = kv * split["decode_ms"][0] / timings["decode_ms"][0]

@@ -129,11 +129,11 @@ class RecursiveLeastSquares:
     are enough to move it.
     A residual far larger than the typical one (a step the host stalled, which no term
     of the model explains) moves the fit only as far as OUTLIER_CLIP typical residuals
-    would (Huber's robust regression, in its recursive form): one 250 ms stall among
-    10 ms steps would otherwise carry a lane's beta to tens of ms and leave it there.
+    would (Huber's robust regression, in its recursive form): one long stall among short
+    steps would otherwise carry a lane's beta far above its steps and leave it there.
     The first residual is clipped too, against PRIOR_SCALE of the profile's prediction
     (where that is not 0): the first step on a split just taken is often a stall, and
-    taken whole it set both the fit and the typical residual off by a hundredfold."""
+    taken whole it would set both the fit and the typical residual far off."""
 
     def __init__(self, theta: list[float], floor: list[float], forget: float = 0.995):
         self.theta = torch.tensor(theta, dtype=torch.float64)

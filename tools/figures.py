@@ -4,11 +4,11 @@
                    (kv_cache.BlockManager, docs/kv_cache.md's worked example)
   step_batch.png   the batches of docs/scheduling.md's worked example (scheduler.Scheduler)
   handoff.png      a handoff on a timeline, from the profile two H200s measured
-                   (results/h200x2/profile.txt) and the messages it sends (messages.py)
-  regimes.png      the regimes the planner chose over a phased run on one H200
-                   (results/h200/split_phased17/adaptive_bbc1236.json)
+                   (H200X2_PROFILE below) and the messages it sends (messages.py)
+  regimes.png      the regimes the planner chose over a phased run of bench.py on one
+                   H200 (REGIMES_RUN below)
   split_gpu.png    one H200's SMs split for each entry of the menu, with what each lane
-                   measured (results/h200/split.json)
+                   measured (SPLIT_RUN below: bench.py split's table)
 
     python bench.py figures      writes them into docs/figures/ (--out: elsewhere)
 
@@ -31,6 +31,9 @@ from scheduler import Scheduler
 
 ROOT = Path(__file__).resolve().parent.parent   # the repository: the results read, the docs written
 FIGURES = ROOT / "docs" / "figures"
+# The runs the figures read (results/README.md names each run's command, machine and date)
+REGIMES_RUN = ROOT / "results" / "h200" / "split_phased17" / "adaptive_bbc1236.json"
+SPLIT_RUN = ROOT / "results" / "h200" / "split.json"
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860"]
 PREFILL, DECODE, IDLE = "#DD8452", "#4C72B0", "#DDDDDD"
 
@@ -150,6 +153,7 @@ def draw_step_batch(out: Path) -> Path:
 # ----------------------------------------------------------------------------- the handoff
 
 
+# The profile two H200s measured (bench.py profile on two GPUs), its fit's terms in ms
 H200X2_PROFILE = {"alpha0": 2.09, "alpha": 0.02202, "alpha2": 8.21e-7, "beta": 5.046, "transfer_rate": 0.00422}
 
 
@@ -187,7 +191,7 @@ def draw_handoff(out: Path, prompt: int = 2048, steps: int = 6) -> Path:
 # ----------------------------------------------------------------------------- regimes and splits
 
 
-def draw_regimes(out: Path, run: Path = ROOT / "results" / "h200" / "split_phased17" / "adaptive_bbc1236.json") -> Path:
+def draw_regimes(out: Path, run: Path = REGIMES_RUN) -> Path:
     """The requests arriving per second (1 s bins, by the phase that drew them) over the
     run, and under them the regime the planner held: the whole GPU or a split (prefill SMs
     / decode SMs)."""
@@ -216,7 +220,7 @@ def draw_regimes(out: Path, run: Path = ROOT / "results" / "h200" / "split_phase
     return save(fig, out, "regimes.png")
 
 
-def draw_split_gpu(out: Path, run: Path = ROOT / "results" / "h200" / "split.json") -> Path:
+def draw_split_gpu(out: Path, run: Path = SPLIT_RUN) -> Path:
     """Each split of bench.py split's table as a bar of the GPU's SMs, prefill lane then
     decode lane, labelled with the decode step at batch 64 beside a prefill and the prefill
     rate beside decodes that the lanes measured."""

@@ -534,9 +534,9 @@ def transport_alone(transport, src_cache: torch.Tensor, dst_cache: torch.Tensor,
 def decode_step_while_pulling(model: str, src: str, dst: str, batch: int = 64, context: int = 1024) -> dict:
     """A decode step (CUDA-graph replay, batch x context) on dst, timed alone and while a
     P2PTransport pulls blocks from src into the same cache on its own stream, two ways:
-    - per_step: 128 blocks (one 2048-token request's KV, 302 MB of Qwen3-8B) pulled with every step.
-      A prefill worker produces that much KV in ~50 ms (2048 x 0.025 ms), so one per
-      7 ms step is several times the most a real decode worker receives;
+    - per_step: 128 blocks (one 2048-token request's KV, 302 MB of Qwen3-8B) pulled with
+      every step. A prefill worker takes several decode steps' time to produce that much
+      KV, so one per step is several times the most a real decode worker receives;
     - saturated: 2.4 GB pulls back to back for the whole timed window, the link never idle.
     Also the transport alone (transport_alone), same caches."""
     from nanopd import LLM
