@@ -11,8 +11,8 @@ generated workload, compared by latency, throughput and goodput.
   python bench.py figures   the docs' figures (tools/figures.py)
 
 With GPUs it serves the qwen3-8b preset on every visible GPU; without, the tiny preset on
-two CPU worker processes, where `python bench.py --policy adaptive` takes under a minute on
-a 2-core machine with no GPU (docs/benchmark.md times it). A preset is the model's architecture with
+two CPU worker processes, where `python bench.py --policy adaptive` takes about 30 s on a
+2-core machine with no GPU (docs/benchmark.md). A preset is the model's architecture with
 seeded random weights: nothing is downloaded. Requests
 decode greedily (temperature 0: the most likely token at every step) and ignore EOS, which
 a random-weight model would emit at random, so each generates the length its workload
