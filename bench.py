@@ -81,7 +81,8 @@ def make_requests(workload: str, rate: float, duration: float, count: int, seed:
         mix, factor = PHASES[int(t // PHASE_S) % len(PHASES)] if workload == "phased" else (workload, 1.0)
         prompt_len, out_len = WORKLOADS[mix](rng)
         prompt_len, out_len = max(4, int(prompt_len * scale)), max(2, int(out_len * scale))
-        specs.append(Spec(t if rate > 0 else 0.0, [rng.randrange(vocab) for _ in range(prompt_len)], out_len, mix))
+        specs.append(Spec(t if rate > 0 else 0.0, [rng.randrange(vocab) for _ in range(prompt_len)], out_len,
+                          mix))
         t += rng.expovariate(rate * factor) if rate > 0 else 0.0
     return specs
 
@@ -106,10 +107,12 @@ class Result:
     phase: str = ""                              # the mix that drew it (phased: the phase)
     arrival: float = 0.0                         # s after the run's start
     lag: float = 0.0                             # s from its arrival to its submit: the client fell behind
-    spec: tuple[int, int, int] = (0, 0, 0)       # speculative decoding: drafts checked, kept, in how many steps
+    # speculative decoding: drafts checked, kept, in how many steps
+    spec: tuple[int, int, int] = (0, 0, 0)
 
 
-def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec], desc: str) -> tuple[list[Result], float]:
+def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec],
+          desc: str) -> tuple[list[Result], float]:
     """Submit specs at their arrival times, wait for all; the results and the run's length.
     Latencies count from a request's arrival time, not from when this loop got to submit
     it: a user's request waits from when it is sent, and a loop that falls behind (its
@@ -133,7 +136,8 @@ def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec], desc:
                 routed = {}
                 if m.routed is not None:
                     predicted_ms, load, _ = m.routed
-                    routed = {"predicted_ms": predicted_ms, **asdict(load)}   # the whole load it was routed under
+                    # the whole load it was routed under
+                    routed = {"predicted_ms": predicted_ms, **asdict(load)}
                 results.append(Result(
                     policy, workload, rate, len(spec.prompt_ids), n,
                     ttft=(m.first_token_time or m.finish_time) - sent,
@@ -166,7 +170,8 @@ def summarize(results: list[Result], seconds: float, ttft_slo: float, tpot_slo: 
     ok = [r for r in results if r.error is None]
     row = {"requests": len(results), "failed": len(results) - len(ok),
            "output_tok_s": sum(r.output_len for r in ok) / seconds,
-           "slo_attainment": sum(r.ttft <= ttft_slo and r.tpot <= tpot_slo for r in ok) / max(1, len(results)),
+           "slo_attainment": sum(r.ttft <= ttft_slo and r.tpot <= tpot_slo for r in ok)
+                             / max(1, len(results)),
            "disaggregated_share": sum(len(r.path) == 2 for r in ok) / max(1, len(ok))}
     for name in ("ttft", "tpot", "e2e"):
         for q in (50, 90, 99):
@@ -193,13 +198,14 @@ def rate_text(rate: float) -> str:
 
 def print_table(rows: list[dict], title: str) -> None:
     print(f"\n{title}")
-    print("| policy | workload | rate (req/s) | requests | output tok/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) "
-          "| E2E p50 / p99 (s) | SLO met | disaggregated |")
+    print("| policy | workload | rate (req/s) | requests | output tok/s | TTFT p50 / p99 (s) "
+          "| TPOT p50 / p99 (ms) | E2E p50 / p99 (s) | SLO met | disaggregated |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         rate = "static" if r["rate"] <= 0 else f"{r['rate']:g}"
         print(f"| {r['policy']} | {r['workload']} | {rate} | {r['requests']} | {r['output_tok_s']:.0f} "
-              f"| {r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} | {r['tpot_p50'] * 1e3:.1f} / {r['tpot_p99'] * 1e3:.1f} "
+              f"| {r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} "
+              f"| {r['tpot_p50'] * 1e3:.1f} / {r['tpot_p99'] * 1e3:.1f} "
               f"| {r['e2e_p50']:.2f} / {r['e2e_p99']:.2f} | {r['slo_attainment']:.0%} "
               f"| {r['disaggregated_share']:.0%} |")
     for r in rows:
@@ -208,7 +214,8 @@ def print_table(rows: list[dict], title: str) -> None:
                   f"{r['spec_mean_kept_per_step']:.2f} tokens per drafting step")
 
 
-def plot(run: "Run", rows: list[dict], results: list[Result], goodput: dict, timelines: list[dict]) -> list[str]:
+def plot(run: "Run", rows: list[dict], results: list[Result], goodput: dict,
+         timelines: list[dict]) -> list[str]:
     """The PNGs a reader would rather look at than read, under run.out; their file names.
     Every figure is headed by the run's caption (policies, workloads, model, devices)."""
     import matplotlib
@@ -231,7 +238,8 @@ def plot(run: "Run", rows: list[dict], results: list[Result], goodput: dict, tim
     return list(figures)
 
 
-POLICY_COLORS = {"collocated": "C0", "disaggregated": "C1", "adaptive": "C2"}   # the same in every plot and run
+# the same in every plot and run
+POLICY_COLORS = {"collocated": "C0", "disaggregated": "C1", "adaptive": "C2"}
 LINE_STYLES = ["-", "--", ":", "-."]
 
 
@@ -239,7 +247,8 @@ def series_styles(rows: list[dict]) -> dict[str, dict]:
     """Each series' look (by its label): the colour its policy's, the line style its workload's."""
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     return {r["label"]: {"color": POLICY_COLORS[r["policy"]],
-                         "linestyle": LINE_STYLES[workloads.index(r["workload"]) % len(LINE_STYLES)]} for r in rows}
+                         "linestyle": LINE_STYLES[workloads.index(r["workload"]) % len(LINE_STYLES)]}
+            for r in rows}
 
 
 def log_ticks(axis) -> None:
@@ -287,8 +296,8 @@ def plot_goodput(plt, goodput: dict, styles: dict, run: "Run"):
     bars = ax.barh(names, [goodput[n] for n in names], color=[styles[n]["color"] for n in names], height=0.6)
     ax.bar_label(bars, [f"{goodput[n]:g}" for n in names], padding=3, fontsize=8)
     ax.set(xlabel="goodput (requests/s)", xlim=(0, max(run.rates) * 1.12),
-           title=f"the highest rate swept (of {', '.join(f'{r:g}' for r in run.rates)}) with >= 90% of requests "
-                 f"inside the SLO\n(TTFT <= {run.ttft_slo:g} s, TPOT <= {run.tpot_slo * 1e3:g} ms)")
+           title=f"the highest rate swept (of {', '.join(f'{r:g}' for r in run.rates)}) with >= 90% of "
+                 f"requests inside the SLO\n(TTFT <= {run.ttft_slo:g} s, TPOT <= {run.tpot_slo * 1e3:g} ms)")
     ax.title.set_fontsize(9)
     return fig
 
@@ -338,15 +347,18 @@ def plot_roles(plt, timelines: list[dict]):
                 start, end = k * PHASE_S, min((k + 1) * PHASE_S, tl["seconds"])
                 if k % 2:
                     ax.axvspan(start, end, color="0.9")
-                if end - start > 0.15 * tl["seconds"]:   # too short a stub left at the end: no room for a name
-                    ax.text((start + end) / 2, 0.97, f"phase {PHASES[k % len(PHASES)][0]}", ha="center", va="top",
-                            fontsize=7, transform=ax.get_xaxis_transform())
+                # too short a stub left at the end: no room for a name
+                if end - start > 0.15 * tl["seconds"]:
+                    ax.text((start + end) / 2, 0.97, f"phase {PHASES[k % len(PHASES)][0]}", ha="center",
+                            va="top", fontsize=7, transform=ax.get_xaxis_transform())
         ends = [c["time"] for c in tl["changes"][1:]] + [tl["seconds"]]
         for change, end in zip(tl["changes"], ends):
             for w, role in change["roles"].items():
-                ax.barh(int(w), end - change["time"], left=change["time"], color=ROLE_COLORS[role], height=0.6)
+                ax.barh(int(w), end - change["time"], left=change["time"], color=ROLE_COLORS[role],
+                        height=0.6)
         regimes = [c["regime"] for c in tl["changes"]]
-        held = f"regime '{regimes[0]}' throughout" if len(set(regimes)) == 1 else f"{len(regimes) - 1} regime changes"
+        held = (f"regime '{regimes[0]}' throughout" if len(set(regimes)) == 1
+                else f"{len(regimes) - 1} regime changes")
         ax.set(xlim=(0, tl["seconds"]), title=f"the adaptive policy's worker roles, {tl['workload']} at "
                f"{rate_text(tl['rate'])}: {held}")
         ax.set_yticks(workers, [f"worker {w}" for w in workers])
@@ -364,12 +376,14 @@ def plot_cdf(plt, rows: list[dict], results: list[Result], styles: dict):
     fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
     top = max(r["rate"] for r in rows)
     for r in rows:
-        e2e = sorted(x.e2e for x in results if (x.policy, x.workload, x.rate) == (r["policy"], r["workload"], top)
+        e2e = sorted(x.e2e for x in results
+                     if (x.policy, x.workload, x.rate) == (r["policy"], r["workload"], top)
                      and x.error is None)
         if r["rate"] == top and e2e:   # (a phase's row has no requests of its own name)
-            ax.plot(e2e, [(i + 1) / len(e2e) for i in range(len(e2e))], label=r["label"], **styles[r["label"]])
-    ax.set(xlabel="end-to-end latency (s, log scale)", ylabel="fraction of requests", xscale="log", ylim=(0, 1.02),
-           title=f"end-to-end latency CDF at {rate_text(top)}")
+            ax.plot(e2e, [(i + 1) / len(e2e) for i in range(len(e2e))], label=r["label"],
+                    **styles[r["label"]])
+    ax.set(xlabel="end-to-end latency (s, log scale)", ylabel="fraction of requests", xscale="log",
+           ylim=(0, 1.02), title=f"end-to-end latency CDF at {rate_text(top)}")
     log_ticks(ax.xaxis)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
@@ -408,24 +422,26 @@ def parser() -> argparse.ArgumentParser:
     from model import PRESETS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", default="adaptive", choices=["collocated", "disaggregated", "adaptive", "all"],
-                   help="collocated: every worker prefills and decodes; disaggregated: one prefills, the others "
-                   "decode; adaptive: the router picks each request's path and the planner the roles; all: the "
-                   "three in turn on the same requests (default: %(default)s)")
+                   help="collocated: every worker prefills and decodes; disaggregated: one prefills, the "
+                   "others decode; adaptive: the router picks each request's path and the planner the "
+                   "roles; all: the three in turn on the same requests (default: %(default)s)")
     p.add_argument("--mode", default="poisson", choices=["static", "poisson", "sweep"],
-                   help="static: --num-requests at once; poisson: arrivals at --rate for --duration; sweep: the "
-                   "poisson run at each of --rates (default: %(default)s)")
+                   help="static: --num-requests at once; poisson: arrivals at --rate for --duration; "
+                   "sweep: the poisson run at each of --rates (default: %(default)s)")
     p.add_argument("--workload", nargs="+", default=["sharegpt"], choices=list(WORKLOADS), metavar="NAME",
                    help=f"the prompt and output lengths drawn, one or more of {', '.join(WORKLOADS)} "
                    "(docs/benchmark.md); several: each in turn (default: sharegpt)")
-    p.add_argument("--rate", type=float, default=None, help="requests/s (poisson; default: 8 on GPUs, 4 on CPUs)")
+    p.add_argument("--rate", type=float, default=None,
+                   help="requests/s (poisson; default: 8 on GPUs, 4 on CPUs)")
     p.add_argument("--rates", type=float, nargs="+", default=None,
                    help="requests/s of each sweep run (default: 2 4 8 16 32 on GPUs, 2 4 8 on CPUs)")
     p.add_argument("--duration", type=float, default=None,
                    help="seconds of arrivals per run (default: 60 on GPUs, 15 on CPUs)")
-    p.add_argument("--num-requests", type=int, default=None, help="static mode (default: 512 on GPUs, 64 on CPUs)")
-    p.add_argument("--model", default=None, help=f"a preset ({', '.join(PRESETS)}: the architecture with seeded "
-                   "random weights, no download) or a Hugging Face checkpoint folder (default: qwen3-8b on GPUs, "
-                   "tiny on CPUs)")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="static mode (default: 512 on GPUs, 64 on CPUs)")
+    p.add_argument("--model", default=None, help=f"a preset ({', '.join(PRESETS)}: the architecture with "
+                   "seeded random weights, no download) or a Hugging Face checkpoint folder (default: "
+                   "qwen3-8b on GPUs, tiny on CPUs)")
     p.add_argument("--devices", nargs="+", default=None,
                    help="one worker per entry (default: every visible GPU, or cpu cpu without one)")
     p.add_argument("--join", default=None, help="HOST:PORT to listen at for workers torchrun starts on other "
@@ -434,8 +450,9 @@ def parser() -> argparse.ArgumentParser:
                    help="how KV moves between workers (default: p2p, or distributed with --join)")
     p.add_argument("--seed", type=int, default=0, help="draws the workload: the same seed, the same requests "
                    "for every policy (default: %(default)s)")
-    p.add_argument("--ttft-slo", type=float, default=None, help="seconds to the first token (default: 2.0 on "
-                   "GPUs, 0.5 on CPUs). Given (or --tpot-slo), the adaptive policy routes for goodput under it")
+    p.add_argument("--ttft-slo", type=float, default=None, help="seconds to the first token (default: 2.0 "
+                   "on GPUs, 0.5 on CPUs). Given (or --tpot-slo), the adaptive policy routes for goodput "
+                   "under it")
     p.add_argument("--tpot-slo", type=float, default=None,
                    help="seconds per output token after the first (default: 0.1 on GPUs, 0.05 on CPUs)")
     p.add_argument("--max-num-seqs", type=int, default=256,
@@ -443,7 +460,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step (default: 8192 on GPUs, 256 on CPUs)")
     p.add_argument("--speculative", type=int, default=0, metavar="K",
-                   help="speculative decoding, K ngram drafts a step (docs/speculative.md); 0: none (default)")
+                   help="speculative decoding, K ngram drafts a step (docs/speculative.md); 0: none "
+                   "(default)")
     p.add_argument("--out", default="runs/bench", help="folder for results.json and the plots (runs/ is not "
                    "tracked; results/ holds the measurements the docs quote) (default: %(default)s)")
     add_tool_commands(p)
@@ -453,27 +471,30 @@ def parser() -> argparse.ArgumentParser:
 def add_tool_commands(p: argparse.ArgumentParser) -> None:
     """`bench.py COMMAND [...]`: one sub-command per tool (tools/), its module's docstring its
     help page; without a command, bench.py runs the serving benchmark."""
-    sub = p.add_subparsers(dest="command", title="commands", description="the tools; without one, the serving "
-                           "benchmark runs (bench.py COMMAND --help for each)")
+    sub = p.add_subparsers(dest="command", title="commands", description="the tools; without one, the "
+                           "serving benchmark runs (bench.py COMMAND --help for each)")
 
-    def command(name: str, module, summary: str, model: bool = True, plot: bool = False) -> argparse.ArgumentParser:
+    def command(name: str, module, summary: str, model: bool = True,
+                plot: bool = False) -> argparse.ArgumentParser:
         """A measuring tool's sub-command: --small and --out (JSON, and a plot beside it if it
         draws one), and --model unless it times no model."""
         c = sub.add_parser(name, help=summary, description=module.__doc__, prog=f"bench.py {name}",
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         c.set_defaults(main=module.main)
         c.add_argument("--small", action="store_true", help="every measurement at toy sizes (the tiny model, "
-                       "small batches, few requests): seconds, to check that it runs; its numbers mean nothing")
+                       "small batches, few requests): seconds, to check that it runs; its numbers mean "
+                       "nothing")
         c.add_argument("--out", default=None, help="write the results as JSON here" + (
             ", and a plot beside it (.png)" if plot else "") + " (default: print only)")
         if model:
-            c.add_argument("--model", default=None, help="preset (random weights) or checkpoint folder (default: "
-                           "qwen3-8b, or tiny with --small)")
+            c.add_argument("--model", default=None, help="preset (random weights) or checkpoint folder "
+                           "(default: qwen3-8b, or tiny with --small)")
         return c
     command("kernels", microbench, "the kernels, each beside a same-run reference", model=False)
     command("engine", microbench, "the single-GPU engine beside the hardware's ceilings")
     profile = command("profile", microbench, "a decode step's GPU time, kernel by kernel")
-    profile.add_argument("--batch", type=int, default=None, help="decode batch size (default: 1, 2 with --small)")
+    profile.add_argument("--batch", type=int, default=None,
+                         help="decode batch size (default: 1, 2 with --small)")
     profile.add_argument("--context", type=int, default=None, help="tokens of context per sequence (default: "
                          "1024, 64 with --small)")
     transfer = command("transfer", microbench, "the KV handoff between two GPUs")
@@ -484,7 +505,8 @@ def add_tool_commands(p: argparse.ArgumentParser) -> None:
     figs = sub.add_parser("figures", help="draw the docs' figures", description=figures.__doc__,
                           prog="bench.py figures", formatter_class=argparse.RawDescriptionHelpFormatter)
     figs.set_defaults(main=figures.main)
-    figs.add_argument("--out", type=Path, default=figures.FIGURES, help="folder for the PNGs (default: docs/figures)")
+    figs.add_argument("--out", type=Path, default=figures.FIGURES,
+                      help="folder for the PNGs (default: docs/figures)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -502,14 +524,19 @@ def make_run(args: argparse.Namespace) -> Run:
         rates = [0.0]
     else:
         rates = [default(args.rate, 8.0 if gpu else 4.0)]
-    run = Run(mode=args.mode, policies=["collocated", "disaggregated", "adaptive"] if args.policy == "all" else [args.policy],
+    run = Run(mode=args.mode,
+              policies=["collocated", "disaggregated", "adaptive"] if args.policy == "all" else [args.policy],
               workloads=args.workload, rates=rates,
-              duration=default(args.duration, 60.0 if gpu else 15.0), count=default(args.num_requests, 512 if gpu else 64),
-              model=args.model or ("qwen3-8b" if gpu else "tiny"), devices=devices, scale=1.0 if gpu else 1 / 8,
-              ttft_slo=default(args.ttft_slo, 2.0 if gpu else 0.5), tpot_slo=default(args.tpot_slo, 0.1 if gpu else 0.05),
+              duration=default(args.duration, 60.0 if gpu else 15.0),
+              count=default(args.num_requests, 512 if gpu else 64),
+              model=args.model or ("qwen3-8b" if gpu else "tiny"), devices=devices,
+              scale=1.0 if gpu else 1 / 8,
+              ttft_slo=default(args.ttft_slo, 2.0 if gpu else 0.5),
+              tpot_slo=default(args.tpot_slo, 0.1 if gpu else 0.05),
               engine={"max_num_seqs": args.max_num_seqs, "max_model_len": 4096,
                       "max_num_batched_tokens": default(args.max_num_batched_tokens, 8192 if gpu else 256),
-                      **({"speculative_config": {"method": "ngram", "num_speculative_tokens": args.speculative}}
+                      **({"speculative_config": {"method": "ngram",
+                                                 "num_speculative_tokens": args.speculative}}
                          if args.speculative != 0 else {})},
               seed=args.seed, out=Path(args.out), join=args.join,
               transport=args.transport or ("distributed" if args.join else "p2p"),
@@ -529,7 +556,8 @@ MAX_REQUESTS = 1_000_000   # per workload and rate: past it a run would take hou
 
 def check_run(run: Run) -> None:
     """SystemExit with one line naming the flag, for a run that could not run or never end."""
-    for flag, values in (("--rate/--rates", run.rates if run.mode != "static" else []), ("--duration", [run.duration]),
+    for flag, values in (("--rate/--rates", run.rates if run.mode != "static" else []),
+                         ("--duration", [run.duration]),
                          ("--ttft-slo", [run.ttft_slo]), ("--tpot-slo", [run.tpot_slo])):
         bad = [v for v in values if not (math.isfinite(v) and v > 0)]
         if bad:
@@ -540,7 +568,8 @@ def check_run(run: Run) -> None:
     if spec is not None and spec["num_speculative_tokens"] < 0:
         raise SystemExit(f"error: --speculative must be at least 0, got {spec['num_speculative_tokens']}")
     if max(run.rates) * run.duration > MAX_REQUESTS or run.count > MAX_REQUESTS:
-        raise SystemExit(f"error: --rate x --duration (or --num-requests) asks for more than {MAX_REQUESTS:,} requests")
+        raise SystemExit(f"error: --rate x --duration (or --num-requests) asks for more than "
+                         f"{MAX_REQUESTS:,} requests")
     try:   # the results must have somewhere to go before any time is spent serving
         run.out.mkdir(parents=True, exist_ok=True)
         (run.out / ".writable").touch()
@@ -555,7 +584,8 @@ def run_policy(run: Run, policy: str) -> tuple[list[dict], list[Result], dict, l
     and the regimes it went through (adaptive)."""
     from nanopd import LLM
     try:
-        llm = LLM(run.model, policy=policy, devices=run.devices, slo=run.slo if policy == "adaptive" else None,
+        llm = LLM(run.model, policy=policy, devices=run.devices,
+                  slo=run.slo if policy == "adaptive" else None,
                   join=run.join, transport=run.transport, **run.engine)
     except ValueError as e:   # bad --model, --devices for the policy, ...: say so, no traceback
         raise SystemExit(f"error: {e}") from None
@@ -617,9 +647,11 @@ def calibration(router, profiled: dict | None = None) -> dict:
         return statistics.median(xs) if xs else float("nan")
     return {"median_rel_error": median(errs), "cost_model_median_rel_error": median(router.model_errors),
             **{name: {"requests": router.split_changed.count(changed),
-                      "median_rel_error": median([e for e, c in zip(errs, router.split_changed) if c == changed])}
+                      "median_rel_error": median([e for e, c in zip(errs, router.split_changed)
+                                                  if c == changed])}
                for name, changed in (("split_kept", False), ("split_changed", True))},
-            "by_decile": [statistics.median(errs[i * len(errs) // 10:(i + 1) * len(errs) // 10] or [float("nan")])
+            "by_decile": [statistics.median(errs[i * len(errs) // 10:(i + 1) * len(errs) // 10]
+                                            or [float("nan")])
                           for i in range(10)],
             "profiled": profiled, "refitted": asdict(router.cost.p)}
 
@@ -636,10 +668,12 @@ def caption(run: Run) -> str:
         devices = f"{len(run.devices)} workers on {', '.join(run.devices)}" + (
             f" ({torch.cuda.get_device_name(run.devices[0])})" if gpu else "")
     rates = ", ".join(f"{r:g}" for r in run.rates)
-    arrivals = {"static": f"{run.count} requests at once", "poisson": f"Poisson arrivals at {rates} req/s for "
-                f"{run.duration:g} s", "sweep": f"Poisson arrivals at {rates} req/s, {run.duration:g} s each"}[run.mode]
+    arrivals = {"static": f"{run.count} requests at once",
+                "poisson": f"Poisson arrivals at {rates} req/s for {run.duration:g} s",
+                "sweep": f"Poisson arrivals at {rates} req/s, {run.duration:g} s each"}[run.mode]
     return (f"{'policy' if len(run.policies) == 1 else 'policies'} {', '.join(run.policies)} | "
-            f"{'workload' if len(run.workloads) == 1 else 'workloads'} {', '.join(run.workloads)}, {arrivals}\n"
+            f"{'workload' if len(run.workloads) == 1 else 'workloads'} {', '.join(run.workloads)}, "
+            f"{arrivals}\n"
             f"model {model} | {devices}")
 
 
@@ -648,14 +682,17 @@ def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timel
     for r in rows:
         r["label"] = label(r["policy"], r["workload"], rows)
     labels = list(dict.fromkeys(r["label"] for r in rows))
-    goodput = {lb: max([r["rate"] for r in rows if r["label"] == lb and r["slo_attainment"] >= 0.9], default=0.0)
+    goodput = {lb: max([r["rate"] for r in rows if r["label"] == lb and r["slo_attainment"] >= 0.9],
+                       default=0.0)
                for lb in labels}
     print_table(rows, caption(run))
     behind = max(r["lag_max"] for r in rows)
     if behind > 0.05:
-        print(f"note: the client fell behind its arrivals by up to {behind:.2f} s (latencies count from the arrivals)")
+        print(f"note: the client fell behind its arrivals by up to {behind:.2f} s (latencies count from "
+              "the arrivals)")
     if len(run.rates) > 1:
-        print(f"goodput (req/s, >= 90% within TTFT <= {run.ttft_slo:g} s and TPOT <= {run.tpot_slo * 1e3:g} ms): "
+        print(f"goodput (req/s, >= 90% within TTFT <= {run.ttft_slo:g} s and TPOT <= "
+              f"{run.tpot_slo * 1e3:g} ms): "
               + ", ".join(f"{p} {g:g}" for p, g in goodput.items()))
     if calib:
         print(f"adaptive router: median |predicted - measured| / measured latency "
@@ -664,16 +701,18 @@ def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timel
               f"{calib['cost_model_median_rel_error']:.1%}")
         kept, changed = calib["split_kept"], calib["split_changed"]
         if changed["requests"]:
-            print(f"  {kept['median_rel_error']:.1%} over the {kept['requests']} requests whose worker kept its "
-                  f"SM split, {changed['median_rel_error']:.1%} over the {changed['requests']} whose split changed")
+            print(f"  {kept['median_rel_error']:.1%} over the {kept['requests']} requests whose worker "
+                  f"kept its SM split, {changed['median_rel_error']:.1%} over the {changed['requests']} "
+                  "whose split changed")
     for tl in timelines:   # when the planner changed the regime (the plots and results.json say more)
         print(f"{tl['policy']} regimes, {tl['workload']} at {tl['rate']:g} req/s: "
               + ", ".join(f"{c['time']:.1f} s {c['regime']}" for c in tl["changes"]))
     run.out.mkdir(parents=True, exist_ok=True)
     files = plot(run, rows, results, goodput, timelines)
     gpu = run.devices[0].startswith("cuda") if run.devices else torch.cuda.is_available()
-    meta = {"model": run.model, "devices": run.devices or [f"joined at {run.join}"], "workloads": run.workloads,
-            "transport": run.transport, "mode": run.mode, "seed": run.seed, "ttft_slo": run.ttft_slo, "tpot_slo": run.tpot_slo, "length_scale": run.scale,
+    meta = {"model": run.model, "devices": run.devices or [f"joined at {run.join}"],
+            "workloads": run.workloads, "transport": run.transport, "mode": run.mode, "seed": run.seed,
+            "ttft_slo": run.ttft_slo, "tpot_slo": run.tpot_slo, "length_scale": run.scale,
             "device_name": torch.cuda.get_device_name() if gpu else "cpu"}
     # One line, six significant digits: a sweep holds some 15,000 requests' timings.
     (run.out / "results.json").write_text(json.dumps(six_digits(

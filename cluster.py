@@ -82,7 +82,8 @@ class Policy:
 POLICIES = {
     "collocated": Policy(lambda n, k: ["both"] * n),
     # On one device: one split worker, its prefill and decode lanes on the fixed split.
-    "disaggregated": Policy(lambda n, k: ["split"] if n == 1 else ["prefill" if w < k else "decode" for w in range(n)]),
+    "disaggregated": Policy(lambda n, k: ["split"] if n == 1
+                            else ["prefill" if w < k else "decode" for w in range(n)]),
     "adaptive": Policy(lambda n, k: ["both"] * n, steered=True),
 }
 
@@ -97,7 +98,8 @@ class ClusterConfig:
     transport: str = "p2p"                      # how the KV moves (transport.py); joined workers: distributed
     worker_timeout_s: float = 60.0              # a worker silent this long is dead (Liveness)
     slo: tuple[float, float] | None = None      # adaptive: (ttft_s, tpot_s), to route and plan for goodput
-    join: str | None = None                     # HOST:PORT: serve workers torchrun starts on their hosts (hosts.py)
+    # HOST:PORT: serve workers torchrun starts on their hosts (hosts.py)
+    join: str | None = None
 
     def resolved(self) -> "ClusterConfig":
         """These settings with the defaults that depend on the others filled in: workers that
@@ -132,11 +134,13 @@ class ClusterConfig:
             raise ValueError(f"devices {list(devices)} mix cpu and cuda")
         if (self.transport == "distributed" and str(devices[0]).startswith("cuda")
                 and len(set(map(str, devices))) < len(devices)):
-            raise ValueError(f"the distributed transport (NCCL) needs a GPU of its own per worker, got {list(devices)}")
+            raise ValueError(f"the distributed transport (NCCL) needs a GPU of its own per worker, "
+                             f"got {list(devices)}")
 
     def _check_slo(self) -> None:
         if not POLICIES[self.policy].steered:
-            raise ValueError(f"slo applies to the adaptive policy (it steers its router), not to {self.policy}")
+            raise ValueError(f"slo applies to the adaptive policy (it steers its router), not to "
+                             f"{self.policy}")
         if not isinstance(self.slo, list | tuple) or len(self.slo) != 2:
             raise ValueError(f"slo must be (ttft_s, tpot_s), got {self.slo!r}")
         for name, value in zip(("slo's ttft_s", "slo's tpot_s"), self.slo):
@@ -262,16 +266,18 @@ class CentralScheduler:
         exit_in_order_on_sigterm()   # a SIGTERM then stops the workers too, as any exit does
         cluster, devices = self.cluster_cfg, self.cluster_cfg.devices
         if cluster.join is not None:
-            self.workers = RemoteWorkers(cluster.join, self.cfg, self.transport, self.steered, startup_timeout_s)
+            self.workers = RemoteWorkers(cluster.join, self.cfg, self.transport, self.steered,
+                                         startup_timeout_s)
             self._close = weakref.finalize(self, self.workers.close)
             devices = [f"worker {w}" for w in range(self.workers.count)]   # named by their Ready
         n = len(devices)
         roles = POLICIES[cluster.policy].roles(n, cluster.num_prefill)
         self._split_menu(devices, roles)
-        self.roles = RoleMap(roles, {w: self.cfg.sm_split for w, r in enumerate(roles) if ROLES[r].splits_sms})
+        self.roles = RoleMap(roles, {w: self.cfg.sm_split for w, r in enumerate(roles)
+                                     if ROLES[r].splits_sms})
         if not self.roles.takers(list(range(n))) or not self.roles.decoders(list(range(n))):
-            raise ValueError(f"{cluster.policy} needs 1 <= num_prefill < the number of workers, got num_prefill="
-                             f"{cluster.num_prefill} with {n} workers")
+            raise ValueError(f"{cluster.policy} needs 1 <= num_prefill < the number of workers, "
+                             f"got num_prefill={cluster.num_prefill} with {n} workers")
         if cluster.join is None:
             # Workers time every step for the router only under a steered policy.
             configs = [self._worker_config(device, role) for device, role in zip(devices, roles)]
@@ -308,7 +314,8 @@ class CentralScheduler:
         if not TRANSPORTS[self.transport].shares_caches:   # two-sided: nothing is shared
             return [[] for _ in range(n)]
         role = self.roles.role
-        return [[j for j in range(n) if j != i and (self.steered or (role(i).takes_handoffs and role(j).hands_off))]
+        return [[j for j in range(n)
+                 if j != i and (self.steered or (role(i).takes_handoffs and role(j).hands_off))]
                 for i in range(n)]
 
     def close(self) -> None:
@@ -358,16 +365,19 @@ class CentralScheduler:
         now = time.perf_counter()
         if not self.planner.time_to_plan(now):   # the loads pass over every active request: not on every poll
             return
-        if self.planner.plan(self.router.cost, self.worker_loads(self.liveness.live()), self.cfg.max_num_seqs, now):
+        if self.planner.plan(self.router.cost, self.worker_loads(self.liveness.live()), self.cfg.max_num_seqs,
+                             now):
             self.set_roles(self.planner.roles, self.planner.budgets, self.planner.splits)
-            log.info("regime %s, roles %s, budgets %s", self.planner.regime, self.planner.roles, self.planner.budgets)
+            log.info("regime %s, roles %s, budgets %s", self.planner.regime, self.planner.roles,
+                     self.planner.budgets)
 
     def worker_loads(self, workers: list[int]) -> dict[int, WorkerLoad]:
         """What the router weighs, per worker (telemetry.py:Telemetry.loads)."""
         return self.telemetry.loads(workers, self.requests.active.values(), self.roles, time.perf_counter())
 
     def _least_loaded(self, workers: list[int]) -> int:
-        return self.telemetry.least_loaded(workers, self.requests.active.values(), self.roles, time.perf_counter())
+        return self.telemetry.least_loaded(workers, self.requests.active.values(), self.roles,
+                                           time.perf_counter())
 
     # -- requests
 
@@ -394,14 +404,15 @@ class CentralScheduler:
         live = self.liveness.live()
         takers, decoders = self.roles.takers(live), self.roles.decoders(live)
         if not takers or not decoders:
-            return self.requests.fail(t, RuntimeError(f"no live worker can serve it (dead: {self.liveness.summary()})"))
+            return self.requests.fail(t, RuntimeError(f"no live worker can serve it "
+                                                      f"(dead: {self.liveness.summary()})"))
         if path is not None:
             w, t.decode_worker = path
         elif self.router is not None and not t.beam_width:
             loads = self.worker_loads(live)
             blocks = cdiv(len(t.prompt_token_ids) + t.params.max_tokens, self.cfg.block_size)
-            w, t.decode_worker, predicted = self.router.route(len(t.prompt_token_ids), t.params.max_tokens, loads,
-                                                              blocks, takers, decoders)
+            w, t.decode_worker, predicted = self.router.route(len(t.prompt_token_ids), t.params.max_tokens,
+                                                               loads, blocks, takers, decoders)
             t.metrics.routed = (predicted, loads[w], loads[t.decode_worker])
         else:
             w = self._least_loaded(takers)
@@ -409,7 +420,8 @@ class CentralScheduler:
             t.decode_worker = None if self.roles.role(w).hands_off and not t.beam_width else w
         t.worker = t.prefill_worker = w
         t.phase = "prefill"
-        self.workers.send(w, Submit(t.request_id, t.prompt_token_ids, t.params, prefill_only=t.decode_worker != w,
+        self.workers.send(w, Submit(t.request_id, t.prompt_token_ids, t.params,
+                                    prefill_only=t.decode_worker != w,
                                     beam_width=t.beam_width, length_penalty=t.length_penalty))
 
     # -- reports from the workers
@@ -458,7 +470,8 @@ class CentralScheduler:
             case ToWorker() if msg.worker not in self.dead:
                 self.workers.send(msg.worker, msg.msg)
             case Rejected() if current(w, msg.request_id):
-                self.requests.fail(self.active[msg.request_id], (ValueError if msg.invalid else RuntimeError)(msg.error))
+                self.requests.fail(self.active[msg.request_id],
+                                   (ValueError if msg.invalid else RuntimeError)(msg.error))
             case PullFailed() if (t := current(w, msg.request_id)) and t.prefill_worker == msg.src:
                 if msg.src not in self.dead:
                     self.workers.send(msg.src, Release(t.request_id))   # nobody will pull it now
@@ -478,12 +491,14 @@ class CentralScheduler:
         if t is None:
             return
         imp = msg.imp
-        t.metrics.first_scheduled_time, t.metrics.first_token_time = msg.first_scheduled_time, msg.first_token_time
+        t.metrics.first_scheduled_time, t.metrics.first_token_time = (msg.first_scheduled_time,
+                                                                      msg.first_token_time)
         t.tokens = imp.token_ids[imp.num_prompt_tokens:]
         decoders = self.roles.decoders(self.liveness.live())
         if not decoders:
             self.workers.send(w, Release(t.request_id))
-            return self.requests.fail(t, RuntimeError(f"no live decode worker (dead: {self.liveness.summary()})"))
+            return self.requests.fail(t, RuntimeError(f"no live decode worker "
+                                                      f"(dead: {self.liveness.summary()})"))
         d = t.decode_worker if t.decode_worker in decoders else self._least_loaded(decoders)
         t.worker, t.phase = d, "transfer"
         self.workers.send(d, imp)
@@ -493,8 +508,8 @@ class CentralScheduler:
         if t is None:
             return
         m = t.metrics
-        m.imported_time, m.kv_bytes_moved, m.kv_copy_time, m.seat_wait = msg.time, msg.nbytes, msg.copy_seconds, \
-            msg.seat_wait
+        m.imported_time, m.kv_bytes_moved, m.kv_copy_time, m.seat_wait = msg.time, msg.nbytes, \
+            msg.copy_seconds, msg.seat_wait
         t.phase = "decode"
         self.workers.send(t.prefill_worker, Release(t.request_id))
 
@@ -521,7 +536,8 @@ class CentralScheduler:
             if t.samples or t.phase == "done":
                 continue
             if t.phase == "transfer" and t.prefill_worker == w and t.worker != w:
-                self.workers.send(t.worker, Drop(t.request_id))          # its source is gone: discard the copy
+                # its source is gone: discard the copy
+                self.workers.send(t.worker, Drop(t.request_id))
             elif t.phase == "transfer" and t.worker == w and t.prefill_worker not in self.dead:
                 self.workers.send(t.prefill_worker, Release(t.request_id))   # nobody will pull it now
             if t.worker == w or (t.phase == "transfer" and t.prefill_worker == w):
@@ -563,7 +579,8 @@ class CentralScheduler:
                 raise RuntimeError(f"worker {w} did not finish measuring: {self.dead.get(w, 'timed out')}")
         return self.measured.pop(w)
 
-    def run_on_path(self, prompt_ids: list[int], path: tuple[int, int], max_tokens: int = 2) -> RequestMetrics:
+    def run_on_path(self, prompt_ids: list[int], path: tuple[int, int],
+                    max_tokens: int = 2) -> RequestMetrics:
         """Serve one request on a given (prefill worker, decode worker); its metrics."""
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
         t = self.requests.track(None, prompt_ids, params)

@@ -30,8 +30,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     # No drafts while more sequences than this run (None: at any batch). vLLM drafts at any
-    # batch by default; nanoPD stops past 8, where checking drafts stopped paying on the H200
-    # (results/README.md, "Speculative decoding": 1.18x at batch 4, 0.96x at 16, a = 0.8).
+    # batch by default; nanoPD stops past 8: checking drafts pays while a step is bound by
+    # reading the weights (small batches) and costs once it is bound by compute (large
+    # ones). `bench.py speculative` measures the crossover (docs/speculative.md).
     disable_by_batch_size: int | None = 8
     num_branches: int = 1                      # candidate continuations checked at once (1: vLLM's one)
     model: str | None = None                   # draft_model: the drafting model
@@ -102,7 +103,8 @@ class EngineConfig:
         for name in ("max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"):
             check_int(name, getattr(self, name), low=1)
         if self.block_size > self.max_model_len:   # a block holds token slots of one sequence
-            raise ValueError(f"block_size ({self.block_size}) must be at most max_model_len ({self.max_model_len})")
+            raise ValueError(f"block_size ({self.block_size}) must be at most "
+                             f"max_model_len ({self.max_model_len})")
         if self.num_kv_blocks is not None:
             check_int("num_kv_blocks", self.num_kv_blocks, low=1)
         check_real("gpu_memory_utilization", self.gpu_memory_utilization)
@@ -113,7 +115,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_int("seed", self.seed, low=0, high=2 ** 63 - 1)
         if not isinstance(self.split_menu, list | tuple):
-            raise ValueError(f"split_menu must be a list of (prefill_sms, decode_sms) pairs, got {self.split_menu!r}")
+            raise ValueError("split_menu must be a list of (prefill_sms, decode_sms) pairs, "
+                             f"got {self.split_menu!r}")
         for name, split in [("sm_split", self.sm_split)] + [("split_menu", s) for s in self.split_menu]:
             if split is not None:
                 check_split(name, split)
@@ -121,8 +124,9 @@ class EngineConfig:
         resolve_dtype(self.dtype, self.device)
         self.speculative_config = speculative_config(self.speculative_config)
         if self.speculative_config is not None and self.splits_sms:
-            raise ValueError("speculative_config with sm_split or split_menu: a split worker's lanes pipeline their "
-                             "steps, and a speculating step must end before the next is drafted; use one or the other")
+            raise ValueError("speculative_config with sm_split or split_menu: a split worker's lanes "
+                             "pipeline their steps, and a speculating step must end before the next is "
+                             "drafted; use one or the other")
 
 
 def check_split(name: str, split) -> None:

@@ -49,7 +49,8 @@ class HardwareParams:
     splits: dict[str, "SplitParams"] = field(default_factory=dict)
 
     def __post_init__(self):   # from JSON (profiler.py's cache), a split's parameters come as a dict
-        self.splits = {k: v if isinstance(v, SplitParams) else SplitParams(**v) for k, v in self.splits.items()}
+        self.splits = {k: v if isinstance(v, SplitParams) else SplitParams(**v)
+                       for k, v in self.splits.items()}
 
     def link(self, p: int, d: int) -> float:
         """ms per prompt token to move a request's KV from worker p to worker d."""
@@ -75,7 +76,7 @@ def split_key(split: tuple[int, int]) -> str:
     return f"{split[0]}/{split[1]}"
 
 
-MAX_PREFILL_SHARE = 0.9   # of a worker's time spent on prefills beside its decodes: past it, none would finish
+MAX_PREFILL_SHARE = 0.9   # of a worker's time on prefills beside its decodes: past it, none would finish
 GROWTH_SEGMENTS = 16      # pieces a decode under a moving batch is integrated in
 
 
@@ -127,7 +128,8 @@ class CostModel:
             return b * lane + (1 - b) * whole
         return CostModel(dataclasses.replace(
             p, alpha0=s.alpha0, alpha=s.alpha, alpha2=s.alpha2, beta=blend(s.beta, p.beta),
-            batch_thresh=blend(s.batch_thresh, p.batch_thresh), slope=blend(s.slope, p.slope), kv=blend(s.kv, p.kv),
+            batch_thresh=blend(s.batch_thresh, p.batch_thresh), slope=blend(s.slope, p.slope),
+            kv=blend(s.kv, p.kv),
             gamma=0.0, transfer_rate=0.0, links={}, splits={}))
 
     def prefill_ms(self, tokens: float) -> float:

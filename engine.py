@@ -76,8 +76,8 @@ class LaunchedStep:
 
 
 WARM_UP = [SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0, logprobs=1),
-           SamplingParams(max_tokens=2, ignore_eos=True, temperature=1.0, top_k=2, top_p=0.9, seed=0, min_tokens=1,
-                          repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1)]
+           SamplingParams(max_tokens=2, ignore_eos=True, temperature=1.0, top_k=2, top_p=0.9, seed=0,
+                          min_tokens=1, repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1)]
 
 
 class Engine:
@@ -101,7 +101,8 @@ class Engine:
         self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, cfg.block_size,
                                                 enable_prefix_caching=cfg.enable_prefix_caching),
                                    cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.speculator = Speculator(spec, self.runner, self.scheduler, self._banned) if spec is not None else None
+        self.speculator = (Speculator(spec, self.runner, self.scheduler, self._banned)
+                           if spec is not None else None)
         self.requests: dict[int, Request] = {}      # submitted, output not yet taken
         self.in_flight: LaunchedStep | None = None   # launched, its tokens not yet taken
         self._request_ids = itertools.count()
@@ -153,8 +154,8 @@ class Engine:
         params = check_request(ids, params, beam_width, self.model.config.vocab_size, self.cfg,
                                self.bm.num_blocks - self.bm.watermark_blocks, length_penalty)
         req = Request(next(self._request_ids) if request_id is None else request_id, text, ids, params,
-                      RequestMetrics(time.perf_counter()), beam_width=beam_width, length_penalty=length_penalty,
-                      prefill_only=prefill_only)
+                      RequestMetrics(time.perf_counter()), beam_width=beam_width,
+                      length_penalty=length_penalty, prefill_only=prefill_only)
         self._add_seq(req, 0, list(ids))   # first: if it raises, nothing is registered
         self.requests[req.request_id] = req
         return req.request_id
@@ -169,7 +170,8 @@ class Engine:
     def add_imported(self, seq: Sequence) -> None:
         """A request prefilled elsewhere, whose KV is in seq's blocks (workers.py copied it in
         on a seat the scheduler gave it), joins the decodes."""
-        self.requests.pop(seq.request.request_id, None)   # our own parked record gives way to the decoding one
+        # our own parked record gives way to the decoding one
+        self.requests.pop(seq.request.request_id, None)
         self.requests[seq.request.request_id] = seq.request
         self.scheduler.finish_import(seq)
 
@@ -179,7 +181,8 @@ class Engine:
         child = Sequence(seq.request, index, list(seq.token_ids), seq.num_prompt_tokens,
                          num_computed=seq.num_computed, cumulative_logprob=seq.cumulative_logprob,
                          logprobs=list(seq.logprobs),
-                         generator=generator or seeded_generator(seq.request.params, index, self.model.device))
+                         generator=generator or seeded_generator(seq.request.params, index,
+                                                                 self.model.device))
         self.scheduler.fork(seq, child)
         seq.request.seqs.append(child)
         return child
@@ -246,7 +249,8 @@ class Engine:
         """Run the model on the batch on lane and sample on the device; each sampled sequence
         gets a PENDING token, filled in by _finish (from previous, the lane's step in flight,
         where a sequence's last token is still PENDING)."""
-        done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if n == s.num_pending + len(s.drafts)]
+        done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new))
+                if n == s.num_pending + len(s.drafts)]
         seqs = [batch.seqs[i] for i in done]
         step = LaunchedStep(batch, seqs, [s for s in seqs if s.request.beam_width], self._shape(batch), lane)
         beam_rows = [i for i in done if batch.seqs[i].request.beam_width]
@@ -279,13 +283,15 @@ class Engine:
         for i in done:
             seq = batch.seqs[i]
             req = seq.request
-            if req.beam_width or seq.trunk is not None:   # a branch's draws are checks (Speculator.plan_checks)
+            # a branch's draws are checks (Speculator.plan_checks)
+            if req.beam_width or seq.trunk is not None:
                 continue
             for j in range(req.params.n if seq.num_outputs == 0 else 1):
                 g = seq.generator if j == 0 else seeded_generator(req.params, j, self.model.device)
                 plan.append((i, j))
                 before = list(seq.drafts) if seq.drafts else None   # drafted: after its last draft
-                draws.append(Draw(i, req.params, g, seq, j > 0, self._banned(seq, len(seq.drafts)), before=before)
+                draws.append(Draw(i, req.params, g, seq, j > 0, self._banned(seq, len(seq.drafts)),
+                                  before=before)
                              if req.adjusts else Draw(i, req.params, g))
         return plan, draws
 
@@ -296,7 +302,8 @@ class Engine:
             if seq.num_computed < seq.num_prompt_tokens:
                 shape.prefill_tokens += min(n, seq.num_prompt_tokens - seq.num_computed)
             else:
-                shape.decodes, shape.context_tokens = shape.decodes + 1, shape.context_tokens + seq.num_computed
+                shape.decodes, shape.context_tokens = (shape.decodes + 1,
+                                                       shape.context_tokens + seq.num_computed)
         return shape
 
     def _finish(self, step: LaunchedStep) -> list[Request]:
@@ -313,7 +320,8 @@ class Engine:
             if seq.status == Status.FINISHED:   # it stopped one step earlier: this token is void
                 continue
             drafted, draw = step.drafted.get(seq), step.num_checks + k
-            kept, draws = self.speculator.keep(seq, drafted, checked, token, draw) if drafted else ([token], [draw])
+            kept, draws = (self.speculator.keep(seq, drafted, checked, token, draw) if drafted
+                           else ([token], [draw]))
             if drafted and seq.request.params.penalized:   # its draws were not counted: what it kept is
                 counted.append((seq, kept))
             seq.token_ids[index:index + 1] = kept
@@ -370,7 +378,8 @@ class Engine:
         """Finish seq if its token at index ends it (from min_tokens on: EOS, a stop token, a
         stop string completed in the text; or max_tokens); a later token, already sampled
         by the step running now, is dropped."""
-        params, num_outputs, token = seq.request.params, index + 1 - seq.num_prompt_tokens, seq.token_ids[index]
+        params, num_outputs, token = (seq.request.params, index + 1 - seq.num_prompt_tokens,
+                                      seq.token_ids[index])
         new_text = self._add_text(seq, index) if params.stop else ""
         if num_outputs >= params.min_tokens and (token in self.eos_ids and not params.ignore_eos
                                                  or token in params.stop_token_ids
@@ -443,10 +452,11 @@ class Engine:
         stuck = {s.request: None for s in sched.running} or {sched.waiting[0].request: None}
         bm, cfg = self.bm, self.cfg
         error = RuntimeError(
-            f"no step could make progress: {len(sched.running)} sequences running, {len(sched.waiting)} waiting, "
-            f"{bm.num_free_blocks} of {bm.num_blocks} KV blocks free ({bm.watermark_blocks} kept back), "
-            f"{cfg.max_num_seqs} seats (max_num_seqs), a step budget of {cfg.max_num_batched_tokens} tokens "
-            f"(max_num_batched_tokens): a larger num_kv_blocks or max_num_seqs may let it run")
+            f"no step could make progress: {len(sched.running)} sequences running, "
+            f"{len(sched.waiting)} waiting, {bm.num_free_blocks} of {bm.num_blocks} KV blocks free "
+            f"({bm.watermark_blocks} kept back), {cfg.max_num_seqs} seats (max_num_seqs), a step budget "
+            f"of {cfg.max_num_batched_tokens} tokens (max_num_batched_tokens): a larger num_kv_blocks or "
+            "max_num_seqs may let it run")
         for req in stuck:
             self._retire(req)
             req.error, req.metrics.finish_time = error, time.perf_counter()
@@ -514,8 +524,8 @@ class Engine:
         req = self.requests.pop(request_id)
         want_lp = req.params.logprobs is not None or req.beam_width > 0
         seqs = [] if req.error else req.seqs if req.beam_width else sorted(req.seqs, key=lambda s: s.index)
-        outs = [CompletionOutput(i if req.beam_width else s.index, s.output_ids, self._text(s), s.finish_reason,
-                                 s.cumulative_logprob if want_lp else None,
+        outs = [CompletionOutput(i if req.beam_width else s.index, s.output_ids, self._text(s),
+                                 s.finish_reason, s.cumulative_logprob if want_lp else None,
                                  s.logprobs if req.params.logprobs is not None else None, s.stop_reason)
                 for i, s in enumerate(seqs)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.metrics,

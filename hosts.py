@@ -1,11 +1,13 @@
-"""Workers on several hosts: started on each host by torchrun, joined to the central
+r"""Workers on several hosts: started on each host by torchrun, joined to the central
 scheduler through a torch.distributed TCPStore that it listens on.
 
     # the caller's host: the central scheduler (LLM, bench.py) listens at HOST:PORT
     python bench.py --policy disaggregated --join HOST:PORT
     # every host with workers, one worker per GPU (here 2 hosts, 2 GPUs each):
-    torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --master-addr HOST --master-port 29500 hosts.py --join HOST:PORT
-    torchrun --nnodes 2 --nproc-per-node 2 --node-rank 1 --master-addr HOST --master-port 29500 hosts.py --join HOST:PORT
+    torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --master-addr HOST --master-port 29500 \
+        hosts.py --join HOST:PORT
+    torchrun --nnodes 2 --nproc-per-node 2 --node-rank 1 --master-addr HOST --master-port 29500 \
+        hosts.py --join HOST:PORT
 
 Each worker is worker RANK of torchrun's world (its GPU the LOCAL_RANK-th of its host). It
 reads the engine settings the central scheduler published in the store, builds its engine,
@@ -138,7 +140,8 @@ class RemoteWorkers:
 def join_main(address: str, device: str | None) -> None:
     """A torchrun worker: join the central scheduler at address and serve until told to stop
     (or until the store connection breaks: the central scheduler is gone)."""
-    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, local_rank, world = (int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]),
+                               int(os.environ["WORLD_SIZE"]))
     host, port = parse_address(address)
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=STORE_TIMEOUT_S))
     store.set("world_size", str(world))

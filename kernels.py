@@ -223,7 +223,7 @@ def attention_config(max_q_len: int, head_dim: int, on_gpu: bool, elem_bytes: in
         return AttentionConfig(16, 64, 4, 2)
     if elem_bytes > 2 or head_dim > 128 or max_q_len <= 512:
         # Also short chunks: with 128-row tiles and 3 stages one program fills an SM and
-        # short sequences leave it waiting on memory (1.7x slower at 128 x 128 tokens).
+        # short sequences leave it waiting on memory: these smaller tiles run them faster.
         return AttentionConfig(64, 32, 4, 2)
     return AttentionConfig(128, 128, 8, 3)
 
@@ -240,9 +240,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_q_len: int, max_kv_l
     """Split-K for decode only: enough programs for ~2 waves, each with >= 2 key tiles.
     A power of two: NUM_SPLITS is a compile-time constant, so every value is a kernel of
     its own, compiled the first time it is met. Mixed steps meet whatever their decodes'
-    count and context give; with any value allowed, a serving run kept compiling (a
-    ~1 s stall each) long after start-up. Powers of two are few, and compiled at start-up
-    (ModelRunner)."""
+    count and context give; with any value allowed, a serving run would go on compiling
+    new ones, each a stall of the engine, long after start-up. Powers of two are few, and
+    compiled at start-up (ModelRunner)."""
     if max_q_len > 1 or num_seqs == 0:
         return 1
     programs = num_seqs * num_kv_heads
@@ -394,7 +394,8 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, split_k: int = 1) -> t
     assert small_m_linear_fits(x, weight) and (x.shape[1] // SMALL_M_BLOCK_K) % split_k == 0
     m, k = x.shape
     n = weight.shape[0]
-    x, weight = x if x.stride(1) == 1 else x.contiguous(), weight if weight.stride(1) == 1 else weight.contiguous()
+    x, weight = (x if x.stride(1) == 1 else x.contiguous(),
+                 weight if weight.stride(1) == 1 else weight.contiguous())
     if split_k == 1:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     else:
@@ -405,8 +406,9 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, split_k: int = 1) -> t
     if m:
         _small_m_linear_kernel[(tiles, split_k)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0) if split_k > 1 else 0,
-            out.stride(-2), BLOCK_M=SMALL_M, BLOCK_N=SMALL_M_BLOCK_N, BLOCK_K=SMALL_M_BLOCK_K, SPLIT_K=split_k,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=stages,
+            out.stride(-2), BLOCK_M=SMALL_M, BLOCK_N=SMALL_M_BLOCK_N, BLOCK_K=SMALL_M_BLOCK_K,
+            SPLIT_K=split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+            num_stages=stages,
             **_pdl(x.device))
     return out
 
@@ -456,7 +458,8 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
         _copy_rows_kernel[grid](src, dst, src_idx, dst_idx, row_numel, CHUNK=chunk, num_warps=8)
 
 
-def copy_rows_torch(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor) -> None:
+def copy_rows_torch(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor,
+                    dst_idx: torch.Tensor) -> None:
     dst[dst_idx.long()] = src[src_idx.long()].to(dst.device)
 
 
@@ -503,7 +506,8 @@ def apply_penalties(logits: torch.Tensor, draws: torch.Tensor, rows: torch.Tenso
     vocab, block = logits.shape[1], 4096 if logits.is_cuda else 1024
     grid = (len(draws), triton.cdiv(vocab, block))
     if grid[0]:
-        _penalties_kernel[grid](logits, draws, rows, knobs, counts, in_prompt, vocab, BLOCK=block, num_warps=8)
+        _penalties_kernel[grid](logits, draws, rows, knobs, counts, in_prompt, vocab, BLOCK=block,
+                                num_warps=8)
 
 
 def apply_penalties_torch(logits: torch.Tensor, draws: torch.Tensor, rows: torch.Tensor, knobs: torch.Tensor,
@@ -511,7 +515,8 @@ def apply_penalties_torch(logits: torch.Tensor, draws: torch.Tensor, rows: torch
     draws, rows = draws.long(), rows.long()
     x, count = logits[draws], counts[rows]
     repetition, presence, frequency = knobs[:, :, None].unbind(1)
-    x = torch.where((count > 0) | (in_prompt[rows] != 0), torch.where(x > 0, x / repetition, x * repetition), x)
+    x = torch.where((count > 0) | (in_prompt[rows] != 0),
+                    torch.where(x > 0, x / repetition, x * repetition), x)
     logits[draws] = x - frequency * count - presence * (count > 0).float()
 
 
@@ -536,7 +541,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, eps,
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if NUM_PARTS > 1:   # x arrives as split-K partial sums: add them, round as the matmul would
         for part in tl.static_range(1, NUM_PARTS):
-            x += tl.load(x_ptr + part * stride_xs + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            x += tl.load(x_ptr + part * stride_xs + row * stride_x + cols, mask=mask,
+                         other=0.0).to(tl.float32)
         x = x.to(out_ptr.dtype.element_ty).to(tl.float32)
     if HAS_RESIDUAL:   # the residual stream, rounded to the model dtype as an unfused add would
         x = x + tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -567,10 +573,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     res = residual if residual is not None else x
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](
-            x, res, weight, out, res_out, rows.shape[1], eps, x.stride(0) if parts > 1 else 0, rows.stride(0),
-            res.stride(0), out.stride(0), res_out.stride(0), NUM_PARTS=parts, HAS_RESIDUAL=residual is not None,
-            BLOCK=triton.next_power_of_2(rows.shape[1]), num_warps=8 if rows.shape[1] >= 2048 else 4,
-            **_pdl(x.device))
+            x, res, weight, out, res_out, rows.shape[1], eps, x.stride(0) if parts > 1 else 0,
+            rows.stride(0), res.stride(0), out.stride(0), res_out.stride(0), NUM_PARTS=parts,
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(rows.shape[1]),
+            num_warps=8 if rows.shape[1] >= 2048 else 4, **_pdl(x.device))
     return out, res_out
 
 
@@ -624,7 +630,8 @@ def _qk_norm_rope_store_kv_kernel(
     if (not SPLIT_HEADS) or (j < Q_GROUPS):
         hq = j * HQ_BLOCK + tl.arange(0, HQ_BLOCK)[:, None]
         q_mask = hq < NUM_Q_HEADS
-        q1, q2 = _norm_rope_heads(row + hq * HEAD_DIM + d[None, :], q_mask, qw_ptr, cos, sin, eps, HEAD_DIM, DTYPE)
+        q1, q2 = _norm_rope_heads(row + hq * HEAD_DIM + d[None, :], q_mask, qw_ptr, cos, sin, eps,
+                                  HEAD_DIM, DTYPE)
         dst = q_ptr + tok * stride_qt + hq * HEAD_DIM + d[None, :]
         tl.store(dst, q1, mask=q_mask)
         tl.store(dst + HALF, q2, mask=q_mask)
@@ -635,8 +642,8 @@ def _qk_norm_rope_store_kv_kernel(
         block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
         hkv = tl.arange(0, HKV_PAD)[:, None]
         kv_mask = (hkv < NUM_KV_HEADS) & (slot >= 0)
-        k1, k2 = _norm_rope_heads(row + (NUM_Q_HEADS + hkv) * HEAD_DIM + d[None, :], kv_mask, kw_ptr, cos, sin,
-                                  eps, HEAD_DIM, DTYPE)
+        k1, k2 = _norm_rope_heads(row + (NUM_Q_HEADS + hkv) * HEAD_DIM + d[None, :], kv_mask, kw_ptr,
+                                  cos, sin, eps, HEAD_DIM, DTYPE)
         dst = block * stride_cb + hkv * stride_ch + offset * stride_cs + d[None, :]
         tl.store(k_cache_ptr + dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(k_cache_ptr + dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
@@ -646,9 +653,9 @@ def _qk_norm_rope_store_kv_kernel(
 
 
 def qk_norm_rope_store_kv(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                          positions: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float, num_q_heads: int,
-                          num_kv_heads: int, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          slot_mapping: torch.Tensor) -> torch.Tensor:
+                          positions: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float,
+                          num_q_heads: int, num_kv_heads: int, eps: float, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """From the fused projection qkv [T, (Hq + 2 Hkv) * D]: per-head RMSNorm of q and k, RoPE at
     positions [T] (inv_freq [D/2] fp32); q is returned [T, Hq, D]; k and v go straight into the
     paged cache views [num_blocks, Hkv, block_size, D] at slot_mapping [T] (-1: padding, skipped)."""
@@ -666,7 +673,8 @@ def qk_norm_rope_store_kv(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: t
     if t:
         _qk_norm_rope_store_kv_kernel[(t, triton.cdiv(num_q_heads, hq_block) + 1 if split else 1)](
             qkv, q, q_weight, k_weight, positions, inv_freq, k_cache, v_cache, slot_mapping,
-            qkv.stride(0), q.stride(0), eps, rope_scale, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            qkv.stride(0), q.stride(0), eps, rope_scale, k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2),
             NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HQ_BLOCK=hq_block, HKV_PAD=hkv_pad,
             HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[2], SPLIT_HEADS=split,
             num_warps=8 if hq_block * head_dim >= 4096 else 4, **_pdl(qkv.device))
@@ -715,8 +723,8 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     block = 1024
     if x.shape[0]:
-        _silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0), BLOCK=block,
-                                                              **_pdl(x.device))
+        _silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, n, x.stride(0), out.stride(0),
+                                                              BLOCK=block, **_pdl(x.device))
     return out
 
 
@@ -735,9 +743,10 @@ def _sm_ids_kernel(out_ptr, SPIN: tl.constexpr):
     pid = tl.program_id(0)
     zero = tl.zeros([1], dtype=tl.int32)
     for _ in range(SPIN):
-        zero = tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, $1;", "=r,r", [zero], dtype=tl.int32,
-                                         is_pure=False, pack=1)
-    smid = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [zero], dtype=tl.int32, is_pure=False, pack=1)
+        zero = tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, $1;", "=r,r", [zero],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+    smid = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [zero], dtype=tl.int32,
+                                     is_pure=False, pack=1)
     tl.store(out_ptr + pid + tl.arange(0, 1), smid)
 
 

@@ -61,7 +61,8 @@ class SplitEngine(Engine):
         load_kernels_at_start()   # before anything asks CUDA about the device (validate does)
         self.split: Split | None = None                  # the SM split steps run on (None: the whole GPU)
         self.prefill_in_flight: LaunchedStep | None = None
-        self.decode_waits_for_prefill = False            # the decode lane's next step waits for the prefill lane's
+        # the decode lane's next step waits for the prefill lane's
+        self.decode_waits_for_prefill = False
         self.ended_while_switching: list[int] = []       # requests that finished while the split changed
         # Done since a worker last took them (bounded: an offline engine has nobody taking them).
         self.prefill_lane_steps: collections.deque[PrefillLaneStep] = collections.deque(maxlen=1024)
@@ -117,16 +118,20 @@ class SplitEngine(Engine):
         for the whole device: a decode step, for the chunk beside it."""
         if self.split is not None:
             n, bs = self._warm_up_len(), self.cfg.block_size
-            room = self.bm.num_blocks - self.bm.watermark_blocks - len(ids) * cdiv(n + 2, bs)   # blocks left
+            # blocks left
+            room = self.bm.num_blocks - self.bm.watermark_blocks - len(ids) * cdiv(n + 2, bs)
             chunk = max(1, min(self.cfg.max_num_batched_tokens, room // 2 * bs))
             longest = self.cfg.max_model_len - 1
-            prompts = [min(longest, chunk - i) for i in range(0, chunk, longest)]   # the chunk, in prompts that fit
+            # the chunk, in prompts that fit
+            prompts = [min(longest, chunk - i) for i in range(0, chunk, longest)]
             blocks = sum(cdiv(p + 1, bs) for p in prompts)
-            seats = max(0, min(self.cfg.max_num_seqs - len(ids) - len(prompts), (room - blocks) // cdiv(n + 3, bs)))
+            seats = max(0, min(self.cfg.max_num_seqs - len(ids) - len(prompts),
+                               (room - blocks) // cdiv(n + 3, bs)))
             short = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
             ids = ids + [self.submit([0] * n, short, request_id=next(names)) for _ in range(seats)]
             self.step()   # their prompts, on the whole GPU (nothing decodes yet)
-            first = 1 + list(self.runner.splits).index(self.split) * len(prompts)   # prompts no cache has seen
+            # prompts no cache has seen
+            first = 1 + list(self.runner.splits).index(self.split) * len(prompts)
             ids += [self.submit([first + j] * p, SamplingParams(max_tokens=1), request_id=next(names))
                     for j, p in enumerate(prompts)]
         super()._serve_warm_up(ids, names)
@@ -158,7 +163,8 @@ class SplitEngine(Engine):
             decodes = self.scheduler.schedule(prompts=False,
                                               busy=sequences_of(self.prefill_in_flight) | set(prompts.seqs))
             batches = [prompts, decodes]
-            written_by = self.in_flight   # the decode step the chunk waits for: it may write blocks freed since
+            # the decode step the chunk waits for: it may write blocks freed since
+            written_by = self.in_flight
             launched = self._launch_decodes(decodes, prompts) if decodes.seqs else None
             finished += self._launch_prompts(prompts, written_by) if prompts.seqs else []
             finished += self._finish(self.in_flight) if self.in_flight else []
@@ -213,7 +219,8 @@ class SplitEngine(Engine):
 
     def _decoding(self) -> bool:
         """Whether a decode step is in flight or a running sequence is past its prompt."""
-        return self.in_flight is not None or any(s.num_computed >= s.num_prompt_tokens for s in self.scheduler.running)
+        return self.in_flight is not None or any(s.num_computed >= s.num_prompt_tokens
+                                                 for s in self.scheduler.running)
 
     def _launch(self, batch: Batch, lane: Lane, previous: LaunchedStep | None) -> LaunchedStep:
         """The Engine's launch; a step that reads the tokens of a step on another stream

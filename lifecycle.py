@@ -52,7 +52,8 @@ class RequestLedger:
               length_penalty: float = 1.0, metrics: RequestMetrics | None = None, parent: int | None = None
               ) -> RequestRecord:
         """A new active request."""
-        t = RequestRecord(next(self._ids), prompt, ids, params, metrics or RequestMetrics(time.perf_counter()),
+        t = RequestRecord(next(self._ids), prompt, ids, params,
+                          metrics or RequestMetrics(time.perf_counter()),
                           beam_width, length_penalty, parent=parent)
         self.active[t.request_id] = t
         return t
@@ -83,7 +84,8 @@ class RequestLedger:
         m.first_token_time = m.first_token_time or theirs.first_token_time
         m.finish_time, m.num_cached_tokens = theirs.finish_time, theirs.num_cached_tokens
         m.spec_draft_tokens, m.spec_accepted_tokens, m.spec_steps = (theirs.spec_draft_tokens,
-                                                                     theirs.spec_accepted_tokens, theirs.spec_steps)
+                                                                     theirs.spec_accepted_tokens,
+                                                                     theirs.spec_steps)
         m.path = (t.prefill_worker,) + ((w,) if w != t.prefill_worker else ())
         t.output = dataclasses.replace(output, request_id=t.request_id, prompt=t.prompt, metrics=m)
         self.end(t)
@@ -105,11 +107,13 @@ class RequestLedger:
             return
         samples = [self.done.pop(s) for s in parent.samples]
         errors = [s.output.error for s in samples if s.output.error is not None]
-        outs = [dataclasses.replace(s.output.outputs[0], index=j) for j, s in enumerate(samples) if not s.output.error]
+        outs = [dataclasses.replace(s.output.outputs[0], index=j) for j, s in enumerate(samples)
+                if not s.output.error]
         ms = [s.metrics for s in samples]
         parent.metrics = dataclasses.replace(ms[0], finish_time=max(m.finish_time or 0.0 for m in ms))
         parent.output = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
-                                      [] if errors else outs, parent.metrics, error=errors[0] if errors else None)
+                                      [] if errors else outs, parent.metrics,
+                                      error=errors[0] if errors else None)
         self.end(parent)
 
     def restart(self, t: RequestRecord) -> bool:

@@ -96,9 +96,10 @@ class Attention(nn.Module):
         # Qwen3 normalises each head's q and k, then rotates them; k and v go straight into
         # this layer's cache. One kernel for all of it.
         k_cache, v_cache = kv_cache[:, self.layer, 0], kv_cache[:, self.layer, 1]
-        return kernels.qk_norm_rope_store_kv(qkv, self.q_norm.weight, self.k_norm.weight, positions, self.inv_freq,
-                                             self.rope_scale, self.num_heads, self.num_kv_heads, self.q_norm.eps,
-                                             k_cache, v_cache, slot_mapping)
+        return kernels.qk_norm_rope_store_kv(qkv, self.q_norm.weight, self.k_norm.weight, positions,
+                                             self.inv_freq, self.rope_scale, self.num_heads,
+                                             self.num_kv_heads, self.q_norm.eps, k_cache, v_cache,
+                                             slot_mapping)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -118,7 +119,8 @@ class MLP(nn.Module):
             raise ValueError(f"hidden_act {config.hidden_act!r}: only silu (SwiGLU) is supported")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)), partial_sums=True)   # the next norm adds them
+        # the next norm adds them
+        return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)), partial_sums=True)
 
 
 class DecoderLayer(nn.Module):
@@ -134,7 +136,8 @@ class DecoderLayer(nn.Module):
     # the projection left it as such (kernels.linear).
 
     def before_attention(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                         kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                         kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (q [T, heads, head_dim], residual)"""
         h, residual = self.input_layernorm(h, residual)
         return self.self_attn.qkv(h, positions, kv_cache, slot_mapping), residual
@@ -231,7 +234,8 @@ def load_config(name_or_path: str) -> PretrainedConfig:
         return Qwen3Config(**PRESETS[name_or_path])
     folder = Path(name_or_path)
     if not folder.is_dir():
-        raise ValueError(f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint folder")
+        raise ValueError(f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) "
+                         "nor a checkpoint folder")
     if not (folder / "config.json").is_file():
         raise ValueError(f"checkpoint folder {folder} has no config.json")
     try:
@@ -285,10 +289,12 @@ def load_weights(model: Qwen3, files: list[Path]) -> None:
             raise ValueError(f"{file} cannot be read as safetensors: {e}") from None
     missing = [name for name, p in params.items() if rows_filled[name] != p.shape[0]]
     if missing:
-        raise ValueError(f"checkpoint lacks weights for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        raise ValueError(f"checkpoint lacks weights for {', '.join(missing[:5])}"
+                         f"{' ...' if len(missing) > 5 else ''}")
 
 
-def load_file_into(model: Qwen3, params: dict[str, nn.Parameter], file: Path, rows_filled: dict[str, int]) -> None:
+def load_file_into(model: Qwen3, params: dict[str, nn.Parameter], file: Path,
+                   rows_filled: dict[str, int]) -> None:
     """Copy one safetensors file's tensors into their parameters, counting the rows filled."""
     with safe_open(file, framework="pt", device=str(model.device)) as f:
         for hf_name in f.keys():   # noqa: SIM118 (safe_open is not iterable)
@@ -297,7 +303,8 @@ def load_file_into(model: Qwen3, params: dict[str, nn.Parameter], file: Path, ro
             name, dst = _destination(model, params, hf_name)
             tensor = f.get_tensor(hf_name)
             if tensor.shape != dst.shape:
-                raise ValueError(f"{file.name}: {hf_name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+                raise ValueError(f"{file.name}: {hf_name} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dst.shape)}")
             dst.copy_(tensor)
             rows_filled[name] += tensor.shape[0]
 

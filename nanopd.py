@@ -70,15 +70,17 @@ class LLM:
                      if k in cluster_settings and cluster_settings[k] != default]
             given += ["profile"] if profile is not None else []
             if given:
-                raise ValueError(f"{', '.join(given)} only apply with a policy (collocated, disaggregated, adaptive); "
-                                 "without one, LLM is a single engine on `device`")
-            self.backend: Engine | CentralScheduler = make_engine(EngineConfig(model=model, **engine_settings))
+                raise ValueError(f"{', '.join(given)} only apply with a policy (collocated, disaggregated, "
+                                 "adaptive); without one, LLM is a single engine on `device`")
+            self.backend: Engine | CentralScheduler = make_engine(EngineConfig(model=model,
+                                                                               **engine_settings))
             return
         cluster_cfg = ClusterConfig(policy, **cluster_settings).resolved()
         self.backend = CentralScheduler(EngineConfig(model=model, **engine_settings), cluster_cfg)
         if policy == "adaptive" and profile is not False:
             try:
-                params = profile if isinstance(profile, HardwareParams) else profile_cluster(self.backend).params
+                params = (profile if isinstance(profile, HardwareParams)
+                          else profile_cluster(self.backend).params)
             except BaseException:
                 self.backend.close()
                 raise
@@ -128,11 +130,14 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         if (chat_template or getattr(tokenizer, "chat_template", None)) is None:
-            raise ValueError(f"the tokenizer of {self.backend.cfg.model} has no chat template: pass chat_template=... "
-                             "(a Jinja template, as in the tokenizer_config.json of chat models)")
+            raise ValueError(f"the tokenizer of {self.backend.cfg.model} has no chat template: pass "
+                             "chat_template=... (a Jinja template, as in the tokenizer_config.json of chat "
+                             "models)")
         texts = [tokenizer.apply_chat_template(c, chat_template=chat_template, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt) for c in conversations]
-        outs = self.generate([tokenizer.encode(t, add_special_tokens=False) for t in texts], sampling_params, use_tqdm)
+                                               add_generation_prompt=add_generation_prompt)
+                 for c in conversations]
+        outs = self.generate([tokenizer.encode(t, add_special_tokens=False) for t in texts], sampling_params,
+                             use_tqdm)
         for out, text in zip(outs, texts):
             out.prompt = text
         return outs
@@ -176,12 +181,14 @@ class LLM:
                 raise
         return outputs
 
-    def _wait(self, ids: dict[int, int], outputs: list, use_tqdm: bool, safe_point: Callable[[], None]) -> None:
+    def _wait(self, ids: dict[int, int], outputs: list, use_tqdm: bool,
+              safe_point: Callable[[], None]) -> None:
         """Poll until every request of ids (request id -> index) has its output; a held
         Ctrl-C is taken at safe_point, between steps (interrupts_held)."""
         pending = set(ids)
         # disable=None: the bar shows only on a terminal
-        with tqdm(total=len(ids), desc="generating", disable=True if not use_tqdm or len(ids) < 2 else None) as bar:
+        with tqdm(total=len(ids), desc="generating",
+                  disable=True if not use_tqdm or len(ids) < 2 else None) as bar:
             while pending:
                 with self.lock:
                     for request_id in self.backend.poll(0.05):
@@ -204,7 +211,8 @@ class LLM:
 
 def failed_output(prompt, error: Exception) -> RequestOutput:
     """The output of a request that ended before it ran: no completions, the error."""
-    return RequestOutput(-1, prompt if isinstance(prompt, str) else None, prompt if isinstance(prompt, list) else [],
+    return RequestOutput(-1, prompt if isinstance(prompt, str) else None,
+                         prompt if isinstance(prompt, list) else [],
                          [], RequestMetrics(time.perf_counter()), error=error)
 
 
@@ -239,7 +247,8 @@ def interrupts_held():
 
 
 ENGINE_SETTINGS = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
-CLUSTER_SETTINGS = {f.name: f.default for f in dataclasses.fields(ClusterConfig) if f.name != "policy"}   # -> default
+# each cluster setting -> its default
+CLUSTER_SETTINGS = {f.name: f.default for f in dataclasses.fields(ClusterConfig) if f.name != "policy"}
 
 
 def check_settings(settings: dict) -> None:
@@ -275,20 +284,23 @@ def as_prompt_list(prompts) -> list:
         return [prompts]
     if isinstance(prompts, list | tuple):
         return list(prompts)
-    raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
+    raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
+                     f"got {type(prompts).__name__}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description="nanoPD: generate text, streaming it as it comes",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="qwen3-8b" if torch.cuda.is_available() else "tiny",
-                   help="preset (tiny, qwen3-0.6b, qwen3-8b: the real architecture with random weights, so the "
-                        "text means nothing; bytes for tokens, ids past 255 shown as ⟨id⟩) or a local HF "
+                   help="preset (tiny, qwen3-0.6b, qwen3-8b: the real architecture with random weights, so "
+                        "the text means nothing; bytes for tokens, ids past 255 shown as ⟨id⟩) or a local HF "
                         "checkpoint folder; the default is qwen3-8b on a GPU, tiny without one")
     p.add_argument("--prompt", default="The quick brown fox", help="the prompt text")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (always the most likely token)")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of this probability")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 is greedy (always the most likely token)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set of this probability")
     p.add_argument("--top-k", type=int, default=-1, help="sample from the k most likely tokens; -1: all")
     p.add_argument("--seed", type=int, default=None, help="the request's random stream (sampling only); "
                    "none: a fresh one")

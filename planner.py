@@ -48,11 +48,11 @@ HYSTERESIS = 0.05        # a regime must be predicted this much better to replac
 PLAN_INTERVAL_S = 2.0    # how often the cluster asks the planner
 MIX_WINDOW_S = 10.0      # the arrivals a plan is for: those of the last this many seconds
 MIN_ARRIVALS = 8         # fewer say too little to plan on
-MIX_SAMPLE = 400         # the lengths a forecast weighs: an even sample of the window's (planning blocks the loop)
+MIX_SAMPLE = 400         # the lengths a forecast weighs: an even sample of the window (planning blocks)
 MIX_CHANGE = 0.5         # a rate or mean prompt length this far (50%) off the window's is a new mix
 MIN_BUDGET = 16          # prompt tokens per step a budgeted worker always takes
 MIN_DWELL_S = 6.0        # a regime the planner chose is kept at least this long (Planner.plan)
-SPLIT_MIN_SHARE = 0.25   # splits are weighed only while prompts take this share of the whole GPU's time (rank)
+SPLIT_MIN_SHARE = 0.25   # splits weighed only while prompts take this share of the whole GPU's time (rank)
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,8 @@ class Regime:
                 + (" (budgeted)" if self.budgeted else ""))
 
 
-def regimes(n: int, slo: tuple[float, float] | None = None, splits: list[tuple[int, int]] = ()) -> list[Regime]:
+def regimes(n: int, slo: tuple[float, float] | None = None,
+            splits: list[tuple[int, int]] = ()) -> list[Regime]:
     """Every regime of n workers in which someone prefills and someone decodes, split
     workers (on one split of those measured, splits) beside the others; with an SLO, each
     with and without prefill budgets on its both-workers."""
@@ -134,7 +135,8 @@ class Forecast:
 # ----------------------------------------------------------------------------- the steady state
 
 
-def decode_state(cost: CostModel, rate: float, out: float, context: float, u: float, seats: int) -> tuple[float, float]:
+def decode_state(cost: CostModel, rate: float, out: float, context: float, u: float,
+                 seats: int) -> tuple[float, float]:
     """(N, load) of a worker that starts decodes at `rate` per ms, each `out` tokens long,
     its steps stretched by 1 / (1 - u): the smallest N = rate out step(N) / (1 - u) (Little's
     law), found by iterating from the empty batch; load = that right side at N = seats,
@@ -221,7 +223,8 @@ def capacity(cost: CostModel, regime: Regime, mix: Mix, seats: int) -> float:
     """The highest arrival rate (per ms) of the mix's lengths the regime keeps up with:
     the rate where its busiest worker's load reaches 1, by bisection."""
     def load(rate: float) -> float:
-        return forecast(cost, regime, Mix(rate, mix.prompt_lens, mix.output_lens), seats, with_capacity=False).load
+        return forecast(cost, regime, Mix(rate, mix.prompt_lens, mix.output_lens), seats,
+                        with_capacity=False).load
     lo, hi = 0.0, mix.rate
     for _ in range(30):
         mid = (lo + hi) / 2
@@ -229,8 +232,8 @@ def capacity(cost: CostModel, regime: Regime, mix: Mix, seats: int) -> float:
     return lo
 
 
-def split_state(cost: CostModel, sm_split: tuple[int, int], lam_p: float, lam_d: float, mix: Mix, mean_o: float,
-                context: float, seats: int) -> RoleState:
+def split_state(cost: CostModel, sm_split: tuple[int, int], lam_p: float, lam_d: float, mix: Mix,
+                mean_o: float, context: float, seats: int) -> RoleState:
     """A split worker: a prefill worker on its prefill lane and a decode worker on its
     decode lane in one (CostModel.on_split), no KV moving between them; its decode steps
     run on the whole GPU while its prefill lane idles, on the decode lane while it is busy."""
@@ -241,8 +244,8 @@ def split_state(cost: CostModel, sm_split: tuple[int, int], lam_p: float, lam_d:
     return RoleState(decodes=n, step_ms=step, tpot_ms=step, wait_ms=wait, busy=busy, load=max(busy, load))
 
 
-def both_state(cost: CostModel, lam_p: float, lam_d: float, mix: Mix, mean_l: float, mean_o: float, seats: int,
-               tpot: float | None) -> RoleState:
+def both_state(cost: CostModel, lam_p: float, lam_d: float, mix: Mix, mean_l: float, mean_o: float,
+               seats: int, tpot: float | None) -> RoleState:
     """A worker that prefills lam_p prompts per ms inside its decode steps and decodes lam_d
     requests per ms; with a TPOT target (ms), at most b = (tpot - step) / gamma prompt tokens
     per step."""
@@ -252,7 +255,8 @@ def both_state(cost: CostModel, lam_p: float, lam_d: float, mix: Mix, mean_l: fl
     step = cost.decode_step_ms(n, n * (mean_l + mean_o / 2))
     state = RoleState(decodes=n, step_ms=step, tpot_ms=step / (1 - u) if u < 1 else math.inf, busy=u)
     if tpot is None:
-        s_mean, s_sq = p.gamma * mean_l, p.gamma ** 2 * sum(n * n for n in mix.prompt_lens) / len(mix.prompt_lens)
+        s_mean, s_sq = p.gamma * mean_l, \
+            p.gamma ** 2 * sum(n * n for n in mix.prompt_lens) / len(mix.prompt_lens)
         state.wait_ms = mg1_wait(lam_p, s_mean, s_sq)[0] if u < 1 else math.inf
         state.load = max(load, u / MAX_PREFILL_SHARE)
         return state
@@ -295,18 +299,21 @@ def request_outcomes(cost: CostModel, regime: Regime, mix: Mix, roles: dict[str,
         if both:
             ttft = both.wait_ms + (math.ceil(n / both.budget) * (both.step_ms + cost.p.gamma * both.budget)
                                    if both.budget else both.step_ms + cost.p.gamma * n)
-            classes += [(local, ttft, 0.0, both.tpot_ms, both), (moved_from_both, ttft, 1.0, moved_tpot, both)]
+            classes += [(local, ttft, 0.0, both.tpot_ms, both),
+                        (moved_from_both, ttft, 1.0, moved_tpot, both)]
         if split:
             ttft = split.wait_ms + lanes.prefill_ms(n)
             classes += [(local_split, ttft, 0.0, split.tpot_ms, split),
                         (moved_from_split, ttft, 1.0, moved_tpot, split)]
         if pre:
             classes.append((moved_from_pre, pre.wait_ms + cost.prefill_ms(n), 1.0, moved_tpot, pre))
+        # classes of no share are left out: inf x 0 is NaN
         for share, ttft, moved, tpot, server in [c for c in classes if c[0] > 0]:
-            e2e += share * (ttft + (cost.p.transfer_rate * n if moved else 0.0) + out * tpot)   # inf x 0 is NaN
+            e2e += share * (ttft + (cost.p.transfer_rate * n if moved else 0.0) + out * tpot)
             if slo is not None:
                 own = ttft - server.wait_ms
-                met += share * wait_within(slo[0] * 1e3 - own, server.wait_ms, server.busy) * (tpot <= slo[1] * 1e3)
+                met += share * wait_within(slo[0] * 1e3 - own, server.wait_ms, server.busy) \
+                    * (tpot <= slo[1] * 1e3)
     count = len(mix.prompt_lens)
     return e2e / count, (met / count if slo is not None else None)
 
@@ -320,15 +327,16 @@ def prompt_share(cost: CostModel, mix: Mix, n: int) -> float:
     return cost.p.gamma * mix.rate / n * sum(mix.prompt_lens) / len(mix.prompt_lens)
 
 
-def rank(cost: CostModel, mix: Mix, seats: int, n: int, slo: tuple[float, float] | None = None) -> list[Forecast]:
+def rank(cost: CostModel, mix: Mix, seats: int, n: int,
+         slo: tuple[float, float] | None = None) -> list[Forecast]:
     """Every regime of n workers forecast for the mix, best first (Forecast.key); splits
     where the profile measured them, and only while the prompts would take at least
     SPLIT_MIN_SHARE of the workers' time were they all both. What a split wins back is that
     share of the decode steps (the prompts leave them for the other lane); below it, the
     split's forecast gain is inside its error, and its costs are real: a prompt's chunk
     moves the decodes to the smaller lane and holds the host while it is launched (on
-    short prompts with long outputs, the split measured 1.4x the whole GPU's TPOT where
-    its forecast was 1.0x; docs/split.md)."""
+    short prompts with long outputs, a split's TPOT came out well above the whole GPU's
+    where its forecast was level with it; docs/split.md)."""
     share = prompt_share(cost, mix, n)
     splits = [tuple(map(int, key.split("/"))) for key in cost.p.splits] if share >= SPLIT_MIN_SHARE else []
     return sorted((forecast(cost, r, mix, seats, slo) for r in regimes(n, slo, splits)), key=Forecast.key)
@@ -355,13 +363,15 @@ class Planner:
     (a burst, then a lull), so without it the regime chased them. A worker's death is not a
     choice and holds nothing. Every change is logged with its forecasts."""
 
-    def __init__(self, workers: list[int], slo: tuple[float, float] | None = None, hysteresis: float = HYSTERESIS):
+    def __init__(self, workers: list[int], slo: tuple[float, float] | None = None,
+                 hysteresis: float = HYSTERESIS):
         self.slo, self.hysteresis = slo, hysteresis
         self.roles = dict.fromkeys(workers, "both")   # every worker mixed until arrivals say otherwise
         self.splits: dict[int, tuple[int, int]] = {}   # the split workers' SM splits
         self.regime = Regime(both=len(workers))
         self.budgets: dict[int, int | None] = dict.fromkeys(workers)
-        self.arrivals: collections.deque[tuple[float, int, float]] = collections.deque()   # (time, L, O predicted)
+        # each arrival: (time, L, O predicted)
+        self.arrivals: collections.deque[tuple[float, int, float]] = collections.deque()
         self.planned_at = -math.inf
         self.chosen_at = -math.inf   # when the planner last chose a regime (not a worker's death)
         self.log: list[PlanLog] = []
@@ -398,7 +408,8 @@ class Planner:
             forecasts = rank(cost, mix, seats, len(loads), self.slo)
             current = next((f for f in forecasts if f.regime == self.regime), None)
             if forecasts[0].regime != self.regime and (current is None or (
-                    self.clearly_better(forecasts[0], current) and self.better_below(cost, forecasts[0], current, mix, seats))):
+                    self.clearly_better(forecasts[0], current)
+                    and self.better_below(cost, forecasts[0], current, mix, seats))):
                 self.switch(forecasts[0].regime, loads, now, forecasts)
         self.set_budgets(cost, loads)
         return (self.roles, self.budgets, self.splits) != before
@@ -424,11 +435,13 @@ class Planner:
         worker's limit a forecast swings with the rate (a queue's wait grows as 1 / (1 -
         rho)); a win that needs the rate as high as the estimate may be a burst's, which a
         switch (and the switch back) would cost more than it lasts."""
-        low = Mix(mix.rate * (1 - (mix.count or len(mix.prompt_lens)) ** -0.5), mix.prompt_lens, mix.output_lens)
+        low = Mix(mix.rate * (1 - (mix.count or len(mix.prompt_lens)) ** -0.5), mix.prompt_lens,
+                  mix.output_lens)
         return self.clearly_better(forecast(cost, new.regime, low, seats, self.slo),
                                    forecast(cost, current.regime, low, seats, self.slo))
 
-    def switch(self, regime: Regime, loads: dict[int, WorkerLoad], now: float, forecasts: list[Forecast]) -> None:
+    def switch(self, regime: Regime, loads: dict[int, WorkerLoad], now: float,
+               forecasts: list[Forecast]) -> None:
         """Take the regime: chosen by its forecasts, or forced (none: a worker died), which holds nothing."""
         self.regime, self.roles = regime, assign_roles(regime, loads)
         self.chosen_at = now if forecasts else -math.inf
@@ -440,7 +453,8 @@ class Planner:
         if new_over != old_over:
             return new_over < old_over
         if self.slo is not None and not new_over:   # attainment higher by the margin, or as high and faster
-            return -new_a > -old_a + self.hysteresis or (new_a == old_a and new_b < old_b * (1 - self.hysteresis))
+            return -new_a > -old_a + self.hysteresis or (new_a == old_a
+                                                         and new_b < old_b * (1 - self.hysteresis))
         return new_a < old_a * (1 - self.hysteresis)
 
     def set_budgets(self, cost: CostModel, loads: dict[int, WorkerLoad]) -> None:
@@ -461,5 +475,6 @@ def assign_roles(regime: Regime, loads: dict[int, WorkerLoad]) -> dict[int, str]
     the least to finish), decode roles to those decoding most, both in between. A worker
     keeps its cache and running requests whatever its new role."""
     order = sorted(loads, key=lambda w: (loads[w].decode_batch, w))
-    roles = ["prefill"] * regime.prefill + ["both"] * regime.both + ["decode"] * regime.decode + ["split"] * regime.split
+    roles = (["prefill"] * regime.prefill + ["both"] * regime.both + ["decode"] * regime.decode
+             + ["split"] * regime.split)
     return dict(zip(order, roles))

@@ -102,7 +102,8 @@ def fit_prefill(lengths: list[int], ms: list[float]) -> tuple[float, float, floa
     return (*quadratic, err2) if matters and err2 < err / 2 else (*linear, err)
 
 
-def fit_knee(batches: list[int], ms: list[float], tolerance: float = 0.01) -> tuple[float, float, float, float]:
+def fit_knee(batches: list[int], ms: list[float],
+             tolerance: float = 0.01) -> tuple[float, float, float, float]:
     """(beta, batch_thresh, slope, error) for ms = beta + slope * max(0, batch - knee), beta
     and slope >= 0, the knee searched over the measured batch sizes (flat, then linear).
     Where the step grows gently, several knees fit about equally well and the best by a
@@ -132,9 +133,11 @@ def fit(timings: dict, handoffs: list[tuple[int, int, float, float]]) -> Profile
     short = dict(zip(timings["batches"], timings["decode_ms"]))
     extra_context = timings["long_context"] - timings["context"]
     pairs = list(zip(timings["kv_batches"], timings["long_decode_ms"]))
-    (kv,) = least_squares([[b * extra_context for b, _ in pairs]], [t - short[b] for b, t in pairs]) if pairs else (0.0,)
-    beta, knee, slope, e_decode = fit_knee(timings["batches"], [t - kv * b * timings["context"]
-                                                                for b, t in zip(timings["batches"], timings["decode_ms"])])
+    (kv,) = least_squares([[b * extra_context for b, _ in pairs]],
+                          [t - short[b] for b, t in pairs]) if pairs else (0.0,)
+    beta, knee, slope, e_decode = fit_knee(timings["batches"],
+                                           [t - kv * b * timings["context"]
+                                            for b, t in zip(timings["batches"], timings["decode_ms"])])
     gamma, e_gamma = fit_gamma(timings["chunks"], timings["extra_ms"])
     if handoffs:
         bandwidth = statistics.median(b / s / 1e9 for _, b, s, _ in handoffs)
@@ -153,7 +156,8 @@ def fit_lane_factor(whole: list[float], ms: list[float]) -> tuple[float, float]:
     """(k, error): the lane's times as k x the whole GPU's at the same sizes, by relative
     error (the k minimising sum((k w / t - 1)^2))."""
     ratios = [w / max(t, 1e-9) for w, t in zip(whole, ms)]
-    k = sum(ratios) / sum(r * r for r in ratios) if any(ratios) else 0.0   # a whole GPU fitted as free: so is the lane
+    # a whole GPU fitted as free: so is the lane
+    k = sum(ratios) / sum(r * r for r in ratios) if any(ratios) else 0.0
     return k, relative_rms([k * w for w in whole], ms)
 
 
@@ -162,17 +166,18 @@ def fit_split(timings: dict, kv: float, split: dict, whole: HardwareParams) -> t
     (whole) slowed by one factor, the decode lane fitted as the whole GPU's decode is, its
     context term the whole GPU's scaled as its batch-1 step is; the larger fit error.
     Prefill is bound by arithmetic, so on P of the GPU's SMs it keeps the whole GPU's shape
-    in L and runs about P / all as fast (bench.py split: 0.81, 0.70, 0.62 and 0.54 of the
-    whole GPU's rate on 116, 100, 84 and 68 of 132 SMs). Three terms of its own, fitted on
-    lengths up to 4,096, bent the shape where one factor cannot: the profile of 84/48 in
-    results/h200/decode_heavy8/adaptive_459eded.json (a 30 ms fixed cost, a quadratic term
-    8x the whole GPU's) prefills 1,538 tokens at 0.66 of the whole GPU's rate and 8,192 at
-    0.45, where bench.py split measured 0.62."""
-    k, e_prefill = fit_lane_factor([CostModel(whole).prefill_ms(n) for n in timings["lengths"]], split["prefill_ms"])
+    in L and runs about P / all as fast (bench.py split measures each lane beside the whole
+    GPU). Three terms of its own, fitted on lengths up to 4,096, bent the shape where one
+    factor cannot: a lane's own fit came out with a large fixed cost and a quadratic term
+    several times the whole GPU's, and so forecast long prompts far slower than bench.py
+    split finds them."""
+    k, e_prefill = fit_lane_factor([CostModel(whole).prefill_ms(n) for n in timings["lengths"]],
+                                   split["prefill_ms"])
     alpha0, alpha, alpha2 = k * whole.alpha0, k * whole.alpha, k * whole.alpha2
     kv_split = kv * split["decode_ms"][0] / timings["decode_ms"][0]
-    beta, knee, slope, e_decode = fit_knee(timings["batches"], [t - kv_split * b * timings["context"]
-                                                                for b, t in zip(timings["batches"], split["decode_ms"])])
+    beta, knee, slope, e_decode = fit_knee(timings["batches"],
+                                           [t - kv_split * b * timings["context"]
+                                            for b, t in zip(timings["batches"], split["decode_ms"])])
     return SplitParams(alpha0, alpha, alpha2, beta, max(knee, 1.0), slope, kv_split), max(e_prefill, e_decode)
 
 
@@ -180,8 +185,8 @@ def fit_split(timings: dict, kv: float, split: dict, whole: HardwareParams) -> t
 
 
 GPU_SPEC = {"lengths": [256, 512, 1024, 2048, 4096], "batches": [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256],
-            "chunks": [16, 32, 64, 128, 256, 512, 1024, 2048], "context": 512, "gamma_batch": 32, "long_context": 2048,
-            "kv_batches": [16, 64]}
+            "chunks": [16, 32, 64, 128, 256, 512, 1024, 2048], "context": 512, "gamma_batch": 32,
+            "long_context": 2048, "kv_batches": [16, 64]}
 CPU_SPEC = {"lengths": [8, 16, 32, 64], "batches": [1, 2, 4, 8, 16], "chunks": [4, 8, 16, 32], "context": 16,
             "gamma_batch": 4, "long_context": 64, "kv_batches": [4, 8], "reps": 2}
 
@@ -196,17 +201,19 @@ def fit_spec(spec: dict, cfg: EngineConfig, room_blocks: int) -> dict:
     per_seq = cdiv(context + 1, bs)   # a decode's blocks: its context and the token it computes
     lengths = [n for n in spec["lengths"] if n <= cfg.max_model_len and cdiv(n, bs) <= room_blocks]
     batches = [b for b in spec["batches"] if b * per_seq <= room_blocks]
-    kv_batches = [b for b in spec["kv_batches"] if b in batches and b * cdiv(long_context + 1, bs) <= room_blocks
+    kv_batches = [b for b in spec["kv_batches"]
+                  if b in batches and b * cdiv(long_context + 1, bs) <= room_blocks
                   and long_context > context]
     smallest = min(spec["chunks"])
-    gamma_batch = max((b for b in range(1, spec["gamma_batch"] + 1) if b * per_seq + cdiv(smallest, bs) <= room_blocks),
-                      default=0)
+    gamma_batch = max((b for b in range(1, spec["gamma_batch"] + 1)
+                       if b * per_seq + cdiv(smallest, bs) <= room_blocks), default=0)
     chunks = [c for c in spec["chunks"] if gamma_batch * per_seq + cdiv(c, bs) <= room_blocks]
     if len(lengths) < 2 or len(batches) < 2 or not gamma_batch:
         need = 2 * per_seq + cdiv(smallest, bs)
         raise ValueError(f"the adaptive policy's profiler needs at least {need} KV blocks per worker to time "
-                         f"decode steps of {context} tokens of context; num_kv_blocks={cfg.num_kv_blocks} leaves "
-                         f"{room_blocks}: raise num_kv_blocks, or pass LLM(profile=HardwareParams(...))")
+                         f"decode steps of {context} tokens of context; num_kv_blocks={cfg.num_kv_blocks} "
+                         f"leaves {room_blocks}: raise num_kv_blocks, or pass "
+                         "LLM(profile=HardwareParams(...))")
     return dict(spec, context=context, long_context=long_context, lengths=lengths, batches=batches,
                 kv_batches=kv_batches, gamma_batch=gamma_batch, chunks=chunks)
 
@@ -234,7 +241,8 @@ def measure_links(cluster: CentralScheduler, lengths: tuple[int, int]) -> dict[s
     for p, d in itertools.permutations(range(len(cluster.devices)), 2):
         handoffs = []
         for n in lengths * 2:
-            m = cluster.run_on_path(torch.randint(0, cluster.vocab_size, (n,), generator=rng).tolist(), (p, d))
+            m = cluster.run_on_path(torch.randint(0, cluster.vocab_size, (n,), generator=rng).tolist(),
+                                    (p, d))
             handoffs.append((n, m.kv_bytes_moved, m.kv_copy_time, m.phases()["transfer"] * 1e3))
         links[f"{p}>{d}"] = handoffs[2:]
     return links
@@ -263,7 +271,8 @@ def measure_profile(cluster: CentralScheduler) -> Profile:
     links = measure_links(cluster, tuple(lengths) or (cluster.cfg.max_model_len // 2,))
     profile = fit(timings, [h for hs in links.values() for h in hs])
     if len(links) > 1:   # each pair's own rate: within a host and between hosts differ
-        profile.params.links = {pair: statistics.median(ms / n for n, _, _, ms in hs) for pair, hs in links.items()}
+        profile.params.links = {pair: statistics.median(ms / n for n, _, _, ms in hs)
+                                for pair, hs in links.items()}
     profile.seconds = time.perf_counter() - start
     return profile
 
@@ -274,7 +283,8 @@ def load_profile(path: Path) -> Profile | None:
     try:
         data = json.loads(path.read_text())
         params = HardwareParams(**data["params"])
-        numbers = [getattr(params, f.name) for f in dataclasses.fields(HardwareParams) if f.name not in ("links", "splits")]
+        numbers = [getattr(params, f.name) for f in dataclasses.fields(HardwareParams)
+                   if f.name not in ("links", "splits")]
         numbers += [x for s in params.splits.values() for x in dataclasses.astuple(s)]
         if not all(isinstance(x, int | float) and not math.isnan(x) for x in numbers) \
                 or not all(isinstance(x, int | float) for x in params.links.values()):
@@ -304,10 +314,12 @@ def print_profile(profile: Profile) -> None:
             ("batch_thresh", f"{p.batch_thresh:.0f} sequences (then +{p.slope:.4f} ms per sequence)", None),
             ("kv", f"{p.kv * 1e3:.4f} ms per 1000 tokens of context in the batch", None),
             ("gamma", f"{p.gamma:.5f} ms/token", profile.errors.get("gamma")),
-            ("bandwidth", f"{profile.bandwidth_GBps:.1f} GB/s (handoff {p.transfer_rate:.5f} ms/token)", None)]
+            ("bandwidth", f"{profile.bandwidth_GBps:.1f} GB/s (handoff {p.transfer_rate:.5f} ms/token)",
+             None)]
     rows += [(f"link {pair}", f"handoff {rate:.5f} ms/token", None) for pair, rate in p.links.items()]
-    rows += [(f"split {key}", (f"prefill {s.alpha:.5f} ms/token + {s.alpha0:.2f} ms; decode {s.beta:.3f} ms to "
-              f"{s.batch_thresh:.0f}, then +{s.slope:.4f} ms per sequence"), profile.errors.get(f"split {key}"))
+    rows += [(f"split {key}", (f"prefill {s.alpha:.5f} ms/token + {s.alpha0:.2f} ms; decode {s.beta:.3f} "
+                               f"ms to {s.batch_thresh:.0f}, then +{s.slope:.4f} ms per sequence"),
+              profile.errors.get(f"split {key}"))
              for key, s in p.splits.items()]
     print("| parameter | value | fit error (relative RMS) |\n| --- | --- | --- |")
     for name, value, err in rows:
@@ -320,8 +332,10 @@ def main() -> None:
     p.add_argument("--model", default="qwen3-8b" if torch.cuda.is_available() else "tiny")
     p.add_argument("--devices", nargs="+", default=None, help="default: every GPU, or two CPU workers")
     p.add_argument("--no-cache", action="store_true", help="measure again even if a cached profile exists")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="the engine settings to measure (bench.py's)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: 8192 on GPUs, 256 on CPUs")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="the engine settings to measure (bench.py's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="default: 8192 on GPUs, 256 on CPUs")
     args = p.parse_args()
     budget = args.max_num_batched_tokens or (8192 if torch.cuda.is_available() else 256)
     # The adaptive policy's wiring (every worker reads every other's cache), no router yet.

@@ -146,7 +146,7 @@ class CompletionOutput:
     finish_reason: str | None          # "stop", "length", or None while running
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, float]] | None = None
-    stop_reason: int | str | None = None   # the stop token id or stop string that ended it (None: EOS, length)
+    stop_reason: int | str | None = None   # the stop token or string that ended it (None: EOS, length)
 
 
 @dataclass
@@ -194,14 +194,16 @@ def check_request(ids: list[int], params: SamplingParams, beam_width: int, vocab
         raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size ({vocab})")
     width = max(params.n, beam_width)
     if width > cfg.max_num_seqs:
-        raise ValueError(f"{'beam_width' if beam_width else 'n'}={width} exceeds max_num_seqs ({cfg.max_num_seqs})")
+        raise ValueError(f"{'beam_width' if beam_width else 'n'}={width} exceeds "
+                         f"max_num_seqs ({cfg.max_num_seqs})")
     # Beams advance together, so all of them must fit at once (full prompt blocks are
     # shared; each beam owns the rest). Samples of n > 1 progress independently: one must fit.
     bs = cfg.block_size
     shared = len(ids) // bs if beam_width else 0
     need = shared + (beam_width or 1) * (cdiv(len(ids) + params.max_tokens, bs) - shared)
     if need > room_blocks:
-        raise ValueError(f"the request needs {need} KV blocks, more than the whole cache holds ({room_blocks})")
+        raise ValueError(f"the request needs {need} KV blocks, more than the whole cache holds "
+                         f"({room_blocks})")
     return params
 
 
@@ -247,8 +249,9 @@ class Sequence:
     # is a placeholder (PENDING) on the host, and the next step reads it on the device
     # from row `pending_row` of that step's sampled tokens.
     pending_row: int | None = None
-    drafts: list[int] = field(default_factory=list)   # speculative decoding: guesses of the tokens after the last
-    draft_misses: int = 0               # ... its drafting steps in a row that kept no draft (speculate.drafts_at)
+    # speculative decoding: guesses of the tokens after the last
+    drafts: list[int] = field(default_factory=list)
+    draft_misses: int = 0               # ... drafting steps in a row that kept none (speculate.drafts_at)
     # ... more candidates, each on a branch: a sequence forked for one step, sharing this
     # one's blocks (copy-on-write), in no queue and no request (Scheduler.branch).
     branches: list["Sequence"] = field(default_factory=list)

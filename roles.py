@@ -24,7 +24,7 @@ class Role:
     """What a role lets dispatch do with a worker."""
     takes_prompts: bool       # new requests are sent here to prefill
     takes_handoffs: bool      # requests prefilled elsewhere are sent here to decode
-    hands_off: bool           # what it prefills decodes elsewhere (else here, unless the router picks another)
+    hands_off: bool           # what it prefills decodes elsewhere (else here, unless routed elsewhere)
     splits_sms: bool = False  # its prefills and decodes run on SM partitions of its own (SetRole.sm_split)
 
     @property
@@ -46,8 +46,8 @@ def check_role(part: SetRole) -> SetRole:
     if part.role not in ROLES:
         raise ValueError(f"role {part.role!r} is not one of {', '.join(ROLES)}")
     if ROLES[part.role].splits_sms != (part.sm_split is not None):
-        raise ValueError(f"role {part.role!r} takes {'an' if ROLES[part.role].splits_sms else 'no'} SM split, "
-                         f"got {part.sm_split}")
+        raise ValueError(f"role {part.role!r} takes {'an' if ROLES[part.role].splits_sms else 'no'} SM "
+                         f"split, got {part.sm_split}")
     return part
 
 
@@ -57,14 +57,16 @@ class RoleMap:
 
     def __init__(self, roles: list[str], splits: dict[int, tuple[int, int]] | None = None):
         splits = splits or {}
-        self.parts: dict[int, SetRole] = {w: check_role(SetRole(r, None, splits.get(w))) for w, r in enumerate(roles)}
+        self.parts: dict[int, SetRole] = {w: check_role(SetRole(r, None, splits.get(w)))
+                                          for w, r in enumerate(roles)}
 
     def write(self, roles: dict[int, str], budgets: dict[int, int | None] | None = None,
               splits: dict[int, tuple[int, int]] | None = None) -> None:
         """The workers named in roles take these roles (with these budgets and SM splits;
         none if not given); the others keep theirs."""
         budgets, splits = budgets or {}, splits or {}
-        self.parts |= {w: check_role(SetRole(role, budgets.get(w), splits.get(w))) for w, role in roles.items()}
+        self.parts |= {w: check_role(SetRole(role, budgets.get(w), splits.get(w)))
+                       for w, role in roles.items()}
 
     def name(self, w: int) -> str:
         return self.parts[w].role

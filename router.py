@@ -71,7 +71,8 @@ class LogLengthPosterior:
     def as_prior(self, weight: float) -> "LogLengthPosterior":
         """This posterior with its evidence scaled down to about `weight` observations."""
         scale = max(1.0, self.n / weight)
-        return LogLengthPosterior(self.m.clone(), self.V * scale, PRIOR_SHAPE + (self.a - PRIOR_SHAPE) / scale,
+        return LogLengthPosterior(self.m.clone(), self.V * scale,
+                                  PRIOR_SHAPE + (self.a - PRIOR_SHAPE) / scale,
                                   PRIOR_RATE + (self.b - PRIOR_RATE) / scale)
 
 
@@ -129,11 +130,11 @@ class RecursiveLeastSquares:
     are enough to move it.
     A residual far larger than the typical one (a step the host stalled, which no term
     of the model explains) moves the fit only as far as OUTLIER_CLIP typical residuals
-    would (Huber's robust regression, in its recursive form): one 250 ms stall among
-    10 ms steps would otherwise carry a lane's beta to tens of ms and leave it there.
+    would (Huber's robust regression, in its recursive form): one long stall among short
+    steps would otherwise carry a lane's beta far above its steps and leave it there.
     The first residual is clipped too, against PRIOR_SCALE of the profile's prediction
     (where that is not 0): the first step on a split just taken is often a stall, and
-    taken whole it set both the fit and the typical residual off by a hundredfold."""
+    taken whole it would set both the fit and the typical residual far off."""
 
     def __init__(self, theta: list[float], floor: list[float], forget: float = 0.995):
         self.theta = torch.tensor(theta, dtype=torch.float64)
@@ -152,7 +153,8 @@ class RecursiveLeastSquares:
         if self.scale is not None:
             bound = OUTLIER_CLIP * self.scale
             residual = min(max(residual, -bound), bound)
-        self.scale = abs(residual) if self.scale is None else (1 - SCALE_WEIGHT) * self.scale + SCALE_WEIGHT * abs(residual)
+        self.scale = abs(residual) if self.scale is None \
+            else (1 - SCALE_WEIGHT) * self.scale + SCALE_WEIGHT * abs(residual)
         self.theta = self.theta + gain * residual
         self.P = (self.P - torch.outer(gain, px)) / self.forget
         self.P = (self.P + self.P.T) / 2   # rounding would otherwise let it drift from symmetric
@@ -211,7 +213,7 @@ class Router:
         self.fit_transfer = RecursiveLeastSquares([p.transfer_rate], [1e-4])
         self.fit_links: dict[str, RecursiveLeastSquares] = {}
         self.fit_step = RecursiveLeastSquares([p.beta, p.slope, p.kv, p.gamma], [1e-1, 1e-3, 1e-6, 1e-3])
-        self.fit_splits: dict[str, RecursiveLeastSquares] = {}   # "P/D prefill", "P/D decode": each lane's factor
+        self.fit_splits: dict[str, RecursiveLeastSquares] = {}   # "P/D prefill", "P/D decode": lane factors
         self.profiled_splits = copy.deepcopy(params.splits)      # ... on these models of the lanes
         self.errors: list[float] = []         # |route()'s prediction - measured| / measured, per request
         self.model_errors: list[float] = []   # the same with the true output length (the cost model alone)
@@ -238,7 +240,8 @@ class Router:
             for d in decoders:
                 ttft, rest = cost.path_ms(prompt_len, out, loads[p], None if p == d else loads[d],
                                           self.cost.p.link(p, d))
-                meets = self.slo is None or (ttft <= self.slo[0] * 1e3 and rest <= self.slo[1] * 1e3 * max(1, out - 1))
+                meets = self.slo is None or (ttft <= self.slo[0] * 1e3
+                                             and rest <= self.slo[1] * 1e3 * max(1, out - 1))
                 options.append((meets, (ttft + rest + harm) if meets else harm, ttft + rest, p, d))
         meets, _, ms, p, d = min(options, key=lambda o: (not o[0], o[1]))
         return p, d, ms
@@ -311,7 +314,8 @@ class Router:
         self.fit_step.update([1.0, max(0.0, decodes - p.batch_thresh), context_tokens, prefill_tokens], ms)
         p.beta, p.slope, p.kv, p.gamma = self.fit_step.physical()
 
-    def _rescale_lane(self, key: str, decodes: int, context_tokens: int, prefill_tokens: int, ms: float) -> None:
+    def _rescale_lane(self, key: str, decodes: int, context_tokens: int, prefill_tokens: int,
+                      ms: float) -> None:
         """A lane's step refits one factor on the profile's model of that lane, not its terms
         one by one: a split worker's decode batch sits near its seats for seconds, where the
         step's terms (beta, slope, kv) cannot be told apart, and a fit of each, clamped to
@@ -326,6 +330,7 @@ class Router:
             (k,) = fit.physical()
             s.alpha0, s.alpha = k * shape.alpha0, k * shape.alpha
         else:
-            fit.update([shape.beta + shape.slope * max(0.0, decodes - shape.batch_thresh) + shape.kv * context_tokens], ms)
+            fit.update([shape.beta + shape.slope * max(0.0, decodes - shape.batch_thresh)
+                        + shape.kv * context_tokens], ms)
             (k,) = fit.physical()
             s.beta, s.slope, s.kv = k * shape.beta, k * shape.slope, k * shape.kv

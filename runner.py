@@ -4,8 +4,8 @@ ModelRunner.run builds the step's tensors (token ids, positions, slot mapping, b
 tables, lengths), uploads them in one copy, runs the model, samples on the device
 (sampler.py) and starts copying the tokens (and logprobs) to the host; the engine gets
 back a StepOutput whose event says when they have arrived. CUDA graphs captured at
-start-up replace the ~400 kernel launches of a step, which cost the host more time than a
-small step takes on the GPU:
+start-up replace the hundreds of kernel launches of a step, which cost the host more time
+than a small step takes on the GPU:
   - pure-decode steps replay a graph of the whole model for a padded batch size;
   - steps with prefill tokens, up to 1024 tokens (PIECE_TOKENS), replay graphs of the pieces
     between attentions (Qwen3.piece) for a padded token count, and launch each layer's
@@ -96,7 +96,8 @@ class Draw:
     seq: Sequence | None = None         # that sequence, if its request adjusts its logits (Request.adjusts)
     child: bool = False                 # the token starts a child forked from seq (n > 1), not seq's own
     banned: list[int] = field(default_factory=list)   # tokens it may not be (min_tokens: EOS, stop ids)
-    position: int = -1                  # after which of the row's new tokens (-1: the last; drafts: each, speculate.py)
+    # after which of the row's new tokens (-1: the last; drafts: each, speculate.py)
+    position: int = -1
     noise_of: int = -1                  # a speculative branch's: the draw whose sampling noise it reuses
     # A drafted sequence's draw: the drafts before its position, which its penalties count as
     # the sequence's own; its token is counted only once kept (Engine._finish).
@@ -132,7 +133,8 @@ class Lane:
     lacks): cuBLAS sizes a GEMM's grid for the SMs it expects, and a grid cut for 132 SMs
     runs in two waves on 112, the second nearly empty."""
     stream: torch.cuda.Stream | None = None
-    graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = field(default_factory=dict)   # batch -> graph
+    # batch -> graph
+    graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = field(default_factory=dict)
     sizes: list[int] = field(default_factory=list)   # sorted(graphs)
     pieces: bool = False
     carveout: int | None = None   # SMs of the device this lane's GEMMs leave out (None: all are its)
@@ -195,15 +197,16 @@ class ModelRunner:
         self.max_blocks_per_seq = cdiv(cfg.max_model_len, cfg.block_size)
         # Each split of the menu (cfg.sm_split and cfg.split_menu): two streams on disjoint SMs.
         self.menu = [tuple(s) for s in dict.fromkeys([cfg.sm_split, *cfg.split_menu]) if s]   # as asked
-        self.split_lanes = [make_lanes(self.device, Split(*s)) for s in self.menu]   # (these keep the driver's objects)
+        # (these keep the driver's objects)
+        self.split_lanes = [make_lanes(self.device, Split(*s)) for s in self.menu]
         try:
             self.num_blocks = self._check_fits(cfg.num_kv_blocks or self._blocks_that_fit())
             self.kv_cache = allocate_kv_cache(self.num_blocks, model.num_layers, model.num_kv_heads,
                                               cfg.block_size, model.head_dim, model.dtype, self.device)
             # A draft model's K/V (speculate.py:DraftModel): its own cache, the same block ids.
             self.draft_cache = None if draft is None else allocate_kv_cache(
-                self.num_blocks, draft.num_layers, draft.num_kv_heads, cfg.block_size, draft.head_dim, draft.dtype,
-                self.device)
+                self.num_blocks, draft.num_layers, draft.num_kv_heads, cfg.block_size, draft.head_dim,
+                draft.dtype, self.device)
             self._set_up_steps()
         except torch.OutOfMemoryError as e:
             raise ValueError(f"these engine settings need more memory than {self.device} has "
@@ -215,18 +218,21 @@ class ModelRunner:
         CUDA graphs of the steps."""
         self.token_counts = TokenCounts(self.model.config.vocab_size, self.device)
         self.full_gpu = Lane(pieces=True)   # the whole GPU, on the current stream
-        self.full_gpu_eager = Lane()   # the whole GPU without graphs: a split worker's prompts with nothing to decode
-        # Each split of the menu, under the SM counts the driver gave: its prefill lane and its decode lane.
+        # the whole GPU without graphs: a split worker's prompts with nothing to decode
+        self.full_gpu_eager = Lane()
+        # Each split of the menu, under the SM counts the driver gave: its prefill lane and its
+        # decode lane.
         self.splits: dict[Split, tuple[Lane, Lane]] = {}
         for lanes, asked in zip(self.split_lanes, self.menu):
-            if lanes.prefill is not None and tuple(asked) != (lanes.split.prefill_sms, lanes.split.decode_sms):
-                raise ValueError(f"split {tuple(asked)}: the decode lane gets its SMs in multiples the driver "
-                                 f"allows and the prefill lane the rest, here {lanes.split.prefill_sms} + "
-                                 f"{lanes.split.decode_sms}: pass ({lanes.split.prefill_sms}, "
-                                 f"{lanes.split.decode_sms})")
+            if (lanes.prefill is not None
+                    and tuple(asked) != (lanes.split.prefill_sms, lanes.split.decode_sms)):
+                raise ValueError(f"split {tuple(asked)}: the decode lane gets its SMs in multiples the "
+                                 f"driver allows and the prefill lane the rest, here "
+                                 f"{lanes.split.prefill_sms} + {lanes.split.decode_sms}: pass "
+                                 f"({lanes.split.prefill_sms}, {lanes.split.decode_sms})")
             total = num_sms(self.device)
             # Only the decode lane's GEMMs are aimed at its SMs: a prompt's GEMMs keep cuBLAS's
-            # own choice, which measured faster on the prefill lane (bench.py split).
+            # own choice, which runs the prefill lane's chunks faster (docs/split.md).
             self.splits[lanes.split] = (Lane(lanes.prefill, split=lanes.split),
                                         Lane(lanes.decode, carveout=total - lanes.split.decode_sms
                                              if lanes.decode else None, split=lanes.split))
@@ -313,8 +319,10 @@ class ModelRunner:
 
     def _run(self, batch: Batch, draws: list[Draw], beam_rows: list[int], beam_k: int,
              prev_tokens: torch.Tensor | None, lane: Lane) -> StepOutput:
-        wanted = sorted({(d.row, d.position) for d in draws} | {(r, -1) for r in beam_rows})   # (row, position)
-        logits = self.model.compute_logits(self._forward(batch, wanted, prev_tokens, lane))   # [len(wanted), vocab]
+        # (row, position)
+        wanted = sorted({(d.row, d.position) for d in draws} | {(r, -1) for r in beam_rows})
+        # [len(wanted), vocab]
+        logits = self.model.compute_logits(self._forward(batch, wanted, prev_tokens, lane))
         at = {w: i for i, w in enumerate(wanted)}
         out = StepOutput()
         if beam_rows:
@@ -361,14 +369,15 @@ class ModelRunner:
                                               [draws[k].params for k in penalized], prev_tokens, self.upload,
                                               [draws[k].before or [] for k in penalized])
             own = [j for j, k in enumerate(penalized) if not draws[k].child and draws[k].before is None]
-            counted = (self.upload([penalized[j] for j in own], torch.int64), rows[self.upload(own, torch.int64)])
+            counted = (self.upload([penalized[j] for j in own], torch.int64),
+                       rows[self.upload(own, torch.int64)])
         if bans:
             at = self.upload(bans, torch.int64)
             x[at[:, 0], at[:, 1]] = float("-inf")
         return x, counted
 
-    def _forward(self, batch: Batch, wanted: list[tuple[int, int]], prev_tokens: torch.Tensor | None, lane: Lane
-                 ) -> torch.Tensor:
+    def _forward(self, batch: Batch, wanted: list[tuple[int, int]], prev_tokens: torch.Tensor | None,
+                 lane: Lane) -> torch.Tensor:
         """Hidden states [len(wanted), hidden] after the new tokens wanted: (row, position),
         the position-th new token of batch.seqs[row] (-1: its last)."""
         starts = list(itertools.accumulate(batch.num_new, initial=0))
@@ -377,9 +386,11 @@ class ModelRunner:
         if batch.copies:
             self._copy_blocks(pairs.view(-1, 2))
         num_tokens = sum(batch.num_new)
-        one_token_rows = max(batch.num_new) == 1 or all(n == 1 or s.drafts for s, n in zip(batch.seqs, batch.num_new))
+        one_token_rows = max(batch.num_new) == 1 or all(n == 1 or s.drafts
+                                                        for s, n in zip(batch.seqs, batch.num_new))
         graph_bs = next((b for b in lane.sizes if b >= num_tokens), None)
-        if graph_bs is not None and one_token_rows:   # decodes, and their drafts (attention_rows): a token a row
+        # decodes, and their drafts (attention_rows): a token a row
+        if graph_bs is not None and one_token_rows:
             return self._replay(batch, lane.graphs[graph_bs], prev_tokens)[rows]
         ids, positions, meta = self.prepare(batch, prev_tokens)
         padded = next((t for t in self.piece_sizes if t >= num_tokens), None) if lane.pieces else None
@@ -405,7 +416,8 @@ class ModelRunner:
         """The draft model's greedy next token after each row: row r computes tokens[r] from
         position starts[r] on (the K/V before it in its draft cache), under block table
         tables[r]. Waits for the device."""
-        order = sorted(range(len(tokens)), key=lambda r: len(tokens[r]) - starts[r] > 1)   # one-token rows first
+        # one-token rows first
+        order = sorted(range(len(tokens)), key=lambda r: len(tokens[r]) - starts[r] > 1)
         rows = [DraftRow(tokens[r], starts[r], tables[r]) for r in order]
         batch = Batch(rows, [len(row.token_ids) - row.num_computed for row in rows])
         ids, positions, meta = self.prepare(batch)
@@ -432,7 +444,8 @@ class ModelRunner:
         pieces = sorted({min(t, budget) for t in PIECE_TOKENS})
         m, dev, n = self.model, self.device, max(sizes + pieces)
         self.static = {   # the graphs' inputs and the tensors passed between pieces
-            "ids": torch.zeros(n, dtype=torch.long, device=dev), "pos": torch.zeros(n, dtype=torch.long, device=dev),
+            "ids": torch.zeros(n, dtype=torch.long, device=dev),
+            "pos": torch.zeros(n, dtype=torch.long, device=dev),
             "slots": torch.full((n,), -1, dtype=torch.int32, device=dev),
             "tables": torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
             "cu": torch.arange(n + 1, dtype=torch.int32, device=dev),
@@ -459,8 +472,9 @@ class ModelRunner:
                 if decode.stream is not None:
                     decode.stream.wait_stream(torch.cuda.current_stream())
                     with decode.running():
-                        pool = self._capture_decode_graphs([b for b in SPLIT_GRAPH_SIZES if b < max_bs] + [max_bs],
-                                                           pool, decode.stream, decode, f" on {split}")
+                        pool = self._capture_decode_graphs(
+                            [b for b in SPLIT_GRAPH_SIZES if b < max_bs] + [max_bs], pool, decode.stream,
+                            decode, f" on {split}")
         finally:
             gc.enable()
         torch.cuda.current_stream().wait_stream(stream)
@@ -482,14 +496,16 @@ class ModelRunner:
         """Run the model once at batch 1 with every split-K factor a step may choose (powers
         of two, see kernels.choose_num_splits), so that none compiles mid-run: mixed steps
         launch their decodes' attention outside any graph, with the factor of the moment."""
-        st, most = self.static, kernels.choose_num_splits(1, self.model.num_kv_heads, 1, self.cfg.max_model_len,
-                                                           self.device)
+        st, most = self.static, kernels.choose_num_splits(1, self.model.num_kv_heads, 1,
+                                                           self.cfg.max_model_len, self.device)
         for splits in (1 << i for i in range(most.bit_length())):
-            meta = AttentionMetadata(slot_mapping=st["slots"][:1], block_tables=st["tables"][:1], cu_q_lens=st["cu"][:2],
-                                     ctx_lens=st["ctx"][:1], max_q_len=1, num_decodes=1, num_splits=splits)
+            meta = AttentionMetadata(slot_mapping=st["slots"][:1], block_tables=st["tables"][:1],
+                                     cu_q_lens=st["cu"][:2], ctx_lens=st["ctx"][:1], max_q_len=1,
+                                     num_decodes=1, num_splits=splits)
             self.model(st["ids"][:1], st["pos"][:1], self.kv_cache, meta)
 
-    def _capture_decode_graphs(self, sizes: list[int], pool, stream: torch.cuda.Stream, lane: Lane, where: str = ""):
+    def _capture_decode_graphs(self, sizes: list[int], pool, stream: torch.cuda.Stream, lane: Lane,
+                               where: str = ""):
         """Decode graphs at these batch sizes into lane, all sharing pool; the pool."""
         st = self.static
         for bs in tqdm(sorted(sizes, reverse=True), desc=f"capturing decode CUDA graphs{where}", leave=False,
@@ -500,7 +516,8 @@ class ModelRunner:
                 num_splits=kernels.choose_num_splits(bs, self.model.num_kv_heads, 1, self.cfg.max_model_len,
                                                      self.device))
             graph, hidden = self._capture(
-                lambda bs=bs, meta=meta: self.model(st["ids"][:bs], st["pos"][:bs], self.kv_cache, meta), pool, stream)
+                lambda bs=bs, meta=meta: self.model(st["ids"][:bs], st["pos"][:bs], self.kv_cache, meta),
+                pool, stream)
             pool = graph.pool()
             lane.graphs[bs] = (graph, hidden)
         lane.sizes = sorted(lane.graphs)

@@ -11,7 +11,8 @@ import torch
 import kernels
 from request import PENDING, SamplingParams, Sequence
 
-Upload = Callable[[list, torch.dtype], torch.Tensor]   # host list -> tensor on the device (ModelRunner.upload)
+# host list -> tensor on the device (ModelRunner.upload)
+Upload = Callable[[list, torch.dtype], torch.Tensor]
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -127,7 +128,8 @@ class TokenCounts:
             if fills:
                 at, src = upload(fills, torch.int64).view(-1, 2).unbind(1)
                 out[1, at] = prev_tokens[src].long()
-            self.counts.index_put_((out[0], out[1]), torch.ones_like(out[0], dtype=torch.int32), accumulate=True)
+            self.counts.index_put_((out[0], out[1]), torch.ones_like(out[0], dtype=torch.int32),
+                                   accumulate=True)
 
     def _grow(self, need: int) -> None:
         if len(self.free) >= need:
@@ -138,8 +140,9 @@ class TokenCounts:
         self.in_prompt = torch.cat([self.in_prompt, self.in_prompt.new_zeros(new - old, self.vocab)])
         self.free += range(new - 1, old - 1, -1)
 
-    def penalize(self, logits: torch.Tensor, draws: list[int], seqs: list[Sequence], params: list[SamplingParams],
-                 prev_tokens: torch.Tensor | None, upload: Upload, before: list[list[int]] = ()) -> torch.Tensor:
+    def penalize(self, logits: torch.Tensor, draws: list[int], seqs: list[Sequence],
+                 params: list[SamplingParams], prev_tokens: torch.Tensor | None, upload: Upload,
+                 before: list[list[int]] = ()) -> torch.Tensor:
         """Apply the penalties of params[i] to row draws[i] of logits [D, vocab] (float32, in
         place), from the statistics of seqs[i] and the tokens before[i] (a speculative check's
         drafts ahead of it, not yet the sequence's), all in one launch; the rows used [P]."""
@@ -150,7 +153,8 @@ class TokenCounts:
         if any(before):   # each draw its own copy of its row, with its drafts counted
             counts, in_prompt = self.counts[rows], self.in_prompt[rows]
             at = torch.arange(len(rows), device=rows.device)
-            pairs = upload([[i, t] for i, tokens in enumerate(before) for t in tokens], torch.int64).view(-1, 2)
+            pairs = upload([[i, t] for i, tokens in enumerate(before) for t in tokens],
+                           torch.int64).view(-1, 2)
             counts.index_put_((pairs[:, 0], pairs[:, 1]), torch.ones(len(pairs), dtype=torch.int32,
                                                                      device=rows.device), accumulate=True)
         kernels.apply_penalties(logits, upload(draws, torch.int64), at, knobs, counts, in_prompt)
@@ -158,7 +162,8 @@ class TokenCounts:
 
     def count(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """The step sampled tokens[i] for the sequence of row rows[i]."""
-        self.counts.index_put_((rows, tokens.long()), torch.ones_like(rows, dtype=torch.int32), accumulate=True)
+        self.counts.index_put_((rows, tokens.long()), torch.ones_like(rows, dtype=torch.int32),
+                               accumulate=True)
 
     @torch.inference_mode()   # the table is an inference tensor (built inside a step)
     def count_kept(self, kept: list[tuple[Sequence, list[int]]], upload: Upload) -> None:

@@ -28,8 +28,9 @@ class Batch:
     """One step's work: each sequence computes its next num_new tokens."""
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)   # (src, dst) blocks to copy before the model runs
-    copied_for: list[Sequence] = field(default_factory=list)      # ... the sequence each copy is for
+    # (src, dst) blocks to copy before the model runs, and the sequence each copy is for
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    copied_for: list[Sequence] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int, copies: list[tuple[int, int]] = ()) -> None:
         self.seqs.append(seq)
@@ -54,7 +55,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()   # ordered by arrival: first come, first served
         self.running: list[Sequence] = []          # in admission order; the last is preempted first
         self.importing = 0                         # seats held by imports whose KV is being copied in
-        self.imports_waiting: list[int] = []       # arrival orders of the imports waiting for a seat, oldest first
+        self.imports_waiting: list[int] = []       # arrival orders of imports waiting for seats, oldest first
         self.prefill_budget: int | None = None     # prompt tokens per step, if capped (planner.py)
         self.restarted: list[Request] = []         # beam searches preempted whole: the engine restarts them
         self.num_preemptions = 0
@@ -70,7 +71,8 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, decodes: bool = True, prompts: bool = True, busy: set[Sequence] = frozenset()) -> Batch:
+    def schedule(self, decodes: bool = True, prompts: bool = True,
+                 busy: set[Sequence] = frozenset()) -> Batch:
         """This step's work: running decodes, unfinished prompt chunks and new sequences, or
         (a split worker's lanes, engine.py) only the decodes or only the prompts. busy: the
         sequences the other lane is computing now; they are neither scheduled nor preempted."""
@@ -86,7 +88,8 @@ class Scheduler:
         for seq in todo:
             if budget == 0:
                 break
-            if seq.status != Status.RUNNING or seq in busy:   # preempted for an earlier one, or the other lane's
+            # preempted for an earlier one, or the other lane's
+            if seq.status != Status.RUNNING or seq in busy:
                 continue
             # A decode's drafts (speculate.py) are checked in its step, as many as the budget holds.
             n = min(seq.num_pending + len(seq.drafts), budget, prompt_room if seq.num_pending > 1 else budget)
@@ -131,7 +134,8 @@ class Scheduler:
             try:
                 copies = self.bm.append_slots(seq.block_table, seq.num_computed, seq.num_computed + n)
             except OutOfBlocks:
-                self.preempt(next(s for s in reversed(self.running) if s not in batch.seqs and s not in busy), batch)
+                self.preempt(next(s for s in reversed(self.running) if s not in batch.seqs and s not in busy),
+                             batch)
                 if seq.status != Status.RUNNING:
                     return False
                 continue
@@ -170,8 +174,9 @@ class Scheduler:
         """Check drafts on a branch of trunk: a sequence sharing every block of it
         (copy-on-write), in no queue, scheduled right after trunk, gone after the step."""
         branch = Sequence(trunk.request, trunk.index, list(trunk.token_ids), trunk.num_prompt_tokens,
-                          arrival=trunk.arrival, status=Status.RUNNING, block_table=self.bm.fork(trunk.block_table),
-                          num_computed=trunk.num_computed, drafts=drafts, trunk=trunk)
+                          arrival=trunk.arrival, status=Status.RUNNING,
+                          block_table=self.bm.fork(trunk.block_table), num_computed=trunk.num_computed,
+                          drafts=drafts, trunk=trunk)
         trunk.branches.append(branch)
 
     def _schedule_branches(self, trunk: Sequence, n: int, batch: Batch, budget: int) -> int:

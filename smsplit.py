@@ -73,11 +73,12 @@ def load_kernels_at_start() -> None:
     if os.environ.get("CUDA_MODULE_LOADING") == "EAGER":
         return
     if torch.cuda.is_initialized():
-        warnings.warn("CUDA started before this split engine: its kernels load at their first launch, and a decode "
-                      "step that loads one waits for the prompt chunk beside it (build the engine before using "
-                      "CUDA, or set CUDA_MODULE_LOADING=EAGER)", stacklevel=3)
+        warnings.warn("CUDA started before this split engine: its kernels load at their first launch, "
+                      "and a decode step that loads one waits for the prompt chunk beside it (build the "
+                      "engine before using CUDA, or set CUDA_MODULE_LOADING=EAGER)", stacklevel=3)
         return
-    os.environ["CUDA_MODULE_LOADING"] = "EAGER"   # over torch's default (LAZY), which a parent process may pass on
+    # over torch's default (LAZY), which a parent process may pass on
+    os.environ["CUDA_MODULE_LOADING"] = "EAGER"
 
 
 def make_lanes(device: torch.device, split: Split) -> Lanes:
@@ -87,8 +88,8 @@ def make_lanes(device: torch.device, split: Split) -> Lanes:
         return Lanes(split)
     try:
         (prefill, decode), (p_sms, d_sms), keep = _split_streams(device.index or 0, split.decode_sms)
-    except (ImportError, RuntimeError, AttributeError):   # no cuda.bindings, or a driver without green contexts
-        return Lanes(split)
+    except (ImportError, RuntimeError, AttributeError):
+        return Lanes(split)   # no cuda.bindings, or a driver without green contexts
     return Lanes(Split(p_sms, d_sms), prefill, decode, keep)
 
 
@@ -128,6 +129,7 @@ def _warn_if_lazy(cu) -> None:
     except (AttributeError, RuntimeError):
         return
     if lazy:
-        warnings.warn("CUDA loads kernels at their first launch in this process, and a split worker's decode step "
-                      "that loads one waits for the prompt chunk beside it: build the engine before anything uses "
-                      "CUDA, or set CUDA_MODULE_LOADING=EAGER (smsplit.load_kernels_at_start)", stacklevel=3)
+        warnings.warn("CUDA loads kernels at their first launch in this process, and a split worker's "
+                      "decode step that loads one waits for the prompt chunk beside it: build the engine "
+                      "before anything uses CUDA, or set CUDA_MODULE_LOADING=EAGER "
+                      "(smsplit.load_kernels_at_start)", stacklevel=3)

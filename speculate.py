@@ -65,7 +65,8 @@ def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int, branches: i
     last n tokens, the longest n first, the latest occurrence first: up to `branches`
     candidate continuations, none a prefix of another, the longest first (the step checks
     the first on the sequence itself, the others on branches: Speculator.draft). [] if none occurs."""
-    data, size, found = array("i", tokens).tobytes(), len(tokens), []   # 4 bytes a token: bytes.rfind runs in C
+    # 4 bytes a token: bytes.rfind runs in C
+    data, size, found = array("i", tokens).tobytes(), len(tokens), []
     for n in range(min(n_max, size - 1), n_min - 1, -1):
         suffix, end = data[4 * (size - n):], 4 * (size - 1)   # an occurrence ends before the last token
         while len(found) < branches and (at := data.rfind(suffix, 0, end)) >= 0:
@@ -128,7 +129,8 @@ class DraftModel:
                     break
                 rows.append((i, start, start + take))
                 budget -= take
-            tokens = self.runner.draft_next([seqs[i].token_ids[:end] for i, _, end in rows], [s for _, s, _ in rows],
+            tokens = self.runner.draft_next([seqs[i].token_ids[:end] for i, _, end in rows],
+                                            [s for _, s, _ in rows],
                                             [seqs[i].block_table for i, _, _ in rows])
             for (i, _, end), t in zip(rows, tokens):
                 if end == len(seqs[i].token_ids):
@@ -141,7 +143,8 @@ class DraftModel:
 Reserve = Callable[[Sequence, int], list[tuple[int, int]] | None]   # Scheduler.reserve_slots
 DRAFTERS: dict[str, Callable[[SpeculativeConfig, ModelRunner, Reserve], Drafter]] = {   # a method's drafter
     "ngram": lambda cfg, runner, reserve: per_sequence(
-        lambda tokens, k, branches: propose_ngram(tokens, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min, branches)),
+        lambda tokens, k, branches: propose_ngram(tokens, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min,
+                                                  branches)),
     "draft_model": lambda cfg, runner, reserve: DraftModel(runner, reserve),
 }
 
@@ -278,8 +281,8 @@ class Speculator:
         min_tokens."""
         if not seq.request.adjusts:
             return Draw(row, seq.request.params, position=len(before), before=before, **kw)
-        return Draw(row, seq.request.params, seq=seq, banned=self.banned(seq, len(before)), position=len(before),
-                    before=before, **kw)
+        return Draw(row, seq.request.params, seq=seq, banned=self.banned(seq, len(before)),
+                    position=len(before), before=before, **kw)
 
     def _plan_branch_checks(self, batch: Batch, drafted: dict[Sequence, Drafted], first: int,
                             plan: list[tuple[int, int]]) -> list[Draw]:

@@ -98,7 +98,8 @@ class Telemetry:
             load.batch_growth = self.batches[w].rate(now, load.decode_batch)
         return loads
 
-    def least_loaded(self, workers: list[int], active: Iterable[RequestRecord], roles: RoleMap, now: float) -> int:
+    def least_loaded(self, workers: list[int], active: Iterable[RequestRecord], roles: RoleMap,
+                     now: float) -> int:
         """The one of workers with the fewest work tokens."""
         loads = self.loads(workers, active, roles, now)
         return min(workers, key=lambda w: loads[w].work_tokens)

@@ -27,7 +27,8 @@ def fake_batch(engine, batch_size: int, context: int, num_new: int) -> Batch:
         seq = Sequence(req, 0, ids, len(ids))
         room = engine.scheduler.allocate(ids)
         if room is None:
-            raise ValueError(f"a fake batch of {batch_size} x {context + num_new} tokens does not fit in the KV cache")
+            raise ValueError(f"a fake batch of {batch_size} x {context + num_new} tokens does not fit in "
+                             "the KV cache")
         seq.block_table, _ = room
         seq.num_computed = context
         seqs.append(seq)
@@ -96,8 +97,8 @@ def measure_engine(engine, lengths: list[int], batches: list[int], chunks: list[
     long = [timed(lambda b=b: fake_batch(engine, b, long_context, 1)) for b in kv_batches]
     alone = timed(lambda: fake_batch(engine, gamma_batch, context, 1))
     mixed = [timed(lambda c=c: with_chunk(c)) for c in chunks]
-    out = {"lengths": lengths, "prefill_ms": prefill, "batches": batches, "decode_ms": decode, "context": context,
-           "kv_batches": kv_batches, "long_context": long_context, "long_decode_ms": long,
+    out = {"lengths": lengths, "prefill_ms": prefill, "batches": batches, "decode_ms": decode,
+           "context": context, "kv_batches": kv_batches, "long_context": long_context, "long_decode_ms": long,
            "chunks": chunks, "extra_ms": [m - alone for m in mixed]}
     if any(decode_lane.stream is not None for _, decode_lane in engine.runner.splits.values()):
         out["splits"] = measure_splits(engine, lengths, batches, context, gamma_batch, reps)

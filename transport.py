@@ -101,7 +101,8 @@ class Pull:
         if self.error is not None:
             return True
         if self.seconds is None and self.works:
-            done = self.waited.is_set() if self.waited is not None else all(w.is_completed() for w in self.works)
+            done = (self.waited.is_set() if self.waited is not None
+                    else all(w.is_completed() for w in self.works))
             if done:
                 self.seconds = time.perf_counter() - self.posted
         elif self.seconds is None and self.done.query():
@@ -115,7 +116,7 @@ class P2PTransport(Transport):
 
     The copy engine is our (the destination's) own, reading the peer's memory over the
     link: torch's copy_ between devices would run on a stream of the source device,
-    pushing, which was slower on the H200 pair (docs/workers.md), and would give this
+    pushing, which is the slower way on the H200 pair (docs/workers.md), and would give this
     process a context on the prefill worker's GPU. torch has no call for a copy between
     devices on the destination's stream, so it is the driver's cuMemcpyAsync. It goes
     peer to peer once peer access is on, which worker_main's first copy from each peer
@@ -131,7 +132,8 @@ class P2PTransport(Transport):
             stream = torch.cuda.current_stream().cuda_stream   # the pull's
             for s, d, n in block_runs(src_blocks, dst_blocks):
                 rc = _cuda_driver().cuMemcpyAsync(
-                    ctypes.c_uint64(dst.data_ptr() + d * block_bytes), ctypes.c_uint64(src.data_ptr() + s * block_bytes),
+                    ctypes.c_uint64(dst.data_ptr() + d * block_bytes),
+                    ctypes.c_uint64(src.data_ptr() + s * block_bytes),
                     ctypes.c_size_t(n * block_bytes), ctypes.c_void_p(stream))
                 if rc != 0:
                     raise RuntimeError(f"cuMemcpyAsync failed with CUDA error {rc}")

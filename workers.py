@@ -144,7 +144,7 @@ class Worker:
         self.report_steps = report_steps               # time every step for the router (adaptive only)
         self.last_collected: float | None = None       # when the engine last returned a step's tokens
         self.last_sent = 0.0                           # when the last reports went out
-        self.sm_split: tuple[int, int] | None = None   # the SMs prefills and decodes run on (SetRole), None: all
+        self.sm_split: tuple[int, int] | None = None   # (prefill SMs, decode SMs) from SetRole; None: all
 
     def run(self) -> None:
         while self.step():
@@ -315,7 +315,8 @@ class Worker:
             self.engine.scheduler.cancel_import(t.block_table)
             self.reports.append(PullFailed(m.request_id, m.src, f"{type(e).__name__}: {e}"))
             return
-        self.reports.append(Imported(m.request_id, time.perf_counter(), t.pull.nbytes, t.pull.seconds, t.seat_wait))
+        self.reports.append(Imported(m.request_id, time.perf_counter(), t.pull.nbytes, t.pull.seconds,
+                                     t.seat_wait))
 
     def _drop(self, request_id: int) -> None:
         """Its source died: an import not started is forgotten, one copying is freed when done."""
@@ -377,7 +378,8 @@ def worker_main(spec: WorkerSpec, inbox, outbox, readers: list, share_queue) -> 
                 load_kernels_at_start()
             torch.cuda.set_device(device)
         else:
-            torch.set_num_threads(max(1, torch.get_num_threads() // 4))   # several workers share the cores (or OMP_NUM_THREADS's)
+            # several workers share the cores (or OMP_NUM_THREADS's)
+            torch.set_num_threads(max(1, torch.get_num_threads() // 4))
         engine = make_engine(spec.cfg)
         peers = _share_caches(spec, engine.runner.kv_cache, readers, share_queue)
         if spec.group is not None:   # the workers' process group, for the transport's sends and receives
@@ -396,7 +398,8 @@ def worker_main(spec: WorkerSpec, inbox, outbox, readers: list, share_queue) -> 
         raise SystemExit(1) from None
 
 
-def _share_caches(spec: WorkerSpec, cache: torch.Tensor, readers: list, share_queue) -> dict[int, torch.Tensor]:
+def _share_caches(spec: WorkerSpec, cache: torch.Tensor, readers: list,
+                  share_queue) -> dict[int, torch.Tensor]:
     """Hand our cache, once, to every worker that will pull from it; take the caches we
     pull from (worker index -> cache)."""
     if readers and not cache.is_cuda:
@@ -472,7 +475,8 @@ def exit_in_order_on_sigterm() -> None:
     """Make SIGTERM a SystemExit (SigtermExit) in this process, unless the program has a
     SIGTERM handler of its own (it decides then) or this is not the main thread (only it
     may set one)."""
-    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
         signal.signal(signal.SIGTERM, SIGTERM_EXIT)
 
 
@@ -491,8 +495,8 @@ class WorkerProcesses:
         self.procs, self.inboxes, self.reports, self.shares = [], [], [], []
         self.heard: set[int] = set()   # the workers that have reported (Ready first): past their start-up
         # Before anything is opened, so that a failure half-way releases what was.
-        self._stop = weakref.finalize(self, stop_processes, self.procs, self.inboxes, self.reports, self.shares,
-                                      self.heard)
+        self._stop = weakref.finalize(self, stop_processes, self.procs, self.inboxes, self.reports,
+                                      self.shares, self.heard)
         self.configs = configs   # each worker's engine, on its device
         n = len(configs)
         pipes = [ctx.Pipe(duplex=False) for _ in configs]
@@ -504,8 +508,9 @@ class WorkerProcesses:
         for i, cfg in enumerate(configs):
             spec = WorkerSpec(i, cfg, transport, report_steps, len(sources[i]), group, n)
             readers = [self.shares[j] for j in range(n) if i in sources[j]]
-            self.procs.append(ctx.Process(target=worker_main, args=(spec, self.inboxes[i], pipes[i][1], readers,
-                                                                    self.shares[i]), daemon=True, name=names[i]))
+            self.procs.append(ctx.Process(target=worker_main,
+                                          args=(spec, self.inboxes[i], pipes[i][1], readers, self.shares[i]),
+                                          daemon=True, name=names[i]))
         with SIGTERM_EXIT.held():
             for p, (_, writer) in zip(self.procs, pipes):
                 p.start()
@@ -617,6 +622,6 @@ def check_main_module() -> None:
     tree = ast.parse(Path(path).read_text())
     guarded = any(isinstance(node, ast.If) and "__name__" in ast.unparse(node.test) for node in tree.body)
     if not guarded:
-        raise ValueError(f"{path} has no `if __name__ == \"__main__\":` block: worker processes are started with "
-                         "spawn, which runs the script again in each of them; put the code that creates "
-                         "LLM(policy=...) under that block")
+        raise ValueError(f"{path} has no `if __name__ == \"__main__\":` block: worker processes are "
+                         "started with spawn, which runs the script again in each of them; put the code "
+                         "that creates LLM(policy=...) under that block")

@@ -4,11 +4,11 @@
                    (kv_cache.BlockManager, docs/kv_cache.md's worked example)
   step_batch.png   the batches of docs/scheduling.md's worked example (scheduler.Scheduler)
   handoff.png      a handoff on a timeline, from the profile two H200s measured
-                   (results/h200x2/profile.txt) and the messages it sends (messages.py)
-  regimes.png      the regimes the planner chose over a phased run on one H200
-                   (results/h200/split_phased17/adaptive_bbc1236.json)
+                   (H200X2_PROFILE below) and the messages it sends (messages.py)
+  regimes.png      the regimes the planner chose over a phased run of bench.py on one
+                   H200 (REGIMES_RUN below)
   split_gpu.png    one H200's SMs split for each entry of the menu, with what each lane
-                   measured (results/h200/split.json)
+                   measured (SPLIT_RUN below: bench.py split's table)
 
     python bench.py figures      writes them into docs/figures/ (--out: elsewhere)
 
@@ -31,6 +31,9 @@ from scheduler import Scheduler
 
 ROOT = Path(__file__).resolve().parent.parent   # the repository: the results read, the docs written
 FIGURES = ROOT / "docs" / "figures"
+# The runs the figures read (results/README.md names each run's command, machine and date)
+REGIMES_RUN = ROOT / "results" / "h200" / "split_phased17" / "adaptive_bbc1236.json"
+SPLIT_RUN = ROOT / "results" / "h200" / "split.json"
 COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860"]
 PREFILL, DECODE, IDLE = "#DD8452", "#4C72B0", "#DDDDDD"
 
@@ -83,7 +86,8 @@ def draw_kv_fork(out: Path) -> Path:
         for b in range(FORK_BLOCKS):
             held = b in refs
             ax.add_patch(Rectangle((3 + b * 0.9, 0), 0.8, 0.5, fc="#555555" if held else IDLE))
-            ax.text(3 + b * 0.9 + 0.4, 0.25, str(b), ha="center", va="center", color="white" if held else "black")
+            ax.text(3 + b * 0.9 + 0.4, 0.25, str(b), ha="center", va="center",
+                    color="white" if held else "black")
             if held:
                 ax.text(3 + b * 0.9 + 0.4, -0.3, f"ref {refs[b]}", ha="center", fontsize=9)
         ax.text(2.9, 0.25, "physical blocks", ha="right", va="center", fontsize=10)
@@ -105,8 +109,8 @@ def worked_example_steps() -> list[list[tuple[str, int, bool, bool]]]:
     sched = Scheduler(BlockManager(64, 4, watermark=0.0), max_num_seqs=3, max_num_batched_tokens=8)
     names = {}
     for name, length in (("A", 5), ("B", 12), ("C", 3)):
-        seq = Sequence(Request(len(names), None, [0] * length, SamplingParams(), RequestMetrics(0.0)), 0, [0] * length,
-                       length)
+        seq = Sequence(Request(len(names), None, [0] * length, SamplingParams(), RequestMetrics(0.0)), 0,
+                       [0] * length, length)
         names[id(seq)] = name
         sched.add(seq)
     steps = []
@@ -131,7 +135,8 @@ def draw_step_batch(out: Path) -> Path:
     for i, step in enumerate(steps):
         left = 0
         for name, n, sampled, prompt in step:
-            ax.barh(i, n, left=left, color=color[name], edgecolor="white", height=0.6, hatch="//" if prompt else None)
+            ax.barh(i, n, left=left, color=color[name], edgecolor="white", height=0.6,
+                    hatch="//" if prompt else None)
             label = f"{name} {n}" + ("*" if sampled else "")
             ax.text(left + n / 2, i, label, ha="center", va="center", color="white", fontsize=10)
             left += n
@@ -140,8 +145,8 @@ def draw_step_batch(out: Path) -> Path:
     ax.set_yticks(range(len(steps)), [f"step {i + 1}" for i in range(len(steps))])
     ax.invert_yaxis()
     ax.set_xlim(0, 9.6)
-    ax.set_xlabel("tokens computed in the step (hatched: prompt tokens, a chunk; plain: a decode; *: the step "
-                  "samples that sequence's next token)", fontsize=9)
+    ax.set_xlabel("tokens computed in the step (hatched: prompt tokens, a chunk; plain: a decode; *: the "
+                  "step samples that sequence's next token)", fontsize=9)
     ax.set_title("A step takes decodes first, then prompt chunks, within the budget (scheduler.Scheduler)",
                  fontsize=10)
     return save(fig, out, "step_batch.png")
@@ -150,7 +155,9 @@ def draw_step_batch(out: Path) -> Path:
 # ----------------------------------------------------------------------------- the handoff
 
 
-H200X2_PROFILE = {"alpha0": 2.09, "alpha": 0.02202, "alpha2": 8.21e-7, "beta": 5.046, "transfer_rate": 0.00422}
+# The start-up profile two H200s measured (python profiler.py; results/README.md), in ms
+H200X2_PROFILE = {"alpha0": 2.09, "alpha": 0.02202, "alpha2": 8.21e-7, "beta": 5.046,
+                  "transfer_rate": 0.00422}
 
 
 def draw_handoff(out: Path, prompt: int = 2048, steps: int = 6) -> Path:
@@ -162,23 +169,29 @@ def draw_handoff(out: Path, prompt: int = 2048, steps: int = 6) -> Path:
     pull = p["transfer_rate"] * prompt
     fig, ax = plt.subplots(figsize=(10, 2.8), layout="constrained")
     ax.broken_barh([(0, prefill)], (2, 0.6), color=PREFILL)
-    ax.text(prefill / 2, 2.3, f"prefill {prompt} tokens, {prefill:.0f} ms", ha="center", va="center", color="white")
+    ax.text(prefill / 2, 2.3, f"prefill {prompt} tokens, {prefill:.0f} ms", ha="center", va="center",
+            color="white")
     ax.broken_barh([(prefill, pull)], (2, 0.6), color="#BBBBBB")
     ax.text(prefill + pull / 2, 2.85, "blocks parked", ha="center", fontsize=9)
     ax.broken_barh([(prefill, pull)], (0, 0.6), color="#8C8C8C")
     ax.text(prefill + pull / 2, -0.35, f"pull {pull:.1f} ms", ha="center", fontsize=9)
-    ax.broken_barh([(prefill + pull + k * p["beta"], p["beta"] * 0.95) for k in range(steps)], (0, 0.6), color=DECODE)
-    ax.text(prefill + pull + steps * p["beta"] / 2, 0.3, f"decode steps, {p['beta']:.1f} ms each", ha="center",
-            va="center", color="white", fontsize=9)
-    for t, y0, y1, label, side in ((prefill, 2, 1.3, "Handoff(Import)", -1), (prefill, 1.1, 0.6, "Import", -1),
-                                   (prefill + pull, 0.6, 1.1, "Imported", 1), (prefill + pull, 1.3, 2, "Release", 1)):
+    ax.broken_barh([(prefill + pull + k * p["beta"], p["beta"] * 0.95) for k in range(steps)], (0, 0.6),
+                   color=DECODE)
+    ax.text(prefill + pull + steps * p["beta"] / 2, 0.3, f"decode steps, {p['beta']:.1f} ms each",
+            ha="center", va="center", color="white", fontsize=9)
+    for t, y0, y1, label, side in ((prefill, 2, 1.3, "Handoff(Import)", -1),
+                                   (prefill, 1.1, 0.6, "Import", -1),
+                                   (prefill + pull, 0.6, 1.1, "Imported", 1),
+                                   (prefill + pull, 1.3, 2, "Release", 1)):
         ax.annotate("", xy=(t, y1), xytext=(t, y0), arrowprops={"arrowstyle": "->", "color": "black"})
-        ax.text(t + 0.4 * side, (y0 + y1) / 2, label, fontsize=8, va="center", ha="left" if side > 0 else "right")
+        ax.text(t + 0.4 * side, (y0 + y1) / 2, label, fontsize=8, va="center",
+                ha="left" if side > 0 else "right")
     ax.text(prefill, 2.75, "first token ", ha="right", fontsize=9)
     ax.set_yticks([0.3, 1.2, 2.3], ["decode worker", "central scheduler", "prefill worker"])
-    ax.set_xlabel("ms after the prompt's first chunk starts (profile of two H200s: results/h200x2/profile.txt)")
-    ax.set_title("The KV handoff: the first token comes from the prefill worker, the rest from the decode worker",
-                 fontsize=10)
+    ax.set_xlabel("ms after the prompt's first chunk starts (profile of two H200s: "
+                  "results/h200x2/profile.txt)")
+    ax.set_title("The KV handoff: the first token comes from the prefill worker, the rest from the decode "
+                 "worker", fontsize=10)
     ax.set_xlim(0, prefill + pull + steps * p["beta"] + 2)
     ax.set_ylim(-0.6, 3.1)
     return save(fig, out, "handoff.png")
@@ -187,14 +200,15 @@ def draw_handoff(out: Path, prompt: int = 2048, steps: int = 6) -> Path:
 # ----------------------------------------------------------------------------- regimes and splits
 
 
-def draw_regimes(out: Path, run: Path = ROOT / "results" / "h200" / "split_phased17" / "adaptive_bbc1236.json") -> Path:
+def draw_regimes(out: Path, run: Path = REGIMES_RUN) -> Path:
     """The requests arriving per second (1 s bins, by the phase that drew them) over the
     run, and under them the regime the planner held: the whole GPU or a split (prefill SMs
     / decode SMs)."""
     data = json.loads(run.read_text())
     requests, changes = data["requests"], data["regimes"][0]["changes"]
     end = max(r["arrival"] + r["e2e"] for r in requests)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 3.8), sharex=True, height_ratios=[3, 1], layout="constrained")
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 3.8), sharex=True, height_ratios=[3, 1],
+                                      layout="constrained")
     for phase, color, label in (("long", PREFILL, "long prompts (1024-2048 tokens)"),
                                 ("sharegpt", COLORS[2], "ShareGPT-like (median 256 tokens)")):
         bins = [0] * (int(end) + 1)
@@ -208,15 +222,16 @@ def draw_regimes(out: Path, run: Path = ROOT / "results" / "h200" / "split_phase
         split = change["regime"] != "1 both"
         bottom.broken_barh([(change["time"], nxt["time"] - change["time"])], (0, 1),
                            color=DECODE if split else "#999999", edgecolor="white")
-        bottom.text((change["time"] + nxt["time"]) / 2, 0.5, change["regime"].replace("1 ", "").replace("both",
-                    "whole GPU"), ha="center", va="center", color="white", fontsize=9)
+        bottom.text((change["time"] + nxt["time"]) / 2, 0.5,
+                    change["regime"].replace("1 ", "").replace("both", "whole GPU"), ha="center", va="center",
+                    color="white", fontsize=9)
     bottom.set_yticks([])
     bottom.set_xlabel("seconds into the run")
     bottom.set_xlim(0, end)
     return save(fig, out, "regimes.png")
 
 
-def draw_split_gpu(out: Path, run: Path = ROOT / "results" / "h200" / "split.json") -> Path:
+def draw_split_gpu(out: Path, run: Path = SPLIT_RUN) -> Path:
     """Each split of bench.py split's table as a bar of the GPU's SMs, prefill lane then
     decode lane, labelled with the decode step at batch 64 beside a prefill and the prefill
     rate beside decodes that the lanes measured."""
@@ -226,18 +241,19 @@ def draw_split_gpu(out: Path, run: Path = ROOT / "results" / "h200" / "split.jso
     for i, r in enumerate(rows):
         ax.barh(i, r["prefill_sms"], color=PREFILL, height=0.7)
         ax.barh(i, r["decode_sms"], left=r["prefill_sms"], color=DECODE, height=0.7)
-        ax.text(r["prefill_sms"] / 2, i, f"{r['prefill_beside_tok_s'] / 1e3:.1f}k tok/s", ha="center", va="center",
-                color="white", fontsize=8)
+        ax.text(r["prefill_sms"] / 2, i, f"{r['prefill_beside_tok_s'] / 1e3:.1f}k tok/s", ha="center",
+                va="center", color="white", fontsize=8)
         ax.text(r["prefill_sms"] + r["decode_sms"] / 2, i, f"{r['decode_b64_beside_ms']:.1f} ms", ha="center",
                 va="center", color="white", fontsize=8)
     ax.set_yticks(range(len(rows)), [f"{r['prefill_sms']}/{r['decode_sms']}" for r in rows])
     ax.invert_yaxis()
     ax.set_xlim(0, 132)
-    ax.set_xlabel("SMs of one H200 (orange: prefill lane, its prompt tokens/s beside decodes; blue: decode lane, "
-                  "its batch-64 step beside a prefill)\nthe whole GPU, one lane at a time: "
-                  f"{whole['prefill_tok_s'] / 1e3:.1f}k tok/s, a batch-64 step {whole['decode_b64_ms']:.1f} ms",
-                  fontsize=8)
-    ax.set_title("One GPU, two lanes: each split bench.py split measures, and what its lanes did", fontsize=10)
+    ax.set_xlabel("SMs of one H200 (orange: prefill lane, its prompt tokens/s beside decodes; blue: decode "
+                  "lane, its batch-64 step beside a prefill)\nthe whole GPU, one lane at a time: "
+                  f"{whole['prefill_tok_s'] / 1e3:.1f}k tok/s, a batch-64 step "
+                  f"{whole['decode_b64_ms']:.1f} ms", fontsize=8)
+    ax.set_title("One GPU, two lanes: each split bench.py split measures, and what its lanes did",
+                 fontsize=10)
     return save(fig, out, "split_gpu.png")
 
 

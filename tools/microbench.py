@@ -97,8 +97,9 @@ def bench_attention(batch: int, seq_len: int, decode: bool, hq=32, hkv=8, d=128,
     else:        # compute bound: causal QK^T and PV
         work, unit = 2 * 2 * batch * seq_len * seq_len * hq * d / 2 / 1e12, "TFLOP/s"
     name = f"decode B={batch} T={seq_len} (splits {splits})" if decode else f"prefill T={seq_len} causal"
-    return {"case": name, "ours_ms": t_ours, "ref_ms": t_sdpa, "unit": unit, "ours_rate": work / t_ours * 1e3,
-                "ref_rate": work / t_sdpa * 1e3, "ratio": t_sdpa / t_ours, "rel_err": err.item(), "ref": "SDPA"}
+    return {"case": name, "ours_ms": t_ours, "ref_ms": t_sdpa, "unit": unit,
+            "ours_rate": work / t_ours * 1e3, "ref_rate": work / t_sdpa * 1e3, "ratio": t_sdpa / t_ours,
+            "rel_err": err.item(), "ref": "SDPA"}
 
 
 def bench_rope_store_kv(num_tokens=16384, hq=32, hkv=8, d=128, block_size=16):
@@ -117,7 +118,8 @@ def bench_rope_store_kv(num_tokens=16384, hq=32, hkv=8, d=128, block_size=16):
     twin = cache.clone()
     q_ref = kernels.qk_norm_rope_store_kv_torch(*args, twin[:, 1, 0], twin[:, 1, 1], slots)
     q = kernels.qk_norm_rope_store_kv(*args, cache[:, 1, 0], cache[:, 1, 1], slots)
-    err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in ((q, q_ref), (cache, twin)))
+    err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
+              for a, b in ((q, q_ref), (cache, twin)))
     dst = torch.empty_like(qkv)
     t_ours = time_ms(lambda: kernels.qk_norm_rope_store_kv(*args, cache[:, 1, 0], cache[:, 1, 1], slots))
     t_copy = time_ms(lambda: dst.copy_(qkv))
@@ -141,9 +143,10 @@ def bench_copy_blocks(num_blocks=128, cache_blocks=2048, layers=36, hkv=8, d=128
     t_ours = time_ms(lambda: kernels.copy_blocks(cache, pairs))
     t_copy = time_ms(lambda: buf.copy_(src))
     gb = 2 * buf.numel() * buf.element_size() / 1e9
-    return {"case": f"copy_blocks {num_blocks} blocks ({gb / 2 * 1e3:.0f} MB)", "ours_ms": t_ours, "ref_ms": t_copy,
-                "unit": "GB/s", "ours_rate": gb / t_ours * 1e3, "ref_rate": gb / t_copy * 1e3,
-                "ratio": t_copy / t_ours, "rel_err": 0.0 if ok else float("nan"), "ref": "copy_"}
+    return {"case": f"copy_blocks {num_blocks} blocks ({gb / 2 * 1e3:.0f} MB)", "ours_ms": t_ours,
+                "ref_ms": t_copy, "unit": "GB/s", "ours_rate": gb / t_ours * 1e3,
+                "ref_rate": gb / t_copy * 1e3, "ratio": t_copy / t_ours,
+                "rel_err": 0.0 if ok else float("nan"), "ref": "copy_"}
 
 
 def bench_small_m_linear(name: str, n: int, k: int, m: int = 1, copies: int = 8):
@@ -160,9 +163,9 @@ def bench_small_m_linear(name: str, n: int, k: int, m: int = 1, copies: int = 8)
     t_ours = time_ms(lambda: [kernels.linear(x, w, partial_sums=True) for w in ws], graph=True) / copies
     t_ref = time_ms(lambda: [F.linear(x, w) for w in ws], graph=True) / copies
     gb = n * k * 2 / 1e9
-    return {"case": f"linear {name} M={m} ({gb * 1e3:.0f} MB)", "ours_ms": t_ours, "ref_ms": t_ref, "unit": "GB/s",
-            "ours_rate": gb / t_ours * 1e3, "ref_rate": gb / t_ref * 1e3, "ratio": t_ref / t_ours,
-            "rel_err": err, "ref": "cuBLAS"}
+    return {"case": f"linear {name} M={m} ({gb * 1e3:.0f} MB)", "ours_ms": t_ours, "ref_ms": t_ref,
+            "unit": "GB/s", "ours_rate": gb / t_ours * 1e3, "ref_rate": gb / t_ref * 1e3,
+            "ratio": t_ref / t_ours, "rel_err": err, "ref": "cuBLAS"}
 
 
 def kernel_cases(small: bool = False) -> list:
@@ -178,8 +181,10 @@ def kernel_cases(small: bool = False) -> list:
     return [lambda: bench_attention(1, 4096, True), lambda: bench_attention(64, 4096, True),
             lambda: bench_attention(256, 2048, True), lambda: bench_attention(1, 2048, False),
             lambda: bench_attention(1, 8192, False), bench_rope_store_kv, bench_copy_blocks,
-            lambda: bench_small_m_linear("qkv", 6144, 4096), lambda: bench_small_m_linear("o_proj", 4096, 4096),
-            lambda: bench_small_m_linear("gate_up", 24576, 4096), lambda: bench_small_m_linear("down", 4096, 12288)]
+            lambda: bench_small_m_linear("qkv", 6144, 4096),
+            lambda: bench_small_m_linear("o_proj", 4096, 4096),
+            lambda: bench_small_m_linear("gate_up", 24576, 4096),
+            lambda: bench_small_m_linear("down", 4096, 12288)]
 
 
 def run_kernels(out: str | None, small: bool = False) -> list[dict]:
@@ -302,21 +307,24 @@ def step_rows(eng, res: dict, facts: ModelFacts, rows: list[dict], sizes: Engine
         dec, chunk = fake_batch(eng, decodes, ctx, 1), fake_batch(eng, 1, 0, chunk_len)
         return Batch(dec.seqs + chunk.seqs, dec.num_new + chunk.num_new)
     for b in sizes.batches:
-        ceiling = ceiling_ms(res, facts.weight_bytes + b * ctx * facts.kv_per_token, b * facts.flops_per_token)
+        ceiling = ceiling_ms(res, facts.weight_bytes + b * ctx * facts.kv_per_token,
+                             b * facts.flops_per_token)
         record(rows, f"decode step, batch {b}, context {ctx}", lambda b=b: timed(
             lambda: fake_batch(eng, b, ctx, 1), reps, graph_of=b), ceiling)
     ceiling = ceiling_ms(res, facts.weight_bytes + decodes * ctx * facts.kv_per_token,
                          (decodes + chunk_len) * facts.flops_per_token)
-    record(rows, f"mixed step, {decodes} decodes + {chunk_len}-token chunk", lambda: timed(mixed, reps * 2 // 3),
-           ceiling)
+    record(rows, f"mixed step, {decodes} decodes + {chunk_len}-token chunk",
+           lambda: timed(mixed, reps * 2 // 3), ceiling)
     record(rows, "  the same step eagerly", lambda: timed(mixed, reps * 2 // 3, eager=True), ceiling)
     cfg, n = eng.model.config, sizes.prefill
     attn_flops = 4 * n * n / 2 * cfg.num_attention_heads * eng.model.head_dim * eng.model.num_layers
-    record(rows, f"prefill {n} tokens (ms per token)", lambda: timed(lambda: fake_batch(eng, 1, 0, n), reps // 3),
+    record(rows, f"prefill {n} tokens (ms per token)",
+           lambda: timed(lambda: fake_batch(eng, 1, 0, n), reps // 3),
            ceiling_ms(res, 0, n * facts.flops_per_token + attn_flops), unit_div=n)
 
 
-PENALISED = SamplingParams(temperature=0.0, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5)
+PENALISED = SamplingParams(temperature=0.0, repetition_penalty=1.1, presence_penalty=0.5,
+                           frequency_penalty=0.5)
 
 
 def penalty_cost(eng, sizes: EngineSizes) -> dict:
@@ -390,11 +398,12 @@ def generate_throughput(llm, res: dict, facts: ModelFacts, g: torch.Generator,
     n_in, requests = n_prompt * count, len(outs)
     matmul_s = ((n_in + tokens - requests) * (facts.flops_per_token - head) + tokens * head) \
         / res["bf16_matmul_TFLOPs"] / 1e12
-    kv_read_s = requests * sum(n_prompt + j for j in range(1, n_out)) * facts.kv_per_token / res["hbm_copy_GBps"] / 1e9
+    kv_read_s = requests * sum(n_prompt + j for j in range(1, n_out)) * facts.kv_per_token \
+        / res["hbm_copy_GBps"] / 1e9
     roof_s = matmul_s + kv_read_s
-    print(f"LLM.generate {count} x ({n_prompt} in, {n_out} out): {elapsed:.2f} s, {tokens / elapsed:.0f} output "
-          f"tokens/s, {(tokens + n_in) / elapsed:.0f} total tokens/s; roofline {roof_s:.2f} s = matmuls "
-          f"{matmul_s:.2f} + K/V reads {kv_read_s:.2f} ({tokens / roof_s:.0f} output tokens/s)")
+    print(f"LLM.generate {count} x ({n_prompt} in, {n_out} out): {elapsed:.2f} s, {tokens / elapsed:.0f} "
+          f"output tokens/s, {(tokens + n_in) / elapsed:.0f} total tokens/s; roofline {roof_s:.2f} s = "
+          f"matmuls {matmul_s:.2f} + K/V reads {kv_read_s:.2f} ({tokens / roof_s:.0f} output tokens/s)")
     return {"requests": requests, "output_tokens": tokens, "seconds": elapsed,
             "output_tokens_per_s": tokens / elapsed, "total_tokens_per_s": (tokens + n_in) / elapsed,
             "matmul_s": matmul_s, "kv_read_s": kv_read_s, "roofline_s": roof_s}
@@ -404,9 +413,11 @@ def run_engine(out: str | None, sizes: EngineSizes = EngineSizes()) -> dict:
     """The single-GPU engine on sizes.model beside the ceilings measured in the same run."""
     from nanopd import LLM
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, **measure_ceilings()}
-    print(f"ceilings: HBM copy {res['hbm_copy_GBps']:.0f} GB/s, bf16 matmul {res['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
+    print(f"ceilings: HBM copy {res['hbm_copy_GBps']:.0f} GB/s, "
+          f"bf16 matmul {res['bf16_matmul_TFLOPs']:.0f} TFLOP/s")
     t = time.perf_counter()
-    llm = LLM(sizes.model, max_num_seqs=sizes.max_num_seqs, max_num_batched_tokens=sizes.max_num_batched_tokens,
+    llm = LLM(sizes.model, max_num_seqs=sizes.max_num_seqs,
+              max_num_batched_tokens=sizes.max_num_batched_tokens,
               max_model_len=4096, num_kv_blocks=sizes.num_kv_blocks)
     eng, res["startup_s"] = llm.engine, time.perf_counter() - t
     facts = ModelFacts.of(eng)
@@ -466,7 +477,8 @@ def run_profile(out: str | None, sizes: ProfileSizes = ProfileSizes(), steps: in
     # The kernels themselves are the GPU's events; a CPU op (aten::mm) counts its kernels' time too.
     gpu = sorted((e for e in events if e.device_type != torch.autograd.DeviceType.CPU),
                  key=lambda e: -e.device_time_total)
-    rows = [{"kernel": e.key, "gpu_ms_per_step": e.device_time_total / 1e3 / steps, "calls_per_step": e.count / steps}
+    rows = [{"kernel": e.key, "gpu_ms_per_step": e.device_time_total / 1e3 / steps,
+             "calls_per_step": e.count / steps}
             for e in gpu[:25]]
     if out:
         with open(out, "w") as f:
@@ -487,7 +499,8 @@ def measure_link(src: str, dst: str, nbytes: int = 1 << 30, idle_bytes: int = 30
     y = torch.empty_like(x, device=dst)
     host = torch.empty_like(x, device="cpu").pin_memory()
     rates = {name: x.nbytes / time_ms(fn) / 1e6 for name, fn in
-             [("p2p_GBps", lambda: y.copy_(x)), ("d2h_GBps", lambda: host.copy_(x)), ("h2d_GBps", lambda: y.copy_(host))]}
+             [("p2p_GBps", lambda: y.copy_(x)), ("d2h_GBps", lambda: host.copy_(x)),
+              ("h2d_GBps", lambda: y.copy_(host))]}
     rates["p2p_after_idle_GBps"] = copy_after_idle_GBps(x[:idle_bytes], y[:idle_bytes])
     rates["idle_MB"] = idle_bytes / 1e6
     x = y = host = None
@@ -534,15 +547,16 @@ def transport_alone(transport, src_cache: torch.Tensor, dst_cache: torch.Tensor,
 def decode_step_while_pulling(model: str, src: str, dst: str, batch: int = 64, context: int = 1024) -> dict:
     """A decode step (CUDA-graph replay, batch x context) on dst, timed alone and while a
     P2PTransport pulls blocks from src into the same cache on its own stream, two ways:
-    - per_step: 128 blocks (one 2048-token request's KV, 302 MB of Qwen3-8B) pulled with every step.
-      A prefill worker produces that much KV in ~50 ms (2048 x 0.025 ms), so one per
-      7 ms step is several times the most a real decode worker receives;
+    - per_step: 128 blocks (one 2048-token request's KV, 302 MB of Qwen3-8B) pulled with
+      every step. A prefill worker takes several decode steps' time to produce that much
+      KV, so one per step is several times the most a real decode worker receives;
     - saturated: 2.4 GB pulls back to back for the whole timed window, the link never idle.
     Also the transport alone (transport_alone), same caches."""
     from nanopd import LLM
     from transport import P2PTransport
     chunk = 1024   # blocks per saturating pull: 2.4 GB of Qwen3-8B, ~6 ms on the link
-    eng = LLM(model, device=dst, max_num_seqs=batch, num_kv_blocks=batch * (context // 16 + 2) + chunk + 64).engine
+    eng = LLM(model, device=dst, max_num_seqs=batch,
+              num_kv_blocks=batch * (context // 16 + 2) + chunk + 64).engine
     fake = fake_batch(eng, batch, context, 1)
     run_step(eng, fake)   # leaves the batch in the graph's inputs
     graph = eng.runner.full_gpu.graphs[next(s for s in eng.runner.full_gpu.sizes if s >= batch)][0]
@@ -583,9 +597,11 @@ def decode_step_while_pulling(model: str, src: str, dst: str, batch: int = 64, c
     busy = not pulls[-1].done.query()   # the transfers outlasted the timed steps
     torch.cuda.synchronize()
     return {"case": f"decode step, batch {batch}, context {context}", "alone_ms": alone,
-            "per_step_MB": 128 * cache[0].nbytes / 1e6, "per_step_ms": per_step, "per_step_ratio": per_step / alone,
+            "per_step_MB": 128 * cache[0].nbytes / 1e6, "per_step_ms": per_step,
+            "per_step_ratio": per_step / alone,
             "saturated_ms": saturated, "saturated_ratio": saturated / alone,
-            "saturated_valid": busy and not started, "pulls_queued_s": queued_s, "transport_alone": alone_rates}
+            "saturated_valid": busy and not started, "pulls_queued_s": queued_s,
+            "transport_alone": alone_rates}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -617,17 +633,19 @@ def run_transfer(out: str | None, devices: tuple[str, str] = ("cuda:0", "cuda:1"
     may be one GPU (its copies then stay inside it): the same code runs, the rates differ."""
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "devices": list(devices),
            **measure_link(*devices, sizes.link_bytes, sizes.idle_bytes)}
-    print(f"ceilings: {devices[0]} -> {devices[1]} copy {res['p2p_GBps']:.0f} GB/s ({res['idle_MB']:.0f} MB after "
-          f"50 ms idle: {res['p2p_after_idle_GBps']:.0f}); pinned host: {res['d2h_GBps']:.0f} GB/s down, "
-          f"{res['h2d_GBps']:.0f} GB/s up", flush=True)
+    print(f"ceilings: {devices[0]} -> {devices[1]} copy {res['p2p_GBps']:.0f} GB/s ({res['idle_MB']:.0f} MB "
+          f"after 50 ms idle: {res['p2p_after_idle_GBps']:.0f}); pinned host: {res['d2h_GBps']:.0f} GB/s "
+          f"down, {res['h2d_GBps']:.0f} GB/s up", flush=True)
     res["overlap"] = decode_step_while_pulling(sizes.model, *devices, sizes.batch, sizes.context)
     o = res["overlap"]
-    print(f"{o['case']}: {o['alone_ms']:.3f} ms alone; {o['per_step_ms']:.3f} ms ({o['per_step_ratio']:.3f}x) "
-          f"pulling {o['per_step_MB']:.0f} MB with every step; {o['saturated_ms']:.3f} ms ({o['saturated_ratio']:.3f}x)"
-          f" with the link saturated (transfers covered the timed steps: {o['saturated_valid']})", flush=True)
+    print(f"{o['case']}: {o['alone_ms']:.3f} ms alone; {o['per_step_ms']:.3f} ms "
+          f"({o['per_step_ratio']:.3f}x) pulling {o['per_step_MB']:.0f} MB with every step; "
+          f"{o['saturated_ms']:.3f} ms ({o['saturated_ratio']:.3f}x) with the link saturated (transfers "
+          f"covered the timed steps: {o['saturated_valid']})", flush=True)
     a = o["transport_alone"]
-    print(f"P2PTransport alone, in this process, 128 blocks ({o['per_step_MB']:.0f} MB): {a['consecutive_GBps']:.0f} "
-          f"GB/s as one run, {a['scattered_GBps']:.0f} GB/s one block at a time", flush=True)
+    print(f"P2PTransport alone, in this process, 128 blocks ({o['per_step_MB']:.0f} MB): "
+          f"{a['consecutive_GBps']:.0f} GB/s as one run, {a['scattered_GBps']:.0f} GB/s one block at a time",
+          flush=True)
     torch.cuda.empty_cache()
     g, rows = torch.Generator().manual_seed(0), []
     # The KV of the requests in flight at once, with room to spare; set, not what fits, since
@@ -672,18 +690,23 @@ def transfer_rows(llm, transport: str, res: dict, lengths: tuple[int, ...], g: t
                      "GBps": gbs, "ceiling_GBps": ceiling, "ratio": gbs / ceiling, "handoff_ms": handoff})
         r = rows[-1]
         idle = (f", {gbs / res['p2p_after_idle_GBps']:.2f} of {res['idle_MB']:.0f} MB copied after idling "
-                f"({res['p2p_after_idle_GBps']:.0f})" if transport == "p2p" and length == max(lengths) else "")
-        print(f"{transport:<5} {length:5d} tokens ({r['MB']:6.1f} MB): copy {gbs:6.1f} GB/s = {r['ratio']:.2f}"
-              f" of {ceiling:.0f}{idle}; first token -> decode worker has it: {handoff:.2f} ms", flush=True)
+                f"({res['p2p_after_idle_GBps']:.0f})"
+                if transport == "p2p" and length == max(lengths) else "")
+        print(f"{transport:<5} {length:5d} tokens ({r['MB']:6.1f} MB): copy {gbs:6.1f} GB/s = "
+              f"{r['ratio']:.2f} of {ceiling:.0f}{idle}; first token -> decode worker has it: "
+              f"{handoff:.2f} ms", flush=True)
     return rows
 
 
 def at_once(llm, length: int, count: int, g: torch.Generator) -> dict:
     """The copy rate of each of `count` requests of `length` tokens sent together."""
-    prompts = [torch.randint(0, llm.cluster.vocab_size, (length,), generator=g).tolist() for _ in range(count)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    prompts = [torch.randint(0, llm.cluster.vocab_size, (length,), generator=g).tolist()
+               for _ in range(count)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                        use_tqdm=False)
     rates = [o.metrics.kv_copy_GBps() for o in outs]
-    print(f"p2p   {length:5d} tokens, {count} at once: copy GB/s " + ", ".join(f"{r:.0f}" for r in rates), flush=True)
+    print(f"p2p   {length:5d} tokens, {count} at once: copy GB/s " + ", ".join(f"{r:.0f}" for r in rates),
+          flush=True)
     return {"tokens": length, "requests": count, "GBps": rates}
 
 
@@ -713,9 +736,11 @@ def main(args: argparse.Namespace) -> None:
         sizes = SMALL_TRANSFER if args.small else TransferSizes()
         devices = args.devices or ("cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0")
         if devices[0] == devices[1]:
-            print(f"one device ({devices[0]}): the KV copies stay inside it, and distributed (NCCL) is left out")
+            print(f"one device ({devices[0]}): the KV copies stay inside it, and distributed (NCCL) is "
+                  "left out")
         run_transfer(args.out, tuple(devices), dataclasses.replace(sizes, model=args.model or sizes.model))
     else:
         sizes = SMALL_PROFILE if args.small else ProfileSizes()
-        given = {name: value for name, value in (("batch", args.batch), ("context", args.context)) if value is not None}
+        given = {name: value for name, value in (("batch", args.batch), ("context", args.context))
+                 if value is not None}
         run_profile(args.out, dataclasses.replace(sizes, model=args.model or sizes.model, **given))

@@ -50,7 +50,8 @@ class SpecSizes:
     crossover: tuple[int, ...] = (1, 4, 8, 16, 32, 64, 128)
     crossover_a: float = 0.8
     draft: str = "qwen3-0.6b"                         # draft_model's model
-    num_kv_blocks: int | None = None                   # None: what fits; --small sizes its own (beside other GPU work)
+    # None: what fits; --small sizes its own (beside other GPU work)
+    num_kv_blocks: int | None = None
 
 
 SMALL_SPEC = SpecSizes(model="tiny", prompt_len=16, output_len=16, batches=(1, 2), acceptances=(0.0, 0.8),
@@ -87,7 +88,8 @@ def learn_script(llm: LLM, prompts: list[list[int]], sizes: SpecSizes, drafter_f
     are that close the run parts from plain decoding's text; past that point plain
     decoding's tokens are another text's, and the oracle would draft nothing right."""
     for _ in range(ORACLE_PASSES):
-        _, tokens, _ = timed_generate(llm, prompts, sizes, drafter_for(dict(zip(map(tuple, prompts), script))))
+        _, tokens, _ = timed_generate(llm, prompts, sizes,
+                                      drafter_for(dict(zip(map(tuple, prompts), script))))
         if tokens == script:
             break
         script = tokens
@@ -140,13 +142,15 @@ def compare(llm: LLM, sizes: SpecSizes, batch: int, drafter_for, name: str, lear
     timed_generate(llm, prompts[:1], sizes, drafter)
     spec, spec_tokens, stats = timed_generate(llm, prompts, sizes, drafter)
     parted, replayed = [], True
-    if spec_tokens != plain_tokens:   # where, and at what margin: an untimed plain run, its logprobs its own tokens'
+    # where, and at what margin: an untimed plain run, its logprobs its own tokens'
+    if spec_tokens != plain_tokens:
         _, ref_tokens, ref = timed_generate(llm, prompts, sizes, None, logprobs=5)
         parted, replayed = partings(ref_tokens, spec_tokens, ref["logprobs"]), ref_tokens == plain_tokens
     row = {"case": name, "batch": batch, "plain_tok_s": plain, "spec_tok_s": spec, "speedup": spec / plain,
-           "same_tokens": spec_tokens == plain_tokens, "partings": parted, "plain_replayed": replayed, **stats}
-    same = "the same" if not parted else (f"{len(parted)} of {batch} part from plain decoding, at margins up to "
-                                          f"{max(p['margin'] for p in parted):.3f} nats")
+           "same_tokens": spec_tokens == plain_tokens, "partings": parted, "plain_replayed": replayed,
+           **stats}
+    same = "the same" if not parted else (f"{len(parted)} of {batch} part from plain decoding, at margins "
+                                          f"up to {max(p['margin'] for p in parted):.3f} nats")
     same += "" if replayed else " (plain decoding with logprobs parted from plain decoding without)"
     print(f"{name:>10}  batch {batch:>3}: {plain:8.1f} -> {spec:8.1f} tokens/s ({row['speedup']:.2f}x), "
           f"acceptance {stats['acceptance']:.2f}, {stats['mean_kept_per_step']:.2f} kept per drafting step, "
@@ -157,22 +161,27 @@ def compare(llm: LLM, sizes: SpecSizes, batch: int, drafter_for, name: str, lear
 def run_speculative(out: str | None, sizes: SpecSizes) -> dict:
     llm = LLM(sizes.model, speculative_config={"method": "ngram", "num_speculative_tokens": sizes.k,
                                                "num_branches": BRANCHES, "disable_by_batch_size": None},
-              max_num_seqs=max(sizes.crossover + sizes.batches), max_model_len=sizes.prompt_len + sizes.output_len + 8,
+              max_num_seqs=max(sizes.crossover + sizes.batches),
+              max_model_len=sizes.prompt_len + sizes.output_len + 8,
               num_kv_blocks=sizes.num_kv_blocks)
-    vocab, prompt_lookup = llm.engine.model.config.vocab_size, llm.engine.speculator.drafter   # the engine's own ngram drafter
+    # the engine's own ngram drafter
+    vocab, prompt_lookup = llm.engine.model.config.vocab_size, llm.engine.speculator.drafter
     oracle = lambda a: lambda conts: per_sequence(OracleDrafter(conts, sizes.prompt_len, a, vocab))
     ngram = lambda conts: lambda seqs, ks, branches: prompt_lookup(seqs, ks, 1)
     branched = lambda conts: prompt_lookup
-    res = {"sizes": dataclasses.asdict(sizes), "device": torch.cuda.get_device_name() if torch.cuda.is_available()
-           else "cpu", "acceptance": [], "crossover": [], "ngram": [], "draft_model": []}
+    res = {"sizes": dataclasses.asdict(sizes),
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "acceptance": [], "crossover": [], "ngram": [], "draft_model": []}
     for a in sizes.acceptances:
         res["acceptance"] += [compare(llm, sizes, b, oracle(a), f"a={a}", learns=True) for b in sizes.batches]
-    res["crossover"] = [compare(llm, sizes, b, oracle(sizes.crossover_a), f"a={sizes.crossover_a}", learns=True)
+    res["crossover"] = [compare(llm, sizes, b, oracle(sizes.crossover_a), f"a={sizes.crossover_a}",
+                                learns=True)
                         for b in sizes.crossover]
     res["ngram"] = [compare(llm, sizes, b, ngram, "ngram") for b in sizes.batches]
     res["ngram"] += [compare(llm, sizes, b, branched, f"ngram x{BRANCHES}") for b in sizes.batches]
     one = next((r for r in res["crossover"] if r["batch"] == 1), None)
-    if torch.cuda.is_available() and one is not None:   # this LLM's last use: a replay writes the last step's slots
+    # this LLM's last use: a replay writes the last step's slots
+    if torch.cuda.is_available() and one is not None:
         res["verify"] = verify_cost(llm, sizes, one)
     llm.close()
     del llm
@@ -180,7 +189,8 @@ def run_speculative(out: str | None, sizes: SpecSizes) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     llm = LLM(sizes.model, speculative_config={"method": "draft_model", "model": sizes.draft,
-                                               "num_speculative_tokens": sizes.k, "disable_by_batch_size": None},
+                                               "num_speculative_tokens": sizes.k,
+                                               "disable_by_batch_size": None},
               max_num_seqs=max(sizes.batches), max_model_len=sizes.prompt_len + sizes.output_len + 8,
               num_kv_blocks=sizes.num_kv_blocks)
     draft_model = llm.engine.speculator.drafter
@@ -203,7 +213,8 @@ def verify_cost(llm: LLM, sizes: SpecSizes, row: dict) -> dict:
         return {}
     graph_ms = {n: time_ms(lane.graphs[b][0].replay) for n, b in graphs.items()}
     step = row["mean_kept_per_step"] * row["plain_tok_s"] / row["spec_tok_s"]
-    res = {"step_in_plain_steps": step, "graph_ms": graph_ms, "graph_ratio": graph_ms[sizes.k + 1] / graph_ms[1],
+    res = {"step_in_plain_steps": step, "graph_ms": graph_ms,
+           "graph_ratio": graph_ms[sizes.k + 1] / graph_ms[1],
            "needed_for_3x": row["mean_kept_per_step"] / 3.0}
     print(f"    verify  batch   1: a drafting step costs {step:.2f} plain steps; its graph alone "
           f"{graph_ms[sizes.k + 1]:.3f} ms on the GPU against {graph_ms[1]:.3f} for one row "
@@ -225,8 +236,8 @@ def plot_speculative(res: dict, path: str) -> None:
     a = [i / 20 for i in range(19)]
     ax1.plot(a, [(1 - x ** (k + 1)) / (1 - x) for x in a], ":", color="gray", label=f"tokens per step, k={k}")
     ax1.axhline(1, color="black", linewidth=0.8)
-    ax1.set(xlabel="acceptance a (each draft right with probability a)", ylabel="speed-up over plain decoding",
-            title=f"Speculative decoding, {res['sizes']['model']}")
+    ax1.set(xlabel="acceptance a (each draft right with probability a)",
+            ylabel="speed-up over plain decoding", title=f"Speculative decoding, {res['sizes']['model']}")
     ax1.legend(fontsize=8)
     rows = res["crossover"]
     ax2.plot([r["batch"] for r in rows], [r["speedup"] for r in rows], "o-")

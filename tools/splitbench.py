@@ -44,10 +44,12 @@ class SplitSizes:
     prefill_tokens: int = 8192
     beside_batch: int = 64      # the decode steps the prefill runs beside
     reps: int = 20
-    serve_rate: float = 10.0    # serve: long prompts per second (1024-2048 tokens, 32-256 out, times serve_scale)
+    # serve: long prompts per second (1024-2048 tokens, 32-256 out, times serve_scale)
+    serve_rate: float = 10.0
     serve_s: float = 20.0       # ... arriving over this many seconds
     serve_scale: float = 1.0
-    num_kv_blocks: int | None = None   # None: what fits; --small sizes its own, so it runs beside other GPU processes
+    # None: what fits; --small sizes its own, so it runs beside other GPU processes
+    num_kv_blocks: int | None = None
 
 
 SMALL_SPLIT = SplitSizes(model="tiny", batches=(1, 4), context=64, prefill_tokens=256, beside_batch=4, reps=3,
@@ -77,7 +79,8 @@ def split_rows(eng: SplitEngine, sizes: SplitSizes) -> list[dict]:
     pre = fake_batch(eng, 1, 0, sizes.prefill_tokens)
     beside = fake_batch(eng, sizes.beside_batch, sizes.context, 1)
     decs = {b: fake_batch(eng, b, sizes.context, 1) for b in sizes.batches}
-    whole = {"split": "whole", "prefill_sms": num_sms(eng.model.device), "decode_sms": num_sms(eng.model.device)}
+    whole = {"split": "whole", "prefill_sms": num_sms(eng.model.device),
+             "decode_sms": num_sms(eng.model.device)}
     for b, dec in decs.items():
         whole[f"decode_b{b}_ms"] = time_step_ms(eng, dec, sizes.reps)
     whole["prefill_ms"] = time_step_ms(eng, pre, 3)
@@ -112,7 +115,8 @@ def switch_cost(eng: SplitEngine, sizes: SplitSizes, steps: int = 12) -> dict:
     after each change of split (to the next menu entry, and to none), less the median."""
     params = SamplingParams(temperature=0.0, max_tokens=10 * steps, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
-    ids = [eng.submit(torch.randint(0, eng.model.config.vocab_size, (sizes.context,), generator=g).tolist(), params)
+    ids = [eng.submit(torch.randint(0, eng.model.config.vocab_size, (sizes.context,), generator=g).tolist(),
+                      params)
            for _ in range(sizes.beside_batch)]
     menu = [None, *eng.runner.splits]
     while any(eng.requests[i].seqs[0].num_outputs == 0 for i in ids):   # all prefilled
@@ -140,7 +144,8 @@ def long_prompts(sizes: SplitSizes, vocab: int, max_len: int) -> list[tuple[floa
     prompt and output within max_len tokens."""
     rng, t, specs = random.Random(0), 0.0, []
     while t < sizes.serve_s:
-        n, out = int(rng.randint(1024, 2048) * sizes.serve_scale), max(2, int(rng.randint(32, 256) * sizes.serve_scale))
+        n, out = (int(rng.randint(1024, 2048) * sizes.serve_scale),
+                  max(2, int(rng.randint(32, 256) * sizes.serve_scale)))
         specs.append((t, [rng.randrange(vocab) for _ in range(min(n, max_len - out))], out))
         t += rng.expovariate(sizes.serve_rate)
     return specs
@@ -172,7 +177,8 @@ def serve_steps(eng: SplitEngine, sizes: SplitSizes, split: Split | None) -> dic
     times.sort()
     p50 = statistics.median(times) if times else 0.0
     return {"split": "whole" if split is None else str(split), "steps": len(times), "p50_ms": p50,
-            "p99_ms": times[int(0.99 * (len(times) - 1))] if times else 0.0, "max_ms": times[-1] if times else 0.0,
+            "p99_ms": times[int(0.99 * (len(times) - 1))] if times else 0.0,
+            "max_ms": times[-1] if times else 0.0,
             "over_4x_p50": sum(t > 4 * p50 for t in times), "times_ms": times}
 
 
@@ -213,10 +219,12 @@ def run_split(out: str | None, sizes: SplitSizes) -> dict:
     res["switch"] = switch_cost(eng, sizes)
     print(f"switch: a step right after set_split costs {res['switch']['switch_ms']:.2f} ms more than a step "
           f"({res['switch']['step_ms']:.2f} ms)")
-    res["serve"] = [serve_steps(eng, sizes, split) for split in (None, default_menu(num_sms(eng.model.device))[1])]
+    res["serve"] = [serve_steps(eng, sizes, split)
+                    for split in (None, default_menu(num_sms(eng.model.device))[1])]
     for row in res["serve"]:
-        print(f"serve, {row['split']:>9}: {row['steps']} steps with decodes beside a prompt: p50 {row['p50_ms']:.1f} "
-              f"ms, p99 {row['p99_ms']:.1f}, max {row['max_ms']:.1f}; {row['over_4x_p50']} over 4x p50", flush=True)
+        print(f"serve, {row['split']:>9}: {row['steps']} steps with decodes beside a prompt: "
+              f"p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f}, max {row['max_ms']:.1f}; "
+              f"{row['over_4x_p50']} over 4x p50", flush=True)
     if out:
         with open(out, "w") as f:
             json.dump(res, f, indent=1)
@@ -236,9 +244,11 @@ def plot_split(res: dict, path: str) -> None:
     for b, color in zip(res["sizes"]["batches"], ("tab:blue", "tab:orange", "tab:green")):
         d = [r["decode_sms"] for r in rows]
         ax1.plot(d, [r[f"decode_b{b}_ms"] for r in rows], "o-", color=color, label=f"batch {b}, alone")
-        ax1.plot(d, [r[f"decode_b{b}_beside_ms"] for r in rows], "s--", color=color, label=f"batch {b}, beside prefill")
+        ax1.plot(d, [r[f"decode_b{b}_beside_ms"] for r in rows], "s--", color=color,
+                 label=f"batch {b}, beside prefill")
         ax1.axhline(whole[f"decode_b{b}_ms"], color=color, linestyle=":", linewidth=1)
-    ax1.set(xlabel="decode lane SMs", ylabel="decode step (ms)", title="Decode step (dotted: whole GPU, alone)")
+    ax1.set(xlabel="decode lane SMs", ylabel="decode step (ms)",
+            title="Decode step (dotted: whole GPU, alone)")
     ax1.legend(fontsize=7)
     p = [r["prefill_sms"] for r in rows]
     ax2.plot(p, [r["prefill_tok_s"] / 1e3 for r in rows], "o-", label="alone")
