@@ -29,7 +29,7 @@ import torch
 import beams
 from config import EngineConfig
 from kv_cache import BlockManager
-from model import Detokenizer, Qwen3, load_model, load_tokenizer
+from model import Detokenizer, load_model, load_tokenizer
 from request import (
     PENDING,
     CompletionOutput,
@@ -45,7 +45,7 @@ from request import (
 )
 from runner import Draw, Lane, ModelRunner, StepOutput
 from scheduler import Batch, Scheduler
-from speculate import Drafted, Speculator
+from speculate import Drafted, Speculator, load_draft
 
 
 @dataclass
@@ -96,7 +96,8 @@ class Engine:
         eos = config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         spec = cfg.speculative_config
-        draft = self._load_draft(spec.model) if spec is not None and spec.method == "draft_model" else None
+        draft = (load_draft(spec.model, self.model, cfg.seed + 1)
+                 if spec is not None and spec.method == "draft_model" else None)
         self.runner = ModelRunner(self.model, cfg, draft)
         self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, cfg.block_size,
                                                 enable_prefix_caching=cfg.enable_prefix_caching),
@@ -130,15 +131,6 @@ class Engine:
             self.step()
         for request_id in ids:
             self.output(request_id)
-
-    def _load_draft(self, name: str) -> Qwen3:
-        """draft_model's model, on the target's device in its dtype; its vocabulary must be the target's."""
-        draft = load_model(name, dtype=self.model.dtype, device=self.model.device, seed=self.cfg.seed + 1)
-        if draft.config.vocab_size != self.model.config.vocab_size:
-            raise ValueError(f"speculative_config's draft model {name!r} has a vocabulary of "
-                             f"{draft.config.vocab_size} tokens, the model {self.model.config.vocab_size}: "
-                             "a draft must share the model's tokenizer")
-        return draft
 
     @property
     def bm(self) -> BlockManager:

@@ -52,9 +52,21 @@ from dataclasses import dataclass, field
 import torch
 
 from config import SpeculativeConfig
+from model import Qwen3, load_model
 from request import Sequence
 from runner import Draw, ModelRunner
 from scheduler import Batch, Scheduler
+
+
+def load_draft(name: str, target: Qwen3, seed: int) -> Qwen3:
+    """draft_model's model, on the target's device in its dtype; its vocabulary must be the target's."""
+    draft = load_model(name, dtype=target.dtype, device=target.device, seed=seed)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"speculative_config's draft model {name!r} has a vocabulary of "
+                         f"{draft.config.vocab_size} tokens, the model {target.config.vocab_size}: "
+                         "a draft must share the model's tokenizer")
+    return draft
+
 
 # (the sequences, at most how many drafts each, branches) -> each one's candidates
 Drafter = Callable[[list[Sequence], list[int], int], list[list[list[int]]]]

@@ -2,26 +2,31 @@
 plain-torch computation, a brute-force evaluation, or an invariant).
 
 Contents: the shared reference and fixtures first, then one section per module, in the
-order of the README's file map:
+order of the README's file map (its three tables):
   config.py                  engine settings
-  kernels.py                 the Triton kernels
   kv_cache.py                the cache tensor and the block manager
   model.py                   Qwen3 and its loading
   request.py                 requests and their validation
   scheduler.py               batching, chunked prefill, preemption, prefix cache
   sampler.py                 sampling and logprobs
   runner.py                  the model runner
-  engine.py                  steps, n > 1, beam search, stops
-  smsplit.py, engine.py      the split worker: two lanes on one GPU
-  transport.py, workers.py   the handoff, in one process
+  engine.py                  steps, stops, n > 1, errors, Ctrl-C
+  kernels.py                 the Triton kernels
+  smsplit.py, lanes.py       the split worker: two lanes on one GPU
+  speculate.py               speculative decoding, in the engine's step
+  beams.py                   beam search
+  transport.py, messages.py, workers.py
+                             the handoff, in one process
   hosts.py                   workers on several hosts
   costmodel.py, router.py    the cost model, the length predictor, the router
   planner.py                 the regime planner
-  roles.py ... cluster.py    the role map, the load telemetry, the policies on worker processes
+  roles.py ... cluster.py    the policies on worker processes (roles, lifecycle, telemetry)
   profiler.py                the profiler
   nanopd.py                  the LLM API and the CLI
   bench.py                   the serving benchmark
-  the repository             the layers, short functions, the docs' citations
+  tools/                     bench.py's sub-commands: the micro-benchmarks and the figures
+  the repository             the file map, short functions, the docs' citations, clean comments
+timing.py has no section: the profiler's and the micro-benchmarks' tests run it.
 
 Without CUDA the Triton kernels run under the interpreter (TRITON_INTERPRET=1 is set
 below, before kernels.py decorates anything), so CI tests the kernels themselves.
@@ -34,6 +39,7 @@ import copy
 import dataclasses
 import datetime
 import functools
+import io
 import itertools
 import json
 import math
@@ -49,6 +55,7 @@ import subprocess
 import sys
 import threading
 import time
+import tokenize
 import weakref
 from collections import Counter
 from dataclasses import dataclass
@@ -184,8 +191,8 @@ class Reference:
     def beams(self, ids: list[int], width: int, k: int, eos: int | None = None) -> list[list[int]]:
         """All width beams, best first, each cut after its EOS."""
         fixed = {} if eos is not None else {"min_new_tokens": k}
-        out = self._generate(ids, do_sample=False, num_beams=width, max_new_tokens=k, num_return_sequences=width,
-                             eos_token_id=eos, **fixed)
+        out = self._generate(ids, do_sample=False, num_beams=width, max_new_tokens=k,
+                             num_return_sequences=width, eos_token_id=eos, **fixed)
         beams = [b[len(ids):].tolist() for b in out]
         return [b[:b.index(eos) + 1] if eos in b else b for b in beams]
 
@@ -221,7 +228,7 @@ def llm(hf) -> LLM:
 @pytest.fixture
 def torch_twins(monkeypatch):
     """On CPU, run the kernels' torch twins instead of the (slow) Triton interpreter: the
-    kernels themselves are tested above. (On a GPU this changes nothing.)"""
+    kernels themselves are tested in kernels.py's section. (On a GPU this changes nothing.)"""
     monkeypatch.setattr(kernels, "INTERPRET", False)
 
 
@@ -271,8 +278,8 @@ def count_prefill_tokens(engine: Engine) -> list[int]:
 # Three devices: 1 prefill + 2 decode. On a two-GPU machine two workers share cuda:1; on
 # one GPU all three share it (the handoff is then a copy within one device); without a GPU,
 # CPU workers.
-WORKER_DEVICES = ([f"cuda:{min(i, torch.cuda.device_count() - 1)}" for i in (0, 1, 1)] if torch.cuda.is_available()
-                  else ["cpu"] * 3)
+WORKER_DEVICES = ([f"cuda:{min(i, torch.cuda.device_count() - 1)}" for i in (0, 1, 1)]
+                  if torch.cuda.is_available() else ["cpu"] * 3)
 
 
 MIXED_PROMPTS = [prompt(n, 60 + i) for i, n in enumerate([3, 9, 30, 41, 17, 24])]
@@ -285,8 +292,8 @@ def worker_env(monkeypatch):
 
 
 def make_cluster(hf, policy: str, num_devices: int, **kwargs) -> LLM:
-    kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": 128, "max_num_seqs": 16, "max_num_batched_tokens": 16,
-              **kwargs}
+    kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": 128, "max_num_seqs": 16,
+              "max_num_batched_tokens": 16, **kwargs}
     devices = WORKER_DEVICES[:num_devices]
     if kwargs.get("transport") == "distributed" and len(set(devices)) < len(devices):
         devices = ["cpu"] * num_devices   # NCCL wants a GPU of its own per worker: gloo between CPU workers
@@ -313,6 +320,13 @@ def alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except (ProcessLookupError, FileNotFoundError):
         return False
+
+
+# Prefill is slow and the decode step grows fast past a batch of 1, interference and
+# transfers are cheap: a prompt goes where the prefill queue is shortest and is decoded
+# where the batch is smallest.
+ROUTER_TEST_PARAMS = HardwareParams(alpha=0.2, beta=1.0, batch_thresh=1, slope=5.0, gamma=0.001,
+                                    transfer_rate=0.001)
 
 
 # ================================================== config.py: engine settings
@@ -358,17 +372,20 @@ def is_real(v) -> bool:
 # What each setting accepts, written from EngineConfig's documentation: the oracle the
 # property tests hold validate() to.
 SETTING_OK = {
-    "block_size": lambda v: is_int(v) and 1 <= v <= 4096, "max_num_batched_tokens": lambda v: is_int(v) and v >= 1,
+    "block_size": lambda v: is_int(v) and 1 <= v <= 4096,
+    "max_num_batched_tokens": lambda v: is_int(v) and v >= 1,
     "max_num_seqs": lambda v: is_int(v) and v >= 1, "max_model_len": lambda v: is_int(v) and v >= 16,
     "num_kv_blocks": lambda v: v is None or (is_int(v) and v >= 1),
     "gpu_memory_utilization": lambda v: is_real(v) and 0 < v <= 1,
     "enable_prefix_caching": lambda v: isinstance(v, bool), "enforce_eager": lambda v: isinstance(v, bool),
     "seed": lambda v: is_int(v) and 0 <= v < 2 ** 63,
-    "dtype": lambda v: v in (None, "float32", "bfloat16", "float16", torch.float32, torch.bfloat16, torch.float16),
+    "dtype": lambda v: v in (None, "float32", "bfloat16", "float16", torch.float32, torch.bfloat16,
+                             torch.float16),
 }
 ODD_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.integers(-3, 5000),
                        st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=4),
-                       st.sampled_from(["float32", "bfloat16", "int8", "float64", torch.float64, torch.float16]),
+                       st.sampled_from(["float32", "bfloat16", "int8", "float64", torch.float64,
+                                        torch.float16]),
                        st.lists(st.integers(0, 9), max_size=2))
 
 
@@ -407,290 +424,6 @@ def test_a_cache_larger_than_memory_is_a_value_error():
         LLM("tiny", device=DEVICE, num_kv_blocks=10 ** 9)
     with pytest.raises(ValueError, match="num_kv_blocks"):
         LLM("tiny", policy="collocated", devices=["cpu", "cpu"], num_kv_blocks=10 ** 9)
-
-
-# ============================================== kernels.py: the Triton kernels
-# Each kernel against a dense reference written here and against its torch twin.
-
-
-def make_paged_batch(q_lens, ctx_lens, num_kv_heads, group, head_dim, block_size, dtype, seed=0):
-    """Random K/V per sequence, scattered into shuffled (non-contiguous) cache blocks.
-    Returns the paged inputs plus the dense per-sequence K/V for the reference."""
-    g = torch.Generator().manual_seed(seed)
-    kv_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
-    blocks_per_seq = [-(-n // block_size) for n in kv_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    perm = torch.randperm(num_blocks, generator=g)
-    k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn_like(k_cache.float()).to(dtype)
-    max_blocks = max(blocks_per_seq)
-    tables = torch.full((len(q_lens), max_blocks), 10**6, dtype=torch.int32)  # junk past the end
-    dense_k, dense_v, i = [], [], 0
-    for s, n in enumerate(kv_lens):
-        ids = perm[i:i + blocks_per_seq[s]]
-        i += blocks_per_seq[s]
-        tables[s, :len(ids)] = ids
-        k = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
-        v = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
-        for p in range(n):
-            k_cache[ids[p // block_size], :, p % block_size] = k[p]
-            v_cache[ids[p // block_size], :, p % block_size] = v[p]
-        dense_k.append(k)
-        dense_v.append(v)
-    q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=g).to(dtype)
-    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
-    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
-    dev = lambda t: t.to(DEVICE)
-    return (dev(q), dev(k_cache), dev(v_cache), dev(tables), dev(cu), dev(ctx)), dense_k, dense_v
-
-
-def dense_attention(q, ks, vs, q_lens, scale):
-    """Independent reference: per sequence, per head, softmax(q k^T) v over un-paged K/V,
-    the i-th new token seeing every cached key and new keys up to itself."""
-    outs, start = [], 0
-    for k, v, n in zip(ks, vs, q_lens):
-        qs = q[start:start + n].double().cpu()
-        start += n
-        group = qs.shape[1] // k.shape[1]
-        o = torch.empty_like(qs)
-        for h in range(qs.shape[1]):
-            kh, vh = k[:, h // group].double(), v[:, h // group].double()
-            s = qs[:, h] @ kh.T * scale
-            ctx = k.shape[0] - n
-            allowed = torch.arange(k.shape[0])[None, :] <= ctx + torch.arange(n)[:, None]
-            o[:, h] = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ vh
-        outs.append(o)
-    return torch.cat(outs)
-
-
-# A mixed batch: decodes after long and short contexts, a prefill chunk after a cached
-# prefix, a whole prompt with no context, lengths off the block grid.
-MIXED = {"q_lens": [1, 13, 1, 20, 1], "ctx_lens": [37, 19, 0, 0, 8]}
-
-
-ATTN_CASES = [  # (block_size, head_dim, group, num_kv_heads)
-    (16, 64, 1, 2), (8, 128, 3, 2), (16, 128, 4, 1), (8, 64, 8, 1), (16, 64, 3, 1),
-]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("block_size,head_dim,group,num_kv_heads", ATTN_CASES)
-def test_paged_attention_mixed_batch(block_size, head_dim, group, num_kv_heads, dtype):
-    args, ks, vs = make_paged_batch(MIXED["q_lens"], MIXED["ctx_lens"], num_kv_heads, group,
-                                    head_dim, block_size, dtype)
-    scale = head_dim ** -0.5
-    ref = dense_attention(args[0], ks, vs, MIXED["q_lens"], scale)
-    out = kernels.paged_attention(*args, max(MIXED["q_lens"]), scale)
-    twin = kernels.paged_attention_torch(*args, max(MIXED["q_lens"]), scale)
-    assert rel_err(out.cpu(), ref) < TOL[dtype]
-    assert rel_err(twin.cpu(), ref) < TOL[dtype]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_paged_attention_split_k_decode(num_splits, dtype):
-    """Decodes whose keys are split across programs, including splits that get no keys."""
-    q_lens, ctx_lens = [1, 1, 1, 1], [70, 5, 33, 0]
-    args, ks, vs = make_paged_batch(q_lens, ctx_lens, 2, 4, 64, 16, dtype, seed=1)
-    ref = dense_attention(args[0], ks, vs, q_lens, 0.125)
-    out = kernels.paged_attention(*args, 1, 0.125, num_splits=num_splits)
-    assert rel_err(out.cpu(), ref) < TOL[dtype]
-
-
-@pytest.mark.parametrize("sms", [4, 132])
-def test_split_k_choices_are_the_ones_compiled_at_start_up(sms, monkeypatch):
-    """Every split-K factor a step can choose (any decodes, any context up to the model's
-    length) is a power of two no larger than batch 1's at full length: the factors
-    ModelRunner._compile_split_variants compiles, so no step compiles a kernel mid-run."""
-    monkeypatch.setattr(kernels, "_num_sm", lambda device: sms)
-    cpu = torch.device("cpu")
-    for max_model_len in (256, 4096, 40960):
-        most = kernels.choose_num_splits(1, 8, 1, max_model_len, cpu)
-        compiled = {1 << i for i in range(most.bit_length())}
-        chosen = {kernels.choose_num_splits(n, 8, 1, kv, cpu) for n in range(1, 300) for kv in range(1, max_model_len + 1, 37)}
-        assert chosen <= compiled and max(chosen) == most
-
-
-def test_paged_attention_decodes_then_chunks():
-    """A mixed step as the engine lays it out: decodes first (their own split-K launch),
-    then prefill chunks (a second launch writing the same output)."""
-    q_lens, ctx_lens = [1, 1, 13, 20], [45, 3, 19, 0]
-    args, ks, vs = make_paged_batch(q_lens, ctx_lens, 2, 3, 64, 8, torch.float32, seed=5)
-    ref = dense_attention(args[0], ks, vs, q_lens, 0.125)
-    out = kernels.paged_attention(*args, 20, 0.125, num_splits=3, num_decodes=2)
-    assert rel_err(out.cpu(), ref) < TOL[torch.float32]
-
-
-def test_paged_attention_split_k_prefill():
-    """Split-K also merges correctly when a chunk's rows see different key ranges."""
-    q_lens, ctx_lens = [21, 1], [11, 40]
-    args, ks, vs = make_paged_batch(q_lens, ctx_lens, 1, 2, 64, 8, torch.float32, seed=2)
-    ref = dense_attention(args[0], ks, vs, q_lens, 0.125)
-    out = kernels.paged_attention(*args, 21, 0.125, num_splits=4)
-    assert rel_err(out.cpu(), ref) < TOL[torch.float32]
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_block_copies(dtype):
-    g = torch.Generator().manual_seed(4)
-    cache = torch.randn(9, 2, 2, 2, 8, 64, generator=g).to(dtype).to(DEVICE)
-    expect = cache.clone()
-    pairs = torch.tensor([[0, 5], [3, 7], [3, 8]], dtype=torch.int32, device=DEVICE)
-    for src, dst in pairs.tolist():
-        expect[dst] = cache[src]
-    kernels.copy_blocks(cache, pairs)
-    assert torch.equal(cache, expect)
-
-    # between two tensors: rows 6, 1, 4 of the cache to rows 2, 0, 1 of another, nothing else written
-    other = torch.zeros_like(cache)
-    src, dst = (torch.tensor(x, dtype=torch.int32, device=DEVICE) for x in ([6, 1, 4], [2, 0, 1]))
-    kernels.copy_rows(cache, src, other, dst)
-    assert torch.equal(other[[2, 0, 1]], cache[[6, 1, 4]])
-    assert other[3:].abs().sum() == 0
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm(with_residual, dtype):
-    """The fused (residual add +) RMSNorm against the formula in float64; 96 columns is
-    off the power-of-two grid, so the masking is exercised."""
-    g = torch.Generator().manual_seed(6)
-    x, r = (torch.randn(7, 96, generator=g).to(dtype).to(DEVICE) for _ in range(2))
-    w = (torch.rand(96, generator=g) + 0.5).to(dtype).to(DEVICE)
-    out, h = kernels.rms_norm(x, w, 1e-6, r if with_residual else None)
-    ref_h = x.double() + (r.double() if with_residual else 0)
-    ref = ref_h * torch.rsqrt(ref_h.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
-    twin_out, twin_h = kernels.rms_norm_torch(x, w, 1e-6, r if with_residual else None)
-    for o, hh in ((out, h), (twin_out, twin_h)):
-        assert rel_err(hh.cpu(), ref_h.cpu()) < TOL[dtype]
-        assert rel_err(o.cpu(), ref.cpu()) < TOL[dtype]
-
-
-def test_rms_norm_adds_partial_sums():
-    """x given as split-K partial sums [2, rows, n] fp32 (with the residual's dtype fp16):
-    the residual sum and the norm match the formula in float64 on the summed parts."""
-    g = torch.Generator().manual_seed(16)
-    parts = torch.randn(2, 5, 96, generator=g).to(DEVICE)
-    r = torch.randn(5, 96, generator=g).half().to(DEVICE)
-    w = (torch.rand(96, generator=g) + 0.5).half().to(DEVICE)
-    ref_h = parts.double().sum(0) + r.double()
-    ref = ref_h * torch.rsqrt(ref_h.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
-    for out, h in (kernels.rms_norm(parts, w, 1e-6, r), kernels.rms_norm_torch(parts, w, 1e-6, r)):
-        assert out.dtype == h.dtype == torch.float16
-        assert rel_err(h.cpu(), ref_h.cpu()) < TOL[torch.float16]
-        assert rel_err(out.cpu(), ref.cpu()) < TOL[torch.float16]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("m,split_k", [(1, 1), (5, 2), (16, 1)])
-def test_small_m_linear(m, split_k, dtype):
-    """The small-batch linear (swapped operands, split-K) against a float64 matmul; 96
-    output rows is not a whole number of 64-row tiles, so the row masking runs."""
-    g = torch.Generator().manual_seed(17)
-    x = torch.randn(m, 256, generator=g).to(dtype).to(DEVICE)
-    w = (torch.randn(96, 256, generator=g) * 0.1).to(dtype).to(DEVICE)
-    out = kernels.small_m_linear(x, w, split_k)
-    ref = x.double() @ w.double().T
-    if split_k > 1:   # fp32 partial sums over the two halves of K
-        assert out.shape == (split_k, m, 96) and out.dtype == torch.float32
-        halves = x.double().chunk(2, 1), w.double().chunk(2, 1)
-        assert rel_err(out[1].cpu(), (halves[0][1] @ halves[1][1].T).cpu()) < TOL[dtype]
-        out = out.sum(0)
-    assert out.shape == (m, 96)
-    assert rel_err(out.cpu(), ref.cpu()) < TOL[dtype]
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="the small-batch path of kernels.linear runs on CUDA only")
-@pytest.mark.parametrize("m", [1, 16, 17])
-def test_linear_dispatch_bf16(m):
-    """kernels.linear in bf16 against F.linear in float64, small batches (the Triton
-    kernel, partial sums added) and one row past them (cuBLAS)."""
-    g = torch.Generator().manual_seed(18)
-    x = torch.randn(m, 4096, generator=g).bfloat16().cuda()
-    w = (torch.randn(4096, 4096, generator=g) * 0.02).bfloat16().cuda()
-    out = kernels.linear(x, w, partial_sums=True)
-    out = out.sum(0) if out.dim() == 3 else out
-    assert rel_err(out, x.double() @ w.double().T) < 1e-2
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("hq,hkv,d,block_size", [(6, 2, 64, 8), (6, 3, 128, 16), (4, 4, 64, 4)])
-@pytest.mark.parametrize("t", [3, 19])
-def test_qk_norm_rope_store_kv(t, hq, hkv, d, block_size, dtype):
-    """Per-head q/k RMSNorm then RoPE from the fused qkv row, against HF's Qwen3RMSNorm and
-    apply_rotary_pos_emb (run in float32); k and v must land at their slots of layer 1 of a
-    block-major cache [blocks, layers, 2, Hkv, block_size, D] (strided views), in shuffled
-    blocks, and nothing else may change: padding slots, other layers, other blocks. Fewer
-    tokens than SMs (3; on a GPU also 19) spread each token's heads over several programs."""
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
-    g = torch.Generator().manual_seed(7)
-    num_blocks, scale = 6, 1.25
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
-    qw, kw = torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5
-    positions = torch.randint(0, 4096, (t,), generator=g)
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:t].to(torch.int32)
-    slots[[1, t - 1]] = -1   # padding rows: q still computed, nothing written
-    cache = torch.randn(num_blocks, 3, 2, hkv, block_size, d, generator=g).to(dtype)
-
-    q_norm, k_norm = Qwen3RMSNorm(d, 1e-6), Qwen3RMSNorm(d, 1e-6)
-    q_norm.weight.data, k_norm.weight.data = qw.to(dtype).float(), kw.to(dtype).float()
-    x = qkv.float()   # the same rounded inputs
-    q_ref = q_norm(x[:, :hq * d].view(t, hq, d)).transpose(0, 1)[None]   # [1, H, T, D]
-    k_ref = k_norm(x[:, hq * d:(hq + hkv) * d].view(t, hkv, d)).transpose(0, 1)[None]
-    angles = torch.cat([positions[:, None].float() * inv_freq] * 2, -1)[None]
-    q_ref, k_ref = apply_rotary_pos_emb(q_ref, k_ref, angles.cos() * scale, angles.sin() * scale)
-    q_ref, k_ref = q_ref[0].transpose(0, 1).detach(), k_ref[0].transpose(0, 1).detach()   # [T, H, D]
-    valid = slots >= 0
-    blk, off = slots[valid].long() // block_size, slots[valid].long() % block_size
-    expect = cache.clone()
-    expect[blk, 1, 1, :, off] = qkv[valid, (hq + hkv) * d:].view(-1, hkv, d)
-
-    args = (qkv.to(DEVICE), qw.to(dtype).to(DEVICE), kw.to(dtype).to(DEVICE), positions.to(DEVICE),
-            inv_freq.to(DEVICE), scale, hq, hkv, 1e-6)
-    for fn in (kernels.qk_norm_rope_store_kv, kernels.qk_norm_rope_store_kv_torch):
-        out = cache.clone().to(DEVICE)
-        q = fn(*args, out[:, 1, 0], out[:, 1, 1], slots.to(DEVICE)).cpu()
-        out = out.cpu()
-        assert q.shape == (t, hq, d) and rel_err(q, q_ref) < TOL[dtype]
-        assert rel_err(out[blk, 1, 0, :, off], k_ref[valid]) < TOL[dtype]
-        out[blk, 1, 0, :, off] = expect[blk, 1, 0, :, off]   # the K rows checked: all else is exact
-        assert torch.equal(out, expect)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_silu_mul(dtype):
-    g = torch.Generator().manual_seed(8)
-    x = torch.randn(3, 2 * 1500, generator=g).to(dtype).to(DEVICE)   # 1500: two column blocks, masked
-    ref = torch.nn.functional.silu(x[:, :1500].double()) * x[:, 1500:].double()
-    assert rel_err(kernels.silu_mul(x).cpu(), ref.cpu()) < TOL[dtype]
-    assert rel_err(kernels.silu_mul_torch(x).cpu(), ref.cpu()) < TOL[dtype]
-
-
-def test_apply_penalties_matches_their_definitions():
-    """The penalty kernel against the definitions, element by element: vLLM's (and HF's)
-    repetition penalty over prompt and output tokens (a positive logit divided by it, a
-    negative one multiplied), then OpenAI's presence and frequency penalties over the output
-    (logit - frequency x count - presence x [count > 0]). Rows 1 and 3 of the logits are
-    penalised, from statistics rows 2 and 0; the others are left alone."""
-    g = torch.Generator().manual_seed(8)
-    vocab = 70
-    logits = torch.randn(4, vocab, generator=g) * 3
-    counts = torch.randint(0, 3, (3, vocab), generator=g, dtype=torch.int32) * (torch.rand(3, vocab, generator=g) < 0.3)
-    in_prompt = (torch.rand(3, vocab, generator=g) < 0.2).to(torch.uint8)
-    knobs = torch.tensor([[1.7, 0.5, 0.25], [0.6, -0.3, 1.5]])
-    expect = logits.clone()
-    for i, (d, r) in enumerate([(1, 2), (3, 0)]):
-        repetition, presence, frequency = knobs[i].tolist()
-        for t in range(vocab):
-            x, c = logits[d, t].item(), counts[r, t].item()
-            if c > 0 or in_prompt[r, t]:
-                x = x / repetition if x > 0 else x * repetition
-            expect[d, t] = x - frequency * c - presence * (c > 0)
-    got = logits.to(DEVICE)
-    kernels.apply_penalties(got, *(torch.tensor(x, device=DEVICE) for x in ([1, 3], [2, 0])), knobs.to(DEVICE),
-                            counts.to(DEVICE), in_prompt.to(DEVICE))
-    torch.testing.assert_close(got.cpu(), expect, atol=1e-5, rtol=1e-5)
 
 
 # ========================= kv_cache.py: the cache tensor and the block manager
@@ -882,7 +615,8 @@ def write(bm, seq, end, contents, used):
 
 @pytest.mark.parametrize("hash_fn, prefix_caching", [
     (None, True),
-    (lambda prev, tokens: (hash(tokens) + (prev or 0)) % 3, True),  # many collisions; hash(None) varies by process
+    # many collisions; hash(None) varies by process
+    (lambda prev, tokens: (hash(tokens) + (prev or 0)) % 3, True),
     (None, False),
 ])
 def test_random_operations_keep_the_invariants(monkeypatch, hash_fn, prefix_caching):
@@ -965,7 +699,8 @@ def test_random_operations_keep_the_invariants(monkeypatch, hash_fn, prefix_cach
             drafts = rng.randint(1, 4)
             head = seq.tokens + [rng.randrange(vocab)]
             cands = [Seq(head + [rng.randrange(vocab) for _ in range(drafts)], seq.table, start)]
-            cands += [Seq(head + [rng.randrange(vocab) for _ in range(rng.randint(1, drafts))], bm.fork(seq.table), start)
+            cands += [Seq(head + [rng.randrange(vocab) for _ in range(rng.randint(1, drafts))],
+                          bm.fork(seq.table), start)
                       for _ in range(rng.choice([0, 0, 1, 2]))]
             written = []
             for cand in cands:   # the sequence first, then each branch while blocks are free
@@ -1155,10 +890,12 @@ def test_presets():
     assert logits.shape == (3, tiny.config.vocab_size) and logits.isfinite().all()
 
     config = qwen.load_config("qwen3-8b")
-    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_attention_heads,
-            config.num_key_value_heads, config.head_dim, config.vocab_size) == (4096, 12288, 36, 32, 8, 128, 151936)
+    assert (config.hidden_size, config.intermediate_size, config.num_hidden_layers,
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.vocab_size) \
+        == (4096, 12288, 36, 32, 8, 128, 151936)
     assert config.rope_parameters["rope_theta"] == 1e6 and not config.tie_word_embeddings
-    assert (config.eos_token_id, config.bos_token_id, config.max_position_embeddings) == (151645, 151643, 40960)
+    assert (config.eos_token_id, config.bos_token_id, config.max_position_embeddings) \
+        == (151645, 151643, 40960)
     for name, billions in [("qwen3-8b", 8.19), ("qwen3-0.6b", 0.596)]:
         with torch.device("meta"):
             shapes = qwen.Qwen3(qwen.load_config(name))
@@ -1208,7 +945,8 @@ def test_submit_rejects_bad_input(hf, case):
     before = (list(engine.scheduler.waiting), list(engine.scheduler.running), engine.bm.num_free_blocks)
     with pytest.raises(ValueError, match=words):
         engine.submit(ids, SamplingParams(**params))
-    assert (list(engine.scheduler.waiting), list(engine.scheduler.running), engine.bm.num_free_blocks) == before
+    assert (list(engine.scheduler.waiting), list(engine.scheduler.running),
+            engine.bm.num_free_blocks) == before
     while engine.has_unfinished():
         engine.step()
     assert engine.output(queued).finished
@@ -1264,7 +1002,8 @@ ODD_PROMPTS = st.one_of(
     st.text(alphabet="ab é✓", max_size=6),                                   # fine unless empty
     st.lists(st.integers(-3, VOCAB + 3), max_size=4),                        # out of the vocabulary, empty
     st.lists(st.floats(allow_nan=True), min_size=1, max_size=2),             # float token ids
-    st.lists(st.booleans(), min_size=1, max_size=2), st.none(), st.integers(), st.dictionaries(st.text(), st.none()))
+    st.lists(st.booleans(), min_size=1, max_size=2), st.none(), st.integers(),
+    st.dictionaries(st.text(), st.none()))
 
 
 def prompt_ids(p) -> list[int] | None:
@@ -1385,7 +1124,8 @@ def test_imports_in_flight_hold_their_seats(hf):
     imports hold both seats no prompt is admitted; a cancelled import frees its seat and
     blocks, and the prompt then runs to HF's greedy tokens."""
     engine = make_llm(hf.path, max_num_seqs=2).engine
-    tables = [engine.scheduler.start_import(prompt(9, seed=90 + i), request.arrival_order())[0] for i in range(2)]
+    tables = [engine.scheduler.start_import(prompt(9, seed=90 + i), request.arrival_order())[0]
+              for i in range(2)]
     assert engine.scheduler.start_import(prompt(9, seed=92), request.arrival_order()) is None   # no seat left
     rid = engine.submit(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4))
     engine.step()
@@ -1407,7 +1147,8 @@ def test_a_prefill_budget_caps_the_prompt_tokens_of_every_step(hf, monkeypatch):
     prompt_tokens, run = [], llm.engine.runner.run
 
     def counting_run(batch, *args):
-        prompt_tokens.append(sum(min(n, s.num_prompt_tokens - s.num_computed) for s, n in zip(batch.seqs, batch.num_new)
+        prompt_tokens.append(sum(min(n, s.num_prompt_tokens - s.num_computed)
+                                 for s, n in zip(batch.seqs, batch.num_new)
                                  if s.num_computed < s.num_prompt_tokens))
         return run(batch, *args)
     monkeypatch.setattr(llm.engine.runner, "run", counting_run)
@@ -1529,7 +1270,8 @@ def test_seeded_sampling_ignores_batch_composition(llm):
                                     (PROMPTS[1], seeded),
                                     (PROMPTS[0], SamplingParams(temperature=0.5, max_tokens=12))])[2]
     assert crowd.outputs[0].token_ids == alone.outputs[0].token_ids
-    other = run_engine(llm.engine, [(PROMPTS[1], SamplingParams(temperature=0.8, seed=1235, max_tokens=10))])[0]
+    other = run_engine(llm.engine,
+                       [(PROMPTS[1], SamplingParams(temperature=0.8, seed=1235, max_tokens=10))])[0]
     assert other.outputs[0].token_ids != alone.outputs[0].token_ids
 
 
@@ -1559,7 +1301,8 @@ def test_top_k_samples_among_the_k_largest_hf_logits(hf, llm):
 @ENGINE
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_logprobs_match_hf(hf, llm, temperature):
-    """logprobs=3: each step holds its token and the top 3, equal to HF's log_softmax; the sum is cumulative."""
+    """logprobs=3: each step holds its token and the top 3, equal to HF's log_softmax; the sum
+    is cumulative."""
     prompts = PROMPTS[:2]
     outs = generate(llm, prompts, max_tokens=8, logprobs=3, temperature=temperature, seed=7)
     assert_top3_logprobs_match_hf(hf, prompts, outs, 8)
@@ -1639,14 +1382,15 @@ def test_penalties_count_each_childs_own_tokens(hf, llm):
     tokens, not its siblings'."""
     params = {"temperature": 1.0, "max_tokens": 10, "frequency_penalty": 1.5, "seed": 40}
     together = generate(llm, [PROMPTS[1]], n=3, **params)[0]
-    apart = [generate(llm, [PROMPTS[1]], **{**params, "seed": 40 + j})[0].outputs[0].token_ids for j in range(3)]
+    apart = [generate(llm, [PROMPTS[1]], **{**params, "seed": 40 + j})[0].outputs[0].token_ids
+             for j in range(3)]
     assert [c.token_ids for c in together.outputs] == apart
     assert len({tuple(a) for a in apart}) == 3
 
 
 @ENGINE
-@pytest.mark.parametrize("temperature, top_p", [(1e-40, 1.0), (2e-5, 1.0), (1e4, 1.0), (1e30, 1.0), (1.0, 1e-9),
-                                                (1.0, 0.999999), (5e3, 0.5)])
+@pytest.mark.parametrize("temperature, top_p", [(1e-40, 1.0), (2e-5, 1.0), (1e4, 1.0), (1e30, 1.0),
+                                                (1.0, 1e-9), (1.0, 0.999999), (5e3, 0.5)])
 def test_sampling_at_extreme_settings_follows_a_float64_reference(temperature, top_p):
     """Tiny and huge temperatures, top_p near 0 and near 1: sample() draws from the
     distribution a float64 computation gives (softmax(logits / T), cut to the smallest set
@@ -1731,15 +1475,18 @@ def test_no_lane_grows_its_pinned_buffers_while_it_serves(hf):
     budget of their prompts, leave every buffer the one allocated at start-up."""
     llm = make_llm(hf.path, max_num_seqs=256, num_kv_blocks=256 * 64 + 64, max_num_batched_tokens=8192)
     runner_ = llm.engine.runner
-    lanes = [runner_.full_gpu, runner_.full_gpu_eager, *(lane for pair in runner_.splits.values() for lane in pair)]
+    lanes = [runner_.full_gpu, runner_.full_gpu_eager,
+             *(lane for pair in runner_.splits.values() for lane in pair)]
     before = [id(b) for lane in lanes for ring in (lane.uploads, lane.downloads) for b in ring.buffers]
     outs = generate(llm, [prompt(500, seed) for seed in range(256)], max_tokens=8, ignore_eos=True)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
-    assert [id(b) for lane in lanes for ring in (lane.uploads, lane.downloads) for b in ring.buffers] == before
+    assert [id(b) for lane in lanes for ring in (lane.uploads, lane.downloads)
+            for b in ring.buffers] == before
 
 
-# ================================= engine.py: steps, n > 1, beam search, stops
-# Against HF's greedy tokens, beams, logprobs and K/V, and the engine's block accounting.
+# ============================== engine.py: steps, stops, n > 1, errors, Ctrl-C
+# Against HF's greedy tokens, logprobs and K/V, and the engine's block accounting; a
+# failing step, Ctrl-C and a second thread each leave the engine empty and serving.
 
 
 @ENGINE
@@ -1762,13 +1509,15 @@ def test_steps_overlap_and_a_stop_seen_late_drops_the_extra_token(hf, monkeypatc
     launched, run = [], llm.engine.runner.run
 
     def recording_run(batch, draws, beam_rows, beam_k, prev_tokens=None, lane=None):
-        launched.append((sum(s.token_ids[-1] == request.PENDING for s in batch.seqs), prev_tokens is not None))
+        launched.append((sum(s.token_ids[-1] == request.PENDING for s in batch.seqs),
+                         prev_tokens is not None))
         return run(batch, draws, beam_rows, beam_k, prev_tokens, lane)
     monkeypatch.setattr(llm.engine.runner, "run", recording_run)
     outs = generate(llm, PROMPTS, max_tokens=12, stop_token_ids=[stop])
     for out, ref in zip(outs, refs):
         expect = ref[:ref.index(stop) + 1] if stop in ref else ref
-        assert (out.outputs[0].token_ids, out.outputs[0].finish_reason) == (expect, "stop" if stop in ref else "length")
+        assert (out.outputs[0].token_ids, out.outputs[0].finish_reason) \
+            == (expect, "stop" if stop in ref else "length")
     overlapped = [has_prev for pending, has_prev in launched if pending]
     assert len(overlapped) >= 10 and all(overlapped)
     assert all_blocks_free(llm) and not llm.engine.scheduler.running
@@ -1916,72 +1665,6 @@ def test_parallel_sampling_logprobs_match_hf(hf, llm):
     assert all_blocks_free(llm)
 
 
-@ENGINE
-@pytest.mark.parametrize("width", [2, 3])
-def test_beam_search_matches_hf(hf, llm, width):
-    """Beams equal HF's num_beams search, best first; each cumulative_logprob is the HF sum."""
-    assert hf.model.config.eos_token_id is None and hf.model.generation_config.eos_token_id is None
-    prompts = [prompt(9, seed=21), prompt(26, seed=22)]
-    outs = llm.beam_search(prompts, beam_width=width, max_tokens=6, use_tqdm=False)
-    for p, out in zip(prompts, outs, strict=True):
-        beams = [c.token_ids for c in out.outputs]
-        assert beams[0] == hf.beams(p, width, 6)[0]
-        assert beams == hf.beams(p, width, 6)
-        scores = [c.cumulative_logprob for c in out.outputs]
-        assert scores == sorted(scores, reverse=True)
-        for c in out.outputs:
-            ref = hf.logprobs(p + c.token_ids)
-            expect = sum(ref[len(p) - 1 + i, t].item() for i, t in enumerate(c.token_ids))
-            assert c.cumulative_logprob == pytest.approx(expect, abs=1e-4)
-    assert all_blocks_free(llm)
-
-
-@ENGINE
-def test_beam_search_with_eos_matches_hf(hf, tmp_path):
-    """With an EOS that ends some beams early: HF's beams; "stop" ends in EOS, "length" has max_tokens."""
-    p = prompt(12, seed=4)
-    eos = hf.beams(p, 3, 8)[0][6]   # a token the best beam would produce late
-    llm = make_llm(with_eos(hf.path, tmp_path / "eos", eos))
-    out = llm.beam_search([p], beam_width=3, max_tokens=8, use_tqdm=False)[0]
-    for c in out.outputs:
-        ends_in_eos = c.token_ids[-1] == eos
-        assert c.finish_reason == ("stop" if ends_in_eos else "length")
-        assert ends_in_eos or len(c.token_ids) == 8
-    assert [c.token_ids for c in out.outputs] == hf.beams(p, 3, 8, eos=eos)
-    assert all_blocks_free(llm)
-
-
-@ENGINE
-def test_beam_search_requests_of_different_widths_in_one_step(hf):
-    """Two beam requests of widths 1 and 4 stepping together each get HF's beams."""
-    engine, a, b = make_llm(hf.path).engine, prompt(9, seed=3), prompt(12, seed=4)
-    ra = engine.submit(a, SamplingParams(temperature=0.0, max_tokens=6), beam_width=1)
-    rb = engine.submit(b, SamplingParams(temperature=0.0, max_tokens=6), beam_width=4)
-    for _ in range(100):
-        if not engine.has_unfinished():
-            break
-        engine.step()
-    assert [c.token_ids for c in engine.output(ra).outputs] == hf.beams(a, 1, 6)
-    assert [c.token_ids for c in engine.output(rb).outputs] == hf.beams(b, 4, 6)
-
-
-@ENGINE
-def test_beam_search_in_a_small_cache_finishes_or_is_rejected(hf):
-    """Beams that cannot all fit in the KV cache either finish (HF's beams) or are rejected."""
-    engine, p = make_llm(hf.path, num_kv_blocks=4).engine, prompt(15, seed=1)
-    try:
-        req = engine.submit(p, SamplingParams(temperature=0.0, max_tokens=8), beam_width=3)
-    except ValueError as e:
-        assert "block" in str(e)
-        return
-    for _ in range(200):
-        if not engine.has_unfinished():
-            break
-        engine.step()
-    assert not engine.has_unfinished(), "beam search made no progress in 200 steps"
-    assert [c.token_ids for c in engine.output(req).outputs] == hf.beams(p, 3, 8)
-
-
 @contextlib.contextmanager
 def deadline(seconds: float):
     """Fail with TimeoutError if the block runs longer than seconds (a hang is a failure, not
@@ -1995,51 +1678,6 @@ def deadline(seconds: float):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-
-
-@ENGINE
-def test_beam_searches_that_cannot_fit_together_take_turns(hf):
-    """Two beam searches of width 2 whose beams fit in the cache one request at a time, not
-    both (each needs 7 of 10 blocks): the newer is preempted whole and restarted, and both
-    end with HF's beams. Preempting one beam alone left each request's beams waiting on
-    blocks the other's held, and the engine spun forever."""
-    engine = make_llm(hf.path, num_kv_blocks=10, max_model_len=64).engine
-    prompts = [prompt(40, seed=81), prompt(40, seed=82)]
-    with deadline(120):
-        outs = run_engine(engine, [(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), 2)
-                                   for p in prompts], max_steps=2000)
-    assert [[c.token_ids for c in o.outputs] for o in outs] == [hf.beams(p, 2, 8) for p in prompts]
-    assert engine.scheduler.num_preemptions > 0 and engine.bm.num_free_blocks == engine.bm.num_blocks
-
-
-@ENGINE
-def test_a_step_that_can_make_no_progress_ends_what_holds_the_engine(hf, monkeypatch):
-    """The safety net under any livelock: with beams preempted one at a time again, and forks
-    running last (as before), the scheduler reaches a state no step changes. The engine
-    then ends the requests holding it with an error naming the settings, instead of
-    spinning, and serves the next request."""
-    def preempt_one_beam(self, seq, batch=None):
-        self.num_preemptions += 1
-        self.bm.free(seq.block_table)
-        seq.num_computed = 0
-        self.running.remove(seq)
-        self.add(seq)
-
-    def fork_last(self, parent, child):   # and forks run last, the first to be preempted
-        child.block_table = self.bm.fork(parent.block_table)
-        child.status = request.Status.RUNNING
-        self.running.append(child)
-
-    monkeypatch.setattr(scheduler.Scheduler, "preempt", preempt_one_beam)
-    monkeypatch.setattr(scheduler.Scheduler, "fork", fork_last)
-    llm = make_llm(hf.path, num_kv_blocks=10, max_model_len=64)
-    with deadline(120):
-        outs = llm.beam_search([prompt(40, seed=81), prompt(40, seed=82)], beam_width=2, max_tokens=8,
-                               ignore_eos=True, use_tqdm=False)
-    errors = [o.error for o in outs if o.error is not None]
-    assert errors and all("no step could make progress" in str(e) and "num_kv_blocks" in str(e) for e in errors)
-    assert all_blocks_free(llm) and not llm.engine.requests
-    assert tokens(generate(llm, [PROMPTS[1]], max_tokens=4)) == [hf.greedy(PROMPTS[1], 4)]
 
 
 @ENGINE
@@ -2188,11 +1826,302 @@ def test_two_threads_generating_on_one_llm_each_get_their_own_outputs(hf, llm):
         for t in threads:
             t.join()
     assert not errors
-    assert results == {"a": [hf.greedy(p, 6) for p in PROMPTS[:2] * 3], "b": [hf.greedy(p, 6) for p in PROMPTS[2:] * 3]}
+    assert results == {"a": [hf.greedy(p, 6) for p in PROMPTS[:2] * 3],
+                       "b": [hf.greedy(p, 6) for p in PROMPTS[2:] * 3]}
     assert all_blocks_free(llm) and not llm.engine.requests and not llm.ended
 
 
-# ===================== smsplit.py, lanes.py: the split worker, two lanes on one GPU
+# ============================================== kernels.py: the Triton kernels
+# Each kernel against a dense reference written here and against its torch twin.
+
+
+def make_paged_batch(q_lens, ctx_lens, num_kv_heads, group, head_dim, block_size, dtype, seed=0):
+    """Random K/V per sequence, scattered into shuffled (non-contiguous) cache blocks.
+    Returns the paged inputs plus the dense per-sequence K/V for the reference."""
+    g = torch.Generator().manual_seed(seed)
+    kv_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    blocks_per_seq = [-(-n // block_size) for n in kv_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn_like(k_cache.float()).to(dtype)
+    max_blocks = max(blocks_per_seq)
+    tables = torch.full((len(q_lens), max_blocks), 10**6, dtype=torch.int32)  # junk past the end
+    dense_k, dense_v, i = [], [], 0
+    for s, n in enumerate(kv_lens):
+        ids = perm[i:i + blocks_per_seq[s]]
+        i += blocks_per_seq[s]
+        tables[s, :len(ids)] = ids
+        k = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+        for p in range(n):
+            k_cache[ids[p // block_size], :, p % block_size] = k[p]
+            v_cache[ids[p // block_size], :, p % block_size] = v[p]
+        dense_k.append(k)
+        dense_v.append(v)
+    q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=g).to(dtype)
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32)
+    dev = lambda t: t.to(DEVICE)
+    return (dev(q), dev(k_cache), dev(v_cache), dev(tables), dev(cu), dev(ctx)), dense_k, dense_v
+
+
+def dense_attention(q, ks, vs, q_lens, scale):
+    """Independent reference: per sequence, per head, softmax(q k^T) v over un-paged K/V,
+    the i-th new token seeing every cached key and new keys up to itself."""
+    outs, start = [], 0
+    for k, v, n in zip(ks, vs, q_lens):
+        qs = q[start:start + n].double().cpu()
+        start += n
+        group = qs.shape[1] // k.shape[1]
+        o = torch.empty_like(qs)
+        for h in range(qs.shape[1]):
+            kh, vh = k[:, h // group].double(), v[:, h // group].double()
+            s = qs[:, h] @ kh.T * scale
+            ctx = k.shape[0] - n
+            allowed = torch.arange(k.shape[0])[None, :] <= ctx + torch.arange(n)[:, None]
+            o[:, h] = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ vh
+        outs.append(o)
+    return torch.cat(outs)
+
+
+# A mixed batch: decodes after long and short contexts, a prefill chunk after a cached
+# prefix, a whole prompt with no context, lengths off the block grid.
+MIXED = {"q_lens": [1, 13, 1, 20, 1], "ctx_lens": [37, 19, 0, 0, 8]}
+
+
+ATTN_CASES = [  # (block_size, head_dim, group, num_kv_heads)
+    (16, 64, 1, 2), (8, 128, 3, 2), (16, 128, 4, 1), (8, 64, 8, 1), (16, 64, 3, 1),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size,head_dim,group,num_kv_heads", ATTN_CASES)
+def test_paged_attention_mixed_batch(block_size, head_dim, group, num_kv_heads, dtype):
+    args, ks, vs = make_paged_batch(MIXED["q_lens"], MIXED["ctx_lens"], num_kv_heads, group,
+                                    head_dim, block_size, dtype)
+    scale = head_dim ** -0.5
+    ref = dense_attention(args[0], ks, vs, MIXED["q_lens"], scale)
+    out = kernels.paged_attention(*args, max(MIXED["q_lens"]), scale)
+    twin = kernels.paged_attention_torch(*args, max(MIXED["q_lens"]), scale)
+    assert rel_err(out.cpu(), ref) < TOL[dtype]
+    assert rel_err(twin.cpu(), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_paged_attention_split_k_decode(num_splits, dtype):
+    """Decodes whose keys are split across programs, including splits that get no keys."""
+    q_lens, ctx_lens = [1, 1, 1, 1], [70, 5, 33, 0]
+    args, ks, vs = make_paged_batch(q_lens, ctx_lens, 2, 4, 64, 16, dtype, seed=1)
+    ref = dense_attention(args[0], ks, vs, q_lens, 0.125)
+    out = kernels.paged_attention(*args, 1, 0.125, num_splits=num_splits)
+    assert rel_err(out.cpu(), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("sms", [4, 132])
+def test_split_k_choices_are_the_ones_compiled_at_start_up(sms, monkeypatch):
+    """Every split-K factor a step can choose (any decodes, any context up to the model's
+    length) is a power of two no larger than batch 1's at full length: the factors
+    ModelRunner._compile_split_variants compiles, so no step compiles a kernel mid-run."""
+    monkeypatch.setattr(kernels, "_num_sm", lambda device: sms)
+    cpu = torch.device("cpu")
+    for max_model_len in (256, 4096, 40960):
+        most = kernels.choose_num_splits(1, 8, 1, max_model_len, cpu)
+        compiled = {1 << i for i in range(most.bit_length())}
+        chosen = {kernels.choose_num_splits(n, 8, 1, kv, cpu) for n in range(1, 300)
+                  for kv in range(1, max_model_len + 1, 37)}
+        assert chosen <= compiled and max(chosen) == most
+
+
+def test_paged_attention_decodes_then_chunks():
+    """A mixed step as the engine lays it out: decodes first (their own split-K launch),
+    then prefill chunks (a second launch writing the same output)."""
+    q_lens, ctx_lens = [1, 1, 13, 20], [45, 3, 19, 0]
+    args, ks, vs = make_paged_batch(q_lens, ctx_lens, 2, 3, 64, 8, torch.float32, seed=5)
+    ref = dense_attention(args[0], ks, vs, q_lens, 0.125)
+    out = kernels.paged_attention(*args, 20, 0.125, num_splits=3, num_decodes=2)
+    assert rel_err(out.cpu(), ref) < TOL[torch.float32]
+
+
+def test_paged_attention_split_k_prefill():
+    """Split-K also merges correctly when a chunk's rows see different key ranges."""
+    q_lens, ctx_lens = [21, 1], [11, 40]
+    args, ks, vs = make_paged_batch(q_lens, ctx_lens, 1, 2, 64, 8, torch.float32, seed=2)
+    ref = dense_attention(args[0], ks, vs, q_lens, 0.125)
+    out = kernels.paged_attention(*args, 21, 0.125, num_splits=4)
+    assert rel_err(out.cpu(), ref) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_block_copies(dtype):
+    g = torch.Generator().manual_seed(4)
+    cache = torch.randn(9, 2, 2, 2, 8, 64, generator=g).to(dtype).to(DEVICE)
+    expect = cache.clone()
+    pairs = torch.tensor([[0, 5], [3, 7], [3, 8]], dtype=torch.int32, device=DEVICE)
+    for src, dst in pairs.tolist():
+        expect[dst] = cache[src]
+    kernels.copy_blocks(cache, pairs)
+    assert torch.equal(cache, expect)
+
+    # between two tensors: rows 6, 1, 4 of the cache to rows 2, 0, 1 of another, nothing else written
+    other = torch.zeros_like(cache)
+    src, dst = (torch.tensor(x, dtype=torch.int32, device=DEVICE) for x in ([6, 1, 4], [2, 0, 1]))
+    kernels.copy_rows(cache, src, other, dst)
+    assert torch.equal(other[[2, 0, 1]], cache[[6, 1, 4]])
+    assert other[3:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(with_residual, dtype):
+    """The fused (residual add +) RMSNorm against the formula in float64; 96 columns is
+    off the power-of-two grid, so the masking is exercised."""
+    g = torch.Generator().manual_seed(6)
+    x, r = (torch.randn(7, 96, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    w = (torch.rand(96, generator=g) + 0.5).to(dtype).to(DEVICE)
+    out, h = kernels.rms_norm(x, w, 1e-6, r if with_residual else None)
+    ref_h = x.double() + (r.double() if with_residual else 0)
+    ref = ref_h * torch.rsqrt(ref_h.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    twin_out, twin_h = kernels.rms_norm_torch(x, w, 1e-6, r if with_residual else None)
+    for o, hh in ((out, h), (twin_out, twin_h)):
+        assert rel_err(hh.cpu(), ref_h.cpu()) < TOL[dtype]
+        assert rel_err(o.cpu(), ref.cpu()) < TOL[dtype]
+
+
+def test_rms_norm_adds_partial_sums():
+    """x given as split-K partial sums [2, rows, n] fp32 (with the residual's dtype fp16):
+    the residual sum and the norm match the formula in float64 on the summed parts."""
+    g = torch.Generator().manual_seed(16)
+    parts = torch.randn(2, 5, 96, generator=g).to(DEVICE)
+    r = torch.randn(5, 96, generator=g).half().to(DEVICE)
+    w = (torch.rand(96, generator=g) + 0.5).half().to(DEVICE)
+    ref_h = parts.double().sum(0) + r.double()
+    ref = ref_h * torch.rsqrt(ref_h.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    for out, h in (kernels.rms_norm(parts, w, 1e-6, r), kernels.rms_norm_torch(parts, w, 1e-6, r)):
+        assert out.dtype == h.dtype == torch.float16
+        assert rel_err(h.cpu(), ref_h.cpu()) < TOL[torch.float16]
+        assert rel_err(out.cpu(), ref.cpu()) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("m,split_k", [(1, 1), (5, 2), (16, 1)])
+def test_small_m_linear(m, split_k, dtype):
+    """The small-batch linear (swapped operands, split-K) against a float64 matmul; 96
+    output rows is not a whole number of 64-row tiles, so the row masking runs."""
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(m, 256, generator=g).to(dtype).to(DEVICE)
+    w = (torch.randn(96, 256, generator=g) * 0.1).to(dtype).to(DEVICE)
+    out = kernels.small_m_linear(x, w, split_k)
+    ref = x.double() @ w.double().T
+    if split_k > 1:   # fp32 partial sums over the two halves of K
+        assert out.shape == (split_k, m, 96) and out.dtype == torch.float32
+        halves = x.double().chunk(2, 1), w.double().chunk(2, 1)
+        assert rel_err(out[1].cpu(), (halves[0][1] @ halves[1][1].T).cpu()) < TOL[dtype]
+        out = out.sum(0)
+    assert out.shape == (m, 96)
+    assert rel_err(out.cpu(), ref.cpu()) < TOL[dtype]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the small-batch path of kernels.linear runs on CUDA only")
+@pytest.mark.parametrize("m", [1, 16, 17])
+def test_linear_dispatch_bf16(m):
+    """kernels.linear in bf16 against F.linear in float64, small batches (the Triton
+    kernel, partial sums added) and one row past them (cuBLAS)."""
+    g = torch.Generator().manual_seed(18)
+    x = torch.randn(m, 4096, generator=g).bfloat16().cuda()
+    w = (torch.randn(4096, 4096, generator=g) * 0.02).bfloat16().cuda()
+    out = kernels.linear(x, w, partial_sums=True)
+    out = out.sum(0) if out.dim() == 3 else out
+    assert rel_err(out, x.double() @ w.double().T) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hq,hkv,d,block_size", [(6, 2, 64, 8), (6, 3, 128, 16), (4, 4, 64, 4)])
+@pytest.mark.parametrize("t", [3, 19])
+def test_qk_norm_rope_store_kv(t, hq, hkv, d, block_size, dtype):
+    """Per-head q/k RMSNorm then RoPE from the fused qkv row, against HF's Qwen3RMSNorm and
+    apply_rotary_pos_emb (run in float32); k and v must land at their slots of layer 1 of a
+    block-major cache [blocks, layers, 2, Hkv, block_size, D] (strided views), in shuffled
+    blocks, and nothing else may change: padding slots, other layers, other blocks. Fewer
+    tokens than SMs (3; on a GPU also 19) spread each token's heads over several programs."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+    g = torch.Generator().manual_seed(7)
+    num_blocks, scale = 6, 1.25
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    qw, kw = torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5
+    positions = torch.randint(0, 4096, (t,), generator=g)
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:t].to(torch.int32)
+    slots[[1, t - 1]] = -1   # padding rows: q still computed, nothing written
+    cache = torch.randn(num_blocks, 3, 2, hkv, block_size, d, generator=g).to(dtype)
+
+    q_norm, k_norm = Qwen3RMSNorm(d, 1e-6), Qwen3RMSNorm(d, 1e-6)
+    q_norm.weight.data, k_norm.weight.data = qw.to(dtype).float(), kw.to(dtype).float()
+    x = qkv.float()   # the same rounded inputs
+    q_ref = q_norm(x[:, :hq * d].view(t, hq, d)).transpose(0, 1)[None]   # [1, H, T, D]
+    k_ref = k_norm(x[:, hq * d:(hq + hkv) * d].view(t, hkv, d)).transpose(0, 1)[None]
+    angles = torch.cat([positions[:, None].float() * inv_freq] * 2, -1)[None]
+    q_ref, k_ref = apply_rotary_pos_emb(q_ref, k_ref, angles.cos() * scale, angles.sin() * scale)
+    q_ref, k_ref = q_ref[0].transpose(0, 1).detach(), k_ref[0].transpose(0, 1).detach()   # [T, H, D]
+    valid = slots >= 0
+    blk, off = slots[valid].long() // block_size, slots[valid].long() % block_size
+    expect = cache.clone()
+    expect[blk, 1, 1, :, off] = qkv[valid, (hq + hkv) * d:].view(-1, hkv, d)
+
+    args = (qkv.to(DEVICE), qw.to(dtype).to(DEVICE), kw.to(dtype).to(DEVICE), positions.to(DEVICE),
+            inv_freq.to(DEVICE), scale, hq, hkv, 1e-6)
+    for fn in (kernels.qk_norm_rope_store_kv, kernels.qk_norm_rope_store_kv_torch):
+        out = cache.clone().to(DEVICE)
+        q = fn(*args, out[:, 1, 0], out[:, 1, 1], slots.to(DEVICE)).cpu()
+        out = out.cpu()
+        assert q.shape == (t, hq, d) and rel_err(q, q_ref) < TOL[dtype]
+        assert rel_err(out[blk, 1, 0, :, off], k_ref[valid]) < TOL[dtype]
+        out[blk, 1, 0, :, off] = expect[blk, 1, 0, :, off]   # the K rows checked: all else is exact
+        assert torch.equal(out, expect)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_mul(dtype):
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 2 * 1500, generator=g).to(dtype).to(DEVICE)   # 1500: two column blocks, masked
+    ref = torch.nn.functional.silu(x[:, :1500].double()) * x[:, 1500:].double()
+    assert rel_err(kernels.silu_mul(x).cpu(), ref.cpu()) < TOL[dtype]
+    assert rel_err(kernels.silu_mul_torch(x).cpu(), ref.cpu()) < TOL[dtype]
+
+
+def test_apply_penalties_matches_their_definitions():
+    """The penalty kernel against the definitions, element by element: vLLM's (and HF's)
+    repetition penalty over prompt and output tokens (a positive logit divided by it, a
+    negative one multiplied), then OpenAI's presence and frequency penalties over the output
+    (logit - frequency x count - presence x [count > 0]). Rows 1 and 3 of the logits are
+    penalised, from statistics rows 2 and 0; the others are left alone."""
+    g = torch.Generator().manual_seed(8)
+    vocab = 70
+    logits = torch.randn(4, vocab, generator=g) * 3
+    counts = torch.randint(0, 3, (3, vocab), generator=g, dtype=torch.int32) \
+        * (torch.rand(3, vocab, generator=g) < 0.3)
+    in_prompt = (torch.rand(3, vocab, generator=g) < 0.2).to(torch.uint8)
+    knobs = torch.tensor([[1.7, 0.5, 0.25], [0.6, -0.3, 1.5]])
+    expect = logits.clone()
+    for i, (d, r) in enumerate([(1, 2), (3, 0)]):
+        repetition, presence, frequency = knobs[i].tolist()
+        for t in range(vocab):
+            x, c = logits[d, t].item(), counts[r, t].item()
+            if c > 0 or in_prompt[r, t]:
+                x = x / repetition if x > 0 else x * repetition
+            expect[d, t] = x - frequency * c - presence * (c > 0)
+    got = logits.to(DEVICE)
+    kernels.apply_penalties(got, *(torch.tensor(x, device=DEVICE) for x in ([1, 3], [2, 0])),
+                            knobs.to(DEVICE), counts.to(DEVICE), in_prompt.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), expect, atol=1e-5, rtol=1e-5)
+
+
+# ================ smsplit.py, lanes.py: the split worker, two lanes on one GPU
+# The SplitEngine against HF's greedy tokens and the single engine's seeded ones; a bad
+# split is a ValueError; the lanes' kernels run on disjoint SMs.
+
+
 SPLITS = smsplit.default_menu(smsplit.num_sms(torch.device(DEVICE)))   # what this machine splits into
 SPLIT = (SPLITS[1].prefill_sms, SPLITS[1].decode_sms)
 OTHER_SPLIT = (SPLITS[-1].prefill_sms, SPLITS[-1].decode_sms)
@@ -2211,11 +2140,13 @@ def lane_log(monkeypatch, eng: Engine) -> list[tuple[str, set, set, bool]]:
 
     def logged(batch, lane, previous):
         split = eng.runner.splits.get(eng.split, (None, None))
-        names = {id(split[0]): "prefill", id(split[1]): "decode", id(eng.runner.full_gpu_eager): "full_gpu_eager"}
+        names = {id(split[0]): "prefill", id(split[1]): "decode",
+                 id(eng.runner.full_gpu_eager): "full_gpu_eager"}
         name = names.get(id(lane), "full_gpu")
         side = name in ("prefill", "full_gpu_eager")
         other = set().union(*(step.sequences() for s, step in live.values() if s != side))
-        log.append((name, set(batch.seqs), other, any(s.num_computed < s.num_prompt_tokens for s in batch.seqs)))
+        log.append((name, set(batch.seqs), other,
+                    any(s.num_computed < s.num_prompt_tokens for s in batch.seqs)))
         step = launch(batch, lane, previous)
         live[id(step)] = (side, step)
         return step
@@ -2238,7 +2169,8 @@ def test_split_engine_gives_hf_greedy_tokens_and_lanes_keep_apart(hf, monkeypatc
     eng = split_engine(hf)
     log = lane_log(monkeypatch, eng)
     prompts = PROMPTS + [prompt(60, 9)]
-    outs = run_engine(eng, [(p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)) for p in prompts])
+    outs = run_engine(eng,
+                      [(p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)) for p in prompts])
     assert [o.outputs[0].token_ids for o in outs] == [hf.greedy(p, 10) for p in prompts]
     names = [name for name, *_ in log]
     assert names[0] == "full_gpu_eager" and names[-1] == "full_gpu" and {"prefill", "decode"} <= set(names)
@@ -2255,7 +2187,8 @@ def test_split_engine_gives_the_single_engines_seeded_tokens(hf):
             (prompt(20, 3), SamplingParams(temperature=0.0, max_tokens=5), 2)]
     whole = run_engine(split_engine(hf, sm_split=None, split_menu=()), reqs)
     split = run_engine(split_engine(hf), reqs)
-    assert [[c.token_ids for c in o.outputs] for o in split] == [[c.token_ids for c in o.outputs] for o in whole]
+    assert [[c.token_ids for c in o.outputs] for o in split] == [[c.token_ids for c in o.outputs]
+                                                                 for o in whole]
 
 
 @ENGINE
@@ -2282,7 +2215,8 @@ def test_split_engine_preempts_and_aborts_without_losing_blocks(hf):
     other lane computes) and still gives HF's tokens; an abort mid-prefill frees it all."""
     eng = split_engine(hf, num_kv_blocks=14)
     prompts = PROMPTS + [prompt(50, 4)]
-    outs = run_engine(eng, [(p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)) for p in prompts])
+    outs = run_engine(eng,
+                      [(p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)) for p in prompts])
     assert [o.outputs[0].token_ids for o in outs] == [hf.greedy(p, 20) for p in prompts]
     assert eng.scheduler.num_preemptions > 0
     keep = eng.submit(prompt(9, 5), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
@@ -2308,7 +2242,8 @@ def test_a_split_warms_up_each_lane_with_its_biggest_step(hf, monkeypatch):
     eng._warm_up()
     decode_batches = [len(seqs) for name, seqs, _, _ in log if name == "decode"]
     chunks = [sum(s.num_prompt_tokens for s in seqs) for name, seqs, _, prompts in log if name == "prefill"]
-    assert max(decode_batches) == 12 - 2 and max(chunks) == 40   # two prompts: one of 31 tokens (max_model_len), one of 9
+    # two prompts: one of 31 tokens (max_model_len), one of 9
+    assert max(decode_batches) == 12 - 2 and max(chunks) == 40
     assert not eng.requests and not eng.has_unfinished() and eng.bm.num_free_blocks == eng.bm.num_blocks
 
 
@@ -2358,16 +2293,18 @@ def test_green_context_lanes_run_on_disjoint_sms():
         assert (len(P), len(D), len(P & D)) == (split.prefill_sms, split.decode_sms, 0)
 
 
-# ======================== speculate.py: speculative decoding, in the engine's step
+# ==================== speculate.py: speculative decoding, in the engine's step
 # Drafts checked in one step: the tokens plain decoding gives (HF's greedy, the same seeded
 # draws), the model's distribution (a chi-square test against HF), every block given back.
+
 
 # Drafting at any batch (the default stops past 8 sequences), so tests of many requests draft too.
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
          "disable_by_batch_size": None}
 
 
-def lookup_by_brute_force(tokens: list[int], k: int, n_max: int, n_min: int, branches: int = 1) -> list[list[int]]:
+def lookup_by_brute_force(tokens: list[int], k: int, n_max: int, n_min: int,
+                          branches: int = 1) -> list[list[int]]:
     """Prompt lookup the obvious way: the longest suffix first, every earlier start, latest
     first; a continuation that another found extends is left out (or replaces it), the
     longest first."""
@@ -2390,8 +2327,8 @@ def test_prompt_lookup_proposes_what_a_brute_force_search_finds():
     for _ in range(3000):
         vocab = rng.choice([2, 5, 300, 2 ** 31 - 1])
         n_min = rng.randint(1, 3)
-        cases.append(([rng.randrange(vocab) for _ in range(rng.randint(1, 40))], rng.randint(1, 5), n_min + rng.randint(0, 3),
-                      n_min, rng.choice([1, 1, 2, 4])))
+        cases.append(([rng.randrange(vocab) for _ in range(rng.randint(1, 40))], rng.randint(1, 5),
+                      n_min + rng.randint(0, 3), n_min, rng.choice([1, 1, 2, 4])))
     several = 0
     for tokens_, k, n_max, n_min, branches in cases:
         got = speculate.propose_ngram(tokens_, k, n_max, n_min, branches)
@@ -2435,16 +2372,17 @@ def test_speculative_seeded_sampling_gives_plain_seeded_sampling_tokens(hf):
     """Seeded sampling with drafts (temperatures, top-k, top-p, stop tokens) gives plain
     seeded sampling's tokens, token for token: each kept token is drawn as plain decoding
     draws it, and the generator is set back to where plain decoding leaves it."""
-    reqs = [(p, SamplingParams(temperature=t, top_k=top_k, top_p=top_p, seed=seed, max_tokens=40, ignore_eos=True,
-                               stop_token_ids=stop))
+    reqs = [(p, SamplingParams(temperature=t, top_k=top_k, top_p=top_p, seed=seed, max_tokens=40,
+                               ignore_eos=True, stop_token_ids=stop))
             for seed, (p, t, top_k, top_p, stop) in enumerate([
                 ([7, 8, 9, 10] * 6, 0.05, -1, 1.0, []), (prompt(20, 3) * 2, 0.1, 20, 0.9, []),
                 (prompt(25, 4), 1.0, -1, 1.0, []), (prompt(16, 5) * 3, 0.3, -1, 0.8, [11, 12]),
                 (PROMPTS[2], 0.05, 5, 1.0, [])])]
-    plain = run_engine(Engine(EngineConfig(model=str(hf.path), dtype="float32", device=DEVICE, block_size=BLOCK_SIZE,
-                                           num_kv_blocks=256)), reqs)
-    spec = run_engine(Engine(EngineConfig(model=str(hf.path), dtype="float32", device=DEVICE, block_size=BLOCK_SIZE,
-                                          num_kv_blocks=256, speculative_config=NGRAM)), reqs)
+    plain = run_engine(Engine(EngineConfig(model=str(hf.path), dtype="float32", device=DEVICE,
+                                           block_size=BLOCK_SIZE, num_kv_blocks=256)), reqs)
+    spec = run_engine(Engine(EngineConfig(model=str(hf.path), dtype="float32", device=DEVICE,
+                                          block_size=BLOCK_SIZE, num_kv_blocks=256,
+                                          speculative_config=NGRAM)), reqs)
     assert tokens(spec) == tokens(plain)
     assert sum(o.metrics.spec_accepted_tokens for o in spec) > 0
 
@@ -2570,10 +2508,12 @@ def test_nothing_drafts_while_more_sequences_run_than_disable_by_batch_size(hf):
         return seqs
     eng.speculator.drafters = recording
     outs = llm.generate(prompts,
-                        [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths], use_tqdm=False)
+                        [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths],
+                        use_tqdm=False)
     assert tokens(outs) == [right[tuple(p)] for p in prompts]
     assert drafting_at and max(drafting_at) <= 2
-    assert outs[0].metrics.spec_draft_tokens == 0 and all(o.metrics.spec_accepted_tokens > 0 for o in outs[1:])
+    assert outs[0].metrics.spec_draft_tokens == 0 and all(o.metrics.spec_accepted_tokens > 0
+                                                          for o in outs[1:])
     assert all(o.metrics.spec_accepted_tokens == o.metrics.spec_draft_tokens for o in outs)
     assert all_blocks_free(llm)
 
@@ -2593,14 +2533,15 @@ def test_speculative_checks_count_their_drafts_toward_penalties_and_min_tokens(h
     llm = make_llm(with_eos(hf.path, tmp_path / "eos", eos), speculative_config=config)
     penalised = [penalised_greedy(hf, p, k, *knobs) for p in PROMPTS[2:]]
     held = [hf._generate(p, do_sample=False, min_new_tokens=m, max_new_tokens=10, eos_token_id=[eos, s]
-                         )[0, len(p):].tolist() for p, m, s in ((PROMPTS[1], 4, stop), (PROMPTS[0], 2, stop0))]
+                         )[0, len(p):].tolist()
+            for p, m, s in ((PROMPTS[1], 4, stop), (PROMPTS[0], 2, stop0))]
     assert len(held[0]) > 4 and held[0][-1] in (eos, stop)   # held back, then stopped
     assert held[1] == ref0[:3]   # the bans lift inside the first drafting step, at its second check
     prompts = PROMPTS[2:] + [PROMPTS[1], PROMPTS[0]]   # no prompt a prefix of another (the drafter's key)
     llm.engine.speculator.drafter = (knowing_drafter if candidates == "one" else branching_drafter)(
         {tuple(p): r for p, r in zip(prompts, penalised + held)})
-    params = [SamplingParams(temperature=0.0, max_tokens=k, presence_penalty=knobs[0], frequency_penalty=knobs[1],
-                             repetition_penalty=knobs[2], ignore_eos=True)] * 2
+    params = [SamplingParams(temperature=0.0, max_tokens=k, presence_penalty=knobs[0],
+                             frequency_penalty=knobs[1], repetition_penalty=knobs[2], ignore_eos=True)] * 2
     params += [SamplingParams(temperature=0.0, max_tokens=10, min_tokens=m, stop_token_ids=[s])
                for m, s in ((4, stop), (2, stop0))]
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -2619,7 +2560,8 @@ def test_drafts_that_always_miss_back_off_and_leave_the_tokens_alone(hf):
     right = hf.greedy(p, n)
     llm = make_llm(hf.path, speculative_config=NGRAM)
     eng, late = llm.engine, []
-    eng.speculator.drafter = speculate.per_sequence(lambda tokens, k, branches: [[(right[len(tokens) - len(p)] + 1) % VOCAB] * k])
+    eng.speculator.drafter = speculate.per_sequence(
+        lambda tokens, k, branches: [[(right[len(tokens) - len(p)] + 1) % VOCAB] * k])
     launch, finish, launched_in = eng._launch, eng._finish, {}
 
     def launching(*args):
@@ -2628,7 +2570,8 @@ def test_drafts_that_always_miss_back_off_and_leave_the_tokens_alone(hf):
         return step
 
     def finishing(step):
-        late.append((launched_in[id(step)] != eng.speculator.num_steps, bool(step.drafted)))   # later: overlapped
+        # later: overlapped
+        late.append((launched_in[id(step)] != eng.speculator.num_steps, bool(step.drafted)))
         return finish(step)
     eng._launch, eng._finish = launching, finishing
     outs = generate(llm, [p], max_tokens=n, ignore_eos=True)
@@ -2676,14 +2619,18 @@ def test_speculative_sampling_keeps_the_models_distribution(hf, candidates, temp
                    num_kv_blocks=1024)
     if candidates == 2:
         likeliest = second.topk(2, -1).indices.tolist()   # [first token, 2]
-        llm.engine.speculator.drafter = speculate.per_sequence(lambda tokens_, k, branches: [[t] for t in likeliest[tokens_[-1]]])
+        llm.engine.speculator.drafter = speculate.per_sequence(
+            lambda tokens_, k, branches: [[t] for t in likeliest[tokens_[-1]]])
     outs = generate(llm, [ids] * 2000, max_tokens=3, temperature=temperature, ignore_eos=True)
-    assert all(o.metrics.spec_draft_tokens == candidates for o in outs)   # max_tokens leaves room for one draft
+    # max_tokens leaves room for one draft
+    assert all(o.metrics.spec_draft_tokens == candidates for o in outs)
     counts = Counter(o.outputs[0].token_ids[1] for o in outs)
     assert chi_square_z([counts[t] for t in range(VOCAB)], exact) < 3.1   # p > 0.001
-    if candidates == 2:   # and whether it is the first candidate, the second or neither, which a bias shows most
+    # and whether it is the first candidate, the second or neither, which a bias shows most
+    if candidates == 2:
         kept = Counter(likeliest[o.outputs[0].token_ids[0]].index(o.outputs[0].token_ids[1])
-                       if o.outputs[0].token_ids[1] in likeliest[o.outputs[0].token_ids[0]] else 2 for o in outs)
+                       if o.outputs[0].token_ids[1] in likeliest[o.outputs[0].token_ids[0]] else 2
+                       for o in outs)
         p = [float(sum(first[t] * second[t, likeliest[t][j]] for t in range(VOCAB))) for j in (0, 1)]
         assert chi_square_z([kept[0], kept[1], kept[2]], [p[0], p[1], 1 - p[0] - p[1]]) < 3.1
     assert all_blocks_free(llm)
@@ -2711,7 +2658,8 @@ def test_speculative_decoding_on_worker_processes_gives_hf_greedy_tokens(hf, pol
     model (the decode worker's draft cache catches up on each import): HF's greedy tokens,
     drafts kept, every block back; the prefill worker has no drafter."""
     prompts = [prompt_whose_drafts_all_hit(hf, 20)] + MIXED_PROMPTS[:3]
-    spec = {**NGRAM, "num_branches": 2} if method == "ngram" else {"method": "draft_model", "model": str(hf.path)}
+    spec = {**NGRAM, "num_branches": 2} if method == "ngram" else {"method": "draft_model",
+                                                                   "model": str(hf.path)}
     with make_cluster(hf, policy, 2, speculative_config=spec) as llm:
         outs = generate(llm, prompts, max_tokens=20, ignore_eos=True)
         assert tokens(outs) == [hf.greedy(p, 20) for p in prompts]
@@ -2722,8 +2670,127 @@ def test_speculative_decoding_on_worker_processes_gives_hf_greedy_tokens(hf, pol
         assert drafting == ([True, True] if policy == "collocated" else [False, True])
 
 
-# ======================= transport.py, workers.py: the handoff, in one process
-# A Worker driven by the test: the KV moves byte for byte, parked blocks expire, bad requests are rejected.
+# ======================================================= beams.py: beam search
+# Against HF's num_beams search: any width, with EOS, widths side by side, a small cache,
+# beams that fit only one request at a time; and the engine's net under the livelock
+# that preempting one beam alone would cause.
+
+
+@ENGINE
+@pytest.mark.parametrize("width", [2, 3])
+def test_beam_search_matches_hf(hf, llm, width):
+    """Beams equal HF's num_beams search, best first; each cumulative_logprob is the HF sum."""
+    assert hf.model.config.eos_token_id is None and hf.model.generation_config.eos_token_id is None
+    prompts = [prompt(9, seed=21), prompt(26, seed=22)]
+    outs = llm.beam_search(prompts, beam_width=width, max_tokens=6, use_tqdm=False)
+    for p, out in zip(prompts, outs, strict=True):
+        beams = [c.token_ids for c in out.outputs]
+        assert beams[0] == hf.beams(p, width, 6)[0]
+        assert beams == hf.beams(p, width, 6)
+        scores = [c.cumulative_logprob for c in out.outputs]
+        assert scores == sorted(scores, reverse=True)
+        for c in out.outputs:
+            ref = hf.logprobs(p + c.token_ids)
+            expect = sum(ref[len(p) - 1 + i, t].item() for i, t in enumerate(c.token_ids))
+            assert c.cumulative_logprob == pytest.approx(expect, abs=1e-4)
+    assert all_blocks_free(llm)
+
+
+@ENGINE
+def test_beam_search_with_eos_matches_hf(hf, tmp_path):
+    """With an EOS that ends some beams early: HF's beams; "stop" ends in EOS, "length" has max_tokens."""
+    p = prompt(12, seed=4)
+    eos = hf.beams(p, 3, 8)[0][6]   # a token the best beam would produce late
+    llm = make_llm(with_eos(hf.path, tmp_path / "eos", eos))
+    out = llm.beam_search([p], beam_width=3, max_tokens=8, use_tqdm=False)[0]
+    for c in out.outputs:
+        ends_in_eos = c.token_ids[-1] == eos
+        assert c.finish_reason == ("stop" if ends_in_eos else "length")
+        assert ends_in_eos or len(c.token_ids) == 8
+    assert [c.token_ids for c in out.outputs] == hf.beams(p, 3, 8, eos=eos)
+    assert all_blocks_free(llm)
+
+
+@ENGINE
+def test_beam_search_requests_of_different_widths_in_one_step(hf):
+    """Two beam requests of widths 1 and 4 stepping together each get HF's beams."""
+    engine, a, b = make_llm(hf.path).engine, prompt(9, seed=3), prompt(12, seed=4)
+    ra = engine.submit(a, SamplingParams(temperature=0.0, max_tokens=6), beam_width=1)
+    rb = engine.submit(b, SamplingParams(temperature=0.0, max_tokens=6), beam_width=4)
+    for _ in range(100):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert [c.token_ids for c in engine.output(ra).outputs] == hf.beams(a, 1, 6)
+    assert [c.token_ids for c in engine.output(rb).outputs] == hf.beams(b, 4, 6)
+
+
+@ENGINE
+def test_beam_search_in_a_small_cache_finishes_or_is_rejected(hf):
+    """Beams that cannot all fit in the KV cache either finish (HF's beams) or are rejected."""
+    engine, p = make_llm(hf.path, num_kv_blocks=4).engine, prompt(15, seed=1)
+    try:
+        req = engine.submit(p, SamplingParams(temperature=0.0, max_tokens=8), beam_width=3)
+    except ValueError as e:
+        assert "block" in str(e)
+        return
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished(), "beam search made no progress in 200 steps"
+    assert [c.token_ids for c in engine.output(req).outputs] == hf.beams(p, 3, 8)
+
+
+@ENGINE
+def test_beam_searches_that_cannot_fit_together_take_turns(hf):
+    """Two beam searches of width 2 whose beams fit in the cache one request at a time, not
+    both (each needs 7 of 10 blocks): the newer is preempted whole and restarted, and both
+    end with HF's beams. Preempting one beam alone left each request's beams waiting on
+    blocks the other's held, and the engine spun forever."""
+    engine = make_llm(hf.path, num_kv_blocks=10, max_model_len=64).engine
+    prompts = [prompt(40, seed=81), prompt(40, seed=82)]
+    with deadline(120):
+        outs = run_engine(engine, [(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), 2)
+                                   for p in prompts], max_steps=2000)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [hf.beams(p, 2, 8) for p in prompts]
+    assert engine.scheduler.num_preemptions > 0 and engine.bm.num_free_blocks == engine.bm.num_blocks
+
+
+@ENGINE
+def test_a_step_that_can_make_no_progress_ends_what_holds_the_engine(hf, monkeypatch):
+    """The safety net under any livelock: with beams preempted one at a time again, and forks
+    running last (as before), the scheduler reaches a state no step changes. The engine
+    then ends the requests holding it with an error naming the settings, instead of
+    spinning, and serves the next request."""
+    def preempt_one_beam(self, seq, batch=None):
+        self.num_preemptions += 1
+        self.bm.free(seq.block_table)
+        seq.num_computed = 0
+        self.running.remove(seq)
+        self.add(seq)
+
+    def fork_last(self, parent, child):   # and forks run last, the first to be preempted
+        child.block_table = self.bm.fork(parent.block_table)
+        child.status = request.Status.RUNNING
+        self.running.append(child)
+
+    monkeypatch.setattr(scheduler.Scheduler, "preempt", preempt_one_beam)
+    monkeypatch.setattr(scheduler.Scheduler, "fork", fork_last)
+    llm = make_llm(hf.path, num_kv_blocks=10, max_model_len=64)
+    with deadline(120):
+        outs = llm.beam_search([prompt(40, seed=81), prompt(40, seed=82)], beam_width=2, max_tokens=8,
+                               ignore_eos=True, use_tqdm=False)
+    errors = [o.error for o in outs if o.error is not None]
+    assert errors and all("no step could make progress" in str(e) and "num_kv_blocks" in str(e)
+                          for e in errors)
+    assert all_blocks_free(llm) and not llm.engine.requests
+    assert tokens(generate(llm, [PROMPTS[1]], max_tokens=4)) == [hf.greedy(PROMPTS[1], 4)]
+
+
+# ========== transport.py, messages.py, workers.py: the handoff, in one process
+# A Worker driven by the test through its messages: the KV moves byte for byte, parked
+# blocks expire, bad requests are rejected, a copy that fails is reported.
 
 
 class Reports(queue.Queue):
@@ -2779,7 +2846,8 @@ def test_handoff_moves_the_prompt_kv_byte_for_byte(hf, transport):
     assert not set(dst_blocks) & set(src_blocks)
     src_cache, dst_cache = pre.engine.runner.kv_cache.cpu(), dec_engine.runner.kv_cache.cpu()
     for i, (s, d) in enumerate(zip(src_blocks, dst_blocks)):   # [layers, 2, heads, block_size, dim]
-        filled = min(BLOCK_SIZE, len(ids) - i * BLOCK_SIZE)   # the decode side has since written its first token
+        # the decode side has since written its first token
+        filled = min(BLOCK_SIZE, len(ids) - i * BLOCK_SIZE)
         assert torch.equal(src_cache[s, :, :, :, :filled], dst_cache[d, :, :, :, :filled])
     for layer, (k, v) in enumerate(hf.kv(ids)):
         for pos in range(len(ids)):
@@ -2801,9 +2869,11 @@ def test_a_failed_copy_frees_its_blocks_and_is_reported(hf, monkeypatch):
     joins the batch: the blocks it was copying into are freed, and the decode worker
     reports PullFailed naming the source, for the central scheduler to retry."""
     dec = in_process_worker(make_llm(hf.path).engine, 1)
-    monkeypatch.setattr(dec.transport, "pull", lambda *args: transport.Pull(0, error="RuntimeError: reset by peer"))
+    monkeypatch.setattr(dec.transport, "pull",
+                        lambda *args: transport.Pull(0, error="RuntimeError: reset by peer"))
     ids = prompt(29, seed=73)
-    dec.inbox.put(messages.Import(5, 0, [0, 1, 2, 3], ids + [7], len(ids), SamplingParams(temperature=0.0, max_tokens=4)))
+    dec.inbox.put(messages.Import(5, 0, [0, 1, 2, 3], ids + [7], len(ids),
+                                  SamplingParams(temperature=0.0, max_tokens=4)))
     events = []
     for _ in range(5):
         dec.step(wait=False)
@@ -2821,7 +2891,8 @@ def test_a_handoff_nobody_pulls_is_released_after_the_timeout(hf, monkeypatch):
     and says so ("expired"), so a lost decode worker cannot leak them."""
     monkeypatch.setattr(workers, "HANDOFF_TIMEOUT_S", 0.2)
     pre = in_process_worker(make_llm(hf.path).engine)
-    pre.inbox.put(messages.Submit(0, prompt(20, seed=72), SamplingParams(temperature=0.0, max_tokens=4), prefill_only=True))
+    pre.inbox.put(messages.Submit(0, prompt(20, seed=72), SamplingParams(temperature=0.0, max_tokens=4),
+                                  prefill_only=True))
     events = []
     deadline = time.monotonic() + 30
 
@@ -2860,7 +2931,8 @@ def test_a_worker_whose_step_fails_reports_the_error_and_lives_on(hf, monkeypatc
     .error), not the worker: the next request is served with HF's greedy tokens."""
     worker = in_process_worker(make_llm(hf.path).engine)
     check = worker.engine._check_stop
-    monkeypatch.setattr(worker.engine, "_check_stop", lambda seq, i: (_ for _ in ()).throw(RuntimeError("fault"))
+    monkeypatch.setattr(worker.engine, "_check_stop",
+                        lambda seq, i: (_ for _ in ()).throw(RuntimeError("fault"))
                         if seq.request.request_id == 0 else check(seq, i))
     worker.inbox.put(messages.Submit(0, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4)))
     worker.inbox.put(messages.Submit(1, PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=4)))
@@ -2886,7 +2958,8 @@ def test_abort_frees_a_request_wherever_it_is(hf):
     and every block comes back."""
     worker = in_process_worker(make_llm(hf.path).engine)
     worker.inbox.put(messages.Submit(0, PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=50)))
-    worker.inbox.put(messages.Submit(1, PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=8), prefill_only=True))
+    worker.inbox.put(messages.Submit(1, PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=8),
+                                     prefill_only=True))
     for _ in range(6):
         worker.step(wait=False)
     assert worker.engine.requests[1].parked and worker.engine.bm.num_free_blocks < worker.engine.bm.num_blocks
@@ -2933,11 +3006,13 @@ def test_a_split_worker_reports_where_each_decode_step_ran(hf):
     def logged(batch, lane, previous):
         step = launch(batch, lane, previous)
         if lane is not eng.runner.splits[eng.split][0] and lane is not eng.runner.full_gpu_eager:
-            on_decode_lane.append(lane is eng.runner.splits[eng.split][1])   # a decode step: on the decode lane?
+            # a decode step: on the decode lane?
+            on_decode_lane.append(lane is eng.runner.splits[eng.split][1])
         return step
     eng._launch = logged
     for i, p in enumerate(PROMPTS + [prompt(60, 9)]):
-        worker.inbox.put(messages.Submit(i, p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)))
+        worker.inbox.put(messages.Submit(i, p,
+                                         SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)))
     steps = []
     while len([r for r in steps if isinstance(r, messages.Done)]) < len(PROMPTS) + 1:
         worker.step(wait=False)
@@ -2960,7 +3035,8 @@ def test_an_import_dropped_while_it_waits_for_a_seat_holds_no_prompt_up(hf):
     worker.inbox.put(messages.Submit(0, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8)))
     worker.step(wait=False)
     ids = prompt(9, seed=74)
-    worker.inbox.put(messages.Import(5, 1, [0, 1], ids + [7], len(ids), SamplingParams(temperature=0.0, max_tokens=4)))
+    worker.inbox.put(messages.Import(5, 1, [0, 1], ids + [7], len(ids),
+                                     SamplingParams(temperature=0.0, max_tokens=4)))
     worker.step(wait=False)
     worker.inbox.put(messages.Submit(1, PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=4)))
     worker.inbox.put(messages.Drop(5))
@@ -2970,19 +3046,21 @@ def test_an_import_dropped_while_it_waits_for_a_seat_holds_no_prompt_up(hf):
         events += reported(worker)
     done = {e.request_id: e.output for e in events if isinstance(e, messages.Done)}
     assert done[1].outputs[0].token_ids == hf.greedy(PROMPTS[1], 4)
-    assert not any(isinstance(e, messages.PullFailed | messages.Imported) for e in events)   # it never started
+    # it never started
+    assert not any(isinstance(e, messages.PullFailed | messages.Imported) for e in events)
     assert not worker.transfers and not worker.engine.scheduler.imports_waiting
 
 
 def pull_from_a_peer_that_leaves(rank: int, port: int, results) -> None:
     """One of two gloo processes: rank 1 joins, connects and leaves without sending; rank 0
     pulls two runs from it and reports how the pull ended."""
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                         timeout=datetime.timedelta(seconds=60))
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                         world_size=2, timeout=datetime.timedelta(seconds=60))
     transport.DistributedTransport.connect_pairs(rank, 2, torch.device("cpu"))
     if rank == 1:
         os._exit(0)
-    pull = transport.DistributedTransport(torch.device("cpu")).pull(1, None, [0, 1, 5], torch.zeros(8, 4), [2, 3, 7])
+    pull = transport.DistributedTransport(torch.device("cpu")).pull(1, None, [0, 1, 5],
+                                                                    torch.zeros(8, 4), [2, 3, 7])
     deadline = time.monotonic() + 60
     while not pull.ready() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -3010,7 +3088,9 @@ def test_a_distributed_pull_whose_source_leaves_ends_with_an_error():
     assert runs == [(0, 2), (5, 1)]
 
 
-# =========================================== hosts.py: workers on several hosts
+# ========================================== hosts.py: workers on several hosts
+# torchrun launches on this machine standing in for hosts: the store's mailboxes, HF's
+# tokens across hosts, a host that dies.
 
 
 @contextlib.contextmanager
@@ -3024,11 +3104,12 @@ def two_hosts(processes_per_host: int = 1):
             return s.getsockname()[1]
     store, master = free(), free()
     env = dict(os.environ, TRITON_INTERPRET="0")
-    launches = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
-                                  str(processes_per_host), "--node-rank", str(k), "--master-addr", "127.0.0.1",
-                                  "--master-port", str(master), "hosts.py", "--join", f"127.0.0.1:{store}",
-                                  "--device", "cpu"], cwd=HERE, env=env, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL) for k in (0, 1)]
+    launches = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                                  "--nproc-per-node", str(processes_per_host), "--node-rank", str(k),
+                                  "--master-addr", "127.0.0.1", "--master-port", str(master),
+                                  "hosts.py", "--join", f"127.0.0.1:{store}", "--device", "cpu"],
+                                 cwd=HERE, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                for k in (0, 1)]
     try:
         yield f"127.0.0.1:{store}", launches
     finally:   # whatever failed, leave nothing running
@@ -3061,8 +3142,8 @@ def kill_host(launch: subprocess.Popen) -> None:
 
 
 def join_cluster(hf, policy: str, address: str, **kwargs) -> LLM:
-    kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": 128, "max_num_seqs": 16, "max_num_batched_tokens": 16,
-              **kwargs}
+    kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": 128, "max_num_seqs": 16,
+              "max_num_batched_tokens": 16, **kwargs}
     return LLM(str(hf.path), policy=policy, join=address, dtype="float32", **kwargs)
 
 
@@ -3135,8 +3216,10 @@ def test_a_host_that_dies_ends_its_requests_in_bounded_time(hf):
             assert time.monotonic() < deadline, f"a request never ended: {left}, dead {cluster.dead}"
             ended |= set(cluster.poll(0.05))
         assert "no report" in cluster.dead[1]
-        assert [cluster.output(r).outputs[0].token_ids for r in rids] == [hf.greedy(p, 400) for p in MIXED_PROMPTS]
-        assert tokens(generate(llm, MIXED_PROMPTS[:2], max_tokens=5)) == [hf.greedy(p, 5) for p in MIXED_PROMPTS[:2]]
+        assert [cluster.output(r).outputs[0].token_ids for r in rids] == [hf.greedy(p, 400)
+                                                                          for p in MIXED_PROMPTS]
+        assert tokens(generate(llm, MIXED_PROMPTS[:2], max_tokens=5)) == [hf.greedy(p, 5)
+                                                                          for p in MIXED_PROMPTS[:2]]
         llm.close()
         # Host 0's worker leaves; its torchrun agent then waits at torchelastic's exit barrier
         # for the dead host's agent (minutes), which is torchrun's business, not ours.
@@ -3147,12 +3230,14 @@ def test_a_host_that_dies_ends_its_requests_in_bounded_time(hf):
 
 
 # ======= costmodel.py, router.py: the cost model, the length predictor, the router
-# The cost model reduces to the design rule (docs/router.md) and matches a first-come-first-served simulation; the
-# predictor's posterior converges and covers; the router refits wrong parameters from synthetic timings.
+# The cost model reduces to the design rule (docs/router.md) and matches a first-come-first-served
+# simulation; the predictor's posterior converges and covers; the router refits wrong parameters
+# from synthetic timings.
 
 
 def random_params(rng: random.Random) -> HardwareParams:
-    return HardwareParams(alpha=rng.uniform(0.01, 0.2), beta=rng.uniform(3, 40), batch_thresh=rng.uniform(4, 64),
+    return HardwareParams(alpha=rng.uniform(0.01, 0.2), beta=rng.uniform(3, 40),
+                          batch_thresh=rng.uniform(4, 64),
                           slope=rng.uniform(0.0, 0.5), gamma=rng.uniform(0.001, 0.2),
                           transfer_rate=rng.uniform(0.0002, 0.05))
 
@@ -3165,9 +3250,11 @@ def test_cost_model_reduces_to_the_design_rule():
     checked = 0
     for _ in range(2000):
         p = random_params(rng)
-        cost, load, prompt_len, out = CostModel(p), rng.randint(1, 256), rng.randint(1, 4096), rng.randint(1, 512)
+        cost, load, prompt_len, out = CostModel(p), rng.randint(1, 256), rng.randint(1, 4096), \
+            rng.randint(1, 512)
         p.kv = rng.uniform(0, 1e-4)
-        w = WorkerLoad(decode_batch=load, context_tokens=load * rng.randint(1, 4096), prefill_rate=rng.uniform(0, 20))
+        w = WorkerLoad(decode_batch=load, context_tokens=load * rng.randint(1, 4096),
+                       prefill_rate=rng.uniform(0, 20))
         col = cost.collocated_ms(prompt_len, out, w) + cost.interference_ms(prompt_len, load)
         dis = cost.disaggregated_ms(prompt_len, out, WorkerLoad(), w) + cost.interference_ms(prompt_len, 0)
         if abs(p.gamma / p.transfer_rate - p.batch_thresh / load) < 1e-6 * p.gamma / p.transfer_rate:
@@ -3210,7 +3297,8 @@ def test_cost_model_seats_match_first_come_first_served_waves():
         full = WorkerLoad(decode_batch=waves * seats - 1 - queued, queued_prefills=queued, seats=seats)
         assert cost.decode_ms(0, out, full) == pytest.approx(ms, rel=1e-9)
         roomy = WorkerLoad(decode_batch=seats - 1, seats=seats)
-        assert cost.decode_ms(0, out, roomy) == pytest.approx(cost.decode_ms(0, out, WorkerLoad(decode_batch=seats - 1)))
+        assert cost.decode_ms(0, out, roomy) \
+            == pytest.approx(cost.decode_ms(0, out, WorkerLoad(decode_batch=seats - 1)))
     p = HardwareParams(alpha=0.05, beta=8.0, batch_thresh=32, slope=0.12, gamma=0.03, transfer_rate=0.004)
     loads = {0: WorkerLoad(decode_batch=400, seats=256), 1: WorkerLoad(decode_batch=250, seats=256)}
     assert Router(p).route(512, 128, loads)[1] == 1
@@ -3253,13 +3341,16 @@ def test_output_length_predictor_learns_what_max_tokens_says():
     assert own_end.predict(200, 20).high <= 20 and own_end.predict(200, 20).mean <= 20
 
 
-def synthetic_observation(truth: HardwareParams, rng: random.Random, router: Router | None = None) -> Observation:
+def synthetic_observation(truth: HardwareParams, rng: random.Random,
+                          router: Router | None = None) -> Observation:
     """A request timed by the true parameters (1% noise), on the path the router picks (or
     a random one)."""
-    loads = {w: WorkerLoad(rng.randint(0, 4000), b, b * rng.randint(64, 2048), prefill_rate=rng.uniform(0, 20))
+    loads = {w: WorkerLoad(rng.randint(0, 4000), b, b * rng.randint(64, 2048),
+                           prefill_rate=rng.uniform(0, 20))
              for w in (0, 1) for b in [rng.randint(0, 128)]}
     prompt_len, out = rng.randint(16, 2048), rng.randint(16, 512)
-    p, d, predicted = router.route(prompt_len, out, loads) if router else (rng.randint(0, 1), rng.randint(0, 1), None)
+    p, d, predicted = router.route(prompt_len, out, loads) if router else (rng.randint(0, 1),
+                                                                           rng.randint(0, 1), None)
     true = CostModel(truth)
     noise = lambda: 1 + rng.gauss(0, 0.01)
     prefill = true.prefill_ms(loads[p].queued_prefill_tokens + prompt_len) * noise()
@@ -3285,7 +3376,8 @@ def test_router_refits_wrong_parameters_online():
     the true ones."""
     truth = HardwareParams(alpha=0.05, beta=8.0, batch_thresh=32, slope=0.12, gamma=0.03, transfer_rate=0.004,
                            kv=2e-5)
-    wrong = HardwareParams(alpha=0.15, beta=2.0, batch_thresh=32, slope=0.6, gamma=0.3, transfer_rate=0.04, kv=2e-4)
+    wrong = HardwareParams(alpha=0.15, beta=2.0, batch_thresh=32, slope=0.6, gamma=0.3,
+                           transfer_rate=0.04, kv=2e-4)
     router, rng = Router(wrong), random.Random(1)
     held_out = [synthetic_observation(truth, rng) for _ in range(300)]
 
@@ -3316,15 +3408,18 @@ def test_a_split_is_refit_on_its_own():
                                 slope=lane.slope / 1.4, kv=lane.kv / 1.4)
     whole = HardwareParams(alpha=0.05, beta=8.0, batch_thresh=32, slope=0.12, gamma=0.03, transfer_rate=0.004,
                            kv=2e-5)
-    router, rng = Router(dataclasses.replace(whole, splits={"84/48": dataclasses.replace(wrong)})), random.Random(5)
+    router, rng = Router(dataclasses.replace(whole,
+                                             splits={"84/48": dataclasses.replace(wrong)})), random.Random(5)
     before = dataclasses.replace(router.cost.p, splits={})
     for _ in range(300):
         decodes = rng.randint(1, 256)
         context = decodes * rng.randint(16, 2048)
-        ms = (lane.beta + lane.slope * max(0, decodes - lane.batch_thresh) + lane.kv * context) * (1 + rng.gauss(0, 0.01))
+        ms = (lane.beta + lane.slope * max(0, decodes - lane.batch_thresh) + lane.kv * context) \
+            * (1 + rng.gauss(0, 0.01))
         router.observe_step(decodes, context, 0, ms, (84, 48))
         chunk = rng.randint(16, 8192)
-        router.observe_step(0, 0, chunk, (lane.alpha0 + lane.alpha * chunk) * (1 + rng.gauss(0, 0.01)), (84, 48))
+        router.observe_step(0, 0, chunk,
+                            (lane.alpha0 + lane.alpha * chunk) * (1 + rng.gauss(0, 0.01)), (84, 48))
         load = WorkerLoad(rng.randint(0, 4000), 8, 8 * 512, sm_split=(84, 48))
         n = rng.randint(16, 2048)
         waited = 10 * (lane.alpha0 + lane.alpha * (load.queued_prefill_tokens + n))   # behind a long chunk
@@ -3338,7 +3433,8 @@ def test_a_split_is_refit_on_its_own():
     assert router.cost_at(WorkerLoad()) is router.cost
     # A request whose worker changed split while it ran is scored, but moves nothing.
     fitted, errors = copy.deepcopy(router.cost.p), len(router.errors)
-    router.observe(Observation(500, 64, 0, 0, WorkerLoad(), WorkerLoad(), 1e5, 0.0, 1e5, 100.0, split_changed=True))
+    router.observe(Observation(500, 64, 0, 0, WorkerLoad(), WorkerLoad(), 1e5, 0.0, 1e5, 100.0,
+                               split_changed=True))
     assert router.cost.p == fitted and len(router.errors) == errors + 1
 
 
@@ -3347,7 +3443,8 @@ def test_the_calibration_scores_requests_whose_split_changed_apart():
     whose worker kept its SM split and over those whose split changed, each of |predicted -
     measured| / measured over its own requests only."""
     import bench
-    router = Router(HardwareParams(alpha=0.02, beta=5, batch_thresh=16, slope=0.02, gamma=0.02, transfer_rate=0.01))
+    router = Router(HardwareParams(alpha=0.02, beta=5, batch_thresh=16, slope=0.02, gamma=0.02,
+                                   transfer_rate=0.01))
     for predicted, measured, changed in [(100, 120, False), (100, 80, False), (100, 100, False),
                                          (100, 200, True), (100, 50, True)]:
         router.observe(Observation(64, 8, 0, 0, WorkerLoad(), WorkerLoad(), measured / 2, 0.0, measured / 2,
@@ -3385,15 +3482,18 @@ def test_a_lane_whose_batch_stays_put_after_a_stall_keeps_its_profiled_shape():
     late), the lane 20% slower than profiled. The refitted lane predicts the truth within
     10% at the operating point and at batch 1 and 64. A stall taken whole (2.1x at batch 1),
     or the terms fitted one by one at one batch and clamped to >= 0 (1.3x), do not."""
-    truth = SplitParams(alpha0=5.8, alpha=0.057, alpha2=0.0, beta=6.7, batch_thresh=32, slope=0.041, kv=5.2e-5)
+    truth = SplitParams(alpha0=5.8, alpha=0.057, alpha2=0.0, beta=6.7, batch_thresh=32,
+                        slope=0.041, kv=5.2e-5)
     profiled = dataclasses.replace(truth, beta=truth.beta / 1.2, slope=truth.slope / 1.2, kv=truth.kv / 1.2)
-    router, rng = Router(dataclasses.replace(ROUTER_TEST_PARAMS, splits={"52/80": profiled})), random.Random(3)
+    router, rng = Router(dataclasses.replace(ROUTER_TEST_PARAMS,
+                                             splits={"52/80": profiled})), random.Random(3)
 
     def step(s: SplitParams, batch: int) -> float:
         return s.beta + s.slope * max(0, batch - s.batch_thresh) + s.kv * batch * 700
     for i in range(61):
         batch = rng.randint(240, 256)
-        ms = step(truth, batch) * (1 + rng.gauss(0, 0.03)) + (2000.0 if i == 0 else 30.0 if rng.random() < 0.02 else 0.0)
+        ms = step(truth, batch) * (1 + rng.gauss(0, 0.03)) + (2000.0 if i == 0 else 30.0
+                                                              if rng.random() < 0.02 else 0.0)
         router.observe_step(batch, batch * 700, 0, ms, (52, 80))
     fitted = router.cost.p.splits["52/80"]
     for batch in (1, 64, 248):
@@ -3437,7 +3537,8 @@ def test_router_changes_path_with_load():
     batch and no queue: the prompt is prefilled on the second and decoded on the first."""
     p = HardwareParams(alpha=0.05, beta=8.0, batch_thresh=32, slope=0.12, gamma=0.03, transfer_rate=0.004)
     router = Router(p)
-    for loads in ({0: WorkerLoad(), 1: WorkerLoad()}, {0: WorkerLoad(decode_batch=200), 1: WorkerLoad(decode_batch=200)}):
+    for loads in ({0: WorkerLoad(), 1: WorkerLoad()},
+                  {0: WorkerLoad(decode_batch=200), 1: WorkerLoad(decode_batch=200)}):
         p_, d_, _ = router.route(2048, 128, loads)
         assert p_ == d_
     split = {0: WorkerLoad(queued_prefill_tokens=16000), 1: WorkerLoad(decode_batch=200)}
@@ -3478,7 +3579,8 @@ def test_under_an_slo_the_router_takes_a_path_that_meets_it():
     loads = {0: WorkerLoad(queued_prefill_tokens=20000), 1: WorkerLoad(decode_batch=180)}
     plain = Router(dataclasses.replace(p)).route(512, 64, loads)
     cost = CostModel(p)
-    assert plain[:2] == (0, 0) and cost.path_ms(512, 64, loads[0], None)[0] > 500   # fastest, but a late first token
+    # fastest, but a late first token
+    assert plain[:2] == (0, 0) and cost.path_ms(512, 64, loads[0], None)[0] > 500
     router = Router(dataclasses.replace(p), slo=(0.5, 0.05))   # TTFT 0.5 s rules out prefilling on 0
     chosen = router.route(512, 64, loads)
     ttft, _ = cost.path_ms(512, 64, loads[chosen[0]], None if chosen[0] == chosen[1] else loads[chosen[1]])
@@ -3488,8 +3590,10 @@ def test_under_an_slo_the_router_takes_a_path_that_meets_it():
     assert p_ == min(loads, key=lambda w: cost.interference_ms(512, loads[w].decode_batch))
 
 
-# =============================================== planner.py: the regime planner
-# (in the router's section: the planner is the router's other half; it has no module of tests of its own)
+# ============================================== planner.py: the regime planner
+# The forecast's queues against simulated ones; the planner's ranking against brute force
+# over every role assignment; its switching (hysteresis, dwell, phases but not bursts)
+# and where it splits one GPU.
 
 
 def random_mix(rng: random.Random, rate_per_s: float) -> planner.Mix:
@@ -3506,7 +3610,8 @@ def test_forecast_queues_match_a_simulated_queue():
     for _ in range(5):
         service = [rng.uniform(1, 40) for _ in range(30)]
         rate = rng.uniform(0.2, 0.8) / statistics.mean(service)
-        wait_model, _ = planner.mg1_wait(rate, statistics.mean(service), statistics.mean(s * s for s in service))
+        wait_model, _ = planner.mg1_wait(rate, statistics.mean(service),
+                                         statistics.mean(s * s for s in service))
         w = total = 0.0
         gen = random.Random(rng.random())
         for _ in range(200_000):
@@ -3516,8 +3621,8 @@ def test_forecast_queues_match_a_simulated_queue():
         assert total / 200_000 == pytest.approx(wait_model, rel=0.06)
     for _ in range(100):
         p = random_params(rng)
-        cost, rate, out, ctx, u = CostModel(p), rng.uniform(0.001, 0.2), rng.uniform(8, 512), rng.uniform(0, 2000), \
-            rng.uniform(0, 0.5)
+        cost, rate, out, ctx, u = CostModel(p), rng.uniform(0.001, 0.2), rng.uniform(8, 512), \
+            rng.uniform(0, 2000), rng.uniform(0, 0.5)
         n, load = planner.decode_state(cost, rate, out, ctx, u, seats=512)
         def demand(x, rate=rate, out=out, cost=cost, ctx=ctx, u=u):
             return rate * out * cost.decode_step_ms(x, x * ctx) / (1 - u)
@@ -3528,21 +3633,24 @@ def test_forecast_queues_match_a_simulated_queue():
             assert demand(512) >= 512
 
 
-# The profile measured on both H200s of nvidia-h200-x2 (results/h200x2/profile.txt), and
-# which fixed policy was faster there on E2E p50 (results/README.md, "Per workload at 24
-# req/s" and "ShareGPT-like sweep"): disaggregated by 21% on long prompts and 8% on mixed;
-# collocated on short (7%) and fixed (3%) prompts, and past saturation (96-160 req/s).
+# The profile `python profiler.py --no-cache` measured on both H200s of nvidia-h200-x2
+# (results/README.md, "Profile"). Which fixed policy was faster there on E2E p50 is in
+# results/README.md, "Per workload at 24 req/s" and "ShareGPT-like sweep": disaggregated on
+# long and mixed prompts, collocated on short and fixed ones and past saturation.
 H200X2 = HardwareParams(alpha=0.02202, alpha0=2.09, alpha2=8.21e-7, beta=5.046, batch_thresh=16, slope=0.0135,
                         kv=4.02e-5, gamma=0.02342, transfer_rate=0.00422)
 
 
-# The profile one H200 measured for its split menu (nvidia-h200: results/README.md, "The
-# split worker, serving one H200", the run's router_calibration.profiled).
+# The profile one H200 measured for its split menu: router_calibration.profiled of a
+# `bench.py --policy adaptive` run on nvidia-h200 (results/README.md, "The split worker,
+# serving, one H200").
 H200 = HardwareParams(alpha=0.0220762, alpha0=2.42313, alpha2=7.80002e-07, beta=5.29812, batch_thresh=16,
                       slope=0.0196892, kv=4.80308e-05, gamma=0.0260869, transfer_rate=math.inf, splits={
                           "100/32": SplitParams(21.1694, 0.0251105, 0.0, 10.5359, 64, 0.120092, 9.04951e-05),
-                          "84/48": SplitParams(29.9929, 0.00874391, 6.26667e-06, 7.82519, 32, 0.05668, 7.31225e-05),
-                          "68/64": SplitParams(8.03738, 0.0334717, 4.0624e-06, 6.99392, 64, 0.0503261, 6.10564e-05),
+                          "84/48": SplitParams(29.9929, 0.00874391, 6.26667e-06, 7.82519, 32, 0.05668,
+                                               7.31225e-05),
+                          "68/64": SplitParams(8.03738, 0.0334717, 4.0624e-06, 6.99392, 64, 0.0503261,
+                                               6.10564e-05),
                           "52/80": SplitParams(10.434, 0.0544447, 0.0, 6.37759, 32, 0.0324195, 5.67524e-05)})
 
 
@@ -3587,7 +3695,8 @@ def test_a_prefill_worker_batching_its_queue_waits_as_simulated():
     sharegpt = mixes[2]
     rate = 0.8 / statistics.mean(H200X2.alpha * n + H200X2.alpha2 * n * n for n in sharegpt)
     service = [cost.prefill_ms(n) for n in sharegpt]
-    one_per_step, _ = planner.mg1_wait(rate, statistics.mean(service), statistics.mean(x * x for x in service))
+    one_per_step, _ = planner.mg1_wait(rate, statistics.mean(service),
+                                       statistics.mean(x * x for x in service))
     assert one_per_step > 3 * simulated_prefill_worker(cost, rate, sharegpt, 100_000, seed=len(sharegpt))
 
 
@@ -3605,11 +3714,11 @@ def test_a_split_worker_decodes_on_the_whole_gpu_while_its_prefill_lane_idles():
         role = "split" if regime.split else "decode"
         return planner.forecast(c, regime, planner.Mix(rate, lens, outs), 64).roles[role].tpot_ms
     lane_only = CostModel(dataclasses.replace(hw, alpha0=lane.alpha0, alpha=lane.alpha, alpha2=lane.alpha2,
-                                              beta=lane.beta, batch_thresh=lane.batch_thresh, slope=lane.slope,
-                                              gamma=0.0, splits={}))
+                                              beta=lane.beta, batch_thresh=lane.batch_thresh,
+                                              slope=lane.slope, gamma=0.0, splits={}))
     trickle = 1e-4
-    assert tpot(cost, split, trickle) == pytest.approx(tpot(cost, planner.Regime(prefill=1, decode=1), trickle),
-                                                       rel=0.01)
+    assert tpot(cost, split, trickle) \
+        == pytest.approx(tpot(cost, planner.Regime(prefill=1, decode=1), trickle), rel=0.01)
     for rate in (0.005, 0.01, 0.02):
         f = planner.forecast(cost, split, planner.Mix(rate, lens, outs), 64)
         assert f.roles["split"].busy == pytest.approx(rate * sum(lane.alpha * n for n in lens) / len(lens))
@@ -3625,7 +3734,8 @@ def test_on_one_gpu_nothing_moves_so_no_link_counts():
     mix = planner.Mix(0.001, [200, 400, 800], [50.0, 100.0, 150.0])
     for regime in (planner.Regime(both=1), planner.Regime(split=1, sm_split=(84, 48))):
         e2e = [planner.forecast(CostModel(dataclasses.replace(ROUTER_TEST_PARAMS, transfer_rate=rate,
-                                                              splits={"84/48": lane})), regime, mix, 64).e2e_ms
+                                                              splits={"84/48": lane})),
+                                regime, mix, 64).e2e_ms
                for rate in (math.inf, 0.0, 1.0)]
         assert math.isfinite(e2e[0]) and e2e[0] == e2e[1] == e2e[2], regime
 
@@ -3641,7 +3751,8 @@ def test_the_planner_ranks_as_brute_force_over_every_role_assignment(seed, n, ra
     rng = random.Random(seed)
     params = random_params(rng)
     params.splits = {key: SplitParams(rng.uniform(0, 10), params.alpha * rng.uniform(1, 3), 0.0,
-                                      params.beta * rng.uniform(1, 2), params.batch_thresh, params.slope * rng.uniform(1, 3))
+                                      params.beta * rng.uniform(1, 2), params.batch_thresh,
+                                      params.slope * rng.uniform(1, 3))
                      for key in ("96/32", "64/64")}
     cost, mix = CostModel(params), random_mix(rng, rate)
     slo = (rng.uniform(0.2, 5), rng.uniform(0.01, 0.3)) if with_slo else None
@@ -3650,12 +3761,13 @@ def test_the_planner_ranks_as_brute_force_over_every_role_assignment(seed, n, ra
     for roles in itertools.product(("both", "prefill", "decode", "split"), repeat=n):
         if not {"both", "prefill", "split"} & set(roles) or not {"both", "decode", "split"} & set(roles):
             continue   # nobody prefills, or nobody decodes
-        if "split" in roles and params.gamma * mix.rate / n * statistics.mean(mix.prompt_lens) < planner.SPLIT_MIN_SHARE:
+        if "split" in roles \
+                and params.gamma * mix.rate / n * statistics.mean(mix.prompt_lens) < planner.SPLIT_MIN_SHARE:
             continue   # splits only where the prompts would take that share of every worker both
         for budgeted, sm_split in itertools.product((False, True) if slo and "both" in roles else (False,),
                                                     ((96, 32), (64, 64)) if "split" in roles else (None,)):
-            regime = planner.Regime(roles.count("both"), roles.count("prefill"), roles.count("decode"), budgeted,
-                                    roles.count("split"), sm_split)
+            regime = planner.Regime(roles.count("both"), roles.count("prefill"),
+                                    roles.count("decode"), budgeted, roles.count("split"), sm_split)
             keys.append(planner.forecast(cost, regime, mix, 256, slo).key())
     assert best.key() == min(keys)
     loads = {w: WorkerLoad(decode_batch=rng.randint(0, 50)) for w in range(n)}
@@ -3679,7 +3791,8 @@ def test_the_prefill_budget_keeps_every_step_under_the_tpot_target(seed):
         assert both.tpot_ms <= slo[1] * 1e3 * (1 + 1e-9)
     plan = planner.Planner([0, 1], slo)
     plan.regime = planner.Regime(2, 0, 0, budgeted=True)
-    loads = {w: WorkerLoad(decode_batch=rng.randint(0, 300), context_tokens=rng.randint(0, 10 ** 5)) for w in (0, 1)}
+    loads = {w: WorkerLoad(decode_batch=rng.randint(0, 300), context_tokens=rng.randint(0, 10 ** 5))
+             for w in (0, 1)}
     plan.set_budgets(cost, loads)
     for w, budget in plan.budgets.items():
         step = cost.decode_step_ms(loads[w].decode_batch, loads[w].context_tokens)
@@ -3690,8 +3803,8 @@ def test_the_planner_switches_with_hysteresis_and_logs_why():
     """Long prompts at a rate where one GPU's prefills would stretch the other's decodes:
     the planner leaves 'every worker both' for one prefill and one decode worker, logging
     the forecasts that chose it; a mix that is only slightly better elsewhere moves nothing."""
-    p = HardwareParams(alpha=0.022, alpha0=2.09, beta=5.05, batch_thresh=16, slope=0.0135, kv=4e-5, gamma=0.0234,
-                       transfer_rate=0.0042)
+    p = HardwareParams(alpha=0.022, alpha0=2.09, beta=5.05, batch_thresh=16, slope=0.0135, kv=4e-5,
+                       gamma=0.0234, transfer_rate=0.0042)
     cost, rng = CostModel(p), random.Random(3)
     plan = planner.Planner([0, 1])
     for i in range(240):   # 24 requests/s of 1024-2048 prompt tokens for 10 s
@@ -3704,7 +3817,8 @@ def test_the_planner_switches_with_hysteresis_and_logs_why():
     assert entry.forecasts[0].e2e_ms < 0.95 * next(f.e2e_ms for f in entry.forecasts if f.regime.both == 2)
     assert not plan.plan(cost, loads, 256, now=10.5)   # not yet time to plan again
     plan.reset([0], now=11.0)   # the decode worker died: the live one does both
-    assert plan.roles == {0: "both"} and plan.regime == planner.Regime(both=1) and plan.log[-1].roles == plan.roles
+    assert plan.roles == {0: "both"} and plan.regime == planner.Regime(both=1) \
+        and plan.log[-1].roles == plan.roles
 
 
 @pytest.mark.parametrize("workload, rate, measured_best", [
@@ -3720,7 +3834,8 @@ def test_the_planner_picks_the_regime_the_gpus_measured_faster(workload, rate, m
     for spec in specs:
         plan.arrived(spec.arrival, len(spec.prompt_ids), spec.max_tokens)
     plan.plan(CostModel(dataclasses.replace(H200X2)), {0: WorkerLoad(), 1: WorkerLoad()}, 256, now=10.0)
-    assert plan.regime == (planner.Regime(0, 1, 1) if measured_best == "disaggregated" else planner.Regime(2, 0, 0))
+    assert plan.regime == (planner.Regime(0, 1, 1) if measured_best == "disaggregated"
+                           else planner.Regime(2, 0, 0))
 
 
 def test_the_planner_follows_phases_but_not_bursts():
@@ -3765,7 +3880,8 @@ def test_the_planner_splits_one_gpu_only_where_prompts_hold_the_decodes_back(mon
         for spec in specs:
             plan.arrived(spec.arrival, len(spec.prompt_ids), spec.max_tokens)
         plan.plan(cost, {0: WorkerLoad()}, 256, now=10.0)
-        return plan, planner.Mix(len(specs) / 1e4, [len(s.prompt_ids) for s in specs], [s.max_tokens for s in specs])
+        return plan, planner.Mix(len(specs) / 1e4, [len(s.prompt_ids) for s in specs],
+                                 [s.max_tokens for s in specs])
     plan, mix = plan_for("decode-heavy", 8)
     u = gamma * mix.rate * sum(mix.prompt_lens) / len(mix.prompt_lens)   # one worker: all the prompts are its
     assert u < planner.SPLIT_MIN_SHARE and plan.regime == planner.Regime(both=1)
@@ -3804,8 +3920,8 @@ def test_the_planner_keeps_a_regime_it_chose_for_the_dwell(monkeypatch):
     decode worker best) and short ones at 96 per s (both best), planned every 2 s: the
     regimes the planner chooses are MIN_DWELL_S apart, where without the dwell it follows
     every mix; a worker's death holds nothing, and the plan after it may choose at once."""
-    p = HardwareParams(alpha=0.022, alpha0=2.09, beta=5.05, batch_thresh=16, slope=0.0135, kv=4e-5, gamma=0.0234,
-                       transfer_rate=0.0042)
+    p = HardwareParams(alpha=0.022, alpha0=2.09, beta=5.05, batch_thresh=16, slope=0.0135, kv=4e-5,
+                       gamma=0.0234, transfer_rate=0.0042)
 
     def choices(dwell: float) -> list[float]:
         monkeypatch.setattr(planner, "MIN_DWELL_S", dwell)
@@ -3823,19 +3939,21 @@ def test_the_planner_keeps_a_regime_it_chose_for_the_dwell(monkeypatch):
     rng = random.Random(6)
     for i in range(48):
         plan.arrived(i / 24, rng.randint(1024, 2048), rng.randint(32, 256))
-    assert plan.plan(CostModel(dataclasses.replace(p)), loads, 256, now=2.0) and plan.regime == planner.Regime(0, 1, 1)
+    assert plan.plan(CostModel(dataclasses.replace(p)), loads, 256, now=2.0) \
+        and plan.regime == planner.Regime(0, 1, 1)
     plan.reset([0, 1], now=3.0)   # a death: both, and nothing held
     for i in range(48):
         plan.arrived(2 + i / 24, rng.randint(1024, 2048), rng.randint(32, 256))
-    assert plan.plan(CostModel(dataclasses.replace(p)), loads, 256, now=4.0) and plan.regime == planner.Regime(0, 1, 1)
+    assert plan.plan(CostModel(dataclasses.replace(p)), loads, 256, now=4.0) \
+        and plan.regime == planner.Regime(0, 1, 1)
 
 
 def test_the_planner_follows_a_clear_change_of_mix_at_once():
     """Ten seconds of short prompts, then two of long ones at the same rate: at the next plan
     the planner forgets the old mix (it changed clearly) and splits the workers, instead of
     averaging the two for the ten seconds the old arrivals take to age out."""
-    p = HardwareParams(alpha=0.022, alpha0=2.09, beta=5.05, batch_thresh=16, slope=0.0135, kv=4e-5, gamma=0.0234,
-                       transfer_rate=0.0042)
+    p = HardwareParams(alpha=0.022, alpha0=2.09, beta=5.05, batch_thresh=16, slope=0.0135, kv=4e-5,
+                       gamma=0.0234, transfer_rate=0.0042)
     cost, rng = CostModel(p), random.Random(4)
     plan, loads = planner.Planner([0, 1]), {0: WorkerLoad(), 1: WorkerLoad()}
     for i in range(240):
@@ -3848,7 +3966,7 @@ def test_the_planner_follows_a_clear_change_of_mix_at_once():
     assert len(plan.arrivals) <= 48
 
 
-# ============== roles.py, lifecycle.py, telemetry.py, cluster.py: the policies on worker processes
+# ======= roles.py, lifecycle.py, telemetry.py, cluster.py: the policies on worker processes
 # Every policy gives HF's greedy tokens; handoffs report their phases; a killed worker ends or retries its
 # requests; blocks all come back. Dispatch reads the role map; the load's rates are windows.
 
@@ -3887,8 +4005,10 @@ def test_a_window_over_a_level_read_often_is_its_slope():
 
 
 @pytest.mark.usefixtures("worker_env")
-@pytest.mark.parametrize("policy, num_devices, transport", [("collocated", 2, "p2p"), ("disaggregated", 2, "p2p"),
-                                                            ("disaggregated", 3, "p2p"), ("disaggregated", 2, "relay"),
+@pytest.mark.parametrize("policy, num_devices, transport", [("collocated", 2, "p2p"),
+                                                            ("disaggregated", 2, "p2p"),
+                                                            ("disaggregated", 3, "p2p"),
+                                                            ("disaggregated", 2, "relay"),
                                                             ("disaggregated", 3, "distributed")])
 def test_policies_on_worker_processes_give_hf_greedy_tokens(hf, policy, num_devices, transport):
     """Prompts of 3 to 41 tokens (chunked under a 16-token budget) give HF's greedy tokens on
@@ -3945,8 +4065,8 @@ def test_penalties_and_stop_strings_give_the_single_engines_tokens_across_a_hand
     params = [SamplingParams(temperature=0.0, **knobs), SamplingParams(temperature=0.0, stop=[stop], **knobs),
               SamplingParams(temperature=0.9, seed=5, stop=["zz"], **knobs)]
     ref = single.generate(PROMPTS[:3], params, use_tqdm=False)
-    with LLM(str(path), policy="disaggregated", devices=WORKER_DEVICES[:2], dtype="float32", block_size=BLOCK_SIZE,
-             num_kv_blocks=128, max_num_seqs=16) as cluster:
+    with LLM(str(path), policy="disaggregated", devices=WORKER_DEVICES[:2], dtype="float32",
+             block_size=BLOCK_SIZE, num_kv_blocks=128, max_num_seqs=16) as cluster:
         outs = cluster.generate(PROMPTS[:3], params, use_tqdm=False)
     assert ref[1].outputs[0].stop_reason == stop and len(ref[1].outputs[0].token_ids) > 1
     for out, r in zip(outs, ref, strict=True):
@@ -3964,8 +4084,10 @@ def test_handoff_waits_for_a_seat_and_says_so(hf):
     and the first request, which found the seat free, waited less."""
     with make_cluster(hf, "disaggregated", 2, max_num_seqs=1) as llm:
         cluster = llm.cluster
-        first = cluster.submit(MIXED_PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-        second = cluster.submit(MIXED_PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        first = cluster.submit(MIXED_PROMPTS[0],
+                               SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        second = cluster.submit(MIXED_PROMPTS[1],
+                                SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
         ended, deadline = set(), time.monotonic() + 120
         while len(ended) < 2:
             assert time.monotonic() < deadline
@@ -3974,13 +4096,6 @@ def test_handoff_waits_for_a_seat_and_says_so(hf):
     assert b.imported_time > a.finish_time
     assert b.phases()["seat_wait"] > b.phases()["transfer"] >= 0
     assert a.phases()["seat_wait"] < b.phases()["seat_wait"]
-
-
-# Prefill is slow and the decode step grows fast past a batch of 1, interference and
-# transfers are cheap: a prompt goes where the prefill queue is shortest and is decoded
-# where the batch is smallest.
-ROUTER_TEST_PARAMS = HardwareParams(alpha=0.2, beta=1.0, batch_thresh=1, slope=5.0, gamma=0.001,
-                                    transfer_rate=0.001)
 
 
 @pytest.mark.usefixtures("worker_env")
@@ -4003,7 +4118,8 @@ def test_adaptive_gives_hf_tokens_on_both_paths_and_learns(hf, transport):
         while not cluster.active[first].tokens:
             assert time.monotonic() < deadline
             cluster.poll(0.01)
-        later = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=10)) for p in MIXED_PROMPTS[3:1:-1]]
+        later = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=10))
+                 for p in MIXED_PROMPTS[3:1:-1]]
         ended = set()
         while len(ended) < 3:
             assert time.monotonic() < deadline + 60
@@ -4032,7 +4148,8 @@ def test_a_killed_worker_ends_or_retries_its_requests(hf, policy, num_devices, v
     prefill worker died, or the one split worker of a single device), with a RuntimeError
     naming the dead worker; no process is left."""
     import signal
-    extra = {"profile": HardwareParams(alpha=0.02, beta=1.0, batch_thresh=2, slope=0.1, gamma=0.5, transfer_rate=0.005)
+    extra = {"profile": HardwareParams(alpha=0.02, beta=1.0, batch_thresh=2, slope=0.1, gamma=0.5,
+                                       transfer_rate=0.005)
              } if policy == "adaptive" else {}
     llm = make_cluster(hf, policy, num_devices, max_model_len=512, **extra)
     cluster = llm.cluster
@@ -4070,12 +4187,14 @@ def test_a_killed_worker_ends_or_retries_its_requests(hf, policy, num_devices, v
 
 
 @pytest.mark.parametrize("kwargs, words", [({"policy": "round-robin"}, "policy"),
-                                           ({"policy": "disaggregated", "devices": ["cpu", "cpu"], "num_prefill": 0}, "num_prefill"),
+                                           ({"policy": "disaggregated", "devices": ["cpu", "cpu"],
+                                             "num_prefill": 0}, "num_prefill"),
                                            ({"policy": "disaggregated", "num_prefill": 2}, "num_prefill"),
                                            ({"policy": "collocated", "transport": "pigeon"}, "transport"),
                                            ({"policy": "collocated", "devices": []}, "devices"),
                                            ({"policy": "collocated", "devices": ["cpu", "tpu:0"]}, "tpu:0"),
-                                           ({"policy": "collocated", "devices": ["cpu", "cuda:99"]}, "cuda:99"),
+                                           ({"policy": "collocated", "devices": ["cpu", "cuda:99"]},
+                                            "cuda:99"),
                                            ({"policy": "collocated", "devices": ["cpu", "cuda:0"]}, "cuda"),
                                            ({"policy": None, "num_prefill": 2}, "only apply with a policy")])
 def test_bad_cluster_settings_are_a_value_error(kwargs, words):
@@ -4097,7 +4216,8 @@ def finishes_within(seconds: float, fn):
 
 
 @pytest.mark.usefixtures("worker_env")
-@pytest.mark.parametrize("policy, victims", [("disaggregated", [0]), ("disaggregated", [1]), ("collocated", [0, 1])])
+@pytest.mark.parametrize("policy, victims",
+                         [("disaggregated", [0]), ("disaggregated", [1]), ("collocated", [0, 1])])
 def test_generate_after_the_workers_it_needs_died_fails_fast(hf, policy, victims):
     """The only prefill worker, the only decode worker, or every worker killed: the next
     generate ends at once, each request with a RuntimeError naming a dead worker."""
@@ -4136,7 +4256,8 @@ def test_a_stopped_worker_is_found_out_and_its_requests_move(hf, policy, num_dev
     assert victim in cluster.dead and "no report" in cluster.dead[victim]
     for r, p in zip(rids, MIXED_PROMPTS):
         assert cluster.output(r).outputs[0].token_ids == hf.greedy(p, 200)
-    assert tokens(generate(llm, MIXED_PROMPTS[:2], max_tokens=5)) == [hf.greedy(p, 5) for p in MIXED_PROMPTS[:2]]
+    assert tokens(generate(llm, MIXED_PROMPTS[:2], max_tokens=5)) == [hf.greedy(p, 5)
+                                                                      for p in MIXED_PROMPTS[:2]]
     pids = [p.pid for p in cluster.workers.procs]   # close() forgets the processes
     llm.close()
     assert not any(alive(pid) for pid in pids)
@@ -4159,7 +4280,8 @@ def test_ctrl_c_during_generate_on_workers_leaves_them_empty_and_usable(hf, monk
             generate(llm, MIXED_PROMPTS * 3, max_tokens=100)
         monkeypatch.setattr(llm.cluster, "poll", poll)
         assert workers_all_free(llm) and not llm.cluster.active
-        assert tokens(generate(llm, MIXED_PROMPTS[:2], max_tokens=5)) == [hf.greedy(p, 5) for p in MIXED_PROMPTS[:2]]
+        assert tokens(generate(llm, MIXED_PROMPTS[:2], max_tokens=5)) == [hf.greedy(p, 5)
+                                                                          for p in MIXED_PROMPTS[:2]]
 
 
 def open_fds() -> int:
@@ -4181,9 +4303,11 @@ def test_close_releases_every_pipe_thread_and_semaphore_it_opened(hf, policy):
     assert tokens(generate(llm, PROMPTS[:2], max_tokens=4)) == [hf.greedy(p, 4) for p in PROMPTS[:2]]
     w = llm.cluster.workers
     queues = w.inboxes + [q for q in w.shares if q is not None]
-    assert len(queues) == {"disaggregated": 3, "adaptive": 4}[policy]   # two inboxes, a share queue per reader
+    # two inboxes, a share queue per reader
+    assert len(queues) == {"disaggregated": 3, "adaptive": 4}[policy]
     # _semlock.name is the standard library's name of the POSIX semaphore, a file in /dev/shm
-    sems = [f"/dev/shm/sem.{lock._semlock.name.lstrip('/')}" for q in queues for lock in (q._rlock, q._wlock, q._sem)]
+    sems = [f"/dev/shm/sem.{lock._semlock.name.lstrip('/')}" for q in queues
+            for lock in (q._rlock, q._wlock, q._sem)]
     assert all(os.path.exists(s) for s in sems)
     pids, refs = [p.pid for p in w.procs], [weakref.ref(q) for q in queues]
     del queues, w
@@ -4222,7 +4346,8 @@ def test_workers_under_pressure_serve_numpy_seeds_two_threads_and_crowded_beams(
         with deadline(300):
             beams = llm.beam_search(prompts, beam_width=2, max_tokens=8, ignore_eos=True, use_tqdm=False)
         assert [[c.token_ids for c in o.outputs] for o in beams] == [hf.beams(p, 2, 8) for p in prompts]
-        assert not llm.cluster.dead and workers_all_free(llm) and not llm.cluster.active and not llm.cluster.done
+        assert not llm.cluster.dead and workers_all_free(llm) \
+            and not llm.cluster.active and not llm.cluster.done
 
 
 @pytest.mark.usefixtures("worker_env")
@@ -4242,14 +4367,16 @@ def test_a_role_change_mid_run_keeps_every_request_and_its_tokens(hf):
         cluster.planner.switch(planner.Regime(0, 1, 1), loads, time.perf_counter(), [])
         cluster.set_roles(cluster.planner.roles)   # what the cluster does with a plan: dispatch reads it
         prefiller = next(w for w, r in cluster.planner.roles.items() if r == "prefill")
-        second = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=12)) for p in MIXED_PROMPTS[3:]]
+        second = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=12))
+                  for p in MIXED_PROMPTS[3:]]
         ended = set()
         while not set(second) <= ended:
             assert time.monotonic() < deadline + 60
             ended |= set(cluster.poll(0.01))
         cluster.planner.switch(planner.Regime(2, 0, 0, budgeted=True), loads, time.perf_counter(), [])
         cluster.planner.budgets = {0: 4, 1: 4}
-        cluster.set_roles(cluster.planner.roles, cluster.planner.budgets)   # each worker is sent SetRole(both, 4)
+        # each worker is sent SetRole(both, 4)
+        cluster.set_roles(cluster.planner.roles, cluster.planner.budgets)
         assert cluster.told == {w: messages.SetRole("both", 4) for w in (0, 1)}
         third = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=8)) for p in MIXED_PROMPTS[:2]]
         while not set(first + third) <= ended:
@@ -4277,7 +4404,8 @@ def test_one_device_serves_as_a_split_worker_under_every_split_policy(hf, monkey
         assert tokens(outs) == [hf.greedy(p, 10) for p in MIXED_PROMPTS]
         assert all(o.metrics.path == (0,) for o in outs)
         sampled = generate(llm, PROMPTS[:2], **seeded)
-        assert [[c.token_ids for c in o.outputs] for o in sampled] == [[c.token_ids for c in o.outputs] for o in ref]
+        assert [[c.token_ids for c in o.outputs] for o in sampled] == [[c.token_ids for c in o.outputs]
+                                                                       for o in ref]
         assert workers_all_free(llm)
     profile = dataclasses.replace(ROUTER_TEST_PARAMS, splits={f"{s.prefill_sms}/{s.decode_sms}": SplitParams(
         1.0, 0.2, 0.0, 1.0, 1, 5.0) for s in SPLITS})
@@ -4292,7 +4420,8 @@ def test_one_device_serves_as_a_split_worker_under_every_split_policy(hf, monkey
             cluster.planner.switch(regime, cluster.worker_loads([0]), time.perf_counter(), [])
             cluster.set_roles(cluster.planner.roles, cluster.planner.budgets, cluster.planner.splits)
             assert cluster.told[0] == messages.SetRole(cluster.planner.roles[0], None, regime.sm_split)
-            later = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=12)) for p in MIXED_PROMPTS[3:]]
+            later = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=12))
+                     for p in MIXED_PROMPTS[3:]]
             while not set(later) <= ended:
                 assert time.monotonic() < deadline
                 ended |= set(cluster.poll(0.01))
@@ -4301,7 +4430,8 @@ def test_one_device_serves_as_a_split_worker_under_every_split_policy(hf, monkey
         while not set(first) <= ended:
             assert time.monotonic() < deadline
             ended |= set(cluster.poll(0.01))
-        assert [cluster.output(r).outputs[0].token_ids for r in first] == [hf.greedy(p, 30) for p in MIXED_PROMPTS[:3]]
+        assert [cluster.output(r).outputs[0].token_ids for r in first] == [hf.greedy(p, 30)
+                                                                           for p in MIXED_PROMPTS[:3]]
         assert workers_all_free(llm)
 
 
@@ -4390,14 +4520,16 @@ def test_dispatch_reads_the_role_map_whatever_the_policy(monkeypatch):
     assert fake.taken(messages.SetRole) == [(2, messages.SetRole("both"))]
     c.set_roles({2: "decode"})
     late = c.submit(prompt(12, seed=10), params)
-    assert late in c.poll(0) and "no live worker" in str(c.output(late).error) and not fake.taken(messages.Submit)
+    assert late in c.poll(0) and "no live worker" in str(c.output(late).error) \
+        and not fake.taken(messages.Submit)
     c.abort(rids + [rid])
     with pytest.raises(ValueError, match="SM split"):
         c.set_roles({0: "split"})
 
 
 # =================================================== profiler.py: the profiler
-# Its fits recover known parameters; its CLI measures the workers and caches.
+# Its fits recover known parameters and stay physical; its CLI measures the workers and
+# caches; a damaged cache is measured again.
 
 
 def test_profiler_fits_recover_known_parameters():
@@ -4421,8 +4553,8 @@ def test_profiler_fits_recover_known_parameters():
     step = lambda b, ctx: noisy(5.0 + 0.08 * max(0, b - 64) + 2e-5 * b * ctx)
     timings = {"lengths": lengths, "prefill_ms": [noisy(0.02 * n) for n in lengths], "batches": batches,
                "decode_ms": [step(b, 512) for b in batches], "context": 512, "kv_batches": [16, 64],
-               "long_context": 2048, "long_decode_ms": [step(16, 2048), step(64, 2048)], "chunks": [256, 512, 1024],
-               "extra_ms": [noisy(0.03 * c) for c in [256, 512, 1024]]}
+               "long_context": 2048, "long_decode_ms": [step(16, 2048), step(64, 2048)],
+               "chunks": [256, 512, 1024], "extra_ms": [noisy(0.03 * c) for c in [256, 512, 1024]]}
     p = profiler.fit(timings, [(2048, 302e6, 302e6 / 390e9, 1.5)]).params
     assert (p.alpha, p.beta, p.batch_thresh, p.slope, p.kv, p.gamma) == (
         pytest.approx(0.02, rel=0.02), pytest.approx(5.0, rel=0.05), 64, pytest.approx(0.08, rel=0.1),
@@ -4439,14 +4571,16 @@ def test_a_prefill_lane_is_fitted_as_the_whole_gpus_prefill_slowed_by_one_factor
     whole = lambda n: 2.0 + 0.02 * n + 8e-7 * n * n
     step = lambda b: 5.0 + 0.08 * max(0, b - 16)
     timings = {"lengths": lengths, "prefill_ms": [whole(n) for n in lengths], "batches": batches,
-               "decode_ms": [step(b) for b in batches], "context": 512, "kv_batches": [], "long_context": 2048,
-               "long_decode_ms": [], "chunks": [256, 512], "extra_ms": [7.7, 15.4],
-               "splits": {"84/48": {"prefill_ms": [1.6 * whole(n) * (1 + rng.gauss(0, 0.05)) for n in lengths],
+               "decode_ms": [step(b) for b in batches], "context": 512, "kv_batches": [],
+               "long_context": 2048, "long_decode_ms": [], "chunks": [256, 512], "extra_ms": [7.7, 15.4],
+               "splits": {"84/48": {"prefill_ms": [1.6 * whole(n) * (1 + rng.gauss(0, 0.05))
+                                                   for n in lengths],
                                     "decode_ms": [1.4 * step(b) for b in batches]}}}
     p = profiler.fit(timings, []).params
     lane = p.splits["84/48"]
     assert lane.alpha / p.alpha == pytest.approx(1.6, rel=0.03)
-    assert lane.alpha0 + lane.alpha * 8192 + lane.alpha2 * 8192 ** 2 == pytest.approx(1.6 * whole(8192), rel=0.05)
+    assert lane.alpha0 + lane.alpha * 8192 + lane.alpha2 * 8192 ** 2 == pytest.approx(1.6 * whole(8192),
+                                                                                      rel=0.05)
     assert lane.beta == pytest.approx(1.4 * 5.0, rel=0.01)
 
 
@@ -4455,8 +4589,9 @@ def test_profiler_cli_measures_the_workers_and_caches(tmp_path):
     """`python profiler.py` on two CPU workers prints every parameter with its fit error and
     caches the profile: the second start reads it instead of measuring."""
     env = {**os.environ, "HOME": str(tmp_path), "TRITON_INTERPRET": "0"}
-    runs = [subprocess.run([sys.executable, "profiler.py", "--model", "tiny", "--devices", "cpu", "cpu"], cwd=HERE,
-                           env=env, capture_output=True, timeout=300, check=False) for _ in range(2)]
+    runs = [subprocess.run([sys.executable, "profiler.py", "--model", "tiny", "--devices", "cpu", "cpu"],
+                           cwd=HERE, env=env, capture_output=True, timeout=300, check=False)
+            for _ in range(2)]
     for run in runs:
         assert run.returncode == 0, run.stderr.decode()
         out = run.stdout.decode()
@@ -4483,7 +4618,8 @@ def test_least_squares_is_the_best_nonnegative_fit(k, rows, data):
         torch.tensor(coef, dtype=torch.float64)
     assert (c >= 0).all()
     grad = a.T @ (a @ c - y)   # half the gradient of the squared residual
-    scale = 1e-6 * (1 + float(a.abs().max()) ** 2 * (1 + float(c.abs().max())) + float(a.abs().max() * y.abs().max()))
+    scale = 1e-6 * (1 + float(a.abs().max()) ** 2 * (1 + float(c.abs().max()))
+                    + float(a.abs().max() * y.abs().max()))
     assert all(g > -scale if ci == 0 else abs(g) < scale for g, ci in zip(grad.tolist(), coef))
     err = float(((a @ c - y) ** 2).sum())
     rng = torch.Generator().manual_seed(0)
@@ -4499,8 +4635,9 @@ def test_profiler_fits_are_physical_whatever_the_timings(data):
     ms = st.floats(0.01, 100)
     lengths, batches, chunks = [8, 16, 32, 64], [1, 2, 4, 8, 16], [8, 16, 32]
     timings = {"lengths": lengths, "prefill_ms": data.draw(st.lists(ms, min_size=4, max_size=4)),
-               "batches": batches, "decode_ms": data.draw(st.lists(ms, min_size=5, max_size=5)), "context": 16,
-               "kv_batches": [4, 8], "long_context": 64, "long_decode_ms": data.draw(st.lists(ms, min_size=2, max_size=2)),
+               "batches": batches, "decode_ms": data.draw(st.lists(ms, min_size=5, max_size=5)),
+               "context": 16, "kv_batches": [4, 8], "long_context": 64,
+               "long_decode_ms": data.draw(st.lists(ms, min_size=2, max_size=2)),
                "chunks": chunks, "extra_ms": data.draw(st.lists(st.floats(-5, 50), min_size=3, max_size=3)),
                "splits": {"4/4": {"prefill_ms": data.draw(st.lists(ms, min_size=4, max_size=4)),
                                   "decode_ms": data.draw(st.lists(ms, min_size=5, max_size=5))}}}
@@ -4512,17 +4649,20 @@ def test_profiler_fits_are_physical_whatever_the_timings(data):
 def test_the_profile_cache_key_names_what_was_measured():
     """Another setting, transport, device or code is another key: a profile is only reused
     for what it measured."""
-    fake = type("Fake", (), {"cfg": EngineConfig(model="tiny"), "devices": ["cpu", "cpu"], "transport": "p2p"})
+    fake = type("Fake", (),
+                {"cfg": EngineConfig(model="tiny"), "devices": ["cpu", "cpu"], "transport": "p2p"})
     key = profiler.cache_key(fake)
     assert key == profiler.cache_key(fake)
-    assert {"code", "torch", "triton", "devices", "transport", "max_num_seqs", "block_size", "dtype"} <= set(key)
+    assert {"code", "torch", "triton", "devices", "transport", "max_num_seqs", "block_size",
+            "dtype"} <= set(key)
     for change in ({"cfg": EngineConfig(model="tiny", max_num_seqs=8)}, {"transport": "relay"},
                    {"devices": ["cpu"]}, {"cfg": EngineConfig(model="qwen3-0.6b")}):
         assert profiler.cache_key(type("Other", (fake,), change)) != key
 
 
 DAMAGES = {"cut short": lambda text: text[:len(text) // 2], "emptied": lambda text: "",
-           "not text": lambda text: "\udcff", "another schema": lambda text: json.dumps({"params": {"speed": 1}}),
+           "not text": lambda text: "\udcff",
+           "another schema": lambda text: json.dumps({"params": {"speed": 1}}),
            "a parameter not a number": lambda text: text.replace('"beta": ', '"beta": "fast", "was": ', 1)}
 
 
@@ -4536,7 +4676,8 @@ def test_a_damaged_profile_cache_is_named_measured_again_and_replaced(tmp_path, 
     fake = type("Fake", (), {"cfg": EngineConfig(model="tiny"), "devices": ["cpu"], "transport": "p2p"})
     measured = profiler.Profile(ROUTER_TEST_PARAMS, 12.5, {"prefill": 0.01}, timings={"lengths": [8, 16]})
     calls = []
-    monkeypatch.setattr(profiler, "measure_profile", lambda cluster: calls.append(1) or dataclasses.replace(measured))
+    monkeypatch.setattr(profiler, "measure_profile",
+                        lambda cluster: calls.append(1) or dataclasses.replace(measured))
     first = profiler.profile_cluster(fake)
     (path,) = tmp_path.glob("profile-*.json")
     text = DAMAGES[damage](path.read_text())
@@ -4544,7 +4685,8 @@ def test_a_damaged_profile_cache_is_named_measured_again_and_replaced(tmp_path, 
     with caplog.at_level("WARNING", logger="nanopd"):
         again = profiler.profile_cluster(fake)
     assert len(calls) == 2 and again.params == first.params == ROUTER_TEST_PARAMS
-    assert [r.getMessage() for r in caplog.records if str(path) in r.getMessage()] and len(caplog.records) == 1
+    assert [r.getMessage() for r in caplog.records
+            if str(path) in r.getMessage()] and len(caplog.records) == 1
     assert profiler.profile_cluster(fake).params == ROUTER_TEST_PARAMS and len(calls) == 2   # read back
     assert [p.name for p in tmp_path.iterdir()] == [path.name]   # no temporary file left
 
@@ -4561,7 +4703,8 @@ def test_the_profiler_fits_its_batches_to_a_small_cache():
     with pytest.raises(ValueError, match="num_kv_blocks=2"):
         profiler.fit_spec(profiler.CPU_SPEC, cfg, 2)
     spec = profiler.fit_spec(profiler.GPU_SPEC, EngineConfig(model="tiny", max_model_len=1024), 100)
-    assert spec["long_context"] < 1024 and all(b * -(-(spec["context"] + 1) // 16) <= 100 for b in spec["batches"])
+    assert spec["long_context"] < 1024 and all(b * -(-(spec["context"] + 1) // 16) <= 100
+                                               for b in spec["batches"])
 
 
 # ========================================== nanopd.py: the LLM API and the CLI
@@ -4622,7 +4765,8 @@ def test_chat_without_a_template_says_so(llm):
 
 
 @pytest.mark.parametrize("kwargs, words", [({"max_num_seq": 4}, "did you mean 'max_num_seqs'"),
-                                           ({"tensor_parallel_size": 2}, "unknown setting 'tensor_parallel_size'"),
+                                           ({"tensor_parallel_size": 2},
+                                            "unknown setting 'tensor_parallel_size'"),
                                            ({"polcy": "collocated"}, "did you mean 'policy'")])
 def test_an_unknown_setting_is_a_value_error_naming_the_nearest(kwargs, words):
     with pytest.raises(ValueError, match=words):
@@ -4647,7 +4791,8 @@ def byte_text(ids: list[int], special: set[int]) -> str:
         if 0 <= i < 256:
             run.append(i)
             continue
-        out += bytes(run).decode("utf-8", errors="replace") + (f"⟨{i}⟩" if i >= 0 and i not in special else "")
+        out += bytes(run).decode("utf-8", errors="replace") \
+            + (f"⟨{i}⟩" if i >= 0 and i not in special else "")
         run = []
     return out
 
@@ -4696,9 +4841,12 @@ def test_cli_streams_hf_greedy_text(hf):
 
 
 @ENGINE
-@pytest.mark.parametrize("args, words", [(["--temperature", "-1"], "temperature"), (["--temperature", "nan"], "temperature"),
-                                         (["--seed", str(2 ** 70)], "seed"), (["--max-tokens", "0"], "max_tokens"),
-                                         (["--dtype", "int8"], "dtype"), (["--model", "no-such-model"], "no-such-model")])
+@pytest.mark.parametrize("args, words", [(["--temperature", "-1"], "temperature"),
+                                         (["--temperature", "nan"], "temperature"),
+                                         (["--seed", str(2 ** 70)], "seed"),
+                                         (["--max-tokens", "0"], "max_tokens"),
+                                         (["--dtype", "int8"], "dtype"),
+                                         (["--model", "no-such-model"], "no-such-model")])
 def test_cli_bad_value_is_an_error_message(args, words):
     """A bad flag value exits non-zero with a one-line error naming it, not a traceback."""
     run = cli("--max-tokens", "4", *args)
@@ -4765,7 +4913,8 @@ if __name__ == "__main__":
     print("starting", flush=True)
     llm = LLM("tiny", policy="disaggregated", devices=["cpu", "cpu"], num_kv_blocks=512, max_model_len=512)
     while True:   # until the signal, or once
-        llm.generate([[1, 2, 3 + i] for i in range(32)], SamplingParams(max_tokens=200, temperature=0), use_tqdm=False)
+        llm.generate([[1, 2, 3 + i] for i in range(32)], SamplingParams(max_tokens=200, temperature=0),
+                     use_tqdm=False)
         print("generated", flush=True)
         if sys.argv[1] == "once":
             break
@@ -4800,10 +4949,12 @@ def wait_for_line(lines: queue.Queue, line: bytes, stderr: Path, timeout_s: floa
         while lines.get(timeout=max(0.0, deadline - time.monotonic())) != line:
             pass
     except queue.Empty:
-        pytest.fail(f"no {line!r} line within {timeout_s:.0f} s; the script's stderr:\n{stderr.read_text()[-3000:]}")
+        pytest.fail(f"no {line!r} line within {timeout_s:.0f} s; "
+                    f"the script's stderr:\n{stderr.read_text()[-3000:]}")
 
 
-@pytest.mark.parametrize("signum, when", [(15, "generating"), (15, "starting"), (15, "exiting"), (9, "generating")])
+@pytest.mark.parametrize("signum, when",
+                         [(15, "generating"), (15, "starting"), (15, "exiting"), (9, "generating")])
 def test_a_signaled_caller_leaves_no_process_no_traceback_and_no_semaphore(tmp_path, signum, when):
     """SIGTERM to a script mid-generate on disaggregated workers, while its workers are
     starting, or while it exits (stopping them): it exits as at any exit (status 128 + 15;
@@ -4885,14 +5036,16 @@ def test_a_script_without_a_main_guard_gets_one_clear_line(tmp_path):
 
 
 @pytest.mark.usefixtures("worker_env")
-@pytest.mark.parametrize("args", [["--rate", "0"], ["--mode", "sweep", "--rates", "4", "-2"], ["--duration", "-1"],
-                                  ["--mode", "static", "--num-requests", "0"], ["--speculative", "-1"]])
+@pytest.mark.parametrize("args", [["--rate", "0"], ["--mode", "sweep", "--rates", "4", "-2"],
+                                  ["--duration", "-1"], ["--mode", "static", "--num-requests", "0"],
+                                  ["--speculative", "-1"]])
 def test_bench_bad_arguments_are_a_one_line_error(args):
     """A rate, duration, request count or draft count that could give no run is refused, naming the flags."""
     run = subprocess.run([sys.executable, "bench.py", *args, "--devices", "cpu", "cpu"], cwd=HERE,
                          capture_output=True, timeout=120, check=False)
     flag = next(a for a in reversed(args) if a.startswith("--")).encode()
-    assert run.returncode != 0 and b"must be" in run.stderr and flag in run.stderr and b"Traceback" not in run.stderr
+    assert run.returncode != 0 and b"must be" in run.stderr and flag in run.stderr \
+        and b"Traceback" not in run.stderr
     assert run.stderr.count(b"\n") == 1
 
 
@@ -4906,8 +5059,8 @@ class SlowFrontEnd:
         time.sleep(0.05)
         rid, now = len(self.outputs), time.perf_counter()
         metrics = request.RequestMetrics(now, first_token_time=now, finish_time=now)
-        self.outputs[rid] = request.RequestOutput(rid, None, ids, [request.CompletionOutput(0, [1], "", "length")],
-                                                  metrics)
+        self.outputs[rid] = request.RequestOutput(rid, None, ids,
+                                                  [request.CompletionOutput(0, [1], "", "length")], metrics)
         self.ended.append(rid)
         return rid
 
@@ -4926,7 +5079,8 @@ def test_bench_counts_latency_from_the_arrival_when_the_client_falls_behind():
     says the client was behind by 50k ms."""
     import bench
     specs = [bench.Spec(0.0, [1, 2], 1) for _ in range(6)]
-    results, _ = bench.serve(type("LLM", (), {"cluster": SlowFrontEnd()}), "collocated", "fixed", 0.0, specs, "")
+    results, _ = bench.serve(type("LLM", (), {"cluster": SlowFrontEnd()}), "collocated", "fixed",
+                             0.0, specs, "")
     assert len(results) == 6
     for k, r in enumerate(results):   # in submit order: each ended at once
         assert r.ttft >= 0.05 * (k + 1) and r.e2e >= 0.05 * (k + 1) and r.lag >= 0.05 * k
@@ -4938,14 +5092,16 @@ def test_bench_sweep_smoke(tmp_path):
     policy serves every request of each at every rate, and the table, results.json and the
     plots come out."""
     env = {**os.environ, "HOME": str(tmp_path), "TRITON_INTERPRET": "0"}
-    run = subprocess.run([sys.executable, "bench.py", "--policy", "all", "--mode", "sweep", "--rates", "2", "4",
-                          "--duration", "1.5", "--workload", "sharegpt", "fixed", "--model", "tiny",
+    run = subprocess.run([sys.executable, "bench.py", "--policy", "all", "--mode", "sweep",
+                          "--rates", "2", "4", "--duration", "1.5", "--workload", "sharegpt", "fixed",
+                          "--model", "tiny",
                           "--devices", "cpu", "cpu", "--out", str(tmp_path / "out")], cwd=HERE, env=env,
                          capture_output=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr.decode()[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert {(r["policy"], r["workload"], r["rate"]) for r in results["summary"]} == {
-        (p, w, r) for p in ("collocated", "disaggregated", "adaptive") for w in ("sharegpt", "fixed") for r in (2, 4)}
+        (p, w, r) for p in ("collocated", "disaggregated", "adaptive") for w in ("sharegpt", "fixed")
+        for r in (2, 4)}
     assert all(r["prompt_len"] == 128 // 8 for r in results["requests"] if r["workload"] == "fixed")
     assert all(r["failed"] == 0 and r["requests"] > 0 for r in results["summary"])
     assert all(r["error"] is None and r["output_len"] > 0 for r in results["requests"])
@@ -5002,14 +5158,15 @@ def test_bench_runs_the_disaggregated_policy_over_the_distributed_transport(tmp_
     transport, here between two CPU workers on one host): every request is prefilled on one
     worker and decoded on the other, and results.json names the transport."""
     env = {**os.environ, "HOME": str(tmp_path), "TRITON_INTERPRET": "0"}
-    run = subprocess.run([sys.executable, "bench.py", "--policy", "disaggregated", "--transport", "distributed",
-                          "--rate", "4", "--duration", "2", "--model", "tiny", "--devices", "cpu", "cpu",
-                          "--out", str(tmp_path / "out")], cwd=HERE, env=env, capture_output=True, timeout=600,
-                         check=False)
+    run = subprocess.run([sys.executable, "bench.py", "--policy", "disaggregated",
+                          "--transport", "distributed", "--rate", "4", "--duration", "2", "--model", "tiny",
+                          "--devices", "cpu", "cpu", "--out", str(tmp_path / "out")], cwd=HERE, env=env,
+                         capture_output=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr.decode()[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert results["meta"]["transport"] == "distributed"
-    assert results["requests"] and all(r["error"] is None and r["path"] == [0, 1] for r in results["requests"])
+    assert results["requests"] and all(r["error"] is None and r["path"] == [0, 1]
+                                       for r in results["requests"])
 
 
 def test_the_phased_workload_draws_each_phase_from_its_mix():
@@ -5047,7 +5204,8 @@ def test_bench_flags_give_a_run_or_one_line_naming_the_flag(tmp_path_factory, fl
     argv = [f"{flag}={value}", "--devices", "cpu", "cpu", "--out", str(out)]
     if ok:
         run = bench.make_run(bench.parse_args(argv))
-        assert getattr(run, {"--rate": "rates"}.get(flag, flag[2:].replace("-", "_"))) in ([float(value)], float(value))
+        assert getattr(run, {"--rate": "rates"}.get(flag, flag[2:].replace("-", "_"))) \
+            in ([float(value)], float(value))
     else:
         with pytest.raises(SystemExit, match=flag.split("-")[-1] if flag != "--rate" else "rate|requests"):
             bench.make_run(bench.parse_args(argv))
@@ -5073,9 +5231,14 @@ def test_bench_refuses_an_out_folder_it_cannot_write_and_writes_into_an_ignored_
     assert default.parts[0] in ignored   # the main command leaves a clean checkout
 
 
-# The micro-benchmarks (`bench.py kernels | engine | profile | transfer`) at their --small
-# sizes, end to end through the command: a crash anywhere in one, its printing included,
-# fails its test. GPU only (they time the GPU).
+# ======= tools/: bench.py's sub-commands, the micro-benchmarks and the figures
+# tools/microbench.py (`bench.py kernels | engine | transfer | profile`), tools/splitbench.py
+# (`bench.py split`) and tools/specbench.py (`bench.py speculative`) at their --small sizes,
+# end to end through the command: a crash anywhere in one, its printing included, fails
+# its test. Then tools/figures.py on the docs' examples.
+
+
+# The benchmarks that time the GPU run on a GPU only.
 MICROBENCH_GPU = pytest.mark.skipif(DEVICE != "cuda", reason="the micro-benchmarks time the GPU")
 
 
@@ -5095,7 +5258,8 @@ def run_microbench(tmp_path, what: str, *args: str) -> dict:
 
 
 def finite_positive(*xs) -> bool:
-    return all(isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in xs)
+    return all(isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+               for x in xs)
 
 
 @MICROBENCH_GPU
@@ -5132,41 +5296,8 @@ def test_microbench_small_engine_gives_every_row_and_generates_every_token(tmp_p
     count, _, n_out = sizes.generate
     g = res["generate"]
     assert g["requests"] == count and g["output_tokens"] == count * n_out
-    assert finite_positive(*(g[k] for k in ("seconds", "output_tokens_per_s", "total_tokens_per_s", "matmul_s",
-                                            "kv_read_s", "roofline_s")))
-
-
-@pytest.mark.usefixtures("worker_env")   # on CPU: the kernels' torch twins, not the Triton interpreter
-def test_speculative_bench_small_checks_every_case_against_plain_decoding(tmp_path):
-    """`bench.py speculative --small` (here or on a GPU): every case, draft_model's too, gave
-    plain greedy decoding's tokens, at finite, positive rates; the drafter that is always wrong (a = 0)
-    had every draft dropped, the one right 80% of the time had some kept."""
-    res = run_microbench(tmp_path, "speculative")
-    rows = res["acceptance"] + res["crossover"] + res["ngram"] + res["draft_model"]
-    assert rows and all(r["same_tokens"] and finite_positive(r["plain_tok_s"], r["spec_tok_s"]) for r in rows)
-    assert all(r["accepted"] == 0 < r["drafted"] for r in res["acceptance"] if r["case"] == "a=0.0")
-    assert all(r["accepted"] > 0 for r in res["acceptance"] if r["case"] == "a=0.8")
-    if torch.cuda.is_available():   # the verify step measured: its graph alone, and the whole step
-        v = res["verify"]
-        assert finite_positive(v["graph_ratio"], v["step_in_plain_steps"], *v["graph_ms"].values())
-
-
-@MICROBENCH_GPU
-def test_split_bench_small_measures_every_split_and_serves_on_both(tmp_path):
-    """`bench.py split --small`: a row per split of its menu and one for the whole GPU,
-    with finite, positive step times; the SM proof of each split disjoint and complete;
-    serve timed steps that carried decodes beside a prompt, on the whole GPU and on the
-    menu's second split (its prompts are more than one step's budget, all at once)."""
-    from tools import splitbench
-    res = run_microbench(tmp_path, "split")
-    total = smsplit.num_sms(torch.device("cuda"))
-    assert len(res["rows"]) == len(splitbench.bench_menu(total)) + 1
-    for r in res["rows"]:
-        assert finite_positive(r["prefill_ms"], *(r[f"decode_b{b}_ms"] for b in res["sizes"]["batches"])), r
-    assert all((p["both_ran_on"], p["graph_outside_decode"]) == (0, 0) and p["prefill_ran_on"] == p["prefill_sms"]
-               and p["decode_ran_on"] == p["decode_sms"] for p in res["proof"])
-    assert [s["split"] for s in res["serve"]] == ["whole", str(smsplit.default_menu(total)[1])]
-    assert all(s["steps"] > 0 and finite_positive(s["p50_ms"], s["max_ms"]) for s in res["serve"])
+    assert finite_positive(*(g[k] for k in ("seconds", "output_tokens_per_s", "total_tokens_per_s",
+                                            "matmul_s", "kv_read_s", "roofline_s")))
 
 
 @MICROBENCH_GPU
@@ -5206,15 +5337,73 @@ def test_microbench_small_profile_lists_the_step_kernels(tmp_path):
 def test_microbench_without_a_gpu_is_one_line():
     """Without a visible GPU each micro-benchmark says so in one line, no traceback."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run([sys.executable, "bench.py", "engine", "--small"], cwd=HERE, env=env, capture_output=True,
-                         timeout=120, check=False)
+    run = subprocess.run([sys.executable, "bench.py", "engine", "--small"], cwd=HERE, env=env,
+                         capture_output=True, timeout=120, check=False)
     assert run.returncode != 0 and b"no CUDA device" in run.stderr and run.stderr.count(b"\n") == 1
 
 
-# ====================================== the repository: layers, short functions, citations
-# Properties of the source itself, read with ast (nothing is imported).
+@MICROBENCH_GPU
+def test_split_bench_small_measures_every_split_and_serves_on_both(tmp_path):
+    """`bench.py split --small`: a row per split of its menu and one for the whole GPU,
+    with finite, positive step times; the SM proof of each split disjoint and complete;
+    serve timed steps that carried decodes beside a prompt, on the whole GPU and on the
+    menu's second split (its prompts are more than one step's budget, all at once)."""
+    from tools import splitbench
+    res = run_microbench(tmp_path, "split")
+    total = smsplit.num_sms(torch.device("cuda"))
+    assert len(res["rows"]) == len(splitbench.bench_menu(total)) + 1
+    for r in res["rows"]:
+        assert finite_positive(r["prefill_ms"], *(r[f"decode_b{b}_ms"] for b in res["sizes"]["batches"])), r
+    assert all((p["both_ran_on"], p["graph_outside_decode"]) == (0, 0)
+               and p["prefill_ran_on"] == p["prefill_sms"]
+               and p["decode_ran_on"] == p["decode_sms"] for p in res["proof"])
+    assert [s["split"] for s in res["serve"]] == ["whole", str(smsplit.default_menu(total)[1])]
+    assert all(s["steps"] > 0 and finite_positive(s["p50_ms"], s["max_ms"]) for s in res["serve"])
 
-MODULES = sorted(p for p in HERE.glob("*.py") if not p.name.startswith("test_")) + sorted(HERE.glob("tools/*.py"))
+
+@pytest.mark.usefixtures("worker_env")   # on CPU: the kernels' torch twins, not the Triton interpreter
+def test_speculative_bench_small_checks_every_case_against_plain_decoding(tmp_path):
+    """`bench.py speculative --small` (here or on a GPU): every case, draft_model's too, gave
+    plain greedy decoding's tokens, at finite, positive rates; the drafter that is always wrong (a = 0)
+    had every draft dropped, the one right 80% of the time had some kept."""
+    res = run_microbench(tmp_path, "speculative")
+    rows = res["acceptance"] + res["crossover"] + res["ngram"] + res["draft_model"]
+    assert rows and all(r["same_tokens"] and finite_positive(r["plain_tok_s"], r["spec_tok_s"]) for r in rows)
+    assert all(r["accepted"] == 0 < r["drafted"] for r in res["acceptance"] if r["case"] == "a=0.0")
+    assert all(r["accepted"] > 0 for r in res["acceptance"] if r["case"] == "a=0.8")
+    if torch.cuda.is_available():   # the verify step measured: its graph alone, and the whole step
+        v = res["verify"]
+        assert finite_positive(v["graph_ratio"], v["step_in_plain_steps"], *v["graph_ms"].values())
+
+
+def test_the_figures_are_the_code_run_on_the_docs_examples(tmp_path):
+    """figures.py draws every figure the pages show, and nothing else, from the code itself:
+    docs/kv_cache.md's fork example on the BlockManager gives the tables and counts that
+    page works out by hand (copies (1, 2) and (1, 3), the last child keeping block 1), and
+    docs/scheduling.md's worked example on the Scheduler gives that page's table, step by step."""
+    from tools import figures
+    (_, forked, refs0), (_, written, refs1) = figures.fork_states()
+    assert forked == {"parent": [0, 1], "child 1": [0, 1], "child 2": [0, 1]} and refs0 == {0: 3, 1: 3}
+    assert written == {"parent": [0, 2], "child 1": [0, 3], "child 2": [0, 1]} \
+        and refs1 == {0: 3, 1: 1, 2: 1, 3: 1}
+    # docs/scheduling.md
+    table = [["A 5*", "B 3"], ["A 1*", "B 7"], ["A 1*", "B 2*", "C 3*"], ["A 1*", "B 1*", "C 1*"]]
+    assert [[f"{name} {n}" + "*" * sampled for name, n, sampled, _ in step]
+            for step in figures.worked_example_steps()] \
+        == table
+    drawn = {draw(tmp_path).name for draw in figures.DRAW}
+    shown = {f for page in doc_pages() if "results" not in page.parts for f in outline(page)["figures"]}
+    assert {f.name for f in shown} == drawn and all(f.is_file() and f.parent == HERE / "docs" / "figures"
+                                                    for f in shown)
+
+
+# ======= the repository: the file map, short functions, the docs' citations, clean comments
+# Properties of the source and the pages themselves, read as text, with tokenize or with ast
+# (nothing is imported).
+
+
+MODULES = sorted(p for p in HERE.glob("*.py") if not p.name.startswith("test_")) \
+    + sorted(HERE.glob("tools/*.py"))
 
 
 def module_name(path: Path) -> str:
@@ -5227,7 +5416,8 @@ def file_map() -> dict[str, list[str]]:
     tools), each table in its order; a tool's row is `tools/name.py`."""
     text = (HERE / "README.md").read_text()
     tables = re.split(r"\*\*(Read first|Features and the cluster|Tools)\*\*", text)[1:]
-    return {title: [row.replace("/", ".") for row in re.findall(r"^\| `((?:tools/)?\w+)\.py` \|", body, re.MULTILINE)]
+    return {title: [row.replace("/", ".")
+                    for row in re.findall(r"^\| `((?:tools/)?\w+)\.py` \|", body, re.MULTILINE)]
             for title, body in zip(tables[::2], tables[1::2])}
 
 
@@ -5240,7 +5430,8 @@ def imports_of(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             names |= {name(a.name) for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            names |= {f"tools.{a.name}" for a in node.names} if node.module == "tools" else {name(node.module)}
+            names |= {f"tools.{a.name}" for a in node.names} if node.module == "tools" \
+                else {name(node.module)}
     return names
 
 
@@ -5252,7 +5443,8 @@ def test_the_file_map_lists_every_module_and_the_imports_make_no_circle():
     front, only by bench.py and the tools; bench.py by nothing."""
     tables = file_map()
     order = [name for names in tables.values() for name in names]
-    assert list(tables) == ["Read first", "Features and the cluster", "Tools"] and len(tables["Read first"]) == 8
+    assert list(tables) == ["Read first", "Features and the cluster", "Tools"] \
+        and len(tables["Read first"]) == 8
     assert sorted(order) == sorted(module_name(p) for p in MODULES if p.name != "__init__.py"), \
         "the file map lists every module once"
     graph = {name: imports_of(HERE / f"{name.replace('.', '/')}.py") & set(order) - {name} for name in order}
@@ -5349,7 +5541,8 @@ def test_every_file_and_link_the_docs_and_code_name_exists():
                 broken.append(f"{page.relative_to(HERE)}: link {target} (no such heading)")
     for path in pages + MODULES:
         for name in re.findall(r"(?<![\w/.-])((?:tools/)?[A-Za-z_][\w-]*\.(?:py|md))\b", path.read_text()):
-            if name not in known and name != "profile.py":   # the standard library's, which profiler.py must not shadow
+            # the standard library's, which profiler.py must not shadow
+            if name not in known and name != "profile.py":
                 broken.append(f"{path.relative_to(HERE)}: {name}")
     assert not broken
 
@@ -5376,28 +5569,14 @@ def test_every_page_has_a_chinese_twin_in_step_with_it():
     for en, zh in pairs:
         assert zh.is_file(), f"{zh.relative_to(HERE)} is missing"
         en_top, zh_top = en.read_text().splitlines()[:4], zh.read_text().splitlines()[:4]
-        assert any(f"]({os.path.relpath(zh, en.parent)})" in line for line in en_top), f"{en.name} links its twin"
-        assert any(f"]({os.path.relpath(en, zh.parent)})" in line for line in zh_top), f"{zh.name} links its twin"
+        assert any(f"]({os.path.relpath(zh, en.parent)})" in line
+                   for line in en_top), f"{en.name} links its twin"
+        assert any(f"]({os.path.relpath(en, zh.parent)})" in line
+                   for line in zh_top), f"{zh.name} links its twin"
         assert len(re.findall(r"[\u4e00-\u9fff]", zh.read_text())) > 0.2 * len(en.read_text().split()), \
             f"{zh.relative_to(HERE)} is written in Chinese"
-        assert outline(zh) == outline(en), f"{zh.relative_to(HERE)} is out of step with {en.relative_to(HERE)}"
-
-
-def test_the_figures_are_the_code_run_on_the_docs_examples(tmp_path):
-    """figures.py draws every figure the pages show, and nothing else, from the code itself:
-    docs/kv_cache.md's fork example on the BlockManager gives the tables and counts that
-    page works out by hand (copies (1, 2) and (1, 3), the last child keeping block 1), and
-    docs/scheduling.md's worked example on the Scheduler gives that page's table, step by step."""
-    from tools import figures
-    (_, forked, refs0), (_, written, refs1) = figures.fork_states()
-    assert forked == {"parent": [0, 1], "child 1": [0, 1], "child 2": [0, 1]} and refs0 == {0: 3, 1: 3}
-    assert written == {"parent": [0, 2], "child 1": [0, 3], "child 2": [0, 1]} and refs1 == {0: 3, 1: 1, 2: 1, 3: 1}
-    table = [["A 5*", "B 3"], ["A 1*", "B 7"], ["A 1*", "B 2*", "C 3*"], ["A 1*", "B 1*", "C 1*"]]   # docs/scheduling.md
-    assert [[f"{name} {n}" + "*" * sampled for name, n, sampled, _ in step] for step in figures.worked_example_steps()] \
-        == table
-    drawn = {draw(tmp_path).name for draw in figures.DRAW}
-    shown = {f for page in doc_pages() if "results" not in page.parts for f in outline(page)["figures"]}
-    assert {f.name for f in shown} == drawn and all(f.is_file() and f.parent == HERE / "docs" / "figures" for f in shown)
+        assert outline(zh) == outline(en), \
+            f"{zh.relative_to(HERE)} is out of step with {en.relative_to(HERE)}"
 
 
 def test_the_docs_speak_of_the_project_only():
@@ -5407,3 +5586,34 @@ def test_the_docs_speak_of_the_project_only():
     hits = [f"{f.name}:{i + 1}" for f in files for i, line in enumerate(f.read_text().splitlines())
             if words.search(line)]
     assert not hits
+
+
+def comments_and_docstrings(path: Path) -> list[tuple[int, str]]:
+    """A file's comment lines (tokenize's COMMENT tokens) and the lines of its module,
+    class and function docstrings (ast), each with its line number."""
+    text = path.read_text()
+    found = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(text).readline)
+             if tok.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) \
+                and (doc := ast.get_docstring(node, clean=False)) is not None:
+            found += [(node.body[0].lineno + i, line) for i, line in enumerate(doc.splitlines())]
+    return found
+
+
+# A commit hash: 7 to 40 hex digits with at least one digit and one letter. A measurement
+# file: a path into the results folder other than its page, README.md. (The second pattern
+# is built in two parts so that no line of this file, the test's own included, matches it.)
+COMMIT_HASH = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
+MEASUREMENT_FILE = re.compile("results" + r"/(?!README\.md)")
+
+
+def test_comments_cite_no_commit_and_no_measurement_file():
+    """The code's comments and docstrings (every module's, the tools' and this file's) name
+    no commit and no measurement file: those change with every run, and results/README.md
+    and docs/ carry the numbers with their command, machine, date and commit. A comment
+    says which command measures a thing, or points at the page's section."""
+    hits = [f"{path.relative_to(HERE)}:{line}: {text.strip()}"
+            for path in [*MODULES, HERE / "test_nanopd.py"] for line, text in comments_and_docstrings(path)
+            if COMMIT_HASH.search(text) or MEASUREMENT_FILE.search(text)]
+    assert not hits, "\n".join(hits)
