@@ -108,7 +108,8 @@ class SplitEngine(Engine):
     def has_unfinished(self) -> bool:
         """Work left, a chunk in flight, or requests a split change finished that the next
         step returns."""
-        return super().has_unfinished() or self.prefill_in_flight is not None or bool(self.ended_while_switching)
+        return (super().has_unfinished() or self.prefill_in_flight is not None
+                or bool(self.ended_while_switching))
 
     def _serve_warm_up(self, ids: list[int], names: itertools.count) -> None:
         """On a split, its two lanes too (a lane is taken only while the other has work):

@@ -94,7 +94,8 @@ class Scheduler:
             # A decode's drafts (speculate.py) are checked in its step, as many as the budget holds.
             n = min(seq.num_pending + len(seq.drafts), budget, prompt_room if seq.num_pending > 1 else budget)
             del seq.drafts[max(0, n - seq.num_pending):]
-            if n == 0 or not self._append_slots(seq, n, batch, busy):
+            n = self._append_slots(seq, n, batch, busy) if n else 0
+            if n == 0:
                 continue
             budget -= n + self._schedule_branches(seq, n, batch, budget - n)
             prompt_room -= n if seq.num_pending > 1 else 0
@@ -126,21 +127,26 @@ class Scheduler:
         req = seq.request
         return 1 if seq.num_outputs else max(req.params.n, req.beam_width)
 
-    def _append_slots(self, seq: Sequence, n: int, batch: Batch, busy: set[Sequence]) -> bool:
+    def _append_slots(self, seq: Sequence, n: int, batch: Batch, busy: set[Sequence]) -> int:
         """Room for seq's next n tokens (and its copy-on-write pairs), and seq in the batch;
-        while the cache is full, the newest running sequences not yet in this batch nor busy
-        are preempted (a beam search whole, out of the batch too). False if seq itself had to go."""
+        the tokens placed. While the cache is full, seq's drafts go first (drafts are worth no
+        preemption), then the newest running sequences not yet in this batch nor busy are
+        preempted (a beam search whole, out of the batch too). 0 if seq itself had to go."""
         while True:
             try:
                 copies = self.bm.append_slots(seq.block_table, seq.num_computed, seq.num_computed + n)
             except OutOfBlocks:
+                if seq.drafts:
+                    n -= len(seq.drafts)
+                    seq.drafts = []
+                    continue
                 self.preempt(next(s for s in reversed(self.running) if s not in batch.seqs and s not in busy),
                              batch)
                 if seq.status != Status.RUNNING:
-                    return False
+                    return 0
                 continue
             batch.add(seq, n, copies)
-            return True
+            return n
 
     def computed(self, batch: Batch) -> None:
         """After a step is launched: its tokens' K/V are (being) written. A block enters the
@@ -283,7 +289,9 @@ class Scheduler:
             self.restarted.append(req)
             return
         self.bm.free(seq.block_table)
+        self.drop_branches(seq)
         seq.num_computed = seq.draft_computed = 0
+        seq.drafts = []   # guesses checked by a decode step: a recomputed prompt has none
         self.running.remove(seq)
         self.add(seq)
 
