@@ -300,11 +300,19 @@ class CentralScheduler:
         """The SM splits the workers' engines are built for (their decode graphs are captured
         at start-up): a steered policy's planner may give a worker any of the default menu
         (smsplit.default_menu); a fixed split worker runs on sm_split (default: the menu's
-        second, 3/8 of the SMs for decode: 84/48 on an H200)."""
+        second, 3/8 of the SMs for decode: 84/48 on an H200). Speculative decoding and a split
+        exclude each other (config.py): a steered policy with speculation gets no menu, so its
+        planner never splits, and a fixed split worker with speculation is refused here,
+        before any worker starts."""
         menu = default_menu(num_sms(torch.device(devices[0])) if str(devices[0]).startswith("cuda") else 0)
+        speculates = self.cfg.speculative_config is not None
         if any(ROLES[r].splits_sms for r in roles) and self.cfg.sm_split is None:
+            if speculates:
+                raise ValueError(f"speculative_config with {self.cluster_cfg.policy} on {len(devices)} "
+                                 "device(s): its worker would be a split worker, whose lanes do not "
+                                 "speculate; use collocated or adaptive, or more devices")
             self.cfg.sm_split = tuple(menu[1])
-        if self.steered and not self.cfg.split_menu:
+        if self.steered and not self.cfg.split_menu and not speculates:
             self.cfg.split_menu = tuple(tuple(s) for s in menu)
 
     def _sources(self, n: int) -> list[list[int]]:
