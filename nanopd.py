@@ -61,7 +61,9 @@ class LLM:
                  profile: HardwareParams | bool | None = None, **settings):
         check_settings(settings)
         self.closed = False
-        self.lock = threading.Lock()   # one caller at a time drives the backend (see _run)
+        # One caller at a time drives the backend (see _run); reentrant, so that a close() on
+        # the thread that holds it (an exit mid-call) does not wait on itself.
+        self.lock = threading.RLock()
         self.ended: dict[int, RequestOutput] = {}   # outputs polled for another caller's requests
         engine_settings = {k: v for k, v in settings.items() if k not in CLUSTER_SETTINGS}
         cluster_settings = {k: v for k, v in settings.items() if k in CLUSTER_SETTINGS}
@@ -95,9 +97,12 @@ class LLM:
         return self.backend if isinstance(self.backend, CentralScheduler) else None
 
     def close(self) -> None:
+        """Stop the workers and release everything. A generate running on another thread
+        ends at its next poll with an error saying so."""
         self.closed = True
-        if self.cluster is not None:
-            self.cluster.close()
+        with self.lock:   # between a caller's polls: none is cut in half
+            if self.cluster is not None:
+                self.cluster.close()
 
     def get_tokenizer(self):
         """The tokenizer prompts are encoded with: the checkpoint's own (an HF tokenizer),
@@ -173,6 +178,8 @@ class LLM:
                     safe_point()
                 self._wait(ids, outputs, use_tqdm, safe_point)
             except BaseException:
+                if self.closed:   # close() released everything
+                    raise
                 with self.lock:
                     mine = [r for r in ids if outputs[ids[r]] is None]
                     self.backend.abort(mine)
@@ -191,6 +198,9 @@ class LLM:
                   disable=True if not use_tqdm or len(ids) < 2 else None) as bar:
             while pending:
                 with self.lock:
+                    if self.closed:
+                        raise RuntimeError(f"this LLM was closed (close() on another thread) while "
+                                           f"{len(pending)} of this call's requests ran")
                     for request_id in self.backend.poll(0.05):
                         self.ended[request_id] = self.output_of(request_id)
                     done = pending & self.ended.keys()
