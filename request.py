@@ -190,6 +190,9 @@ def check_request(ids: list[int], params: SamplingParams, beam_width: int, vocab
     if len(ids) + params.max_tokens > cfg.max_model_len:
         raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                          f"max_model_len ({cfg.max_model_len})")
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
     if params.logprobs is not None and params.logprobs > vocab:
         raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size ({vocab})")
     width = max(params.n, beam_width)
