@@ -132,7 +132,7 @@ class LLM:
         """generate on conversations ([{"role": ..., "content": ...}, ...], or a list of them)
         rendered by the tokenizer's chat template (or chat_template, a Jinja template), as
         vLLM's LLM.chat: the rendered text is the prompt, tokenized without special tokens."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations = checked_conversations(messages)
         tokenizer = self.get_tokenizer()
         if (chat_template or getattr(tokenizer, "chat_template", None)) is None:
             raise ValueError(f"the tokenizer of {self.backend.cfg.model} has no chat template: pass "
@@ -217,6 +217,40 @@ class LLM:
             return self.backend.output(request_id)
         except Exception as e:  # noqa: BLE001 (this request fails, alone)
             return failed_output(None, e)
+
+
+def checked_conversations(messages) -> list[list[dict]]:
+    """chat's messages as a list of conversations, each message {"role": str, "content": str}
+    (content given as OpenAI's text parts, [{"type": "text", "text": ...}], joined by
+    newlines, as vLLM does); or a ValueError naming the conversation and the message."""
+    if not isinstance(messages, list | tuple) or not messages:
+        raise ValueError("messages must be a non-empty list of messages or of conversations, "
+                         f"got {messages!r}")
+    conversations = [messages] if isinstance(messages[0], dict) else messages
+    out = []
+    for c, conversation in enumerate(conversations):
+        if not isinstance(conversation, list | tuple) or not conversation:
+            raise ValueError(f"conversation {c} must be a non-empty list of messages, got {conversation!r}")
+        out.append([checked_message(m, f"conversation {c}, message {i}") for i, m in enumerate(conversation)])
+    return out
+
+
+def checked_message(message, where: str) -> dict:
+    """One chat message as {"role", "content"} strings (chat's check, checked_conversations)."""
+    if not isinstance(message, dict):
+        raise ValueError(f"{where} must be a dict with 'role' and 'content', got {type(message).__name__}")
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str) or not role:
+        raise ValueError(f"{where} needs a 'role' (a non-empty string such as 'user'), got {role!r}")
+    if isinstance(content, list | tuple):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise ValueError(f"{where}: content parts must be {{'type': 'text', 'text': str}} "
+                             "(the model takes text only)")
+        content = "\n".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ValueError(f"{where} needs a 'content' string (or a list of text parts), got {content!r}")
+    return {**message, "content": content}
 
 
 def failed_output(prompt, error: Exception) -> RequestOutput:
