@@ -395,6 +395,8 @@ class Planner:
         if not self.time_to_plan(now):
             return False
         self.planned_at, before = now, (dict(self.roles), dict(self.budgets), dict(self.splits))
+        if not loads:   # no live worker: nothing to plan for (the cluster fails what arrives)
+            return False
         if set(loads) != set(self.roles):   # a worker died: all mixed on the live ones, then plan
             self.switch(Regime(both=len(loads)), loads, now, [])
         while self.arrivals and now - self.arrivals[0][0] > MIX_WINDOW_S:
