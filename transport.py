@@ -213,11 +213,15 @@ class DistributedTransport(Transport):
     def pull(self, src_worker: int, src: torch.Tensor | None, src_blocks: list[int], dst: torch.Tensor,
              dst_blocks: list[int]) -> Pull:
         runs = block_runs(src_blocks, dst_blocks)
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            works = [dist.irecv(dst[d:d + n], src=src_worker) for _, d, n in runs]
-        pull = Pull(len(dst_blocks) * dst[0].nbytes, works=works, posted=time.perf_counter(),
+        pull = Pull(len(dst_blocks) * dst[0].nbytes, posted=time.perf_counter(),
                     source_runs=[(s, n) for s, _, n in runs])
-        pull.waited = self.wait_aside(works, pull)
+        try:
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                pull.works = [dist.irecv(dst[d:d + n], src=src_worker) for _, d, n in runs]
+        except RuntimeError as e:   # gloo: a peer already gone fails the post itself
+            pull.error = f"{type(e).__name__}: {e}".splitlines()[0]
+            return pull
+        pull.waited = self.wait_aside(pull.works, pull)
         return pull
 
     def send(self, dst_worker: int, cache: torch.Tensor, runs: list[tuple[int, int]]) -> None:
