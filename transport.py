@@ -220,6 +220,7 @@ class DistributedTransport(Transport):
                 pull.works = [dist.irecv(dst[d:d + n], src=src_worker) for _, d, n in runs]
         except RuntimeError as e:   # gloo: a peer already gone fails the post itself
             pull.error = f"{type(e).__name__}: {e}".splitlines()[0]
+            pull.source_runs = None   # no receive waits: the source is asked for nothing
             return pull
         pull.waited = self.wait_aside(pull.works, pull)
         return pull
