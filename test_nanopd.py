@@ -43,6 +43,7 @@ import io
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import queue
 import random
@@ -78,6 +79,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+import cluster as cluster_mod
 import hosts
 import kernels
 import kv_cache
@@ -1047,6 +1049,23 @@ def test_generate_rejects_what_is_not_a_list_of_prompts(llm):
         with pytest.raises(ValueError, match="prompts"):
             llm.generate(prompts)
     assert llm.generate([]) == []
+
+
+def test_bad_stop_token_ids_fail_their_request_alone(hf, monkeypatch):
+    """stop_token_ids outside the vocabulary ([0, 256) here) are a ValueError at submit,
+    in one engine and on a worker; the request beside it, with min_tokens (whose ban reads
+    every stop token id), gets HF's greedy tokens (an id of 256 once failed both)."""
+    good = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, min_tokens=2)
+    for llm in (make_llm(hf.path), "cluster"):
+        if llm == "cluster":
+            monkeypatch.setenv("TRITON_INTERPRET", "0")   # the worker runs the kernels' torch twins
+            llm = make_cluster(hf, "collocated", 1)
+        with llm:
+            for bad_id in (VOCAB, -1):
+                bad = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=2, stop_token_ids=[bad_id])
+                outs = llm.generate([PROMPTS[0], PROMPTS[1]], [bad, good], use_tqdm=False)
+                assert isinstance(outs[0].error, ValueError) and "stop_token_ids" in str(outs[0].error)
+                assert outs[1].error is None and tokens(outs[1:]) == [hf.greedy(PROMPTS[1], 6)]
 
 
 # =========== scheduler.py: batching, chunked prefill, preemption, prefix cache
@@ -2210,6 +2229,59 @@ def test_a_split_change_mid_run_loses_nothing(hf):
 
 
 @ENGINE
+def test_a_request_a_split_change_finishes_is_returned_and_an_abort_after_drops_it(hf):
+    """A request that ends in the steps a split change drains is returned by the next step,
+    though nothing else is left to do (poll, which steps only while has_unfinished, once
+    never returned it); aborted after the change, it is returned by no step (one that was
+    returned, and looked up, killed its worker)."""
+    for abort in (False, True):
+        eng = split_engine(hf)
+        rid = eng.submit(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        ended, drained = [], False
+        for i in range(100):
+            if not eng.has_unfinished():
+                break
+            ended += eng.step()
+            eng.set_split(None if i % 2 == 0 else SPLIT)
+            drained |= bool(eng.ended_while_switching)
+            if abort and eng.ended_while_switching:
+                eng.abort([rid])
+        assert drained and not eng.has_unfinished()
+        assert ended == ([] if abort else [rid]) and eng.bm.num_free_blocks == eng.bm.num_blocks
+        if not abort:
+            assert eng.output(rid).outputs[0].token_ids == hf.greedy(PROMPTS[0], 2)
+
+
+@ENGINE
+@given(seed=st.integers(0, 2 ** 16), blocks=st.sampled_from([12, 24, 256]))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_split_changes_every_step_under_aborts_and_preemption_lose_nothing(hf, seed, blocks):
+    """A random split (or none) before every step, random aborts, and caches small enough
+    to preempt: every request not aborted is returned once with HF's greedy tokens, no
+    aborted one is returned, and every block comes back."""
+    rng = random.Random(seed)
+    eng = split_engine(hf, num_kv_blocks=blocks, max_num_seqs=6)
+    prompts = [prompt(rng.randint(3, 40), seed * 31 + i) for i in range(10)]
+    lengths = [rng.randint(1, 12) for _ in prompts]
+    ids = [eng.submit(p, SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True))
+           for p, k in zip(prompts, lengths)]
+    aborted, ended = set(), []
+    for _ in range(2000):
+        if not eng.has_unfinished():
+            break
+        ended += eng.step()
+        eng.set_split(rng.choice([None, SPLIT, OTHER_SPLIT]))   # between steps: the steps in flight drain
+        live = [r for r in ids if r not in ended and r not in aborted]   # not yet returned
+        if live and rng.random() < 0.1:
+            aborted.add(victim := rng.choice(live))
+            eng.abort([victim])
+    assert not eng.has_unfinished() and len(ended) == len(set(ended)) and set(ended) == set(ids) - aborted
+    for r in ended:
+        assert eng.output(r).outputs[0].token_ids == hf.greedy(prompts[ids.index(r)], lengths[ids.index(r)])
+    assert eng.bm.num_free_blocks == eng.bm.num_blocks and not eng.requests
+
+
+@ENGINE
 def test_split_engine_preempts_and_aborts_without_losing_blocks(hf):
     """A KV cache too small for its split worker's batch preempts (never a sequence the
     other lane computes) and still gives HF's tokens; an abort mid-prefill frees it all."""
@@ -2365,6 +2437,22 @@ def test_speculative_greedy_gives_hf_greedy_tokens_as_drafts_hit_and_miss(hf):
     drafted, kept = (sum(getattr(o.metrics, f"spec_{m}_tokens") for o in outs) for m in ("draft", "accepted"))
     assert 0 < kept < drafted
     assert all_blocks_free(llm) and not llm.engine.requests
+
+
+@ENGINE
+@pytest.mark.parametrize("prompt_len, max_tokens", [(8, 16), (2, 30)])
+def test_speculation_under_kv_pressure_serves_what_plain_decoding_serves(hf, prompt_len, max_tokens):
+    """13 requests whose prompts repeat (so they draft) in 10 KV blocks: speculation preempts
+    as plain decoding does and serves every request with HF's greedy tokens (a preempted
+    sequence kept its drafts, came back with nothing to sample and held the engine still,
+    failing the others: "no step could make progress"). Every block comes back."""
+    llm = make_llm(hf.path, num_kv_blocks=10, speculative_config=NGRAM)
+    prompts = [(prompt(3, i) * 10)[:prompt_len] for i in range(13)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.error for o in outs] == [None] * 13
+    assert tokens(outs) == [hf.greedy(p, max_tokens) for p in prompts]
+    assert llm.engine.scheduler.num_preemptions > 0 and all_blocks_free(llm)
 
 
 @ENGINE
@@ -2668,6 +2756,26 @@ def test_speculative_decoding_on_worker_processes_gives_hf_greedy_tokens(hf, pol
         # A prefill worker, which never decodes, is started without a drafter.
         drafting = [c.speculative_config is not None for c in llm.cluster.workers.configs]
         assert drafting == ([True, True] if policy == "collocated" else [False, True])
+
+
+@pytest.mark.usefixtures("worker_env", "torch_twins")
+def test_adaptive_speculates_and_speculation_on_a_split_worker_is_refused_before_it_starts(hf, monkeypatch):
+    """Adaptive with speculative decoding, on two workers and on one: it starts (its planner
+    is given no split menu: the lanes do not speculate) and gives HF's greedy tokens.
+    Disaggregated on one device, a split worker, is refused with a ValueError before any
+    worker is started."""
+    p = prompt_whose_drafts_all_hit(hf, 12)
+    for devices in (2, 1):
+        with make_cluster(hf, "adaptive", devices, speculative_config=NGRAM,
+                          profile=ROUTER_TEST_PARAMS) as llm:
+            assert tokens(generate(llm, [p], max_tokens=12, ignore_eos=True)) == [hf.greedy(p, 12)]
+            assert not any(c.splits_sms for c in llm.cluster.workers.configs)
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("a worker was started")
+    monkeypatch.setattr(cluster_mod, "WorkerProcesses", no_worker)
+    with pytest.raises(ValueError, match="speculative_config with disaggregated on 1 device"):
+        LLM(str(hf.path), policy="disaggregated", devices=["cpu"], dtype="float32", speculative_config=NGRAM)
 
 
 # ======================================================= beams.py: beam search
@@ -3086,6 +3194,18 @@ def test_a_distributed_pull_whose_source_leaves_ends_with_an_error():
             proc.kill()
     assert ready and error and seconds is None
     assert runs == [(0, 2), (5, 1)]
+
+
+def test_a_distributed_receive_that_fails_to_post_ends_the_pull(monkeypatch):
+    """gloo raises in irecv itself when the peer has already left: the pull ends (ready) with
+    that error's first line, not a raise, and asks its source for nothing."""
+    def gone(*args, **kwargs):
+        raise RuntimeError("[gloo] Connection closed by peer\nmore")
+    monkeypatch.setattr(transport.dist, "irecv", gone)
+    pull = transport.DistributedTransport(torch.device("cpu")).pull(1, None, [0, 1, 5], torch.zeros(8, 4),
+                                                                    [2, 3, 7])
+    assert pull.ready() and pull.error == "RuntimeError: [gloo] Connection closed by peer"
+    assert pull.seconds is None and pull.source_runs is None
 
 
 # ========================================== hosts.py: workers on several hosts
@@ -3966,6 +4086,16 @@ def test_the_planner_follows_a_clear_change_of_mix_at_once():
     assert len(plan.arrivals) <= 48
 
 
+def test_the_planner_plans_nothing_for_no_live_worker():
+    """Every worker dead (reset to none live), arrivals enough to plan on, the plan due:
+    plan changes nothing and raises nothing (it divided by the number of live workers)."""
+    p = planner.Planner([0, 1], None)
+    p.reset([], 99.0)
+    for i in range(100):
+        p.arrived(100.0 + i * 0.01, 20, 50.0)
+    assert p.plan(CostModel(ROUTER_TEST_PARAMS), {}, 16, 108.0) is False and p.roles == {}
+
+
 # ======= roles.py, lifecycle.py, telemetry.py, cluster.py: the policies on worker processes
 # Every policy gives HF's greedy tokens; handoffs report their phases; a killed worker ends or retries its
 # requests; blocks all come back. Dispatch reads the role map; the load's rates are windows.
@@ -4216,13 +4346,15 @@ def finishes_within(seconds: float, fn):
 
 
 @pytest.mark.usefixtures("worker_env")
-@pytest.mark.parametrize("policy, victims",
-                         [("disaggregated", [0]), ("disaggregated", [1]), ("collocated", [0, 1])])
+@pytest.mark.parametrize("policy, victims", [("disaggregated", [0]), ("disaggregated", [1]),
+                                             ("collocated", [0, 1]), ("adaptive", [0, 1])])
 def test_generate_after_the_workers_it_needs_died_fails_fast(hf, policy, victims):
     """The only prefill worker, the only decode worker, or every worker killed: the next
-    generate ends at once, each request with a RuntimeError naming a dead worker."""
+    generate ends at once, each request with a RuntimeError naming a dead worker (under
+    adaptive too, whose planner then has no worker to plan for)."""
     import signal
-    with make_cluster(hf, policy, 2) as llm:
+    extra = {"profile": ROUTER_TEST_PARAMS} if policy == "adaptive" else {}
+    with make_cluster(hf, policy, 2, **extra) as llm:
         for w in victims:
             os.kill(llm.cluster.workers.procs[w].pid, signal.SIGKILL)
         while not set(victims) <= set(llm.cluster.dead):
@@ -4762,6 +4894,58 @@ def test_chat_without_a_template_says_so(llm):
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0.0, max_tokens=2),
                    chat_template=CHAT_TEMPLATE, use_tqdm=False)[0]
     assert out.prompt == "abhipp" and out.prompt_token_ids == list(b"abhipp")
+
+
+@pytest.mark.parametrize("messages, words", [
+    ([{"content": "hi"}], "conversation 0, message 0 needs a 'role'"),
+    ([{"role": "user", "content": "hi"}, {"role": "", "content": "x"}],
+     "conversation 0, message 1 needs a 'role'"),
+    ([{"role": "user", "content": 3}], "conversation 0, message 0 needs a 'content' string"),
+    ([{"role": "user"}], "conversation 0, message 0 needs a 'content' string"),
+    ([[{"role": "user", "content": "hi"}], ["hi"]], "conversation 1, message 0 must be a dict"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "text only"),
+    ([], "non-empty list"), ([[]], "conversation 0 must be a non-empty list"), ("hi", "non-empty list"),
+])
+def test_chat_names_the_message_at_fault(llm, messages, words):
+    """Each message is checked as vLLM and OpenAI check it: a dict with a role string and a
+    content string or text parts; the error names the conversation and the message (a
+    message without a role once rendered as "<||>hi")."""
+    with pytest.raises(ValueError, match=words):
+        llm.chat(messages, chat_template=CHAT_TEMPLATE)
+
+
+def test_chat_takes_text_parts_joined_by_newlines(llm):
+    """OpenAI's text parts are one content string, joined by newlines (vLLM's rendering)."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "yo"}]}]
+    out = llm.chat(parts, SamplingParams(temperature=0.0, max_tokens=2), chat_template=CHAT_TEMPLATE,
+                   use_tqdm=False)[0]
+    assert out.prompt == "abhi\nyopp"
+
+
+@pytest.mark.usefixtures("worker_env")
+def test_close_on_another_thread_ends_a_running_generate_at_once(hf):
+    """close() while another thread's generate waits on long requests: that generate raises
+    a RuntimeError saying the LLM was closed (it hung until worker_timeout_s), no worker
+    process is left, and a later generate says the LLM is closed."""
+    before = len(multiprocessing.active_children())
+    llm = make_cluster(hf, "collocated", 2, worker_timeout_s=600.0)
+    result = {}
+
+    def run():
+        try:
+            generate(llm, [prompt(20, i) for i in range(8)], max_tokens=400, ignore_eos=True)
+        except RuntimeError as e:
+            result["error"] = e
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    while not llm.cluster.active:
+        time.sleep(0.01)
+    llm.close()
+    thread.join(timeout=120)
+    assert not thread.is_alive() and "closed" in str(result.get("error"))
+    assert len(multiprocessing.active_children()) == before
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate("hi")
 
 
 @pytest.mark.parametrize("kwargs, words", [({"max_num_seq": 4}, "did you mean 'max_num_seqs'"),
