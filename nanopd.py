@@ -120,8 +120,9 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Outputs in the order of prompts. sampling_params: one for every prompt, or a list
         of one per prompt; None is SamplingParams() (vLLM's defaults). A prompt that fails
-        validation gets an output with .error set (a ValueError saying why) and no
-        completions; the others still run. Each request keeps its own copy of its params."""
+        validation is a ValueError naming it (what the call had submitted is aborted), as in
+        vLLM; an error that only a running request meets (its worker died) is its output's
+        .error. Each request keeps its own copy of its params."""
         prompts = as_prompt_list(prompts)
         per_prompt = params_per_prompt(sampling_params, len(prompts))
         return self._run([(p, sp, {}) for p, sp in zip(prompts, per_prompt)], use_tqdm)
@@ -158,10 +159,11 @@ class LLM:
         return self._run([(p, params, extra) for p in as_prompt_list(prompts)], use_tqdm)
 
     def _run(self, work: list[tuple], use_tqdm: bool) -> list[RequestOutput]:
-        """Submit every (prompt, params, extra), then poll until each has ended. A request
-        that fails to submit, for whatever reason, gets its output's .error. If this call is
-        interrupted at any point (Ctrl-C), every request it submitted that is still running
-        is aborted: the engine is left empty and usable. Several threads may call it at
+        """Submit every (prompt, params, extra), then poll until each has ended. A bad
+        request (a ValueError at submit) fails the call with a ValueError naming its prompt,
+        as in vLLM; any other error at submit (a dead cluster) is that request's .error. If
+        this call fails or is interrupted at any point (Ctrl-C), every request it submitted
+        that is still running is aborted: the engine is left empty and usable. Several threads may call it at
         once: each submits and polls under the lock, and whoever polls keeps the outputs
         for the call that asked (self.ended)."""
         if self.closed:
@@ -173,6 +175,8 @@ class LLM:
                     with self.lock:   # an id is recorded once it exists
                         try:
                             ids[self.backend.submit(prompt, params, **extra)] = i
+                        except ValueError as e:   # a bad request: the call fails, as in vLLM
+                            raise ValueError(f"prompt {i}: {e}") from e
                         except Exception as e:  # noqa: BLE001 (this request fails, alone)
                             outputs[i] = failed_output(prompt, e)
                     safe_point()
@@ -353,8 +357,7 @@ def main() -> None:
     args = p.parse_args()
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed)
-        params.validate()   # before the model is built: a bad flag is one line, at once
+                                top_k=args.top_k, seed=args.seed)   # before the model: a bad flag is one line
         engine = Engine(EngineConfig(model=args.model, dtype=args.dtype))
         request_id = engine.submit(args.prompt, params)
     except ValueError as e:

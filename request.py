@@ -22,11 +22,13 @@ from model import Detokenizer
 @dataclass
 class SamplingParams:
     """How to sample a request's completions: vLLM's SamplingParams, with its names and
-    defaults (temperature 1.0: pass temperature=0 for greedy decoding)."""
+    defaults (temperature 1.0: pass temperature=0 for greedy decoding). A bad value is a
+    ValueError naming the field here, at construction, as in vLLM; a field changed later is
+    checked again when a request takes a copy (normalized)."""
     n: int = 1                         # completions per prompt
     temperature: float = 1.0           # 0 (or below SAMPLING_EPS): greedy
     top_p: float = 1.0
-    top_k: int = -1                    # -1: no limit
+    top_k: int = -1                    # -1 or 0: no limit
     seed: int | None = None            # same seed, same tokens, whatever else is in the batch
     max_tokens: int = 16
     min_tokens: int = 0                # no EOS, stop token or stop string before this many tokens
@@ -39,6 +41,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0     # subtracted per occurrence in the output
     logprobs: int | None = None        # also return this many top alternatives per token
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
         """Raise a ValueError naming the first field that is of the wrong type or out of range."""
         check_int("n", self.n, low=1)
@@ -47,8 +52,6 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         check_int("top_k", self.top_k, low=-1)
-        if self.top_k == 0:
-            raise ValueError("top_k must be -1 (no limit) or positive, got 0")
         if self.seed is not None:   # child j draws from seed + j, a 64-bit generator seed
             check_int("seed", self.seed, low=0, high=2 ** 63 - self.n)
         check_int("max_tokens", self.max_tokens, low=1)
@@ -81,6 +84,7 @@ class SamplingParams:
         as_int = {name: int(getattr(self, name)) for name in ("n", "top_k", "max_tokens", "min_tokens")}
         as_float = {name: float(getattr(self, name)) for name in
                     ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty")}
+        as_int["top_k"] = as_int["top_k"] or -1   # 0 is vLLM's other "no limit"
         return dataclasses.replace(
             self, **as_int, **as_float, seed=None if self.seed is None else int(self.seed),
             logprobs=None if self.logprobs is None else int(self.logprobs), stop=stop_strings(self.stop),

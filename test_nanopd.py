@@ -932,7 +932,7 @@ BAD_REQUESTS = {
     "negative temperature": ([1, 2], {"temperature": -0.5}, "temperature"),
     "top_p 0": ([1, 2], {"top_p": 0.0}, "top_p"),
     "top_p 1.5": ([1, 2], {"top_p": 1.5}, "top_p"),
-    "top_k 0": ([1, 2], {"top_k": 0}, "top_k"),
+    "top_k -2": ([1, 2], {"top_k": -2}, "top_k"),
     "logprobs over vocab": ([1, 2], {"logprobs": VOCAB + 1}, "logprobs"),
 }
 
@@ -979,7 +979,7 @@ def test_string_prompt_is_its_utf8_bytes():
 # What each sampling field accepts, from SamplingParams's documentation (n = 1).
 PARAM_OK = {
     "max_tokens": lambda v: is_int(v) and v >= 1, "temperature": lambda v: is_real(v) and v >= 0,
-    "top_p": lambda v: is_real(v) and 0 < v <= 1, "top_k": lambda v: is_int(v) and (v == -1 or v >= 1),
+    "top_p": lambda v: is_real(v) and 0 < v <= 1, "top_k": lambda v: is_int(v) and v >= -1,
     "seed": lambda v: v is None or (is_int(v) and 0 <= v < 2 ** 63), "n": lambda v: is_int(v) and v >= 1,
     "stop_token_ids": lambda v: isinstance(v, list) and all(is_int(t) for t in v),
     "ignore_eos": lambda v: isinstance(v, bool), "logprobs": lambda v: v is None or (is_int(v) and v >= 0),
@@ -990,13 +990,25 @@ PARAM_OK = {
 @given(name=st.sampled_from(sorted(PARAM_OK)), value=ODD_VALUES)
 def test_sampling_params_accept_exactly_what_they_document(name, value):
     """temperature nan, max_tokens 2.5, stop_token_ids None, seed 2**70, ...: a ValueError
-    naming the field; every documented value passes."""
-    params = SamplingParams(**{name: value})
+    naming the field at SamplingParams(...), as in vLLM, and again from validate if the field
+    is set later; every documented value passes."""
     if PARAM_OK[name](value):
-        params.validate()
+        SamplingParams(**{name: value})
     else:
         with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: value})
+        params = SamplingParams()
+        setattr(params, name, value)
+        with pytest.raises(ValueError, match=name):
             params.validate()
+
+
+@ENGINE
+def test_top_k_0_is_no_limit_as_in_vllm(llm):
+    """top_k=0 is vLLM's other "no limit": seeded, it draws the tokens top_k=-1 draws."""
+    def draw(k):
+        return tokens(generate(llm, [PROMPTS[2]], temperature=1.0, seed=3, top_k=k, max_tokens=8))
+    assert draw(0) == draw(-1) != draw(1)
 
 
 ODD_PROMPTS = st.one_of(
@@ -1021,25 +1033,35 @@ def prompt_ids(p) -> list[int] | None:
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompts=st.lists(ODD_PROMPTS, min_size=1, max_size=4), bad=st.sampled_from(sorted(PARAM_OK)),
        value=ODD_VALUES)
-def test_generate_serves_the_good_and_fails_the_bad_alone(hf, llm, prompts, bad, value):
+def test_generate_serves_the_good_and_refuses_the_bad(hf, llm, prompts, bad, value):
     """Odd prompts (None, floats, bools, out of the vocabulary, empty) and odd sampling
-    values: each bad request gets a ValueError in its .error and no completions, each good
-    one HF's greedy tokens; the engine holds nothing afterwards."""
+    values: a call with a bad prompt is a ValueError naming the first one, and submits
+    nothing that stays; one of good prompts gives HF's greedy tokens. A bad sampling value
+    is a ValueError at SamplingParams(...); one the engine cannot serve (logprobs over the
+    vocabulary, n over the seats, too long) a ValueError at generate. The engine holds
+    nothing afterwards."""
     prompts = [PROMPTS[0], *prompts]   # a list of prompts (a list of ints alone would be one prompt)
-    outs = generate(llm, prompts, max_tokens=3)
-    for p, out in zip(prompts, outs, strict=True):
-        ids = prompt_ids(p)
-        if ids is None:
-            assert isinstance(out.error, ValueError) and out.outputs == []
-        else:
-            assert out.error is None and out.outputs[0].token_ids == hf.greedy(ids, 3)
+    ids = [prompt_ids(p) for p in prompts]
+    if None in ids:
+        with pytest.raises(ValueError, match=f"prompt {ids.index(None)}: "):
+            generate(llm, prompts, max_tokens=3)
+    else:
+        assert tokens(generate(llm, prompts, max_tokens=3)) == [hf.greedy(i, 3) for i in ids]
+    assert all_blocks_free(llm) and not llm.engine.requests
+    if not PARAM_OK[bad](value):
+        with pytest.raises(ValueError, match=bad):
+            SamplingParams(**{"max_tokens": 3, bad: value})
+        return
     params = SamplingParams(**{"max_tokens": 3, bad: value})
-    out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
     # Beyond the field's own range, the request must fit the engine: the vocabulary, the
     # seats (max_num_seqs 16) and max_model_len (512) of this llm.
     fits = {"logprobs": lambda v: v is None or v <= VOCAB, "n": lambda v: v <= 16,
             "max_tokens": lambda v: v + len(PROMPTS[0]) <= 512}
-    assert (out.error is None) == (PARAM_OK[bad](value) and fits.get(bad, lambda v: True)(value))
+    if fits.get(bad, lambda v: True)(value):
+        assert llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].error is None
+    else:
+        with pytest.raises(ValueError, match="prompt 0: "):
+            llm.generate([PROMPTS[0]], params, use_tqdm=False)
     assert all_blocks_free(llm) and not llm.engine.requests
 
 
@@ -1051,10 +1073,11 @@ def test_generate_rejects_what_is_not_a_list_of_prompts(llm):
     assert llm.generate([]) == []
 
 
-def test_bad_stop_token_ids_fail_their_request_alone(hf, monkeypatch):
-    """stop_token_ids outside the vocabulary ([0, 256) here) are a ValueError at submit,
-    in one engine and on a worker; the request beside it, with min_tokens (whose ban reads
-    every stop token id), gets HF's greedy tokens (an id of 256 once failed both)."""
+def test_bad_stop_token_ids_are_a_value_error_at_generate(hf, monkeypatch):
+    """stop_token_ids outside the vocabulary ([0, 256) here) are a ValueError naming them at
+    generate, in one engine and on a worker, before a step reads them (min_tokens's ban
+    reads every stop token id: an id of 256 once failed every request of its step); the
+    engine then serves the good request beside it with HF's greedy tokens."""
     good = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, min_tokens=2)
     for llm in (make_llm(hf.path), "cluster"):
         if llm == "cluster":
@@ -1063,9 +1086,9 @@ def test_bad_stop_token_ids_fail_their_request_alone(hf, monkeypatch):
         with llm:
             for bad_id in (VOCAB, -1):
                 bad = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=2, stop_token_ids=[bad_id])
-                outs = llm.generate([PROMPTS[0], PROMPTS[1]], [bad, good], use_tqdm=False)
-                assert isinstance(outs[0].error, ValueError) and "stop_token_ids" in str(outs[0].error)
-                assert outs[1].error is None and tokens(outs[1:]) == [hf.greedy(PROMPTS[1], 6)]
+                with pytest.raises(ValueError, match="prompt 1: stop_token_ids"):
+                    llm.generate([PROMPTS[1], PROMPTS[0]], [good, bad], use_tqdm=False)
+                assert tokens(llm.generate([PROMPTS[1]], good, use_tqdm=False)) == [hf.greedy(PROMPTS[1], 6)]
 
 
 # =========== scheduler.py: batching, chunked prefill, preemption, prefix cache
@@ -4143,12 +4166,14 @@ def test_a_window_over_a_level_read_often_is_its_slope():
 def test_policies_on_worker_processes_give_hf_greedy_tokens(hf, policy, num_devices, transport):
     """Prompts of 3 to 41 tokens (chunked under a 16-token budget) give HF's greedy tokens on
     every policy; disaggregated ones go prefill worker -> decode worker, with each phase's
-    time recorded; a bad request fails alone; afterwards every worker's blocks are free."""
+    time recorded; a bad request is a ValueError naming it, before any worker sees it;
+    afterwards every worker's blocks are free."""
     with make_cluster(hf, policy, num_devices, transport=transport) as llm:
-        outs = generate(llm, MIXED_PROMPTS + [[]], max_tokens=10)
-        assert tokens(outs[:-1]) == [hf.greedy(p, 10) for p in MIXED_PROMPTS]
-        assert isinstance(outs[-1].error, ValueError) and "empty" in str(outs[-1].error)
-        for out in outs[:-1]:
+        with pytest.raises(ValueError, match="prompt 0: the prompt is empty"):
+            generate(llm, [[]], max_tokens=10)
+        outs = generate(llm, MIXED_PROMPTS, max_tokens=10)
+        assert tokens(outs) == [hf.greedy(p, 10) for p in MIXED_PROMPTS]
+        for out in outs:
             phases = out.metrics.phases()
             assert all(v >= 0 for v in phases.values())
             if policy == "collocated":
@@ -4840,20 +4865,21 @@ def test_the_profiler_fits_its_batches_to_a_small_cache():
 
 
 # ========================================== nanopd.py: the LLM API and the CLI
-# A bad prompt fails alone; the CLI streams HF's text; no worker outlives its caller.
+# A bad prompt is a ValueError naming it; the CLI streams HF's text; no worker outlives its caller.
 
 
 @ENGINE
-def test_bad_request_fails_alone_in_generate(hf, llm):
-    """In LLM.generate a bad request gets .error and no outputs; the others match HF."""
+def test_a_bad_request_is_a_value_error_and_leaves_nothing_behind(hf, llm):
+    """In LLM.generate a bad request (empty, out of the vocabulary, over max_model_len) is a
+    ValueError naming its prompt and the problem, as in vLLM; the good requests the call had
+    submitted are aborted, and the engine then serves them with HF's tokens."""
     good = [PROMPTS[1], PROMPTS[3]]
-    outs = generate(llm, [good[0], [], [3, VOCAB + 7], good[1], prompt(510, seed=51)], max_tokens=6)
-    for i, words in [(1, "empty"), (2, "vocabulary"), (4, "max_model_len")]:
-        assert isinstance(outs[i].error, ValueError) and words in str(outs[i].error)
-        assert outs[i].outputs == []
-    assert outs[0].error is None and outs[3].error is None
-    assert tokens([outs[0], outs[3]]) == [hf.greedy(p, 6) for p in good]
-    assert all_blocks_free(llm)
+    for bad, words in [([], "empty"), ([3, VOCAB + 7], "vocabulary"),
+                       (prompt(510, seed=51), "max_model_len")]:
+        with pytest.raises(ValueError, match=f"prompt 1: .*{words}"):
+            generate(llm, [good[0], bad, good[1]], max_tokens=6)
+        assert all_blocks_free(llm) and not llm.engine.requests
+    assert tokens(generate(llm, good, max_tokens=6)) == [hf.greedy(p, 6) for p in good]
 
 
 @ENGINE
