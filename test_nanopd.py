@@ -57,6 +57,7 @@ import sys
 import threading
 import time
 import tokenize
+import tomllib
 import weakref
 from collections import Counter
 from dataclasses import dataclass
@@ -5787,6 +5788,27 @@ def test_every_page_has_a_chinese_twin_in_step_with_it():
             f"{zh.relative_to(HERE)} is written in Chinese"
         assert outline(zh) == outline(en), \
             f"{zh.relative_to(HERE)} is out of step with {en.relative_to(HERE)}"
+
+
+def test_pip_install_gives_a_nanopd_a_script_elsewhere_imports(tmp_path):
+    """pyproject.toml installs every top-level module but the tests (py-modules) and the
+    tools' package; `pip install` of a copy of the repository (no download: no build
+    isolation, no dependencies, into a folder of its own) gives a `nanopd` that a script in
+    another folder imports from the installed copy."""
+    config = tomllib.loads((HERE / "pyproject.toml").read_text())["tool"]["setuptools"]
+    modules = sorted(p.stem for p in HERE.glob("*.py") if not p.name.startswith("test_"))
+    assert sorted(config["py-modules"]) == modules
+    assert config["packages"] == ["tools"]
+    src, target = tmp_path / "src", tmp_path / "site"
+    shutil.copytree(HERE, src, ignore=shutil.ignore_patterns("__pycache__", "results", "runs", "docs", ".*"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(src)], check=True, capture_output=True, timeout=600)
+    assert not (target / "test_nanopd.py").exists() and (target / "tools" / "microbench.py").is_file()
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    script = "import nanopd, tools.figures; print(nanopd.__file__, nanopd.LLM.__name__)"
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, check=True, timeout=300)
+    assert out.stdout.split() == [str(target / "nanopd.py"), "LLM"]
 
 
 def test_the_docs_speak_of_the_project_only():
