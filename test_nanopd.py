@@ -5811,6 +5811,22 @@ def test_pip_install_gives_a_nanopd_a_script_elsewhere_imports(tmp_path):
     assert out.stdout.split() == [str(target / "nanopd.py"), "LLM"]
 
 
+@pytest.mark.parametrize("page", ["README.md", "README.zh.md"])
+def test_the_readmes_python_runs_as_printed(tmp_path, page):
+    """Each README's Python block, saved as a script and run from another folder (HOME there
+    too, for the profile cache): it exits 0 with no traceback, policy and all (on a machine
+    without a GPU: two CPU workers)."""
+    blocks = re.findall(r"^```python\n(.*?)^```", (HERE / page).read_text(), re.MULTILINE | re.DOTALL)
+    assert blocks, f"{page} shows no Python"
+    for k, code in enumerate(blocks):
+        script = tmp_path / f"block{k}.py"
+        script.write_text(code)
+        env = {**os.environ, "PYTHONPATH": str(HERE), "HOME": str(tmp_path), "TRITON_INTERPRET": "0"}
+        run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=600, check=False)
+        assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
 def test_the_docs_speak_of_the_project_only():
     """No lab notebook in the README, the docs or the code's comments."""
     files = [*doc_pages(), *MODULES]
