@@ -21,6 +21,7 @@ import difflib
 import inspect
 import numbers
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -379,4 +380,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:   # Ctrl-C: one line, and the shell's status for SIGINT
+        print("\n[interrupted]", file=sys.stderr)
+        raise SystemExit(130) from None

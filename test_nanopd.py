@@ -5023,6 +5023,17 @@ def test_cli_generates():
     assert b"\r" not in run.stderr   # no progress bar when stderr is not a terminal
 
 
+
+def test_cli_ctrl_c_ends_in_one_line():
+    """Ctrl-C while the CLI streams: it exits with the shell's status for SIGINT (130) and
+    one line on stderr, no KeyboardInterrupt traceback."""
+    command = [sys.executable, str(HERE / "nanopd.py"), "--model", "tiny", "--max-tokens", "4000"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=HERE)
+    assert b"KV blocks" in proc.stdout.readline()   # the model is built: it is generating
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and err.decode().strip() == "[interrupted]", err.decode()
+
 @ENGINE
 def test_cli_shows_every_token_of_the_preset():
     """The tiny preset's vocabulary is 512: the CLI's streamed text shows every generated id,
