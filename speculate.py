@@ -265,7 +265,8 @@ class Speculator:
         return drafting
 
     def unscheduled(self, drafting: list[Sequence], batch: Batch) -> None:
-        """Drafted sequences the step did not schedule (preempted, no budget) drop their drafts."""
+        """Drafted sequences the step did not schedule (no budget) drop their drafts (a preempted
+        one has dropped them already: Scheduler.preempt)."""
         for seq in set(drafting) - set(batch.seqs):
             seq.drafts = []
             self.scheduler.drop_branches(seq)
