@@ -4,6 +4,7 @@ streams it becomes (Sequence), and check_request, the one validation every reque
 through before any engine or worker sees it.
 """
 
+import copy
 import dataclasses
 import itertools
 import numbers
@@ -40,6 +41,13 @@ class SamplingParams:
     presence_penalty: float = 0.0      # subtracted once from each token already in the output
     frequency_penalty: float = 0.0     # subtracted per occurrence in the output
     logprobs: int | None = None        # also return this many top alternatives per token
+    prompt_logprobs: int | None = None   # ... and per prompt token (the first has none)
+    min_p: float = 0.0                 # drop tokens less likely than min_p x the most likely one
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling
+    allowed_token_ids: list[int] | None = None   # sample only among these
+    bad_words: list[str] | None = None   # words never generated (their last token is banned after the rest)
+    skip_special_tokens: bool = True   # leave special tokens out of the output's text
+    truncate_prompt_tokens: int | None = None   # keep only the prompt's last this many tokens
 
     def __post_init__(self) -> None:
         self.validate()
@@ -73,8 +81,31 @@ class SamplingParams:
             check_real(name, getattr(self, name))
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.logprobs is not None:
-            check_int("logprobs", self.logprobs, low=0)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), low=0)
+        check_real("min_p", self.min_p, low=0.0)
+        if self.min_p > 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            for t, bias in self.logit_bias.items():
+                check_int("logit_bias's token ids", int(t) if isinstance(t, str) and t.isdigit() else t)
+                check_real(f"logit_bias[{t!r}]", bias)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list | tuple) or not self.allowed_token_ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, "
+                                 f"got {self.allowed_token_ids!r}")
+            for t in self.allowed_token_ids:
+                check_int("allowed_token_ids", t)
+        if self.bad_words is not None and (not isinstance(self.bad_words, list | tuple) or not all(
+                isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"skip_special_tokens must be True or False, got {self.skip_special_tokens!r}")
+        if self.truncate_prompt_tokens is not None:
+            check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, low=1)
 
     def normalized(self) -> "SamplingParams":
         """A validated copy in plain Python values (a numpy integer becomes an int, stop a
@@ -85,10 +116,20 @@ class SamplingParams:
         as_float = {name: float(getattr(self, name)) for name in
                     ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty")}
         as_int["top_k"] = as_int["top_k"] or -1   # 0 is vLLM's other "no limit"
+        as_int |= {name: None if getattr(self, name) is None else int(getattr(self, name))
+                   for name in ("seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")}
         return dataclasses.replace(
-            self, **as_int, **as_float, seed=None if self.seed is None else int(self.seed),
-            logprobs=None if self.logprobs is None else int(self.logprobs), stop=stop_strings(self.stop),
-            stop_token_ids=[int(t) for t in self.stop_token_ids])
+            self, **as_int, **as_float, min_p=float(self.min_p), stop=stop_strings(self.stop),
+            stop_token_ids=[int(t) for t in self.stop_token_ids],
+            logit_bias=None if self.logit_bias is None else
+            {int(t): float(b) for t, b in self.logit_bias.items()},
+            allowed_token_ids=None if self.allowed_token_ids is None else
+            [int(t) for t in self.allowed_token_ids],
+            bad_words=None if self.bad_words is None else list(self.bad_words))
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's clone)."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:
@@ -107,6 +148,28 @@ SAMPLING_EPS = 1e-5
 def stop_strings(stop: str | list[str] | None) -> list[str]:
     """SamplingParams.stop as a list."""
     return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's BeamSearchParams, for LLM.beam_search: keep the beam_width most likely
+    continuations (by summed logprob) at every step; rank the finished ones by summed
+    logprob / length ** length_penalty."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0           # vLLM's only value (beams are chosen by likelihood)
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+
+@dataclass
+class Logprob:
+    """A token's logprob (of the model's distribution), its rank in it (1: the most likely)
+    and its text, as vLLM reports them in CompletionOutput.logprobs and prompt_logprobs."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclass
@@ -149,7 +212,7 @@ class CompletionOutput:
     text: str
     finish_reason: str | None          # "stop", "length", or None while running
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     stop_reason: int | str | None = None   # the stop token or string that ended it (None: EOS, length)
 
 
@@ -162,6 +225,7 @@ class RequestOutput:
     metrics: RequestMetrics
     finished: bool = True
     error: Exception | None = None     # why it failed (ValueError: rejected); outputs is then empty
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # per prompt token; the first None
 
 
 def tokenize(prompt, tokenizer) -> tuple[str | None, list[int]]:
