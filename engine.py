@@ -20,6 +20,7 @@ first reading can skip them: speculative decoding (speculate.py: Speculator), be
 handoff's import (workers.py, through the scheduler).
 """
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from model import Detokenizer, load_model, load_tokenizer
 from request import (
     PENDING,
     CompletionOutput,
+    Logprob,
     Request,
     RequestMetrics,
     RequestOutput,
@@ -358,11 +360,12 @@ class Engine:
             return []
         return list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(self.eos_ids))
 
-    def _record_logprobs(self, seq: Sequence, token: int, token_logprob: float, top_values: list[float],
-                         top_ids: list[int]) -> None:
+    def _record_logprobs(self, seq: Sequence, token: int, token_logprob: float, rank: int,
+                         top_values: list[float], top_ids: list[int]) -> None:
+        """The chosen token's and the top k's logprobs and ranks (their text is added at output)."""
         k = seq.request.params.logprobs
-        entry = dict(zip(top_ids[:k], top_values[:k]))
-        entry[token] = token_logprob
+        entry = {t: Logprob(v, r) for r, (t, v) in enumerate(zip(top_ids[:k], top_values[:k]), 1)}
+        entry[token] = Logprob(token_logprob, rank)
         seq.logprobs.append(entry)
         seq.cumulative_logprob += token_logprob
 
@@ -511,6 +514,12 @@ class Engine:
             return seq.detokenizer.text[:seq.text_end]
         return self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
 
+    def _decoded(self, logprobs: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
+        """logprobs with each token's text (decoded alone, as vLLM's decoded_token)."""
+        decode = self.tokenizer.decode
+        return [{t: dataclasses.replace(lp, decoded_token=decode([t])) for t, lp in entry.items()}
+                for entry in logprobs]
+
     def output(self, request_id: int) -> RequestOutput:
         """A finished request's output (none but its .error if it failed); the engine forgets it."""
         req = self.requests.pop(request_id)
@@ -518,7 +527,8 @@ class Engine:
         seqs = [] if req.error else req.seqs if req.beam_width else sorted(req.seqs, key=lambda s: s.index)
         outs = [CompletionOutput(i if req.beam_width else s.index, s.output_ids, self._text(s),
                                  s.finish_reason, s.cumulative_logprob if want_lp else None,
-                                 s.logprobs if req.params.logprobs is not None else None, s.stop_reason)
+                                 self._decoded(s.logprobs) if req.params.logprobs is not None else None,
+                                 s.stop_reason)
                 for i, s in enumerate(seqs)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.metrics,
                              finished=req.finished, error=req.error)

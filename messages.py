@@ -13,7 +13,7 @@ block ids only.
 
 from dataclasses import dataclass, field
 
-from request import RequestOutput, SamplingParams
+from request import Logprob, RequestOutput, SamplingParams
 
 # ----------------------------------------------------------------------------- to a worker
 
@@ -38,7 +38,7 @@ class Import:
     token_ids: list[int]                # prompt + first token
     num_prompt_tokens: int
     params: SamplingParams
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     generator_state: bytes | None = None   # the random stream, where the prefill left it
 

@@ -309,7 +309,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0               # tokens whose K/V are in the cache
     cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None   # the stop token id or stop string that finished it
     detokenizer: Detokenizer | None = None   # its output's text, kept while stop strings are watched

@@ -61,13 +61,14 @@ def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Of the model's distribution (before penalties, temperature, top-k and top-p, as vLLM
-    reports them): each row's chosen token's logprob [R], and its k most likely tokens'
-    logprobs and ids [R, k]."""
+    reports them): each row's chosen token's logprob [R] and its rank [R] (1 + the tokens
+    more likely than it), and its k most likely tokens' logprobs and ids [R, k]."""
     lp = torch.log_softmax(logits.float(), -1)
     top = lp.topk(max(1, k), -1)
-    return lp.gather(1, tokens[:, None])[:, 0], top.values, top.indices
+    chosen = lp.gather(1, tokens[:, None])
+    return chosen[:, 0], (lp > chosen).sum(-1) + 1, top.values, top.indices
 
 
 def beam_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

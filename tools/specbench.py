@@ -105,7 +105,8 @@ def partings(plain: list, spec: list, logprobs: list) -> list[dict]:
     for p, s, lps in zip(plain, spec, logprobs):
         at = next((i for i, (x, y) in enumerate(zip(p, s)) if x != y), None)
         if at is not None:
-            out.append({"position": at, "margin": max(lps[at].values()) - lps[at].get(s[at], -float("inf"))})
+            out.append({"position": at, "margin": max(lp.logprob for lp in lps[at].values())
+                        - (lps[at][s[at]].logprob if s[at] in lps[at] else -float("inf"))})
     return out
 
 
