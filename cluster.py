@@ -178,11 +178,16 @@ class Liveness:
                             bar.update()
                         elif isinstance(msg, Failed):
                             self.errors[w] = msg.traceback
-                failed = self.workers.exited()
+                failed = self.exited()
                 if failed or time.monotonic() > deadline:
                     raise self.start_error(failed[0] if failed else None, timeout_s)
         self.heard = dict.fromkeys(range(len(self.devices)), time.monotonic())
         return readies
+
+    def exited(self) -> list[int]:
+        """The workers whose process ended, and those that reported a failure (they exit
+        next; a worker on another host cannot be watched, so its report is all we see)."""
+        return sorted(set(self.workers.exited()) | set(self.errors))
 
     def start_error(self, w: int | None, timeout_s: float) -> Exception:
         """Why the cluster could not start: a worker's own ValueError (a setting its device
@@ -207,11 +212,12 @@ class Liveness:
 
     def check(self) -> list[int]:
         """The workers found dead since the last check, now marked dead with why: those
-        whose process ended (why: the last line of their traceback, or their exit), and
+        whose process ended or that reported a failure (why: the last line of their
+        traceback, or their exit), and
         those silent for timeout_s, which are killed (so that they cannot come back and
         serve requests moved elsewhere)."""
         found, now = [], time.monotonic()
-        for w in self.workers.exited():
+        for w in self.exited():
             if w not in self.dead:
                 self.dead[w] = (self.errors.get(w, "").strip().splitlines()[-1:] or [self.workers.why(w)])[0]
                 found.append(w)

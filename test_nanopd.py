@@ -3241,22 +3241,26 @@ def test_a_distributed_receive_that_fails_to_post_ends_the_pull(monkeypatch):
 
 
 @contextlib.contextmanager
-def two_hosts(processes_per_host: int = 1):
+def two_hosts(processes_per_host: int = 1, logs: Path | None = None):
     """Two torchrun launches on loopback, as two hosts would run them (node ranks 0 and 1),
     of hosts.py's CPU workers; yields (the address they join at, the two launches). Each
-    launch is killed, workers and all, when the test ends."""
+    launch's stdout and stderr go to logs/launch-K.txt (default: nowhere). Each launch is
+    killed, workers and all, when the test ends."""
     def free() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
     store, master = free(), free()
     env = dict(os.environ, TRITON_INTERPRET="0")
-    launches = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                                  "--nproc-per-node", str(processes_per_host), "--node-rank", str(k),
-                                  "--master-addr", "127.0.0.1", "--master-port", str(master),
-                                  "hosts.py", "--join", f"127.0.0.1:{store}", "--device", "cpu"],
-                                 cwd=HERE, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with contextlib.ExitStack() as files:
+        outs = [files.enter_context(open(logs / f"launch-{k}.txt", "w")) if logs else subprocess.DEVNULL
                 for k in (0, 1)]
+        launches = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                                      "--nproc-per-node", str(processes_per_host), "--node-rank", str(k),
+                                      "--master-addr", "127.0.0.1", "--master-port", str(master),
+                                      "hosts.py", "--join", f"127.0.0.1:{store}", "--device", "cpu"],
+                                     cwd=HERE, env=env, stdout=outs[k], stderr=subprocess.STDOUT)
+                    for k in (0, 1)]
     try:
         yield f"127.0.0.1:{store}", launches
     finally:   # whatever failed, leave nothing running
@@ -3325,13 +3329,20 @@ def test_a_store_mailbox_delivers_in_order_and_a_writer_dying_mid_send_blocks_no
         reader.get(timeout=0.1)
 
 
+# torchrun's own log records (glog's format: level, date, time, pid, file:line]), INFO and WARNING
+TORCHRUN_RECORD = re.compile(r"[IW]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")
+
+
 @pytest.mark.parametrize("policy", ["disaggregated", "adaptive"])
-def test_workers_on_two_hosts_serve_with_hf_tokens(hf, policy):
+def test_workers_on_two_hosts_serve_with_hf_tokens(hf, policy, tmp_path, capfd):
     """Two hosts (two torchrun launches on loopback), a worker each, joined to the central
     scheduler here: HF's greedy tokens under the disaggregated and the adaptive policy, the
-    KV crossing between them over the distributed transport; closing ends both launches."""
+    KV crossing between them over the distributed transport. Closing stops the store
+    listening (as the central scheduler's exit would) and ends both launches cleanly: exit
+    status 0, and of each launch's output, torchrun's own INFO/WARNING records aside, one
+    line, its worker's "done"; no traceback on either side."""
     extra = {"profile": ROUTER_TEST_PARAMS} if policy == "adaptive" else {}
-    with two_hosts() as (address, launches):
+    with two_hosts(logs=tmp_path) as (address, launches):
         with join_cluster(hf, policy, address, **extra) as llm:
             assert len(llm.cluster.devices) == 2 and all(d.endswith("/cpu") for d in llm.cluster.devices)
             outs = generate(llm, MIXED_PROMPTS, max_tokens=10)
@@ -3339,7 +3350,14 @@ def test_workers_on_two_hosts_serve_with_hf_tokens(hf, policy):
             if policy == "disaggregated":
                 assert all(o.metrics.path == (0, 1) and o.metrics.kv_bytes_moved > 0 for o in outs)
             assert workers_all_free(llm)
+        with pytest.raises(ConnectionRefusedError):   # nothing listens at the store's address now
+            socket.create_connection(hosts.parse_address(address), timeout=5).close()
         assert [launch.wait(timeout=60) for launch in launches] == [0, 0]
+    assert "Traceback" not in capfd.readouterr().err
+    for k in (0, 1):
+        lines = (tmp_path / f"launch-{k}.txt").read_text().splitlines()
+        assert [line for line in lines if not TORCHRUN_RECORD.match(line)] == \
+            [f"[worker {k} ({socket.gethostname()}/cpu): done]"], lines
 
 
 def test_a_host_that_dies_ends_its_requests_in_bounded_time(hf):

@@ -99,7 +99,8 @@ def imported_sequence(m: Import, block_table: list[int], device: torch.device) -
 
 
 class ParentGone(Exception):
-    """The process that started this worker is gone: nothing will come, nobody reads."""
+    """The central scheduler is gone (the process that started this worker, or the store a
+    worker on another host talks to it through): nothing will come, nobody reads."""
 
 
 def parent_gone() -> bool:
@@ -113,7 +114,7 @@ def report(outbox, msgs: list) -> bool:
     closed our pipe, or died (a broken pipe is then the normal way to learn it, no error)."""
     try:
         outbox.send(msgs)
-    except (BrokenPipeError, ConnectionResetError):
+    except (BrokenPipeError, ConnectionResetError, ParentGone):
         return False
     return True
 
@@ -391,6 +392,8 @@ def worker_main(spec: WorkerSpec, inbox, outbox, readers: list, share_queue) -> 
                                  engine.runner.kv_cache[0].nbytes // engine.cfg.block_size,
                                  spec.name or spec.cfg.device)]):
             Worker(spec.index, engine, inbox, outbox, peers, spec.transport, spec.report_steps).run()
+        if dist.is_initialized():   # left by hand: NCCL warns at exit of a group never destroyed
+            dist.destroy_process_group()
     except (KeyboardInterrupt, ParentGone):
         pass
     except BaseException:  # noqa: BLE001 (report any failure to the central scheduler, then die)
