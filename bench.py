@@ -238,17 +238,22 @@ def plot(run: "Run", rows: list[dict], results: list[Result], goodput: dict,
     return list(figures)
 
 
-# the same in every plot and run
+# the same in every plot and run. Where two policies' lines coincide the later one is drawn
+# over the earlier, thinner: the earlier shows as a wider band of its colour around it.
 POLICY_COLORS = {"collocated": "C0", "disaggregated": "C1", "adaptive": "C2"}
+POLICY_WIDTHS = {"collocated": 4.0, "disaggregated": 2.6, "adaptive": 1.3}
+POLICY_MARKERS = {"collocated": ("o", 10), "disaggregated": ("s", 7), "adaptive": ("^", 5)}   # (shape, size)
 LINE_STYLES = ["-", "--", ":", "-."]
 
 
 def series_styles(rows: list[dict]) -> dict[str, dict]:
-    """Each series' look (by its label): the colour its policy's, the line style its workload's."""
+    """Each series' look (by its label): the colour and width its policy's, the line style
+    its workload's; drawn in the order of POLICY_WIDTHS, the widest first."""
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    return {r["label"]: {"color": POLICY_COLORS[r["policy"]],
-                         "linestyle": LINE_STYLES[workloads.index(r["workload"]) % len(LINE_STYLES)]}
-            for r in rows}
+    styles = {r["label"]: {"color": POLICY_COLORS[r["policy"]], "linewidth": POLICY_WIDTHS[r["policy"]],
+                           "linestyle": LINE_STYLES[workloads.index(r["workload"]) % len(LINE_STYLES)]}
+              for r in rows}
+    return dict(sorted(styles.items(), key=lambda kv: -kv[1]["linewidth"]))
 
 
 def log_ticks(axis) -> None:
@@ -276,8 +281,10 @@ def plot_vs_rate(plt, rows: list[dict], styles: dict):
     fig, axes = plt.subplots(1, 3, figsize=(14, 4), layout="constrained")
     for name, style in styles.items():
         mine = sorted((r for r in rows if r["label"] == name), key=lambda r: r["rate"])
+        marker, size = POLICY_MARKERS[mine[0]["policy"]]
         for ax, key in zip(axes, ("e2e_p50", "e2e_p99", "output_tok_s")):
-            ax.plot([r["rate"] for r in mine], [r[key] for r in mine], marker="o", label=name, **style)
+            ax.plot([r["rate"] for r in mine], [r[key] for r in mine], marker=marker, markersize=size,
+                    label=name, **style)
     for ax, what in zip(axes, ("median (p50)", "p99")):
         ax.set(ylabel="end-to-end latency (s, log scale)", yscale="log", title=f"{what} latency vs rate")
         log_ticks(ax.yaxis)
@@ -296,8 +303,9 @@ def plot_goodput(plt, goodput: dict, styles: dict, run: "Run"):
     bars = ax.barh(names, [goodput[n] for n in names], color=[styles[n]["color"] for n in names], height=0.6)
     ax.bar_label(bars, [f"{goodput[n]:g}" for n in names], padding=3, fontsize=8)
     ax.set(xlabel="goodput (requests/s)", xlim=(0, max(run.rates) * 1.12),
-           title=f"the highest rate swept (of {', '.join(f'{r:g}' for r in run.rates)}) with >= 90% of "
-                 f"requests inside the SLO\n(TTFT <= {run.ttft_slo:g} s, TPOT <= {run.tpot_slo * 1e3:g} ms)")
+           title=f"goodput: the highest rate swept (of {', '.join(f'{r:g}' for r in run.rates)} req/s) with "
+                 f">= 90% of requests\ninside the SLO of TTFT <= {run.ttft_slo:g} s and TPOT <= "
+                 f"{run.tpot_slo * 1e3:g} ms")
     ax.title.set_fontsize(9)
     return fig
 
@@ -413,6 +421,7 @@ class Run:
     slo: tuple[float, float] | None = None   # given explicitly: the adaptive router routes for it
     join: str | None = None     # HOST:PORT for workers on other hosts (hosts.py), instead of devices
     transport: str = "p2p"      # how KV moves (transport.py); distributed with join
+    device_name: str | None = None   # the GPUs' name (default: asked of CUDA; replot: results.json's)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -502,6 +511,12 @@ def add_tool_commands(p: argparse.ArgumentParser) -> None:
                           help="the two devices (default: cuda:0 cuda:1, or cuda:0 twice on one GPU)")
     command("split", splitbench, "one GPU's SMs split between prefill and decode", plot=True)
     command("speculative", specbench, "speculative decoding against plain decoding", plot=True)
+    again = sub.add_parser("replot", help="a run's PNGs drawn again from its results.json",
+                           description=replot.__doc__, prog="bench.py replot")
+    again.set_defaults(main=replot)
+    again.add_argument("results", type=Path, help="a results.json that bench.py wrote")
+    again.add_argument("--duration", type=float, default=None, help="the run's --duration, for a "
+                       "results.json too old to hold it (results/README.md gives each run's command)")
     figs = sub.add_parser("figures", help="draw the docs' figures", description=figures.__doc__,
                           prog="bench.py figures", formatter_class=argparse.RawDescriptionHelpFormatter)
     figs.set_defaults(main=figures.main)
@@ -666,7 +681,7 @@ def caption(run: Run) -> str:
     else:
         gpu = run.devices[0].startswith("cuda")
         devices = f"{len(run.devices)} workers on {', '.join(run.devices)}" + (
-            f" ({torch.cuda.get_device_name(run.devices[0])})" if gpu else "")
+            f" ({run.device_name or torch.cuda.get_device_name(run.devices[0])})" if gpu else "")
     rates = ", ".join(f"{r:g}" for r in run.rates)
     arrivals = {"static": f"{run.count} requests at once",
                 "poisson": f"Poisson arrivals at {rates} req/s for {run.duration:g} s",
@@ -713,12 +728,34 @@ def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timel
     meta = {"model": run.model, "devices": run.devices or [f"joined at {run.join}"],
             "workloads": run.workloads, "transport": run.transport, "mode": run.mode, "seed": run.seed,
             "ttft_slo": run.ttft_slo, "tpot_slo": run.tpot_slo, "length_scale": run.scale,
+            "duration": run.duration, "num_requests": run.count,
             "device_name": torch.cuda.get_device_name() if gpu else "cpu"}
     # One line, six significant digits: a sweep holds some 15,000 requests' timings.
     (run.out / "results.json").write_text(json.dumps(six_digits(
         {"meta": meta, "summary": rows, "goodput": goodput, "router_calibration": calib, "regimes": timelines,
          "requests": [r.__dict__ for r in results]}), separators=(",", ":")))
     print(f"wrote {run.out / 'results.json'} and {', '.join(files)}")
+
+
+def replot(args: argparse.Namespace) -> None:
+    """A run's PNGs drawn again, beside its results.json, from what that file holds: nothing
+    is measured. The run's caption is rebuilt from the file's meta and summary."""
+    data = json.loads(args.results.read_text())
+    meta, rows = data["meta"], data["summary"]
+    duration = default(args.duration, meta.get("duration"))
+    if duration is None:
+        raise SystemExit(f"{args.results} does not hold the run's duration: give --duration")
+    joined = meta["devices"][0].startswith("joined at ")
+    run = Run(mode=meta["mode"], policies=list(dict.fromkeys(r["policy"] for r in rows)),
+              workloads=meta["workloads"], rates=sorted({r["rate"] for r in rows}), duration=duration,
+              count=meta.get("num_requests", len(data["requests"])), model=meta["model"],
+              devices=None if joined else meta["devices"], scale=meta["length_scale"],
+              ttft_slo=meta["ttft_slo"], tpot_slo=meta["tpot_slo"], engine={}, seed=meta["seed"],
+              out=args.results.parent, join=meta["devices"][0].removeprefix("joined at ") if joined else None,
+              transport=meta.get("transport", "p2p"), device_name=meta["device_name"])
+    results = [Result(**r) for r in data["requests"]]
+    files = plot(run, rows, results, data["goodput"], data.get("regimes") or [])
+    print(f"wrote {', '.join(str(run.out / f) for f in files)}")
 
 
 def main() -> None:

@@ -5359,6 +5359,13 @@ def test_bench_sweep_smoke(tmp_path):
         assert words in caption
     assert (tmp_path / "out" / "roles_over_time.png").stat().st_size > 1000
     check_bench_figures(results)
+    pngs = sorted((tmp_path / "out").glob("*.png"))
+    for png in pngs:
+        png.unlink()
+    again = subprocess.run([sys.executable, "bench.py", "replot", str(tmp_path / "out" / "results.json")],
+                           cwd=HERE, env=env, capture_output=True, timeout=600, check=False)
+    assert again.returncode == 0, again.stderr.decode()[-3000:]
+    assert sorted((tmp_path / "out").glob("*.png")) == pngs   # drawn again from the file alone
 
 
 def check_bench_figures(results: dict) -> None:
@@ -5366,7 +5373,9 @@ def check_bench_figures(results: dict) -> None:
     CDF's log axis has several numbered ticks; the router's counts of sequences are whole
     numbers, and its legend gives each path's count of requests (counted here); the roles'
     legend names exactly the roles that occur (found here); every legend is off the data
-    (outside the axes)."""
+    (outside the axes). In the plots against the rate each policy has its own marker, and
+    each line is drawn over the earlier ones thinner than they are, so that lines that
+    coincide all show."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -5376,6 +5385,10 @@ def check_bench_figures(results: dict) -> None:
     routed = [r for r in reqs if r.routed]
     figs = {"cdf": bench.plot_cdf(plt, rows, reqs, bench.series_styles(rows)),
             "router": bench.plot_router(plt, routed), "roles": bench.plot_roles(plt, results["regimes"])}
+    for ax in bench.plot_vs_rate(plt, rows, bench.series_styles(rows)).axes:
+        drawn = [(line.get_linewidth(), line.get_marker()) for line in ax.get_lines()]
+        widths = [w for w, _ in drawn]   # a policy's series (a workload each) share its width and marker
+        assert widths == sorted(widths, reverse=True) and len(set(drawn)) == len(set(widths)) == 3, drawn
     for fig in figs.values():
         fig.canvas.draw()
         legend_box = next(ax.get_legend() for ax in fig.axes if ax.get_legend()).get_window_extent()

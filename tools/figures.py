@@ -138,7 +138,8 @@ def draw_step_batch(out: Path) -> Path:
             ax.barh(i, n, left=left, color=color[name], edgecolor="white", height=0.6,
                     hatch="//" if prompt else None)
             label = f"{name} {n}" + ("*" if sampled else "")
-            ax.text(left + n / 2, i, label, ha="center", va="center", color="white", fontsize=10)
+            ax.text(left + n / 2, i, label, ha="center", va="center", color="black", fontsize=10,
+                    bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.9})
             left += n
     ax.axvline(8, color="black", linestyle="--", linewidth=1)
     ax.text(8.05, len(steps) - 0.6, "token budget", fontsize=9, va="center")
@@ -200,13 +201,25 @@ def draw_handoff(out: Path, prompt: int = 2048, steps: int = 6) -> Path:
 # ----------------------------------------------------------------------------- regimes and splits
 
 
+def phase_rates(requests: list[dict]) -> dict[str, float]:
+    """Each phase's mean arrival rate over the run (requests per second of that phase's
+    time): its requests over the seconds the 1 s bins it arrived in cover."""
+    seconds = {}
+    for r in requests:
+        seconds.setdefault(r["phase"], set()).add(int(r["arrival"]))
+    return {phase: sum(r["phase"] == phase for r in requests) / len(s) for phase, s in seconds.items()}
+
+
 def draw_regimes(out: Path, run: Path = REGIMES_RUN) -> Path:
     """The requests arriving per second (1 s bins, by the phase that drew them) over the
     run, and under them the regime the planner held: the whole GPU or a split (prefill SMs
-    / decode SMs)."""
+    / decode SMs). The title gives the run's --rate, the long prompts' rate (the other
+    phase's is a multiple of it: bench.py's PHASES); the legend each phase's rate as it
+    arrived."""
     data = json.loads(run.read_text())
     requests, changes = data["requests"], data["regimes"][0]["changes"]
     end = max(r["arrival"] + r["e2e"] for r in requests)
+    rates = phase_rates(requests)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 3.8), sharex=True, height_ratios=[3, 1],
                                       layout="constrained")
     for phase, color, label in (("long", PREFILL, "long prompts (1024-2048 tokens)"),
@@ -214,10 +227,14 @@ def draw_regimes(out: Path, run: Path = REGIMES_RUN) -> Path:
         bins = [0] * (int(end) + 1)
         for r in requests:
             bins[int(r["arrival"])] += r["phase"] == phase
-        top.bar(range(len(bins)), bins, width=1.0, align="edge", color=color, label=label)
+        top.bar(range(len(bins)), bins, width=1.0, align="edge", color=color,
+                label=f"{label}: {rates[phase]:.0f} req/s on average")
     top.legend(fontsize=8, loc="upper right")
-    top.set_ylabel("requests\narriving per s")
-    top.set_title("The planner's regime over bench.py's phased workload at 17 req/s on one H200", fontsize=10)
+    top.set_ylabel("requests arriving\nin each second")
+    top.set_title(f"The planner's regime on one H200 over bench.py's phased workload, --rate "
+                  f"{requests[0]['rate']:g} (the long\nprompts' rate; the ShareGPT-like phase arrives "
+                  f"{rates['sharegpt'] / rates['long']:.1f}x as fast), {len(requests)} requests over "
+                  f"{max(r['arrival'] for r in requests):.0f} s", fontsize=10)
     for change, nxt in zip(changes, changes[1:] + [{"time": end}]):
         split = change["regime"] != "1 both"
         bottom.broken_barh([(change["time"], nxt["time"] - change["time"])], (0, 1),
