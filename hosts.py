@@ -168,7 +168,7 @@ class RemoteWorkers:
     def _stop(self, workers: list[int]) -> bool:
         """Tell workers to stop and wait (up to LEAVE_TIMEOUT_S) until those not found dead
         have left: a worker still polling a store that went away would see its connection
-        break (the C++ side's warnings, frames and all, then exit status 1). Whether any left."""
+        break (the C++ side's warnings, frames and all, then exit status 1). Whether it waited."""
         for w in workers:
             with contextlib.suppress(RuntimeError, OSError):   # the store is gone already
                 self.send(w, Stop())
