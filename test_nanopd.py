@@ -2085,12 +2085,14 @@ def test_linear_dispatch_bf16(m):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hq,hkv,d,block_size", [(6, 2, 64, 8), (6, 3, 128, 16), (4, 4, 64, 4)])
 @pytest.mark.parametrize("t", [3, 19])
-def test_qk_norm_rope_store_kv(t, hq, hkv, d, block_size, dtype):
-    """Per-head q/k RMSNorm then RoPE from the fused qkv row, against HF's Qwen3RMSNorm and
-    apply_rotary_pos_emb (run in float32); k and v must land at their slots of layer 1 of a
-    block-major cache [blocks, layers, 2, Hkv, block_size, D] (strided views), in shuffled
-    blocks, and nothing else may change: padding slots, other layers, other blocks. Fewer
-    tokens than SMs (3; on a GPU also 19) spread each token's heads over several programs."""
+@pytest.mark.parametrize("norm", [True, False], ids=["qk-norm", "no-norm"])
+def test_qk_norm_rope_store_kv(t, hq, hkv, d, block_size, dtype, norm):
+    """Per-head q/k RMSNorm (Qwen3; none without the weights: Qwen2, Llama) then RoPE from the
+    fused qkv row, against HF's Qwen3RMSNorm and apply_rotary_pos_emb (run in float32); k and v
+    must land at their slots of layer 1 of a block-major cache [blocks, layers, 2, Hkv,
+    block_size, D] (strided views), in shuffled blocks, and nothing else may change: padding
+    slots, other layers, other blocks. Fewer tokens than SMs (3; on a GPU also 19) spread each
+    token's heads over several programs."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
     g = torch.Generator().manual_seed(7)
     num_blocks, scale = 6, 1.25
@@ -2105,8 +2107,10 @@ def test_qk_norm_rope_store_kv(t, hq, hkv, d, block_size, dtype):
     q_norm, k_norm = Qwen3RMSNorm(d, 1e-6), Qwen3RMSNorm(d, 1e-6)
     q_norm.weight.data, k_norm.weight.data = qw.to(dtype).float(), kw.to(dtype).float()
     x = qkv.float()   # the same rounded inputs
-    q_ref = q_norm(x[:, :hq * d].view(t, hq, d)).transpose(0, 1)[None]   # [1, H, T, D]
-    k_ref = k_norm(x[:, hq * d:(hq + hkv) * d].view(t, hkv, d)).transpose(0, 1)[None]
+    q_ref, k_ref = x[:, :hq * d].view(t, hq, d), x[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    if norm:
+        q_ref, k_ref = q_norm(q_ref), k_norm(k_ref)
+    q_ref, k_ref = q_ref.transpose(0, 1)[None], k_ref.transpose(0, 1)[None]   # [1, H, T, D]
     angles = torch.cat([positions[:, None].float() * inv_freq] * 2, -1)[None]
     q_ref, k_ref = apply_rotary_pos_emb(q_ref, k_ref, angles.cos() * scale, angles.sin() * scale)
     q_ref, k_ref = q_ref[0].transpose(0, 1).detach(), k_ref[0].transpose(0, 1).detach()   # [T, H, D]
@@ -2115,8 +2119,8 @@ def test_qk_norm_rope_store_kv(t, hq, hkv, d, block_size, dtype):
     expect = cache.clone()
     expect[blk, 1, 1, :, off] = qkv[valid, (hq + hkv) * d:].view(-1, hkv, d)
 
-    args = (qkv.to(DEVICE), qw.to(dtype).to(DEVICE), kw.to(dtype).to(DEVICE), positions.to(DEVICE),
-            inv_freq.to(DEVICE), scale, hq, hkv, 1e-6)
+    weights = (qw.to(dtype).to(DEVICE), kw.to(dtype).to(DEVICE)) if norm else (None, None)
+    args = (qkv.to(DEVICE), *weights, positions.to(DEVICE), inv_freq.to(DEVICE), scale, hq, hkv, 1e-6)
     for fn in (kernels.qk_norm_rope_store_kv, kernels.qk_norm_rope_store_kv_torch):
         out = cache.clone().to(DEVICE)
         q = fn(*args, out[:, 1, 0], out[:, 1, 1], slots.to(DEVICE)).cpu()
