@@ -13,6 +13,7 @@ into one matmul each; PACKED maps the checkpoint's names onto them (as in nano-v
 """
 
 import json
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -423,12 +424,18 @@ class ByteTokenizer:
 
 
 def load_tokenizer(name_or_path: str):
-    """A checkpoint folder's own tokenizer (offline, through AutoTokenizer), else bytes."""
+    """A checkpoint folder's own tokenizer (offline, through AutoTokenizer), else bytes: for
+    a preset, and for a folder without tokenizer files with a warning (its model's ids are
+    most likely not bytes)."""
     folder = Path(name_or_path)
     if folder.is_dir() and any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(folder)
     config = load_config(name_or_path)
+    if name_or_path not in PRESETS:
+        warnings.warn(f"checkpoint folder {folder} has no tokenizer files (tokenizer.json, "
+                      "tokenizer_config.json): prompts will be encoded as UTF-8 bytes and the "
+                      "output shown as bytes", stacklevel=2)
     ids = [config.bos_token_id, config.eos_token_id, getattr(config, "pad_token_id", None)]
     return ByteTokenizer({j for i in ids if i is not None for j in (i if isinstance(i, list) else [i])})
 

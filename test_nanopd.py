@@ -58,6 +58,7 @@ import threading
 import time
 import tokenize
 import tomllib
+import warnings
 import weakref
 from collections import Counter
 from dataclasses import dataclass
@@ -884,6 +885,20 @@ def test_an_unsupported_model_type_is_a_value_error_naming_the_supported_ones(tm
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match=r"'gpt2' is not supported \(supported: qwen3, qwen2, llama\)"):
         qwen.load_model(str(tmp_path), dtype=torch.float32, device=DEVICE)
+
+
+def test_a_checkpoint_without_tokenizer_files_warns_once_and_encodes_bytes(tmp_path):
+    """A folder without tokenizer files: one warning per load, naming the folder and the byte
+    fallback; prompts are then their UTF-8 bytes. A preset (bytes by design) does not warn."""
+    hf_checkpoint(tmp_path)
+    with pytest.warns(UserWarning) as record:
+        tokenizer = make_llm(tmp_path, num_kv_blocks=32).get_tokenizer()
+    said = [str(w.message) for w in record if "tokenizer" in str(w.message)]
+    assert len(said) == 1 and str(tmp_path) in said[0] and "UTF-8 bytes" in said[0]
+    assert tokenizer.encode("né ✓") == list("né ✓".encode())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qwen.load_tokenizer("tiny")
 
 
 @pytest.mark.parametrize("rope", [
