@@ -13,7 +13,8 @@ The jobs:
                    the model's elementwise chains, one kernel each instead of the
                    five to ten small torch ops they take unfused (at batch 1 a decode
                    step is mostly launches of small kernels otherwise); the q/k one
-                   also writes this step's new K/V rows into the paged cache
+                   (its norm optional: Qwen3 has it, Qwen2 and Llama not) also writes
+                   this step's new K/V rows into the paged cache
 
 Each public function runs the Triton kernel on CUDA tensors, and also on CPU tensors
 when TRITON_INTERPRET=1 (that is how CI tests the kernels themselves). Otherwise, on
@@ -590,17 +591,19 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _norm_rope_heads(src, mask, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr):
+def _norm_rope_heads(src, mask, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr,
+                     NORM: tl.constexpr):
     # src: pointers [heads, HEAD_DIM // 2] to the first halves of some heads of one token.
-    # RMS-normalise each head, scale by the weight, rotate (HF's rotate_half layout).
+    # RMS-normalise each head and scale by the weight (if NORM), rotate (HF's rotate_half layout).
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HALF)
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
-    # HF rounds the normalised value to the model dtype before the weight; so do we.
-    x1 = (x1 * r).to(DTYPE).to(tl.float32) * tl.load(w_ptr + d).to(tl.float32)[None, :]
-    x2 = (x2 * r).to(DTYPE).to(tl.float32) * tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
+    if NORM:
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / HEAD_DIM + eps)[:, None]
+        # HF rounds the normalised value to the model dtype before the weight; so do we.
+        x1 = (x1 * r).to(DTYPE).to(tl.float32) * tl.load(w_ptr + d).to(tl.float32)[None, :]
+        x2 = (x2 * r).to(DTYPE).to(tl.float32) * tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
     return (x1 * cos - x2 * sin).to(DTYPE), (x2 * cos + x1 * sin).to(DTYPE)
 
 
@@ -610,7 +613,8 @@ def _qk_norm_rope_store_kv_kernel(
     stride_qkv, stride_qt, eps, rope_scale,
     stride_cb, stride_ch, stride_cs,   # cache strides: block, head, slot-in-block (K and V views share them)
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HQ_BLOCK: tl.constexpr, HKV_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT_HEADS: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT_HEADS: tl.constexpr, NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Program (token, j) works on 2D tiles [heads, HEAD_DIM // 2]: a program per (token,
     # head) moves too few bytes to keep the memory system busy. With many tokens one program
@@ -631,7 +635,7 @@ def _qk_norm_rope_store_kv_kernel(
         hq = j * HQ_BLOCK + tl.arange(0, HQ_BLOCK)[:, None]
         q_mask = hq < NUM_Q_HEADS
         q1, q2 = _norm_rope_heads(row + hq * HEAD_DIM + d[None, :], q_mask, qw_ptr, cos, sin, eps,
-                                  HEAD_DIM, DTYPE)
+                                  HEAD_DIM, DTYPE, NORM)
         dst = q_ptr + tok * stride_qt + hq * HEAD_DIM + d[None, :]
         tl.store(dst, q1, mask=q_mask)
         tl.store(dst + HALF, q2, mask=q_mask)
@@ -643,7 +647,7 @@ def _qk_norm_rope_store_kv_kernel(
         hkv = tl.arange(0, HKV_PAD)[:, None]
         kv_mask = (hkv < NUM_KV_HEADS) & (slot >= 0)
         k1, k2 = _norm_rope_heads(row + (NUM_Q_HEADS + hkv) * HEAD_DIM + d[None, :], kv_mask, kw_ptr,
-                                  cos, sin, eps, HEAD_DIM, DTYPE)
+                                  cos, sin, eps, HEAD_DIM, DTYPE, NORM)
         dst = block * stride_cb + hkv * stride_ch + offset * stride_cs + d[None, :]
         tl.store(k_cache_ptr + dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(k_cache_ptr + dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
@@ -652,18 +656,22 @@ def _qk_norm_rope_store_kv_kernel(
         tl.store(v_cache_ptr + block * stride_cb + hkv * stride_ch + offset * stride_cs + dv, v, mask=kv_mask)
 
 
-def qk_norm_rope_store_kv(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+def qk_norm_rope_store_kv(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                           positions: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float,
                           num_q_heads: int, num_kv_heads: int, eps: float, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-    """From the fused projection qkv [T, (Hq + 2 Hkv) * D]: per-head RMSNorm of q and k, RoPE at
-    positions [T] (inv_freq [D/2] fp32); q is returned [T, Hq, D]; k and v go straight into the
-    paged cache views [num_blocks, Hkv, block_size, D] at slot_mapping [T] (-1: padding, skipped)."""
+    """From the fused projection qkv [T, (Hq + 2 Hkv) * D]: per-head RMSNorm of q and k (unless
+    the weights are None), RoPE at positions [T] (inv_freq [D/2] fp32); q is returned [T, Hq, D];
+    k and v go straight into the paged cache views [num_blocks, Hkv, block_size, D] at
+    slot_mapping [T] (-1: padding, skipped)."""
     if not _use_triton(qkv):
         return qk_norm_rope_store_kv_torch(qkv, q_weight, k_weight, positions, inv_freq, rope_scale,
                                            num_q_heads, num_kv_heads, eps, k_cache, v_cache, slot_mapping)
-    head_dim = q_weight.shape[0]
+    head_dim = qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
     _check_pow2(head_dim=head_dim)
+    norm = q_weight is not None
+    if not norm:   # the kernel takes a pointer it never reads
+        q_weight = k_weight = inv_freq
     assert qkv.stride(1) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     t = qkv.shape[0]
     q = torch.empty(t, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -676,23 +684,25 @@ def qk_norm_rope_store_kv(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: t
             qkv.stride(0), q.stride(0), eps, rope_scale, k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2),
             NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HQ_BLOCK=hq_block, HKV_PAD=hkv_pad,
-            HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[2], SPLIT_HEADS=split,
+            HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[2], SPLIT_HEADS=split, NORM=norm,
             num_warps=8 if hq_block * head_dim >= 4096 else 4, **_pdl(qkv.device))
     return q
 
 
-def qk_norm_rope_store_kv_torch(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                                positions: torch.Tensor, inv_freq: torch.Tensor, rope_scale: float,
-                                num_q_heads: int, num_kv_heads: int, eps: float, k_cache: torch.Tensor,
+def qk_norm_rope_store_kv_torch(qkv: torch.Tensor, q_weight: torch.Tensor | None,
+                                k_weight: torch.Tensor | None, positions: torch.Tensor,
+                                inv_freq: torch.Tensor, rope_scale: float, num_q_heads: int,
+                                num_kv_heads: int, eps: float, k_cache: torch.Tensor,
                                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-    d = q_weight.shape[0]
+    d = qkv.shape[1] // (num_q_heads + 2 * num_kv_heads)
     q, k, v = qkv.unflatten(-1, (-1, d)).split([num_q_heads, num_kv_heads, num_kv_heads], 1)
     freqs = positions.float()[:, None] * inv_freq
     angles = torch.cat((freqs, freqs), -1)[:, None]   # [T, 1, D]
     cos, sin = (angles.cos() * rope_scale).to(qkv.dtype), (angles.sin() * rope_scale).to(qkv.dtype)
 
     def norm_rope(x, w):
-        x = rms_norm_torch(x, w, eps)[0]
+        if w is not None:
+            x = rms_norm_torch(x, w, eps)[0]
         x1, x2 = x.chunk(2, -1)
         return x * cos + torch.cat((-x2, x1), -1) * sin
     valid = slot_mapping >= 0

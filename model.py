@@ -1,5 +1,8 @@
-"""Qwen3 for nanoPD: the network, loading it from an HF checkpoint or a named preset, and
-the tokenizer that goes with it.
+"""The model for nanoPD: a decoder of the Qwen3 / Qwen2 (Qwen2.5) / Llama family, loading
+it from an HF checkpoint or a named preset, and the tokenizer that goes with it.
+
+The three families share one network; what differs (q/k norms, biases) is data, read from
+the checkpoint's config through ARCHITECTURES, not branches.
 
 A step's tokens from all sequences are concatenated (no batch dimension): input_ids and
 positions are [num_tokens]. Each attention layer writes the step's K/V into the paged cache
@@ -10,6 +13,7 @@ into one matmul each; PACKED maps the checkpoint's names onto them (as in nano-v
 """
 
 import json
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +43,30 @@ class AttentionMetadata:
 # ----------------------------------------------------------------------------- the network
 
 
+@dataclass(frozen=True)
+class Architecture:
+    """What a decoder family has that the shared network leaves optional."""
+    qk_norm: bool           # RMSNorm on each head of q and k before RoPE (Qwen3)
+    qkv_bias: bool          # biases on the q, k and v projections
+    o_bias: bool            # a bias on the output projection
+    mlp_bias: bool = False  # biases on gate, up and down
+
+
+# HF model_type -> its Architecture, from the config's fields (Qwen2's biases are fixed; HF's
+# Qwen3 and Llama read attention_bias, Llama also mlp_bias).
+ARCHITECTURES = {
+    "qwen3": lambda c: Architecture(qk_norm=True, qkv_bias=c.attention_bias, o_bias=c.attention_bias),
+    "qwen2": lambda c: Architecture(qk_norm=False, qkv_bias=True, o_bias=False),
+    "llama": lambda c: Architecture(qk_norm=False, qkv_bias=c.attention_bias, o_bias=c.attention_bias,
+                                    mlp_bias=c.mlp_bias),
+}
+
+
+def head_dim(config: PretrainedConfig) -> int:
+    """config.head_dim where the config has one (Qwen3 always), else hidden_size / heads, as HF."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def rope_frequencies(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
     """inv_freq [head_dim // 2] (fp32) and the cos/sin scale. Scaled RoPE types come from HF's
     own initialisers, so any rope_type the config names works; the length-dependent updates
@@ -48,8 +76,8 @@ def rope_frequencies(config: PretrainedConfig) -> tuple[torch.Tensor, float]:
     if rope_type != "default":   # transformers 5 has no "default" entry in ROPE_INIT_FUNCTIONS
         inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config)
         return inv_freq.float(), float(scale)
-    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return 1.0 / theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim), 1.0
+    theta, d = params.get("rope_theta", getattr(config, "rope_theta", 10000.0)), head_dim(config)
+    return 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d), 1.0
 
 
 class RMSNorm(nn.Module):
@@ -75,31 +103,33 @@ class Linear(nn.Linear):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer: int, rope: tuple[torch.Tensor, float]):
+    def __init__(self, config: PretrainedConfig, arch: Architecture, layer: int,
+                 rope: tuple[torch.Tensor, float]):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.head_dim
+        self.head_dim, self.eps = head_dim(config), config.rms_norm_eps
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
-        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        inv_freq, self.rope_scale = rope   # computed once by Qwen3, shared by every layer
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=arch.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, self.eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, self.eps) if arch.qk_norm else None
+        inv_freq, self.rope_scale = rope   # computed once by CausalLM, shared by every layer
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
             slot_mapping: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> q [T, heads, head_dim]; this token's k and v go into the cache."""
         qkv = self.qkv_proj(x)
-        # Qwen3 normalises each head's q and k, then rotates them; k and v go straight into
-        # this layer's cache. One kernel for all of it.
+        # Qwen3 first normalises each head's q and k (the other families have no q/k norm:
+        # weights None); q and k are rotated, k and v go straight into this layer's cache.
+        # One kernel for all of it.
         k_cache, v_cache = kv_cache[:, self.layer, 0], kv_cache[:, self.layer, 1]
-        return kernels.qk_norm_rope_store_kv(qkv, self.q_norm.weight, self.k_norm.weight, positions,
-                                             self.inv_freq, self.rope_scale, self.num_heads,
-                                             self.num_kv_heads, self.q_norm.eps, k_cache, v_cache,
-                                             slot_mapping)
+        q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.q_norm else (None, None)
+        return kernels.qk_norm_rope_store_kv(qkv, q_weight, k_weight, positions, self.inv_freq,
+                                             self.rope_scale, self.num_heads, self.num_kv_heads,
+                                             self.eps, k_cache, v_cache, slot_mapping)
 
     def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -111,10 +141,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, arch: Architecture):
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=arch.mlp_bias)
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r}: only silu (SwiGLU) is supported")
 
@@ -124,12 +154,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, layer: int, rope: tuple[torch.Tensor, float]):
+    def __init__(self, config: PretrainedConfig, arch: Architecture, layer: int,
+                 rope: tuple[torch.Tensor, float]):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = Attention(config, layer, rope)
+        self.self_attn = Attention(config, arch, layer, rope)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, arch)
 
     # h is the previous block's output, not yet added to the residual stream: each norm does
     # that add (x + residual) in the same kernel, and first adds h's split-K partial sums if
@@ -149,8 +180,9 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class Qwen3(nn.Module):
-    """kv_cache: [num_blocks, num_layers, 2 (K, V), num_kv_heads, block_size, head_dim]."""
+class CausalLM(nn.Module):
+    """A decoder of any family in ARCHITECTURES (config.model_type says which).
+    kv_cache: [num_blocks, num_layers, 2 (K, V), num_kv_heads, block_size, head_dim]."""
 
     def __init__(self, config: PretrainedConfig):
         super().__init__()
@@ -159,10 +191,10 @@ class Qwen3(nn.Module):
         self.config = config
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
+        self.head_dim = head_dim(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        rope = rope_frequencies(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, rope) for i in range(self.num_layers))
+        rope, arch = rope_frequencies(config), ARCHITECTURES[config.model_type](config)
+        self.layers = nn.ModuleList(DecoderLayer(config, arch, i, rope) for i in range(self.num_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -242,8 +274,9 @@ def load_config(name_or_path: str) -> PretrainedConfig:
         config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as e:   # unreadable JSON, unknown model type, ...
         raise ValueError(f"{folder / 'config.json'} cannot be read as a model config: {e}") from None
-    if config.model_type != "qwen3":
-        raise ValueError(f"{folder}: model_type {config.model_type!r} is not qwen3")
+    if config.model_type not in ARCHITECTURES:
+        raise ValueError(f"{folder}: model_type {config.model_type!r} is not supported "
+                         f"(supported: {', '.join(ARCHITECTURES)})")
     return config
 
 
@@ -262,7 +295,7 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-def _destination(model: Qwen3, params: dict[str, nn.Parameter], hf_name: str) -> tuple[str, torch.Tensor]:
+def _destination(model: CausalLM, params: dict[str, nn.Parameter], hf_name: str) -> tuple[str, torch.Tensor]:
     """The parameter a checkpoint tensor belongs to, and the rows of it that the tensor fills."""
     name = hf_name.removeprefix("model.")
     module, _, leaf = name.rpartition(".")   # "layers.3.self_attn.q_proj", "weight"
@@ -278,7 +311,7 @@ def _destination(model: Qwen3, params: dict[str, nn.Parameter], hf_name: str) ->
 
 
 @torch.no_grad()
-def load_weights(model: Qwen3, files: list[Path]) -> None:
+def load_weights(model: CausalLM, files: list[Path]) -> None:
     """Copy checkpoint tensors, read straight onto the model's device, into its parameters."""
     params = dict(model.named_parameters())   # a tied lm_head is listed once, as embed_tokens
     rows_filled = dict.fromkeys(params, 0)     # counts rows, so a missing q/k/v or gate/up shows
@@ -293,12 +326,14 @@ def load_weights(model: Qwen3, files: list[Path]) -> None:
                          f"{' ...' if len(missing) > 5 else ''}")
 
 
-def load_file_into(model: Qwen3, params: dict[str, nn.Parameter], file: Path,
+def load_file_into(model: CausalLM, params: dict[str, nn.Parameter], file: Path,
                    rows_filled: dict[str, int]) -> None:
     """Copy one safetensors file's tensors into their parameters, counting the rows filled."""
     with safe_open(file, framework="pt", device=str(model.device)) as f:
         for hf_name in f.keys():   # noqa: SIM118 (safe_open is not iterable)
             if hf_name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue
+            if ".rotary_emb." in hf_name:   # RoPE's buffers, which some older Llama checkpoints saved
                 continue
             name, dst = _destination(model, params, hf_name)
             tensor = f.get_tensor(hf_name)
@@ -310,7 +345,7 @@ def load_file_into(model: Qwen3, params: dict[str, nn.Parameter], file: Path,
 
 
 @torch.no_grad()
-def init_random(model: Qwen3, seed: int) -> None:
+def init_random(model: CausalLM, seed: int) -> None:
     """normal(0, 0.02) matrices, unit norms, zero biases; on the model's device, from seed."""
     gen = torch.Generator(model.device).manual_seed(seed)
     for name, p in model.named_parameters():
@@ -331,8 +366,8 @@ def default_dtype(dtype: torch.dtype):
 
 
 def load_model(name_or_path: str, dtype: torch.dtype | str | None = None,
-               device: str | torch.device | None = None, seed: int = 0) -> Qwen3:
-    """A preset name (random weights from seed) or an HF checkpoint folder -> Qwen3 in eval
+               device: str | torch.device | None = None, seed: int = 0) -> CausalLM:
+    """A preset name (random weights from seed) or an HF checkpoint folder -> CausalLM in eval
     mode; its config is model.config. Defaults: cuda if available; bf16 there, fp32 on CPU."""
     config = load_config(name_or_path)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -340,7 +375,7 @@ def load_model(name_or_path: str, dtype: torch.dtype | str | None = None,
     files = None if name_or_path in PRESETS else checkpoint_files(Path(name_or_path))
     # Allocate every parameter on the device in its final dtype: no CPU copy, no fp32 detour.
     with torch.device(device), default_dtype(dtype):
-        model = Qwen3(config)
+        model = CausalLM(config)
     model.requires_grad_(False)
     if files is None:
         init_random(model, seed)
@@ -389,12 +424,18 @@ class ByteTokenizer:
 
 
 def load_tokenizer(name_or_path: str):
-    """A checkpoint folder's own tokenizer (offline, through AutoTokenizer), else bytes."""
+    """A checkpoint folder's own tokenizer (offline, through AutoTokenizer), else bytes: for
+    a preset, and for a folder without tokenizer files with a warning (its model's ids are
+    most likely not bytes)."""
     folder = Path(name_or_path)
     if folder.is_dir() and any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(folder)
     config = load_config(name_or_path)
+    if name_or_path not in PRESETS:
+        warnings.warn(f"checkpoint folder {folder} has no tokenizer files (tokenizer.json, "
+                      "tokenizer_config.json): prompts will be encoded as UTF-8 bytes and the "
+                      "output shown as bytes", stacklevel=2)
     ids = [config.bos_token_id, config.eos_token_id, getattr(config, "pad_token_id", None)]
     return ByteTokenizer({j for i in ids if i is not None for j in (i if isinstance(i, list) else [i])})
 

@@ -107,7 +107,7 @@ class LLM:
 
     def get_tokenizer(self):
         """The tokenizer prompts are encoded with: the checkpoint's own (an HF tokenizer),
-        or the presets' UTF-8 bytes (model.py:ByteTokenizer)."""
+        or UTF-8 bytes (model.py:ByteTokenizer) for a preset or a folder without one."""
         return self.backend.tokenizer
 
     def __enter__(self) -> Self:
@@ -343,7 +343,8 @@ def main() -> None:
     p.add_argument("--model", default="qwen3-8b" if torch.cuda.is_available() else "tiny",
                    help="preset (tiny, qwen3-0.6b, qwen3-8b: the real architecture with random weights, so "
                         "the text means nothing; bytes for tokens, ids past 255 shown as ⟨id⟩) or a local HF "
-                        "checkpoint folder; the default is qwen3-8b on a GPU, tiny without one")
+                        "checkpoint folder (Qwen3, Qwen2/Qwen2.5 or Llama); the default is qwen3-8b on "
+                        "a GPU, tiny without one")
     p.add_argument("--prompt", default="The quick brown fox", help="the prompt text")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0,

@@ -8,7 +8,7 @@ start-up replace the hundreds of kernel launches of a step, which cost the host 
 than a small step takes on the GPU:
   - pure-decode steps replay a graph of the whole model for a padded batch size;
   - steps with prefill tokens, up to 1024 tokens (PIECE_TOKENS), replay graphs of the pieces
-    between attentions (Qwen3.piece) for a padded token count, and launch each layer's
+    between attentions (CausalLM.piece) for a padded token count, and launch each layer's
     attention themselves, since its grid depends on the batch's sequences ("piecewise"
     graphs, as vLLM does); bigger steps keep the GPU busy long enough to run eagerly.
 A token the host has not received yet (PENDING, see engine.py) is read on the device from
@@ -28,7 +28,7 @@ from tqdm import tqdm
 import kernels
 from config import EngineConfig
 from kv_cache import allocate_kv_cache, blocks_for_memory, cdiv, kv_bytes_per_block
-from model import AttentionMetadata, Qwen3
+from model import AttentionMetadata, CausalLM
 from request import SamplingParams, Sequence
 from sampler import TokenCounts, beam_candidates, sample, token_logprobs
 from scheduler import Batch
@@ -190,7 +190,7 @@ class StepOutput:
 class ModelRunner:
     """Owns the model and its KV cache; turns a Batch into sampled tokens."""
 
-    def __init__(self, model: Qwen3, cfg: EngineConfig, draft: Qwen3 | None = None):
+    def __init__(self, model: CausalLM, cfg: EngineConfig, draft: CausalLM | None = None):
         self.model, self.cfg, self.device, self.draft = model, cfg, model.device, draft
         if self.device.type == "cuda":   # the streams, graphs and memory queries below mean this device
             torch.cuda.set_device(self.device)
@@ -524,7 +524,7 @@ class ModelRunner:
         return pool
 
     def _capture_piece_graphs(self, sizes: list[int], pool, stream: torch.cuda.Stream):
-        """For each token count t, one graph per Qwen3.piece: it reads its input (token ids, or
+        """For each token count t, one graph per CausalLM.piece: it reads its input (token ids, or
         the attention output "o") and "residual" from the static buffers and writes its
         results back to them ("q" and "residual", or "hidden"), so every piece of every size
         shares those buffers and the pool holds only the biggest piece's temporaries."""

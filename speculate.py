@@ -52,13 +52,13 @@ from dataclasses import dataclass, field
 import torch
 
 from config import SpeculativeConfig
-from model import Qwen3, load_model
+from model import CausalLM, load_model
 from request import Sequence
 from runner import Draw, ModelRunner
 from scheduler import Batch, Scheduler
 
 
-def load_draft(name: str, target: Qwen3, seed: int) -> Qwen3:
+def load_draft(name: str, target: CausalLM, seed: int) -> CausalLM:
     """draft_model's model, on the target's device in its dtype; its vocabulary must be the target's."""
     draft = load_model(name, dtype=target.dtype, device=target.device, seed=seed)
     if draft.config.vocab_size != target.config.vocab_size:

@@ -1,11 +1,11 @@
-"""nanoPD's tests: every part against an independent reference (HF transformers' Qwen3, a
-plain-torch computation, a brute-force evaluation, or an invariant).
+"""nanoPD's tests: every part against an independent reference (HF transformers' Qwen3,
+Qwen2 and Llama, a plain-torch computation, a brute-force evaluation, or an invariant).
 
 Contents: the shared reference and fixtures first, then one section per module, in the
 order of the README's file map (its three tables):
   config.py                  engine settings
   kv_cache.py                the cache tensor and the block manager
-  model.py                   Qwen3 and its loading
+  model.py                   the decoder and its loading
   request.py                 requests and their validation
   scheduler.py               batching, chunked prefill, preemption, prefix cache
   sampler.py                 sampling and logprobs
@@ -58,6 +58,7 @@ import threading
 import time
 import tokenize
 import tomllib
+import warnings
 import weakref
 from collections import Counter
 from dataclasses import dataclass
@@ -78,7 +79,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import cluster as cluster_mod
 import hosts
@@ -130,16 +138,24 @@ BLOCK_SIZE = 8
 VOCAB = 256
 
 
-def hf_checkpoint(path, tie=False, heads=4, kv_heads=2, rope=None, max_shard_size="1GB"):
-    """A random fp32 HF Qwen3 (no EOS token) saved to path. Norm weights are randomised too, so
-    a misplaced q_norm/k_norm or RMSNorm shows in the logits; weights of std 0.1 give wide
-    argmax margins, so greedy comparisons are stable."""
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=32,
-                         max_position_embeddings=512, tie_word_embeddings=tie,
-                         rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0})
+FAMILIES = {"qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+            "llama": (LlamaConfig, LlamaForCausalLM)}
+
+
+def hf_checkpoint(path, tie=False, heads=4, kv_heads=2, rope=None, max_shard_size="1GB", family="qwen3",
+                  head_dim=32, **extra):
+    """A random fp32 HF model of the family (Qwen3 unless told; no EOS token) saved to path;
+    head_dim None leaves it out of the config (Qwen2's and Llama's may lack it). Norm weights
+    and biases are randomised too, so a misplaced q_norm/k_norm, RMSNorm or bias shows in the
+    logits; weights of std 0.1 give wide argmax margins, so greedy comparisons are stable."""
+    config_class, model_class = FAMILIES[family]
+    config = config_class(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=heads, num_key_value_heads=kv_heads,
+                          max_position_embeddings=512, tie_word_embeddings=tie,
+                          rope_parameters=rope or {"rope_type": "default", "rope_theta": 10000.0},
+                          **({"head_dim": head_dim} if head_dim else {}), **extra)
     torch.manual_seed(0)
-    hf = Qwen3ForCausalLM(config).eval()
+    hf = model_class(config).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.1)
@@ -753,8 +769,8 @@ def test_random_operations_keep_the_invariants(monkeypatch, hash_fn, prefix_cach
         assert stats["hit_blocks"] > 200 and stats["dedup"] > 0
 
 
-# ============================================= model.py: Qwen3 and its loading
-# Logits against HF transformers' Qwen3 on the same checkpoint.
+# ======================================== model.py: the decoder and its loading
+# Logits against HF transformers' Qwen3, Qwen2 and Llama on the same checkpoint.
 
 
 class PagedRunner:
@@ -797,14 +813,25 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, tol=1e-4):
     assert err < tol, f"max error {err:.2e} (relative to max |logit|)"
 
 
-VARIANTS = {"untied": {}, "tied-gqa3": {"tie": True, "heads": 6, "kv_heads": 2}}
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+# Qwen2 and Llama: no q/k norm, head_dim from hidden_size / heads (16 and 32 here); Qwen2 has
+# biases on q/k/v (not o); this Llama has Llama 3's scaled RoPE and biases on every projection.
+VARIANTS = {"untied": {}, "tied-gqa3": {"tie": True, "heads": 6, "kv_heads": 2},
+            "qwen2-tied": {"family": "qwen2", "tie": True, "head_dim": None},
+            "llama3-bias": {"family": "llama", "heads": 2, "kv_heads": 1, "head_dim": None,
+                            "rope": LLAMA3_ROPE, "attention_bias": True, "mlp_bias": True}}
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
-def pair(request, tmp_path_factory):
+def variant(request, tmp_path_factory) -> Reference:
     path = tmp_path_factory.mktemp(request.param)
-    hf = hf_checkpoint(path, **VARIANTS[request.param])
-    return hf, qwen.load_model(str(path), dtype=torch.float32, device=DEVICE)
+    return Reference(hf_checkpoint(path, **VARIANTS[request.param]), path)
+
+
+@pytest.fixture(scope="module")
+def pair(variant):
+    return variant.model, qwen.load_model(str(variant.path), dtype=torch.float32, device=DEVICE)
 
 
 def test_prefill_batch_matches_hf(pair):
@@ -840,6 +867,40 @@ def test_decode_matches_hf(pair):
         assert_close(runner.step({0: a[p:p + 1]})[0][0], ref_a[p])
 
 
+@pytest.mark.parametrize("triton", [False, True], ids=["torch-twins", "triton"])
+def test_llm_on_each_family_generates_hf_greedy_tokens_and_logprobs(variant, triton, monkeypatch):
+    """LLM(folder).generate on each family's checkpoint (Qwen3 untied and tied, Qwen2, Llama 3
+    with biases): HF generate's greedy tokens, and logprobs=3 equal to HF's log_softmax; through
+    the kernels' torch twins and through the Triton kernels (the interpreter on CPU)."""
+    monkeypatch.setattr(kernels, "INTERPRET", triton and os.environ.get("TRITON_INTERPRET") == "1")
+    prompts, n = ([PROMPTS[1]], 4) if triton else (PROMPTS[:2], 8)   # the interpreter is slow
+    outs = generate(make_llm(variant.path, num_kv_blocks=32), prompts, max_tokens=n, logprobs=3)
+    assert tokens(outs) == [variant.greedy(p, n) for p in prompts]
+    assert_top3_logprobs_match_hf(variant, prompts, outs, n)
+
+
+def test_an_unsupported_model_type_is_a_value_error_naming_the_supported_ones(tmp_path):
+    hf_checkpoint(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match=r"'gpt2' is not supported \(supported: qwen3, qwen2, llama\)"):
+        qwen.load_model(str(tmp_path), dtype=torch.float32, device=DEVICE)
+
+
+def test_a_checkpoint_without_tokenizer_files_warns_once_and_encodes_bytes(tmp_path):
+    """A folder without tokenizer files: one warning per load, naming the folder and the byte
+    fallback; prompts are then their UTF-8 bytes. A preset (bytes by design) does not warn."""
+    hf_checkpoint(tmp_path)
+    with pytest.warns(UserWarning) as record:
+        tokenizer = make_llm(tmp_path, num_kv_blocks=32).get_tokenizer()
+    said = [str(w.message) for w in record if "tokenizer" in str(w.message)]
+    assert len(said) == 1 and str(tmp_path) in said[0] and "UTF-8 bytes" in said[0]
+    assert tokenizer.encode("né ✓") == list("né ✓".encode())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        qwen.load_tokenizer("tiny")
+
+
 @pytest.mark.parametrize("rope", [
     {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "rope_theta": 10000.0},
@@ -860,6 +921,19 @@ def test_sharded_checkpoint_loads_identically(tmp_path):
     sharded = qwen.load_model(str(tmp_path / "sharded"), dtype=torch.float32, device=DEVICE).state_dict()
     assert one.keys() == sharded.keys()
     assert all(torch.equal(one[k], sharded[k]) for k in one)
+
+
+def test_rope_buffers_saved_in_a_checkpoint_are_skipped(tmp_path):
+    """Some older Llama checkpoints also hold each layer's rotary_emb.inv_freq: the model
+    computes its own, so loading skips them and the weights are the same as without them."""
+    hf_checkpoint(tmp_path / "plain", family="llama", head_dim=None)
+    hf_checkpoint(tmp_path / "buffers", family="llama", head_dim=None)
+    weights = load_file(tmp_path / "buffers" / "model.safetensors")
+    weights |= {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.rand(8) for i in range(2)}
+    save_file(weights, tmp_path / "buffers" / "model.safetensors", metadata={"format": "pt"})
+    plain, buffers = (qwen.load_model(str(tmp_path / name), dtype=torch.float32, device=DEVICE).state_dict()
+                      for name in ("plain", "buffers"))
+    assert plain.keys() == buffers.keys() and all(torch.equal(plain[k], buffers[k]) for k in plain)
 
 
 def test_bad_inputs_raise(tmp_path):
@@ -901,7 +975,7 @@ def test_presets():
         == (151645, 151643, 40960)
     for name, billions in [("qwen3-8b", 8.19), ("qwen3-0.6b", 0.596)]:
         with torch.device("meta"):
-            shapes = qwen.Qwen3(qwen.load_config(name))
+            shapes = qwen.CausalLM(qwen.load_config(name))
         assert abs(sum(p.numel() for p in shapes.parameters()) / 1e9 - billions) < 0.005
 
 
@@ -2085,12 +2159,14 @@ def test_linear_dispatch_bf16(m):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hq,hkv,d,block_size", [(6, 2, 64, 8), (6, 3, 128, 16), (4, 4, 64, 4)])
 @pytest.mark.parametrize("t", [3, 19])
-def test_qk_norm_rope_store_kv(t, hq, hkv, d, block_size, dtype):
-    """Per-head q/k RMSNorm then RoPE from the fused qkv row, against HF's Qwen3RMSNorm and
-    apply_rotary_pos_emb (run in float32); k and v must land at their slots of layer 1 of a
-    block-major cache [blocks, layers, 2, Hkv, block_size, D] (strided views), in shuffled
-    blocks, and nothing else may change: padding slots, other layers, other blocks. Fewer
-    tokens than SMs (3; on a GPU also 19) spread each token's heads over several programs."""
+@pytest.mark.parametrize("norm", [True, False], ids=["qk-norm", "no-norm"])
+def test_qk_norm_rope_store_kv(t, hq, hkv, d, block_size, dtype, norm):
+    """Per-head q/k RMSNorm (Qwen3; none without the weights: Qwen2, Llama) then RoPE from the
+    fused qkv row, against HF's Qwen3RMSNorm and apply_rotary_pos_emb (run in float32); k and v
+    must land at their slots of layer 1 of a block-major cache [blocks, layers, 2, Hkv,
+    block_size, D] (strided views), in shuffled blocks, and nothing else may change: padding
+    slots, other layers, other blocks. Fewer tokens than SMs (3; on a GPU also 19) spread each
+    token's heads over several programs."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
     g = torch.Generator().manual_seed(7)
     num_blocks, scale = 6, 1.25
@@ -2105,8 +2181,10 @@ def test_qk_norm_rope_store_kv(t, hq, hkv, d, block_size, dtype):
     q_norm, k_norm = Qwen3RMSNorm(d, 1e-6), Qwen3RMSNorm(d, 1e-6)
     q_norm.weight.data, k_norm.weight.data = qw.to(dtype).float(), kw.to(dtype).float()
     x = qkv.float()   # the same rounded inputs
-    q_ref = q_norm(x[:, :hq * d].view(t, hq, d)).transpose(0, 1)[None]   # [1, H, T, D]
-    k_ref = k_norm(x[:, hq * d:(hq + hkv) * d].view(t, hkv, d)).transpose(0, 1)[None]
+    q_ref, k_ref = x[:, :hq * d].view(t, hq, d), x[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    if norm:
+        q_ref, k_ref = q_norm(q_ref), k_norm(k_ref)
+    q_ref, k_ref = q_ref.transpose(0, 1)[None], k_ref.transpose(0, 1)[None]   # [1, H, T, D]
     angles = torch.cat([positions[:, None].float() * inv_freq] * 2, -1)[None]
     q_ref, k_ref = apply_rotary_pos_emb(q_ref, k_ref, angles.cos() * scale, angles.sin() * scale)
     q_ref, k_ref = q_ref[0].transpose(0, 1).detach(), k_ref[0].transpose(0, 1).detach()   # [T, H, D]
@@ -2115,8 +2193,8 @@ def test_qk_norm_rope_store_kv(t, hq, hkv, d, block_size, dtype):
     expect = cache.clone()
     expect[blk, 1, 1, :, off] = qkv[valid, (hq + hkv) * d:].view(-1, hkv, d)
 
-    args = (qkv.to(DEVICE), qw.to(dtype).to(DEVICE), kw.to(dtype).to(DEVICE), positions.to(DEVICE),
-            inv_freq.to(DEVICE), scale, hq, hkv, 1e-6)
+    weights = (qw.to(dtype).to(DEVICE), kw.to(dtype).to(DEVICE)) if norm else (None, None)
+    args = (qkv.to(DEVICE), *weights, positions.to(DEVICE), inv_freq.to(DEVICE), scale, hq, hkv, 1e-6)
     for fn in (kernels.qk_norm_rope_store_kv, kernels.qk_norm_rope_store_kv_torch):
         out = cache.clone().to(DEVICE)
         q = fn(*args, out[:, 1, 0], out[:, 1, 1], slots.to(DEVICE)).cpu()
