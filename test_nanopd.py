@@ -1171,8 +1171,9 @@ def test_generate_serves_the_good_and_refuses_the_bad(hf, llm, prompts, bad, val
 
 @ENGINE
 def test_generate_rejects_what_is_not_a_list_of_prompts(llm):
-    for prompts in (None, 3, {"a": 1}):
-        with pytest.raises(ValueError, match="prompts"):
+    """None or a number is no prompt; a dict is one only as vLLM's TextPrompt or TokensPrompt."""
+    for prompts, words in ((None, "prompts must be"), (3, "prompts must be"), ({"a": 1}, "'a' is not taken")):
+        with pytest.raises(ValueError, match=words):
             llm.generate(prompts)
     assert llm.generate([]) == []
 
