@@ -246,7 +246,8 @@ class CentralScheduler:
         self.cfg.validate()
         config = load_config(self.cfg.model)
         self.cfg.max_model_len = min(self.cfg.max_model_len, config.max_position_embeddings)
-        self.vocab_size, self.tokenizer = config.vocab_size, load_tokenizer(self.cfg.model)
+        self.vocab_size = config.vocab_size
+        self.tokenizer = load_tokenizer(self.cfg.tokenizer or self.cfg.model)
         self.steered = POLICIES[cluster.policy].steered
         self._start_workers(startup_timeout_s)
         self.requests = RequestLedger()

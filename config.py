@@ -9,10 +9,13 @@ with its own device.
 import math
 import numbers
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float": torch.float32, "half": torch.float16}   # vLLM's other names
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")   # a folder with either holds an HF tokenizer
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,8 @@ def speculative_config(value) -> SpeculativeConfig | None:
 @dataclass
 class EngineConfig:
     model: str = "tiny"                # preset name or HF checkpoint folder
-    dtype: str | torch.dtype | None = None   # None: bf16 on CUDA, fp32 on CPU
+    tokenizer: str | None = None       # an HF tokenizer folder to use instead of the model's
+    dtype: str | torch.dtype | None = None   # None or "auto" (vLLM's): bf16 on CUDA, fp32 on CPU
     device: str | None = None          # None: cuda if available
     block_size: int = 16               # token slots per KV block
     max_num_batched_tokens: int = 512  # tokens per step (prefill chunks + decodes)
@@ -85,7 +89,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False        # no CUDA graphs
-    seed: int = 0                      # random weights of presets
+    # The presets' random weights, and torch's generators, which requests without a seed of
+    # their own draw from: seeded at start, as vLLM seeds its workers (vLLM's default is 0 too).
+    seed: int = 0
     # A split worker (smsplit.py): prefill and decode at once on disjoint SMs of one GPU.
     sm_split: tuple[int, int] | None = None   # (prefill SMs, decode SMs) to start on; None: unsplit
     split_menu: tuple[tuple[int, int], ...] = ()   # more splits to be ready for (graphs captured at start-up)
@@ -100,6 +106,10 @@ class EngineConfig:
         """Raise a ValueError naming the first bad setting."""
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a preset name or a checkpoint folder, got {self.model!r}")
+        if self.tokenizer is not None and not (isinstance(self.tokenizer, str) and any(
+                (Path(self.tokenizer) / f).is_file() for f in TOKENIZER_FILES)):
+            raise ValueError(f"tokenizer must be a folder holding an HF tokenizer "
+                             f"({' or '.join(TOKENIZER_FILES)}), got {self.tokenizer!r}")
         for name in ("max_model_len", "block_size", "max_num_batched_tokens", "max_num_seqs"):
             check_int(name, getattr(self, name), low=1)
         if self.block_size > self.max_model_len:   # a block holds token slots of one sequence
@@ -156,15 +166,15 @@ def check_real(name: str, value, low: float | None = None) -> None:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device | None) -> torch.dtype:
-    """The torch dtype a setting names; None: bf16 on CUDA, fp32 on CPU."""
-    if dtype is None:
+    """The torch dtype a setting names; None or "auto": bf16 on CUDA, fp32 on CPU."""
+    if dtype is None or dtype == "auto":
         on_cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
         return torch.bfloat16 if on_cuda else torch.float32
     if isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
-    raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
 
 
 def check_device(device: str | torch.device | None) -> torch.device | None:

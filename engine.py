@@ -90,11 +90,12 @@ class Engine:
             raise ValueError("sm_split and split_menu are a split worker's: lanes.py:SplitEngine "
                              "(lanes.make_engine picks it)")
         cfg.validate()
+        torch.manual_seed(cfg.seed)   # vLLM's seed: where requests without a seed of their own draw from
         self.model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
         config = self.model.config
         cfg.max_model_len = min(cfg.max_model_len, config.max_position_embeddings)
         self.cfg = cfg
-        self.tokenizer = load_tokenizer(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         eos = config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         spec = cfg.speculative_config
@@ -527,7 +528,7 @@ class Engine:
         seqs = [] if req.error else req.seqs if req.beam_width else sorted(req.seqs, key=lambda s: s.index)
         outs = [CompletionOutput(i if req.beam_width else s.index, s.output_ids, self._text(s),
                                  s.finish_reason, s.cumulative_logprob if want_lp else None,
-                                 self._decoded(s.logprobs) if req.params.logprobs is not None else None,
+                                 self._decoded(s.logprobs) if want_lp else None,
                                  s.stop_reason)
                 for i, s in enumerate(seqs)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.metrics,

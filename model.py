@@ -25,7 +25,7 @@ from transformers import AutoConfig, PretrainedConfig, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import kernels
-from config import resolve_dtype
+from config import TOKENIZER_FILES, resolve_dtype
 
 
 @dataclass
@@ -390,19 +390,45 @@ def load_model(name_or_path: str, dtype: torch.dtype | str | None = None,
 class ByteTokenizer:
     """For random-weight presets (and checkpoints without tokenizer files): UTF-8 bytes.
     A model's vocabulary is larger than 256: an id past the bytes decodes to a visible
-    placeholder, "⟨id⟩", unless it is a special token (bos, eos) and those are skipped."""
+    placeholder, "⟨id⟩", unless it is a special token (bos, eos, pad) and those are skipped.
+    Where scripts touch a tokenizer it answers as an HF one does: tok(text)["input_ids"],
+    encode, decode, convert_ids_to_tokens, bos/eos/pad_token_id, vocab_size."""
 
     chat_template: str | None = None   # none of its own: LLM.chat takes one (chat_template=...)
+    vocab_size = 256                   # the bytes (HF's vocab_size: special tokens left out)
 
-    def __init__(self, special_ids: set[int] = frozenset()):
-        self.special_ids = set(special_ids)
+    def __init__(self, bos_token_id: int | list[int] | None = None,
+                 eos_token_id: int | list[int] | None = None, pad_token_id: int | list[int] | None = None):
+        named = [[] if i is None else i if isinstance(i, list) else [i]
+                 for i in (bos_token_id, eos_token_id, pad_token_id)]
+        self.special_ids = {i for ids in named for i in ids}
+        # HF's tokenizers name one id each (a config may list several EOS ids: the first)
+        self.bos_token_id, self.eos_token_id, self.pad_token_id = (ids[0] if ids else None for ids in named)
 
-    def encode(self, text: str, **_) -> list[int]:
+    @property
+    def all_special_ids(self) -> list[int]:
+        return sorted(self.special_ids)
+
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True,
+                 return_tensors: str | None = None, **_):
+        """HF's call: {"input_ids", "attention_mask"} (a BatchEncoding) of a text or of a list of them."""
+        from transformers import BatchEncoding
+        one = not isinstance(text, list | tuple)
+        batch = [self.encode(t) for t in ([text] if one else text)]
+        data = {"input_ids": batch, "attention_mask": [[1] * len(ids) for ids in batch]}
+        if one:   # one text: a list each (as tensors [1, n], as HF's)
+            data = {k: v[0] for k, v in data.items()}
+        return BatchEncoding(data, tensor_type=return_tensors, prepend_batch_axis=one)
+
+    def encode(self, text: str, add_special_tokens: bool = True, **_) -> list[int]:
+        """The text's bytes; no special token is added (as Qwen's tokenizers add none)."""
         return list(text.encode())
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = False, **_) -> str:
+    def decode(self, ids, skip_special_tokens: bool = False, **_) -> str:
+        """ids (a list, a tensor or one id) as text: byte runs as UTF-8, other ids as ⟨id⟩."""
+        ids = ids.tolist() if hasattr(ids, "tolist") else ids
         pieces, run = [], bytearray()
-        for i in ids:
+        for i in [ids] if isinstance(ids, int) else ids:
             if i < 256:
                 run.append(i)
                 continue
@@ -411,6 +437,15 @@ class ByteTokenizer:
             if not (skip_special_tokens and i in self.special_ids):
                 pieces.append(f"⟨{i}⟩")
         return "".join(pieces) + run.decode(errors="replace")
+
+    def convert_ids_to_tokens(self, ids: int | list[int],
+                              skip_special_tokens: bool = False) -> str | list[str]:
+        """Each id's token: an ASCII byte's character, another byte as <0xNN> (SentencePiece's
+        byte tokens), an id past the bytes as ⟨id⟩."""
+        if isinstance(ids, int):
+            return self.convert_ids_to_tokens([ids])[0]
+        return [chr(i) if i < 128 else f"<0x{i:02X}>" if i < 256 else f"⟨{i}⟩"
+                for i in ids if not (skip_special_tokens and i in self.special_ids)]
 
     def apply_chat_template(self, conversation: list[dict], chat_template: str | None = None,
                             add_generation_prompt: bool = False, tokenize: bool = False, **kwargs) -> str:
@@ -428,7 +463,7 @@ def load_tokenizer(name_or_path: str):
     a preset, and for a folder without tokenizer files with a warning (its model's ids are
     most likely not bytes)."""
     folder = Path(name_or_path)
-    if folder.is_dir() and any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+    if folder.is_dir() and any((folder / f).exists() for f in TOKENIZER_FILES):
         from transformers import AutoTokenizer
         return AutoTokenizer.from_pretrained(folder)
     config = load_config(name_or_path)
@@ -436,8 +471,7 @@ def load_tokenizer(name_or_path: str):
         warnings.warn(f"checkpoint folder {folder} has no tokenizer files (tokenizer.json, "
                       "tokenizer_config.json): prompts will be encoded as UTF-8 bytes and the "
                       "output shown as bytes", stacklevel=2)
-    ids = [config.bos_token_id, config.eos_token_id, getattr(config, "pad_token_id", None)]
-    return ByteTokenizer({j for i in ids if i is not None for j in (i if isinstance(i, list) else [i])})
+    return ByteTokenizer(config.bos_token_id, config.eos_token_id, getattr(config, "pad_token_id", None))
 
 
 class Detokenizer:

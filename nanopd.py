@@ -5,7 +5,9 @@
     outs = LLM("qwen3-8b", policy="disaggregated", devices=["cuda:0", "cuda:1"]).generate(...)
 
 The calls are vLLM's: generate(prompts, sampling_params), chat(messages, sampling_params),
-get_tokenizer(), with SamplingParams of vLLM's fields and defaults (request.py).
+beam_search(prompts, BeamSearchParams(...)), get_tokenizer(), with SamplingParams of vLLM's
+fields and defaults (request.py); a prompt is a string, a list of token ids, or vLLM's dict
+of either (TextPrompt, TokensPrompt).
 
 Without a policy, LLM runs one Engine (engine.py) in this process. With one, a
 CentralScheduler (cluster.py) starts a worker process per device (workers.py) and routes
@@ -19,6 +21,7 @@ import contextlib
 import dataclasses
 import difflib
 import inspect
+import itertools
 import numbers
 import signal
 import sys
@@ -31,16 +34,27 @@ import torch
 from tqdm import tqdm
 
 from cluster import CentralScheduler, ClusterConfig
-from config import EngineConfig, check_int
+from config import EngineConfig
 from costmodel import HardwareParams
 from engine import Engine
 from lanes import make_engine
 from model import PRESETS, Detokenizer
 from profiler import profile_cluster
-from request import RequestMetrics, RequestOutput, SamplingParams
+from request import (
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    TextPrompt,
+    TokensPrompt,
+    prompt_of,
+)
 from router import Router
 
-__all__ = ["LLM", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "RequestMetrics",
+           "RequestOutput", "SamplingParams", "TextPrompt", "TokensPrompt"]
 
 
 class LLM:
@@ -56,12 +70,15 @@ class LLM:
     slo=(ttft_s, tpot_s) makes it route and plan for goodput (requests meeting both)
     rather than latency (docs/planner.md). A worker silent for worker_timeout_s is treated
     as dead (docs/workers.md). join="HOST:PORT" serves on workers torchrun starts on other
-    hosts (hosts.py), over the distributed transport."""
+    hosts (hosts.py), over the distributed transport. vLLM's keywords that change nothing
+    here (VLLM_KEYWORDS: trust_remote_code, tensor_parallel_size=1, ...) are taken."""
 
     def __init__(self, model: str = "tiny", policy: str | None = None, *,
                  profile: HardwareParams | bool | None = None, **settings):
+        settings = without_vllm_keywords(settings)
         check_settings(settings)
         self.closed = False
+        self.request_counter = itertools.count()   # names each request, as vLLM's LLM does
         # One caller at a time drives the backend (see _run); reentrant, so that a close() on
         # the thread that holds it (an exit mid-call) does not wait on itself.
         self.lock = threading.RLock()
@@ -106,8 +123,9 @@ class LLM:
                 self.cluster.close()
 
     def get_tokenizer(self):
-        """The tokenizer prompts are encoded with: the checkpoint's own (an HF tokenizer),
-        or UTF-8 bytes (model.py:ByteTokenizer) for a preset or a folder without one."""
+        """The tokenizer prompts are encoded with: LLM(tokenizer=FOLDER)'s, else the
+        checkpoint's own (an HF tokenizer), else UTF-8 bytes (model.py:ByteTokenizer) for a
+        preset or a folder without one."""
         return self.backend.tokenizer
 
     def __enter__(self) -> Self:
@@ -116,11 +134,13 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def generate(self, prompts: list[str] | list[list[int]] | str,
+    def generate(self, prompts: str | list[int] | dict | list[str | list[int] | dict],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Outputs in the order of prompts. sampling_params: one for every prompt, or a list
-        of one per prompt; None is SamplingParams() (vLLM's defaults). A prompt that fails
+        """Outputs in the order of prompts (each a string, a list of token ids, or vLLM's
+        {"prompt": text} or {"prompt_token_ids": ids}), their request_id "0", "1", ... in
+        submission order (vLLM's). sampling_params: one for every prompt, or a list of one
+        per prompt; None is SamplingParams() (vLLM's defaults). A prompt that fails
         validation is a ValueError naming it (what the call had submitted is aborted), as in
         vLLM; an error that only a running request meets (its worker died) is its output's
         .error. Each request keeps its own copy of its params."""
@@ -149,15 +169,19 @@ class LLM:
             out.prompt = text
         return outs
 
-    def beam_search(self, prompts: list[str] | list[list[int]], beam_width: int, max_tokens: int,
-                    ignore_eos: bool = False, length_penalty: float = 1.0,
-                    use_tqdm: bool = True) -> list[RequestOutput]:
-        """Beams best first (score = cumulative logprob / output length ** length_penalty);
-        outputs[j].cumulative_logprob holds each beam's sum of token logprobs."""
-        check_int("beam_width", beam_width, low=1)
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, temperature=0.0)
-        extra = {"beam_width": beam_width, "length_penalty": length_penalty}
-        return self._run([(p, params, extra) for p in as_prompt_list(prompts)], use_tqdm)
+    def beam_search(self, prompts: list, params: BeamSearchParams, *,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search: per prompt (a TextPrompt or TokensPrompt dict, a string or a
+        list of ids), the params.beam_width best beams (score: summed logprob / output length
+        ** length_penalty, HF's), best first. A prompt it could not serve has none and the
+        error (BeamSearchOutput.error)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        params.validate()
+        sampling = SamplingParams(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos, temperature=0.0)
+        extra = {"beam_width": params.beam_width, "length_penalty": params.length_penalty}
+        outs = self._run([(p, sampling, extra) for p in as_prompt_list(prompts)], use_tqdm)
+        return [beam_search_output(o, self.get_tokenizer()) for o in outs]
 
     def _run(self, work: list[tuple], use_tqdm: bool) -> list[RequestOutput]:
         """Submit every (prompt, params, extra), then poll until each has ended. A bad
@@ -170,6 +194,7 @@ class LLM:
         if self.closed:
             raise RuntimeError("this LLM is closed: create a new LLM(...) to generate again")
         outputs, ids = [None] * len(work), {}
+        names = [str(next(self.request_counter)) for _ in work]
         with interrupts_held() as safe_point:   # a Ctrl-C lands between submits and steps, never inside one
             try:
                 for i, (prompt, params, extra) in enumerate(work):
@@ -182,6 +207,8 @@ class LLM:
                             outputs[i] = failed_output(prompt, e)
                     safe_point()
                 self._wait(ids, outputs, use_tqdm, safe_point)
+                for out, name in zip(outputs, names):   # the backend's own ids stay inside it
+                    out.request_id = name
             except BaseException:
                 if self.closed:   # close() released everything
                     raise
@@ -224,6 +251,17 @@ class LLM:
             return failed_output(None, e)
 
 
+def beam_search_output(out: RequestOutput, tokenizer) -> BeamSearchOutput:
+    """A beam search's RequestOutput as vLLM's BeamSearchOutput: each beam's tokens are the
+    prompt's and its own, its text their decode (vLLM's LLM.beam_search: special tokens kept)."""
+    beams = []
+    for c in out.outputs:
+        tokens = out.prompt_token_ids + c.token_ids
+        beams.append(BeamSearchSequence(tokens, c.logprobs, c.cumulative_logprob, tokenizer.decode(tokens),
+                                        c.finish_reason, c.stop_reason))
+    return BeamSearchOutput(beams, error=out.error)
+
+
 def checked_conversations(messages) -> list[list[dict]]:
     """chat's messages as a list of conversations, each message {"role": str, "content": str}
     (content given as OpenAI's text parts, [{"type": "text", "text": ...}], joined by
@@ -260,6 +298,7 @@ def checked_message(message, where: str) -> dict:
 
 def failed_output(prompt, error: Exception) -> RequestOutput:
     """The output of a request that ended before it ran: no completions, the error."""
+    prompt = prompt_of(prompt)
     return RequestOutput(-1, prompt if isinstance(prompt, str) else None,
                          prompt if isinstance(prompt, list) else [],
                          [], RequestMetrics(time.perf_counter()), error=error)
@@ -295,6 +334,30 @@ def interrupts_held():
         take()
 
 
+# vLLM's LLM keywords that change nothing here: each one's values that nanoPD serves as vLLM
+# would, and (for a value it cannot serve) what it lacks.
+VLLM_KEYWORDS = {
+    "trust_remote_code": ((False, True), "runs no code from a checkpoint: Qwen3 is built in"),
+    "disable_log_stats": ((False, True), "logs no stats"),
+    "tensor_parallel_size": ((1,), ("has no tensor parallelism: a model runs whole on each device "
+                                    "(policy=... with devices=[...] serves on several)")),
+    "pipeline_parallel_size": ((1,), "has no pipeline parallelism: a model runs whole on each device"),
+    "enable_chunked_prefill": ((True,), "always chunks prefills (max_num_batched_tokens a step)"),
+    "quantization": ((None,), "has no quantized weights"),
+    "kv_cache_dtype": (("auto",), "keeps the KV cache in the model's dtype"),
+}
+
+
+def without_vllm_keywords(settings: dict) -> dict:
+    """settings less VLLM_KEYWORDS, each checked: a value nanoPD cannot serve is a ValueError
+    naming it and what nanoPD lacks."""
+    for name, (allowed, lacks) in VLLM_KEYWORDS.items():
+        value = settings.get(name, allowed[0])
+        if value not in allowed or type(value) not in {type(a) for a in allowed}:   # True is not 1 here
+            raise ValueError(f"{name}={value!r}: nanoPD {lacks} (it takes {' or '.join(map(repr, allowed))})")
+    return {k: v for k, v in settings.items() if k not in VLLM_KEYWORDS}
+
+
 ENGINE_SETTINGS = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
 # each cluster setting -> its default
 CLUSTER_SETTINGS = {f.name: f.default for f in dataclasses.fields(ClusterConfig) if f.name != "policy"}
@@ -326,14 +389,15 @@ def params_per_prompt(sampling_params, n: int) -> list:
 
 
 def as_prompt_list(prompts) -> list:
-    """generate's prompts as a list: one prompt (a string or a list of token ids) or a list
-    of them. Each prompt is checked when it is submitted, and a bad one fails alone."""
-    if isinstance(prompts, str) or (isinstance(prompts, list | tuple) and prompts
+    """generate's prompts as a list: one prompt (a string, a list of token ids, or a dict of
+    either: TextPrompt, TokensPrompt) or a list of them. Each prompt is checked when it is
+    submitted (request.tokenize)."""
+    if isinstance(prompts, str | dict) or (isinstance(prompts, list | tuple) and prompts
                                     and all(isinstance(t, numbers.Integral) for t in prompts)):
         return [prompts]
     if isinstance(prompts, list | tuple):
         return list(prompts)
-    raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; "
+    raise ValueError(f"prompts must be a string, a list of token ids, a prompt dict, or a list of those; "
                      f"got {type(prompts).__name__}")
 
 

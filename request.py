@@ -10,6 +10,7 @@ import itertools
 import numbers
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TypedDict
 
 import torch
 
@@ -154,13 +155,28 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
 class BeamSearchParams:
     """vLLM's BeamSearchParams, for LLM.beam_search: keep the beam_width most likely
     continuations (by summed logprob) at every step; rank the finished ones by summed
-    logprob / length ** length_penalty."""
+    logprob / length ** length_penalty. A bad value is a ValueError naming the field."""
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
     temperature: float = 0.0           # vLLM's only value (beams are chosen by likelihood)
     length_penalty: float = 1.0
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: bool = False   # taken, as vLLM's; beam search has no stop strings
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        check_int("beam_width", self.beam_width, low=1)
+        check_int("max_tokens", self.max_tokens, low=1)
+        check_real("temperature", self.temperature, low=0.0)
+        if self.temperature != 0:
+            raise ValueError(f"BeamSearchParams' temperature must be 0 (beams are the most likely "
+                             f"continuations, nothing is sampled), got {self.temperature}")
+        check_real("length_penalty", self.length_penalty)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -218,7 +234,7 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    request_id: int
+    request_id: int | str              # LLM's: "0", "1", ... in submission order (vLLM's); an engine's int
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
@@ -228,8 +244,60 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # per prompt token; the first None
 
 
+@dataclass
+class BeamSearchSequence:
+    """One beam of LLM.beam_search, as vLLM's: its tokens (the prompt's, then the output's),
+    per output token the logprobs of the step's 2 x beam_width candidates, their sum along
+    the beam, and tokenizer.decode(tokens) (prompt and output, special tokens kept)."""
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None   # "stop" (ended in EOS) or "length"
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's beams, best first (vLLM's); error: why it has none (as RequestOutput.error)."""
+    sequences: list[BeamSearchSequence]
+    error: Exception | None = None
+
+
+class TextPrompt(TypedDict):
+    """vLLM's prompt dict of a text."""
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's prompt dict of token ids."""
+    prompt_token_ids: list[int]
+
+
+def prompt_of(prompt):
+    """A prompt as a string or a list of token ids: a TextPrompt's or TokensPrompt's one
+    entry; a dict with another key (multi_modal_data, ...) is a ValueError naming it."""
+    if not isinstance(prompt, dict):
+        return prompt
+    kinds = {"prompt": str, "prompt_token_ids": list | tuple}   # TextPrompt's and TokensPrompt's keys
+    unknown = [k for k in prompt if k not in kinds]
+    if unknown:
+        raise ValueError(f"a prompt dict's {unknown[0]!r} is not taken: nanoPD takes text only, "
+                         "{'prompt': str} (TextPrompt) or {'prompt_token_ids': [int, ...]} (TokensPrompt)")
+    if len(prompt) != 1:
+        raise ValueError(f"a prompt dict holds 'prompt' (TextPrompt) or 'prompt_token_ids' (TokensPrompt), "
+                         f"one of them, got {sorted(prompt) or 'neither'}")
+    (key, value), = prompt.items()
+    if not isinstance(value, kinds[key]):
+        what = "a string" if key == "prompt" else "a list of token ids"
+        raise ValueError(f"a prompt dict's {key!r} must be {what}, got {type(value).__name__}")
+    return value
+
+
 def tokenize(prompt, tokenizer) -> tuple[str | None, list[int]]:
-    """(the text, or None, and the token ids) of a prompt: a string or a list of token ids."""
+    """(the text, or None, and the token ids) of a prompt: a string, a list of token ids, or
+    vLLM's dict of either (TextPrompt, TokensPrompt)."""
+    prompt = prompt_of(prompt)
     if isinstance(prompt, str):
         return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, list | tuple):
@@ -237,7 +305,8 @@ def tokenize(prompt, tokenizer) -> tuple[str | None, list[int]]:
             if isinstance(t, bool) or not isinstance(t, numbers.Integral):
                 raise ValueError(f"a prompt's token ids must be integers, got {t!r}")
         return None, [int(t) for t in prompt]
-    raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+    raise ValueError(f"a prompt is a string, a list of token ids, or a dict of either (TextPrompt, "
+                     f"TokensPrompt), got {type(prompt).__name__}")
 
 
 def check_request(ids: list[int], params: SamplingParams, beam_width: int, vocab: int, cfg: EngineConfig,

@@ -105,7 +105,7 @@ import smsplit
 import speculate
 import transport
 import workers
-from config import EngineConfig
+from config import EngineConfig, resolve_dtype
 from costmodel import CostModel, HardwareParams, SplitParams, WorkerLoad
 from engine import Engine
 from kv_cache import (
@@ -115,7 +115,7 @@ from kv_cache import (
     blocks_for_memory,
     kv_bytes_per_block,
 )
-from nanopd import LLM, SamplingParams
+from nanopd import LLM, BeamSearchParams, SamplingParams, TextPrompt, TokensPrompt
 from router import Observation, OutputLengthPredictor, Router
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -263,6 +263,12 @@ def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+def beam_tokens(out: request.BeamSearchOutput, ids: list[int]) -> list[list[int]]:
+    """Each beam's output tokens: its BeamSearchSequence's tokens after the prompt, ids (checked)."""
+    assert all(s.tokens[:len(ids)] == ids for s in out.sequences)
+    return [s.tokens[len(ids):] for s in out.sequences]
+
+
 def run_engine(engine: Engine, requests, max_steps: int = 500) -> list[request.RequestOutput]:
     """Submit (prompt, params) requests, or (prompt, params, beam_width), to the engine and
     step it until they all finish."""
@@ -361,7 +367,7 @@ def test_unknown_model_is_a_value_error(name):
 
 
 BAD_CONFIGS = {"block_size": 0, "max_num_batched_tokens": 0, "max_num_seqs": 0, "max_model_len": 0,
-               "num_kv_blocks": 0, "gpu_memory_utilization": 1.5}
+               "num_kv_blocks": 0, "gpu_memory_utilization": 1.5, "tokenizer": "no/such/tokenizer"}
 
 
 @ENGINE
@@ -398,13 +404,14 @@ SETTING_OK = {
     "gpu_memory_utilization": lambda v: is_real(v) and 0 < v <= 1,
     "enable_prefix_caching": lambda v: isinstance(v, bool), "enforce_eager": lambda v: isinstance(v, bool),
     "seed": lambda v: is_int(v) and 0 <= v < 2 ** 63,
-    "dtype": lambda v: v in (None, "float32", "bfloat16", "float16", torch.float32, torch.bfloat16,
-                             torch.float16),
+    "dtype": lambda v: v in (None, "auto", "float32", "bfloat16", "float16", "float", "half", torch.float32,
+                             torch.bfloat16, torch.float16),
+    "tokenizer": lambda v: v is None,   # no odd value names a folder holding an HF tokenizer
 }
 ODD_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.integers(-3, 5000),
                        st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=4),
-                       st.sampled_from(["float32", "bfloat16", "int8", "float64", torch.float64,
-                                        torch.float16]),
+                       st.sampled_from(["float32", "bfloat16", "int8", "float64", "auto", "half",
+                                        torch.float64, torch.float16]),
                        st.lists(st.integers(0, 9), max_size=2))
 
 
@@ -443,6 +450,56 @@ def test_a_cache_larger_than_memory_is_a_value_error():
         LLM("tiny", device=DEVICE, num_kv_blocks=10 ** 9)
     with pytest.raises(ValueError, match="num_kv_blocks"):
         LLM("tiny", policy="collocated", devices=["cpu", "cpu"], num_kv_blocks=10 ** 9)
+
+
+@ENGINE
+def test_vllms_dtype_names_are_taken(hf):
+    """dtype="auto", vLLM's default, is nanoPD's own (bf16 on CUDA, fp32 on a CPU); "half"
+    and "float", vLLM's other names, are float16 and float32."""
+    expect = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    assert LLM(str(hf.path), dtype="auto", device=DEVICE, num_kv_blocks=16).engine.model.dtype == expect
+    assert resolve_dtype("half", "cpu") == torch.float16 and resolve_dtype("float", "cpu") == torch.float32
+
+
+def tokenizer_only(src: Path, dst: Path) -> Path:
+    """A folder holding only the tokenizer files of checkpoint src (no config, no weights)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template")):
+            shutil.copy(f, dst)
+    return dst
+
+
+@pytest.mark.usefixtures("worker_env", "torch_twins")
+def test_a_tokenizer_folder_replaces_the_models_in_the_engine_and_on_the_workers(hf, tmp_path):
+    """LLM(checkpoint, tokenizer=FOLDER), vLLM's keyword: FOLDER's HF tokenizer (token i is
+    PAIR_TEXT[i]), not the checkpoint's bytes, encodes the prompt (its pairs' ids), decodes
+    HF's greedy tokens (the pairs they spell) and finds a stop string in that text (cut
+    before it); the same under a disaggregated cluster, whose decode worker decodes and
+    checks the stop string."""
+    folder = str(tokenizer_only(with_pair_tokenizer(hf.path, tmp_path / "pairs"), tmp_path / "tok"))
+    text = "abcdefgh"
+    ids = [PAIR_TEXT.index(text[i:i + 2]) for i in range(0, len(text), 2)]
+    spelled = "".join(PAIR_TEXT[t] for t in hf.greedy(ids, 8))
+    stop = spelled[7:10]
+    for llm in (make_llm(hf.path, tokenizer=folder), make_cluster(hf, "disaggregated", 2, tokenizer=folder)):
+        with llm:
+            whole, cut = (generate(llm, [text], max_tokens=8, stop=s)[0] for s in (None, stop))
+        assert whole.prompt_token_ids == ids and whole.outputs[0].token_ids == hf.greedy(ids, 8)
+        assert whole.outputs[0].text == spelled
+        assert (cut.outputs[0].text, cut.outputs[0].stop_reason) == (spelled[:spelled.find(stop)], stop)
+
+
+@ENGINE
+def test_the_llms_seed_starts_the_stream_of_requests_without_one(hf):
+    """LLM(seed=S), vLLM's: sampling without a request seed repeats from run to run under the
+    same S and changes with S; a request's own seed is its stream whatever S is."""
+    def run(llm_seed: int, **params) -> list[list[int]]:
+        outs = generate(make_llm(hf.path, seed=llm_seed), PROMPTS[:2], max_tokens=12, temperature=1.5, n=2,
+                        **params)
+        return [c.token_ids for o in outs for c in o.outputs]
+    assert run(3) == run(3) != run(4)
+    assert run(3, seed=7) == run(4, seed=7)
 
 
 # ========================= kv_cache.py: the cache tensor and the block manager
@@ -993,6 +1050,30 @@ def test_a_damaged_checkpoint_is_a_value_error_naming_the_file(tmp_path, damage)
     assert run.returncode != 0 and victim.name.encode() in run.stderr and b"Traceback" not in run.stderr
 
 
+def test_the_byte_tokenizer_answers_as_an_hf_tokenizer_where_scripts_touch_it(hf, tmp_path):
+    """The presets' tokenizer, called and decoded as scripts call an HF tokenizer: the same
+    keys and shapes as HF's (the pair tokenizer, here), its ids the text's UTF-8 bytes (with
+    or without special tokens: Qwen's add none); bos and eos the preset config's; vocab_size
+    the 256 bytes; an id's token its ASCII character, <0xNN> or ⟨id⟩."""
+    byte = qwen.load_tokenizer("tiny")
+    pair = qwen.load_tokenizer(str(with_pair_tokenizer(hf.path, tmp_path / "pairs")))
+    for tok in (byte, pair):
+        one, many = tok("abcdef"), tok(["abcd", "ef"])
+        assert set(one) == {"input_ids", "attention_mask"} and one.input_ids == one["input_ids"]
+        assert many["input_ids"] == [tok("abcd")["input_ids"], tok("ef")["input_ids"]]
+        assert tok("abcdef", return_tensors="pt")["input_ids"].tolist() == [one["input_ids"]]
+        assert tok.decode(torch.tensor(one["input_ids"])) == tok.decode(one["input_ids"]) == "abcdef"
+        assert tok.encode("abcdef", add_special_tokens=False) == one["input_ids"]
+    text = "Grüße ✓"
+    assert byte(text)["input_ids"] == list(text.encode()) == byte.encode(text, add_special_tokens=True)
+    assert byte.decode(list(text.encode())) == text and byte.decode(65) == "A"
+    preset = qwen.load_config("tiny")
+    assert (byte.bos_token_id, byte.eos_token_id) == (preset.bos_token_id, preset.eos_token_id)
+    assert byte.vocab_size == 256 and byte.all_special_ids == [preset.bos_token_id, preset.eos_token_id]
+    assert byte.convert_ids_to_tokens([65, 200, 300]) == ["A", "<0xC8>", "⟨300⟩"]
+    assert byte.convert_ids_to_tokens(97) == "a" == pair.convert_ids_to_tokens(0)[0]
+
+
 # =================================== request.py: requests and their validation
 # A bad request is a ValueError naming the problem and changes nothing.
 
@@ -1037,6 +1118,28 @@ def test_request_larger_than_the_cache_is_rejected(hf):
         llm.engine.submit(prompt(30, seed=2), SamplingParams(temperature=0.0, max_tokens=5))
     p = prompt(20, seed=2)
     assert tokens(generate(llm, [p], max_tokens=12)) == [hf.greedy(p, 12)]
+
+
+def test_prompt_dicts_are_the_prompts_they_hold():
+    """vLLM's TextPrompt and TokensPrompt are the string and the ids they hold (with the byte
+    tokenizer: the text and its UTF-8 bytes; the ids and no text)."""
+    tok, text = qwen.load_tokenizer("tiny"), "Grüße"
+    assert request.tokenize(TextPrompt(prompt=text), tok) == request.tokenize(text, tok) \
+        == (text, list(text.encode()))
+    assert request.tokenize(TokensPrompt(prompt_token_ids=(3, 4)), tok) == request.tokenize([3, 4], tok) \
+        == (None, [3, 4])
+
+
+@pytest.mark.parametrize("fields, name", [({"temperature": 1.0}, "temperature must be 0"),
+                                          ({"beam_width": 0}, "beam_width"),
+                                          ({"max_tokens": 0}, "max_tokens"),
+                                          ({"length_penalty": math.nan}, "length_penalty"),
+                                          ({"ignore_eos": "no"}, "ignore_eos")])
+def test_beam_search_params_refuse_a_bad_field_naming_it(fields, name):
+    """BeamSearchParams, vLLM's, is checked at construction, as SamplingParams: a ValueError
+    naming the field; a temperature other than 0 is one (beams are chosen by likelihood)."""
+    with pytest.raises(ValueError, match=name):
+        BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **fields})
 
 
 @ENGINE
@@ -1142,8 +1245,9 @@ def test_generate_serves_the_good_and_refuses_the_bad(hf, llm, prompts, bad, val
 
 @ENGINE
 def test_generate_rejects_what_is_not_a_list_of_prompts(llm):
-    for prompts in (None, 3, {"a": 1}):
-        with pytest.raises(ValueError, match="prompts"):
+    """None or a number is no prompt; a dict is one only as vLLM's TextPrompt or TokensPrompt."""
+    for prompts, words in ((None, "prompts must be"), (3, "prompts must be"), ({"a": 1}, "'a' is not taken")):
+        with pytest.raises(ValueError, match=words):
             llm.generate(prompts)
     assert llm.generate([]) == []
 
@@ -1804,7 +1908,8 @@ def deadline(seconds: float):
 def test_metrics_are_ordered(hf, llm):
     """arrival <= first scheduled <= first token <= finish for every request, beams included."""
     outs = generate(llm, PROMPTS, max_tokens=5, n=2, temperature=1.0)
-    outs += llm.beam_search(PROMPTS[:2], beam_width=2, max_tokens=4, use_tqdm=False)
+    outs += run_engine(llm.engine, [(p, SamplingParams(temperature=0.0, max_tokens=4), 2)
+                                    for p in PROMPTS[:2]])
     for o in outs:
         m = o.metrics
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finish_time
@@ -2892,20 +2997,28 @@ def test_adaptive_speculates_and_speculation_on_a_split_worker_is_refused_before
 @ENGINE
 @pytest.mark.parametrize("width", [2, 3])
 def test_beam_search_matches_hf(hf, llm, width):
-    """Beams equal HF's num_beams search, best first; each cumulative_logprob is the HF sum."""
+    """Beams (vLLM's BeamSearchSequence: prompt and output tokens) equal HF's num_beams
+    search, best first; each cum_logprob is the HF sum; each step's logprobs are HF's
+    log_softmax of the 2 x width most likely tokens there, ranked."""
     assert hf.model.config.eos_token_id is None and hf.model.generation_config.eos_token_id is None
     prompts = [prompt(9, seed=21), prompt(26, seed=22)]
-    outs = llm.beam_search(prompts, beam_width=width, max_tokens=6, use_tqdm=False)
+    outs = llm.beam_search(prompts, request.BeamSearchParams(beam_width=width, max_tokens=6))
     for p, out in zip(prompts, outs, strict=True):
-        beams = [c.token_ids for c in out.outputs]
+        beams = beam_tokens(out, p)
         assert beams[0] == hf.beams(p, width, 6)[0]
         assert beams == hf.beams(p, width, 6)
-        scores = [c.cumulative_logprob for c in out.outputs]
+        scores = [s.cum_logprob for s in out.sequences]
         assert scores == sorted(scores, reverse=True)
-        for c in out.outputs:
-            ref = hf.logprobs(p + c.token_ids)
-            expect = sum(ref[len(p) - 1 + i, t].item() for i, t in enumerate(c.token_ids))
-            assert c.cumulative_logprob == pytest.approx(expect, abs=1e-4)
+        for s in out.sequences:
+            ref = hf.logprobs(s.tokens)
+            expect = sum(ref[len(p) - 1 + i, t].item() for i, t in enumerate(s.tokens[len(p):]))
+            assert s.cum_logprob == pytest.approx(expect, abs=1e-4)
+            assert s.text == byte_text(s.tokens, set()) and s.finish_reason == "length"
+            for i, entry in enumerate(s.logprobs):
+                top = ref[len(p) - 1 + i].topk(2 * width)
+                assert list(entry) == top.indices.tolist() and [lp.rank for lp in entry.values()] == \
+                    list(range(1, 2 * width + 1))
+                assert [lp.logprob for lp in entry.values()] == pytest.approx(top.values.tolist(), abs=1e-4)
     assert all_blocks_free(llm)
 
 
@@ -2915,12 +3028,12 @@ def test_beam_search_with_eos_matches_hf(hf, tmp_path):
     p = prompt(12, seed=4)
     eos = hf.beams(p, 3, 8)[0][6]   # a token the best beam would produce late
     llm = make_llm(with_eos(hf.path, tmp_path / "eos", eos))
-    out = llm.beam_search([p], beam_width=3, max_tokens=8, use_tqdm=False)[0]
-    for c in out.outputs:
-        ends_in_eos = c.token_ids[-1] == eos
-        assert c.finish_reason == ("stop" if ends_in_eos else "length")
-        assert ends_in_eos or len(c.token_ids) == 8
-    assert [c.token_ids for c in out.outputs] == hf.beams(p, 3, 8, eos=eos)
+    out = llm.beam_search([{"prompt_token_ids": p}], request.BeamSearchParams(beam_width=3, max_tokens=8))[0]
+    for s in out.sequences:
+        ends_in_eos = s.tokens[-1] == eos
+        assert s.finish_reason == ("stop" if ends_in_eos else "length")
+        assert ends_in_eos or len(s.tokens) == len(p) + 8
+    assert beam_tokens(out, p) == hf.beams(p, 3, 8, eos=eos)
     assert all_blocks_free(llm)
 
 
@@ -2992,8 +3105,8 @@ def test_a_step_that_can_make_no_progress_ends_what_holds_the_engine(hf, monkeyp
     monkeypatch.setattr(scheduler.Scheduler, "fork", fork_last)
     llm = make_llm(hf.path, num_kv_blocks=10, max_model_len=64)
     with deadline(120):
-        outs = llm.beam_search([prompt(40, seed=81), prompt(40, seed=82)], beam_width=2, max_tokens=8,
-                               ignore_eos=True, use_tqdm=False)
+        outs = llm.beam_search([prompt(40, seed=81), prompt(40, seed=82)],
+                               request.BeamSearchParams(beam_width=2, max_tokens=8, ignore_eos=True))
     errors = [o.error for o in outs if o.error is not None]
     assert errors and all("no step could make progress" in str(e) and "num_kv_blocks" in str(e)
                           for e in errors)
@@ -4295,14 +4408,14 @@ def test_disaggregated_sampling_matches_the_single_engine(hf):
     ref = generate(make_llm(hf.path, device=WORKER_DEVICES[0]), PROMPTS[:2], **params)
     with make_cluster(hf, "disaggregated", 2) as cluster:
         outs = generate(cluster, PROMPTS[:2], **params)
-        beams = cluster.beam_search(PROMPTS[:2], beam_width=3, max_tokens=6, use_tqdm=False)
+        beams = cluster.beam_search(PROMPTS[:2], request.BeamSearchParams(beam_width=3, max_tokens=6))
     for out, r in zip(outs, ref):
         assert [c.token_ids for c in out.outputs] == [c.token_ids for c in r.outputs]
         for c, rc in zip(out.outputs, r.outputs):
             assert c.cumulative_logprob == pytest.approx(rc.cumulative_logprob, abs=1e-4)
     # Beam search runs whole on one worker: HF's beams.
     for out, p in zip(beams, PROMPTS[:2]):
-        assert [c.token_ids for c in out.outputs] == hf.beams(p, 3, 6)
+        assert beam_tokens(out, p) == hf.beams(p, 3, 6)
 
 
 @pytest.mark.usefixtures("worker_env", "torch_twins")
@@ -4601,8 +4714,9 @@ def test_workers_under_pressure_serve_numpy_seeds_two_threads_and_crowded_beams(
         assert results == {k: [hf.greedy(p, 5) for p in MIXED_PROMPTS] for k in "ab"}
         prompts = [prompt(40, seed=90 + i) for i in range(8)]
         with deadline(300):
-            beams = llm.beam_search(prompts, beam_width=2, max_tokens=8, ignore_eos=True, use_tqdm=False)
-        assert [[c.token_ids for c in o.outputs] for o in beams] == [hf.beams(p, 2, 8) for p in prompts]
+            beams = llm.beam_search(prompts, request.BeamSearchParams(beam_width=2, max_tokens=8,
+                                                                      ignore_eos=True))
+        assert [beam_tokens(o, p) for o, p in zip(beams, prompts)] == [hf.beams(p, 2, 8) for p in prompts]
         assert not llm.cluster.dead and workers_all_free(llm) \
             and not llm.cluster.active and not llm.cluster.done
 
@@ -5075,12 +5189,114 @@ def test_close_on_another_thread_ends_a_running_generate_at_once(hf):
 
 
 @pytest.mark.parametrize("kwargs, words", [({"max_num_seq": 4}, "did you mean 'max_num_seqs'"),
-                                           ({"tensor_parallel_size": 2},
-                                            "unknown setting 'tensor_parallel_size'"),
+                                           ({"tokenizer_mode": "auto"}, "unknown setting 'tokenizer_mode'"),
                                            ({"polcy": "collocated"}, "did you mean 'policy'")])
 def test_an_unknown_setting_is_a_value_error_naming_the_nearest(kwargs, words):
     with pytest.raises(ValueError, match=words):
         LLM("tiny", **kwargs)
+
+
+VLLM_NO_OPS = {"trust_remote_code": True, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+               "disable_log_stats": True, "enable_chunked_prefill": True, "quantization": None,
+               "kv_cache_dtype": "auto"}
+
+
+@ENGINE
+def test_vllms_keywords_that_change_nothing_here_are_taken(hf):
+    """LLM(..., trust_remote_code=True, tensor_parallel_size=1, ...), as vLLM scripts pass
+    them: the engine serves HF's greedy tokens, as without them."""
+    llm = make_llm(hf.path, **VLLM_NO_OPS)
+    assert tokens(generate(llm, PROMPTS[:2], max_tokens=5)) == [hf.greedy(p, 5) for p in PROMPTS[:2]]
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2: nanoPD has no tensor parallelism"),
+    ({"tensor_parallel_size": True}, "tensor_parallel_size=True"),
+    ({"pipeline_parallel_size": 4}, "pipeline_parallel_size=4: nanoPD has no pipeline parallelism"),
+    ({"trust_remote_code": "yes"}, "trust_remote_code='yes'"),
+    ({"enable_chunked_prefill": False}, "enable_chunked_prefill=False: nanoPD always chunks"),
+    ({"quantization": "awq"}, "quantization='awq'"), ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8'")])
+def test_a_vllm_keyword_nanopd_cannot_honour_is_a_value_error_naming_it(kwargs, words):
+    """A vLLM keyword's value that asks for what nanoPD lacks (tensor parallelism, a
+    quantized model, ...) is a ValueError naming it and what is missing, before anything is built."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        LLM("tiny", **kwargs)
+
+
+def pairs(text: str) -> list[int]:
+    """The pair tokenizer's ids of text (with_pair_tokenizer): one per two letters."""
+    return [PAIR_TEXT.index(text[i:i + 2]) for i in range(0, len(text), 2)]
+
+
+@ENGINE
+def test_a_script_written_for_vllm_runs_unchanged(hf, tmp_path):
+    """The script below is a vLLM offline script as vLLM's docs write it (only the import
+    names nanopd), on a checkpoint with an HF tokenizer of its own (token i: PAIR_TEXT[i]).
+    All it reads agrees with HF: the tokenizer's ids are the text's pairs; the greedy
+    tokens are HF generate's for a string, ids, a TextPrompt and a TokensPrompt; logprobs
+    are HF's log_softmax (rank 1: the greedy token, decoded alone); chat's prompt is the
+    template's rendering; beams are HF's num_beams search, their text the decode of prompt
+    and output; request ids are vLLM's strings, counted across calls."""
+    model_dir = str(with_pair_tokenizer(hf.path, tmp_path / "pairs"))
+    # -- the script
+    llm = LLM(model=model_dir, tokenizer=model_dir, dtype="float32", trust_remote_code=True,
+              tensor_parallel_size=1, gpu_memory_utilization=0.5, max_model_len=256, enforce_eager=True,
+              enable_prefix_caching=True, max_num_seqs=8, max_num_batched_tokens=512, seed=0)
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer("abcdef")["input_ids"]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=2)
+    outputs = llm.generate(["ghij", {"prompt": "klmnop"}, TokensPrompt(prompt_token_ids=ids)], params)
+    outputs += llm.generate(ids, params)
+    chat = llm.chat([{"role": "user", "content": "abcdef"}], params)
+    beams = llm.beam_search([TextPrompt(prompt="ghij"), {"prompt_token_ids": ids}],
+                            BeamSearchParams(beam_width=2, max_tokens=5))
+    # -- what it read, against HF
+    assert ids == pairs("abcdef")
+    assert [o.request_id for o in outputs + chat] == ["0", "1", "2", "3", "4"]
+    assert [o.prompt for o in outputs] == ["ghij", "klmnop", None, None]
+    prompt_ids = [pairs("ghij"), pairs("klmnop"), ids, ids, pairs("ababcdefpp")]   # chat's: CHAT_TEMPLATE's
+    for out, p in zip(outputs + chat, prompt_ids, strict=True):
+        c = out.outputs[0]
+        assert out.prompt_token_ids == p and c.token_ids == hf.greedy(p, 6)
+        assert c.text == "".join(PAIR_TEXT[t] for t in c.token_ids)
+        ref = hf.logprobs(p + c.token_ids)
+        for i, (t, entry) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
+            assert (entry[t].rank, entry[t].decoded_token) == (1, PAIR_TEXT[t])
+            assert entry[t].logprob == pytest.approx(ref[len(p) - 1 + i, t].item(), abs=1e-4)
+    for out, p in zip(beams, [pairs("ghij"), ids], strict=True):
+        assert beam_tokens(out, p) == hf.beams(p, 2, 5)
+        assert all(s.text == "".join(PAIR_TEXT[t] for t in s.tokens) for s in out.sequences)
+
+
+@ENGINE
+@pytest.mark.parametrize("bad, words", [
+    ({"prompt": "ab", "multi_modal_data": {"image": None}},
+     "'multi_modal_data' is not taken: nanoPD takes text only"),
+    ({"prompt_token_ids": [1], "cache_salt": "x"}, "'cache_salt' is not taken"),
+    ({"prompt": "ab", "prompt_token_ids": [1]}, "one of them"), ({}, "neither"),
+    ({"prompt": [1, 2]}, "'prompt' must be a string"),
+    ({"prompt_token_ids": "ab"}, "'prompt_token_ids' must be a list")])
+def test_a_prompt_dict_nanopd_cannot_serve_is_a_value_error_naming_its_key(hf, llm, bad, words):
+    """generate and beam_search take vLLM's TextPrompt and TokensPrompt; a dict with another
+    key (multi-modal data, a cache salt), both keys, neither, or a value of the wrong type is a
+    ValueError naming the prompt and the key, and leaves nothing queued."""
+    calls = [lambda: generate(llm, [PROMPTS[0], bad], max_tokens=3),
+             lambda: llm.beam_search([PROMPTS[0], bad], BeamSearchParams(beam_width=2, max_tokens=3))]
+    for call in calls:
+        with pytest.raises(ValueError, match=f"prompt 1: .*{re.escape(words)}"):
+            call()
+        assert all_blocks_free(llm) and not llm.engine.requests
+
+
+def test_beam_search_takes_a_beam_search_params_checked_again_at_the_call(llm):
+    """beam_search's params must be a BeamSearchParams (vLLM's call), and a field changed
+    since it was built is checked again: each a ValueError naming it."""
+    with pytest.raises(ValueError, match="BeamSearchParams"):
+        llm.beam_search([PROMPTS[0]], SamplingParams(temperature=0.0))
+    params = BeamSearchParams(beam_width=2, max_tokens=3)
+    params.temperature = 0.7
+    with pytest.raises(ValueError, match="temperature must be 0"):
+        llm.beam_search([PROMPTS[0]], params)
 
 
 @pytest.mark.usefixtures("worker_env")
