@@ -1907,6 +1907,38 @@ def test_parallel_sampling_logprobs_match_hf(hf, llm):
     assert all_blocks_free(llm)
 
 
+@ENGINE
+def test_parallel_samples_with_bans_and_biases_are_the_seeded_requests_own(hf, llm):
+    """n = 3 among the letters, with bad words (one of two letters, one of one), a logit
+    bias and min_p, seeded: each child's tokens are those of one request seeded seed + j,
+    so each child's bad-word bans read its own output; none holds a bad word."""
+    params = {"temperature": 1.0, "max_tokens": 12, "seed": 40, "allowed_token_ids": LETTER_IDS,
+              "bad_words": ["ea", "o"], "logit_bias": {101: 2.0}, "min_p": 0.05}
+    together = generate(llm, [PROMPTS[1]], n=3, **params)[0]
+    apart = [generate(llm, [PROMPTS[1]], **{**params, "seed": 40 + j})[0].outputs[0].token_ids
+             for j in range(3)]
+    assert [c.token_ids for c in together.outputs] == apart and len({tuple(a) for a in apart}) == 3
+    for ids in apart:
+        assert set(ids) <= set(LETTER_IDS) and b"ea" not in bytes(ids) and b"o" not in bytes(ids)
+    assert sum(bytes(ids).count(b"e") for ids in apart) > 3   # the bias shows; "ea" is then often banned
+
+
+@ENGINE
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(hf, llm):
+    """truncate_prompt_tokens=7: HF's greedy tokens after the prompt's last 7 tokens, given
+    directly; the output's prompt_token_ids are those 7 (as in vLLM), its prompt the text
+    given. A prompt longer than max_model_len (512) is served once truncated."""
+    long = prompt(600, seed=9)
+    outs = generate(llm, [PROMPTS[3], long, "hello there"], max_tokens=6, truncate_prompt_tokens=7)
+    for out, p in zip(outs, [PROMPTS[3], long, list(b"hello there")], strict=True):
+        assert out.prompt_token_ids == p[-7:] and out.outputs[0].token_ids == hf.greedy(p[-7:], 6)
+    assert outs[2].prompt == "hello there"
+    assert tokens(generate(llm, [PROMPTS[1]], max_tokens=6, truncate_prompt_tokens=100)) == \
+        [hf.greedy(PROMPTS[1], 6)]   # longer than the prompt: all of it
+    with pytest.raises(ValueError, match="max_model_len"):
+        generate(llm, [long], max_tokens=6)
+
+
 @contextlib.contextmanager
 def deadline(seconds: float):
     """Fail with TimeoutError if the block runs longer than seconds (a hang is a failure, not
