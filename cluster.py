@@ -400,7 +400,8 @@ class CentralScheduler:
                length_penalty: float = 1.0) -> int:
         """Validate (ValueError, as the single engine) and dispatch a request; its id."""
         text, ids = tokenize(prompt, self.tokenizer)
-        params = check_request(ids, params, beam_width, self.vocab_size, self.cfg, self.room, length_penalty)
+        ids, params = check_request(ids, params, beam_width, self.vocab_size, self.tokenizer, self.cfg,
+                                    self.room, length_penalty)
         t = self.requests.track(text, ids, params, beam_width, length_penalty)
         if self.planner is not None and self.router is not None:
             predicted = self.router.predictor.predict(len(ids), params.max_tokens).mean

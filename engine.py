@@ -46,6 +46,7 @@ from request import (
     tokenize,
 )
 from runner import Draw, Lane, ModelRunner, StepOutput
+from sampler import bad_word_bans
 from scheduler import Batch, Scheduler
 from speculate import Drafted, Speculator, load_draft
 
@@ -146,8 +147,8 @@ class Engine:
                length_penalty: float = 1.0, request_id: int | None = None, prefill_only: bool = False) -> int:
         """Validate and queue a request; its id. A bad one raises ValueError and changes nothing."""
         text, ids = tokenize(prompt, self.tokenizer)
-        params = check_request(ids, params, beam_width, self.model.config.vocab_size, self.cfg,
-                               self.bm.num_blocks - self.bm.watermark_blocks, length_penalty)
+        ids, params = check_request(ids, params, beam_width, self.model.config.vocab_size, self.tokenizer,
+                                    self.cfg, self.bm.num_blocks - self.bm.watermark_blocks, length_penalty)
         req = Request(next(self._request_ids) if request_id is None else request_id, text, ids, params,
                       RequestMetrics(time.perf_counter()), beam_width=beam_width,
                       length_penalty=length_penalty, prefill_only=prefill_only)
@@ -285,8 +286,7 @@ class Engine:
                 g = seq.generator if j == 0 else seeded_generator(req.params, j, self.model.device)
                 plan.append((i, j))
                 before = list(seq.drafts) if seq.drafts else None   # drafted: after its last draft
-                draws.append(Draw(i, req.params, g, seq, j > 0, self._banned(seq, len(seq.drafts)),
-                                  before=before)
+                draws.append(Draw(i, req.params, g, seq, j > 0, *self._banned(seq, seq.drafts), before=before)
                              if req.adjusts else Draw(i, req.params, g))
         return plan, draws
 
@@ -353,13 +353,20 @@ class Engine:
 
     # -- stops, logprobs
 
-    def _banned(self, seq: Sequence, ahead: int = 0) -> list[int]:
-        """The tokens seq's next token (after `ahead` drafts) may not be: before min_tokens,
-        EOS and the stop ids."""
+    def _banned(self, seq: Sequence, before: list[int] = ()) -> tuple[list[int], list[tuple[int, int]]]:
+        """The tokens seq's next token (after the drafts `before`) may not be: before
+        min_tokens, EOS and the stop ids; a bad word's last token where the output ends in the
+        rest of it. And the bad words' bans that wait for a PENDING last token
+        (sampler.bad_word_bans)."""
         params = seq.request.params
-        if seq.num_outputs + ahead >= params.min_tokens:
-            return []
-        return list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(self.eos_ids))
+        banned = []
+        if seq.num_outputs + len(before) < params.min_tokens:
+            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(self.eos_ids))
+        if not params.bad_words_token_ids:
+            return banned, []
+        words, if_pending = bad_word_bans(params.bad_words_token_ids,
+                                          seq.token_ids[seq.num_prompt_tokens:] + list(before))
+        return banned + words, if_pending
 
     def _record_logprobs(self, seq: Sequence, token: int, token_logprob: float, rank: int,
                          top_values: list[float], top_ids: list[int]) -> None:
@@ -398,7 +405,8 @@ class Engine:
         detokenizer starts at the first check (after an import or a fork, from the tokens
         the sequence came with)."""
         if seq.detokenizer is None:
-            seq.detokenizer = Detokenizer(self.tokenizer, seq.token_ids[seq.num_prompt_tokens:index])
+            seq.detokenizer = Detokenizer(self.tokenizer, seq.token_ids[seq.num_prompt_tokens:index],
+                                          seq.request.params.skip_special_tokens)
         return seq.detokenizer.add(seq.token_ids[index])
 
     def _found_stop_string(self, seq: Sequence, new_text: str) -> bool:
@@ -510,10 +518,12 @@ class Engine:
         return new
 
     def _text(self, seq: Sequence) -> str:
-        """The completion's text: cut where its stop string was found, else its tokens decoded."""
+        """The completion's text: cut where its stop string was found, else its tokens decoded
+        (without the special tokens unless skip_special_tokens is False)."""
         if isinstance(seq.stop_reason, str):
             return seq.detokenizer.text[:seq.text_end]
-        return self.tokenizer.decode(seq.output_ids, skip_special_tokens=True)
+        skip = seq.request.params.skip_special_tokens
+        return self.tokenizer.decode(seq.output_ids, skip_special_tokens=skip)
 
     def _decoded(self, logprobs: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
         """logprobs with each token's text (decoded alone, as vLLM's decoded_token)."""

@@ -480,10 +480,12 @@ class Detokenizer:
     pieces, a leading space), so each new piece of text is the decode of a short window
     less the decode of the window's start; while the window ends in an incomplete
     character (U+FFFD) the text waits for the next token. The window restarts after each
-    piece, so every add decodes a few tokens, not the whole output."""
+    piece, so every add decodes a few tokens, not the whole output. skip_special_tokens:
+    whether special tokens are left out of the text (SamplingParams's)."""
 
-    def __init__(self, tokenizer, ids: list[int] = ()):
+    def __init__(self, tokenizer, ids: list[int] = (), skip_special_tokens: bool = True):
         self.tokenizer, self.ids, self.text = tokenizer, [], ""
+        self.skip_special_tokens = skip_special_tokens
         self.prefix = self.read = 0   # the window is ids[prefix:]; ids[prefix:read] is already text
         for token in ids:
             self.add(token)
@@ -491,9 +493,9 @@ class Detokenizer:
     def add(self, token: int) -> str:
         """Take the next token; the text it completes (often "", at the end of a character)."""
         self.ids.append(token)
-        decode = self.tokenizer.decode
-        before = decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
-        after = decode(self.ids[self.prefix:], skip_special_tokens=True)
+        decode, skip = self.tokenizer.decode, self.skip_special_tokens
+        before = decode(self.ids[self.prefix:self.read], skip_special_tokens=skip)
+        after = decode(self.ids[self.prefix:], skip_special_tokens=skip)
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return ""
         self.text += after[len(before):]

@@ -49,6 +49,9 @@ class SamplingParams:
     bad_words: list[str] | None = None   # words never generated (their last token is banned after the rest)
     skip_special_tokens: bool = True   # leave special tokens out of the output's text
     truncate_prompt_tokens: int | None = None   # keep only the prompt's last this many tokens
+    # bad_words as token id sequences (vLLM's _bad_words_token_ids), set at submit from the
+    # engine's tokenizer (check_request): they travel with the params, to any worker
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -92,7 +95,8 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
             for t, bias in self.logit_bias.items():
-                check_int("logit_bias's token ids", int(t) if isinstance(t, str) and t.isdigit() else t)
+                digits = isinstance(t, str) and t.isascii() and t.isdigit()   # "12": a JSON key
+                check_int("logit_bias's token ids", int(t) if digits else t)
                 check_real(f"logit_bias[{t!r}]", bias)
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, list | tuple) or not self.allowed_token_ids:
@@ -135,6 +139,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]] | None:
+        return self._bad_words_token_ids
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether anything changes the logits before sampling: penalties, min_tokens bans,
+        logit_bias, allowed_token_ids, bad_words (runner.py:ModelRunner._adjust)."""
+        return (self.penalized or self.min_tokens > 0 or bool(self.logit_bias) or bool(self.bad_words)
+                or self.allowed_token_ids is not None)
 
     @property
     def penalized(self) -> bool:
@@ -309,14 +324,42 @@ def tokenize(prompt, tokenizer) -> tuple[str | None, list[int]]:
                      f"TokensPrompt), got {type(prompt).__name__}")
 
 
-def check_request(ids: list[int], params: SamplingParams, beam_width: int, vocab: int, cfg: EngineConfig,
-                  room_blocks: int, length_penalty: float = 1.0) -> SamplingParams:
-    """The request's own copy of params (SamplingParams.normalized), or a ValueError naming
-    what is wrong with it; room_blocks is the KV cache's size less its watermark (the most
-    one request may ever hold)."""
+def bad_words_token_ids(words: list[str], tokenizer) -> list[list[int]]:
+    """vLLM's tokenization of bad_words (SamplingParams.update_from_tokenizer): each word
+    lstripped, and again after a space (a word in mid-text) when that gives as many tokens
+    and another first token."""
+    ids = []
+    for word in words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        ids += [alone] + ([spaced] if len(spaced) == len(alone) and spaced[0] != alone[0] else [])
+    return [t for t in ids if t]
+
+
+def check_token_ids(params: SamplingParams, vocab: int) -> None:
+    """A ValueError naming the field whose token ids fall outside the vocabulary [0, vocab)."""
+    fields = {"stop_token_ids": params.stop_token_ids, "logit_bias": list(params.logit_bias or ()),
+              "allowed_token_ids": params.allowed_token_ids or [],
+              "bad_words": [t for word in params.bad_words_token_ids or () for t in word]}
+    for name, ids in fields.items():
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
+
+def check_request(ids: list[int], params: SamplingParams, beam_width: int, vocab: int, tokenizer,
+                  cfg: EngineConfig, room_blocks: int, length_penalty: float = 1.0
+                  ) -> tuple[list[int], SamplingParams]:
+    """The request's prompt (its last truncate_prompt_tokens, if set) and its own copy of
+    params (SamplingParams.normalized, with bad_words tokenized by tokenizer), or a
+    ValueError naming what is wrong with them; room_blocks is the KV cache's size less its
+    watermark (the most one request may ever hold)."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
     params = params.normalized()
+    params._bad_words_token_ids = bad_words_token_ids(params.bad_words or [], tokenizer) or None
+    if params.truncate_prompt_tokens is not None:
+        ids = ids[-params.truncate_prompt_tokens:]
     check_int("beam_width", beam_width, low=0)
     check_real("length_penalty", length_penalty)
     if not ids:
@@ -327,9 +370,7 @@ def check_request(ids: list[int], params: SamplingParams, beam_width: int, vocab
     if len(ids) + params.max_tokens > cfg.max_model_len:
         raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                          f"max_model_len ({cfg.max_model_len})")
-    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    check_token_ids(params, vocab)
     if params.logprobs is not None and params.logprobs > vocab:
         raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size ({vocab})")
     width = max(params.n, beam_width)
@@ -344,7 +385,7 @@ def check_request(ids: list[int], params: SamplingParams, beam_width: int, vocab
     if need > room_blocks:
         raise ValueError(f"the request needs {need} KV blocks, more than the whole cache holds "
                          f"({room_blocks})")
-    return params
+    return ids, params
 
 
 # ----------------------------------------------------------------------------- what an engine keeps
@@ -437,10 +478,10 @@ class Request:
     error: Exception | None = None      # why it ended without its completions
     arrival: int = field(default_factory=arrival_order)   # its first sequence's: its place in the queue
     # Set once, so that a step's sampling skips all of it for the requests that use none:
-    adjusts: bool = field(init=False)   # its logits change before sampling (penalties, min_tokens bans)
+    adjusts: bool = field(init=False)   # its logits change before sampling (SamplingParams.adjusts)
 
     def __post_init__(self):
-        self.adjusts = self.params.penalized or self.params.min_tokens > 0
+        self.adjusts = self.params.adjusts
 
     @property
     def finished(self) -> bool:

@@ -95,7 +95,9 @@ class Draw:
     generator: torch.Generator | None = None
     seq: Sequence | None = None         # that sequence, if its request adjusts its logits (Request.adjusts)
     child: bool = False                 # the token starts a child forked from seq (n > 1), not seq's own
-    banned: list[int] = field(default_factory=list)   # tokens it may not be (min_tokens: EOS, stop ids)
+    banned: list[int] = field(default_factory=list)   # tokens it may not be (min_tokens, bad_words)
+    # (token, t): banned if seq's last token, PENDING on the host, is t (a bad word's rest ends there)
+    banned_if_pending: list[tuple[int, int]] = field(default_factory=list)
     # after which of the row's new tokens (-1: the last; drafts: each, speculate.py)
     position: int = -1
     noise_of: int = -1                  # a speculative branch's: the draw whose sampling noise it reuses
@@ -355,15 +357,37 @@ class ModelRunner:
 
     def _adjust(self, logits: torch.Tensor, draws: list[Draw], prev_tokens: torch.Tensor | None
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The logits the draws sample from [D, vocab]: the model's, or a float32 copy with
-        every penalty of the step applied in one launch and the banned tokens at -inf; and
-        (draws, statistics rows) of the penalised draws whose token is their sequence's own."""
+        """The logits the draws sample from [D, vocab]: the model's, or a float32 copy changed
+        in vLLM's order: the tokens outside allowed_token_ids, the bad words' and min_tokens'
+        banned tokens at -inf, logit_bias added, then every penalty of the step in one launch.
+        Also (draws, statistics rows) of the penalised draws whose token is their sequence's own."""
         adjusted = [k for k, d in enumerate(draws) if d.seq is not None]   # most steps: none
-        penalized = [k for k in adjusted if draws[k].params.penalized]
+        allowed = [(k, t) for k in adjusted for t in draws[k].params.allowed_token_ids or ()]
         bans = [(k, t) for k in adjusted for t in draws[k].banned]
-        if not penalized and not bans:
+        pending = [(k, t, draws[k].seq.pending_row, last) for k in adjusted
+                   for t, last in draws[k].banned_if_pending]
+        bias = [(k, t, b) for k in adjusted for t, b in (draws[k].params.logit_bias or {}).items()]
+        penalized = [k for k in adjusted if draws[k].params.penalized]
+        if not (allowed or bans or pending or bias or penalized):
             return logits, None
-        x, counted = logits.to(torch.float32, copy=True), None
+        x, counted, inf = logits.to(torch.float32, copy=True), None, float("-inf")
+        if allowed:
+            at = self.upload(allowed, torch.int64)
+            outside = torch.zeros_like(x, dtype=torch.bool)
+            outside[at[:, 0]] = True
+            outside[at[:, 0], at[:, 1]] = False
+            x.masked_fill_(outside, inf)
+        if bans:
+            at = self.upload(bans, torch.int64)
+            x[at[:, 0], at[:, 1]] = inf
+        if pending:   # -inf where the PENDING token is the word's (adding: two words may share a token)
+            at = self.upload(pending, torch.int64)
+            hit = prev_tokens[at[:, 2]].long() == at[:, 3]
+            x.index_put_((at[:, 0], at[:, 1]), torch.where(hit, inf, 0.0), accumulate=True)
+        if bias:
+            at = self.upload([(k, t) for k, t, _ in bias], torch.int64)
+            x.index_put_((at[:, 0], at[:, 1]), self.upload([b for *_, b in bias], torch.float32),
+                         accumulate=True)
         if penalized:
             rows = self.token_counts.penalize(x, penalized, [draws[k].seq for k in penalized],
                                               [draws[k].params for k in penalized], prev_tokens, self.upload,
@@ -371,9 +395,6 @@ class ModelRunner:
             own = [j for j, k in enumerate(penalized) if not draws[k].child and draws[k].before is None]
             counted = (self.upload([penalized[j] for j in own], torch.int64),
                        rows[self.upload(own, torch.int64)])
-        if bans:
-            at = self.upload(bans, torch.int64)
-            x[at[:, 0], at[:, 1]] = float("-inf")
         return x, counted
 
     def _forward(self, batch: Batch, wanted: list[tuple[int, int]], prev_tokens: torch.Tensor | None,

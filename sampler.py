@@ -18,11 +18,11 @@ Upload = Callable[[list, torch.dtype], torch.Tensor]
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            upload: Upload | None = None, same_noise: list[tuple[int, int]] = ()) -> torch.Tensor:
     """One token per row of logits [R, vocab]. Greedy rows take the argmax; the others draw
-    from softmax(logits / T) restricted by top-k and top-p, through the exponential race
-    argmax(p / E), E ~ Exp(1): seeded rows draw E from their own generator, so their tokens
-    do not depend on the other rows. same_noise (row, src): row reuses src's E, so rows of
-    the same logits sample the same token (speculative branches). upload puts host lists on
-    the logits' device (ModelRunner.upload, which never waits for the device)."""
+    from softmax(logits / T) restricted by min_p, then top-k and top-p, through the
+    exponential race argmax(p / E), E ~ Exp(1): seeded rows draw E from their own generator,
+    so their tokens do not depend on the other rows. same_noise (row, src): row reuses src's
+    E, so rows of the same logits sample the same token (speculative branches). upload puts
+    host lists on the logits' device (ModelRunner.upload, which never waits for the device)."""
     upload = upload or (lambda data, dtype: torch.tensor(data, dtype=dtype, device=logits.device))
     greedy = logits.argmax(-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -30,9 +30,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         return greedy
     top_k = [params[i].top_k if params[i].top_k > 0 else logits.shape[1] for i in rows]
     top_p = [params[i].top_p for i in rows]
-    knobs = upload([[params[i].temperature, top_p[j], top_k[j]] for j, i in enumerate(rows)], torch.float32)
+    min_p = [params[i].min_p for i in rows]
+    knobs = upload([[params[i].temperature, top_p[j], top_k[j], min_p[j]] for j, i in enumerate(rows)],
+                   torch.float32)
     row_ids = upload(rows, torch.int64)
     x = logits[row_ids].float() / knobs[:, :1]
+    if max(min_p) > 0:
+        x = apply_min_p(x, knobs[:, 3])
     if min(top_k) < x.shape[1] or min(top_p) < 1.0:
         x = apply_top_k_top_p(x, knobs[:, 2], knobs[:, 1])
     noise = torch.empty_like(x).exponential_()
@@ -47,6 +51,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             noise[at[:, 0]] = noise[at[:, 1]]
     greedy[row_ids] = (x.softmax(-1) / noise).argmax(-1)
     return greedy
+
+
+def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf the logits (after temperature) of the tokens less likely than min_p times
+    each row's most likely one (vLLM's and HF's min_p; 0 keeps every token)."""
+    probs = x.softmax(-1)
+    return x.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
 
 
 def apply_top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -76,6 +87,26 @@ def beam_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     and ids [R, k]."""
     top = torch.log_softmax(logits.float(), -1).topk(k, -1)
     return top.values, top.indices
+
+
+def bad_word_bans(words: list[list[int]], outputs: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+    """vLLM's bad_words at one draw, after these output tokens: a word's last token is
+    banned when the output ends in the rest of the word (a one-token word: always). The
+    output's last token may be PENDING (still on the device): a word whose rest ends in it
+    then gives (its last token, the token the PENDING one must be), banned on the device
+    (ModelRunner._adjust). Returns (banned, those pairs)."""
+    banned, if_pending = [], []
+    for *rest, last in words:
+        if len(rest) > len(outputs):
+            continue
+        tail = outputs[len(outputs) - len(rest):]
+        if tail[:-1] != rest[:-1]:
+            continue
+        if not rest or tail[-1] == rest[-1]:
+            banned.append(last)
+        elif tail[-1] == PENDING:
+            if_pending.append((last, rest[-1]))
+    return banned, if_pending
 
 
 # ----------------------------------------------------------------------------- what the penalties read

@@ -213,7 +213,8 @@ class Drafted:
     branches: list[tuple[Sequence, list[int], int]] = field(default_factory=list)   # (branch, drafts, checks)
 
 
-Banned = Callable[[Sequence, int], list[int]]   # (seq, drafts ahead) -> the tokens its next may not be
+# (seq, drafts ahead) -> the tokens its next may not be, and those banned if its PENDING token is t
+Banned = Callable[[Sequence, list[int]], tuple[list[int], list[tuple[int, int]]]]
 
 
 class Speculator:
@@ -290,11 +291,12 @@ class Speculator:
 
     def _check_draw(self, row: int, seq: Sequence, before: list[int], **kw) -> Draw:
         """The draw after `before`, drafts of seq (or of a branch of seq) at batch row `row`:
-        its penalties count them and its bans hold while seq's outputs and they are under
-        min_tokens."""
+        its penalties count them, and its bans count them as outputs (min_tokens's, while seq's
+        outputs and they are fewer; a bad word's, whose rest they may end)."""
         if not seq.request.adjusts:
             return Draw(row, seq.request.params, position=len(before), before=before, **kw)
-        return Draw(row, seq.request.params, seq=seq, banned=self.banned(seq, len(before)),
+        banned, banned_if_pending = self.banned(seq, before)
+        return Draw(row, seq.request.params, seq=seq, banned=banned, banned_if_pending=banned_if_pending,
                     position=len(before), before=before, **kw)
 
     def _plan_branch_checks(self, batch: Batch, drafted: dict[Sequence, Drafted], first: int,

@@ -1161,11 +1161,24 @@ PARAM_OK = {
     "seed": lambda v: v is None or (is_int(v) and 0 <= v < 2 ** 63), "n": lambda v: is_int(v) and v >= 1,
     "stop_token_ids": lambda v: isinstance(v, list) and all(is_int(t) for t in v),
     "ignore_eos": lambda v: isinstance(v, bool), "logprobs": lambda v: v is None or (is_int(v) and v >= 0),
+    "min_p": lambda v: is_real(v) and 0 <= v <= 1,
+    "logit_bias": lambda v: v is None or (isinstance(v, dict) and all(
+        (is_int(t) or isinstance(t, str) and t.isascii() and t.isdigit()) and is_real(b)
+        for t, b in v.items())),
+    "allowed_token_ids": lambda v: v is None or (isinstance(v, list) and v and all(is_int(t) for t in v)),
+    "bad_words": lambda v: v is None or (isinstance(v, list) and all(isinstance(w, str) and w.strip()
+                                                                     for w in v)),
+    "skip_special_tokens": lambda v: isinstance(v, bool),
+    "truncate_prompt_tokens": lambda v: v is None or (is_int(v) and v >= 1),
 }
+# ... and dicts, for logit_bias: token ids as ints or strings (odd ones too), biases of any kind
+ODD_PARAM_VALUES = ODD_VALUES | st.dictionaries(
+    st.one_of(st.integers(-3, 300), st.text("12²-a ", max_size=3)),
+    st.one_of(st.floats(allow_nan=True), st.text(max_size=1)), max_size=3)
 
 
 @settings(max_examples=300, deadline=None)
-@given(name=st.sampled_from(sorted(PARAM_OK)), value=ODD_VALUES)
+@given(name=st.sampled_from(sorted(PARAM_OK)), value=ODD_PARAM_VALUES)
 def test_sampling_params_accept_exactly_what_they_document(name, value):
     """temperature nan, max_tokens 2.5, stop_token_ids None, seed 2**70, ...: a ValueError
     naming the field at SamplingParams(...), as in vLLM, and again from validate if the field
@@ -1210,7 +1223,7 @@ def prompt_ids(p) -> list[int] | None:
 @ENGINE
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompts=st.lists(ODD_PROMPTS, min_size=1, max_size=4), bad=st.sampled_from(sorted(PARAM_OK)),
-       value=ODD_VALUES)
+       value=ODD_PARAM_VALUES)
 def test_generate_serves_the_good_and_refuses_the_bad(hf, llm, prompts, bad, value):
     """Odd prompts (None, floats, bools, out of the vocabulary, empty) and odd sampling
     values: a call with a bad prompt is a ValueError naming the first one, and submits
@@ -1234,7 +1247,9 @@ def test_generate_serves_the_good_and_refuses_the_bad(hf, llm, prompts, bad, val
     # Beyond the field's own range, the request must fit the engine: the vocabulary, the
     # seats (max_num_seqs 16) and max_model_len (512) of this llm.
     fits = {"logprobs": lambda v: v is None or v <= VOCAB, "n": lambda v: v <= 16,
-            "max_tokens": lambda v: v + len(PROMPTS[0]) <= 512}
+            "max_tokens": lambda v: v + len(PROMPTS[0]) <= 512,
+            "logit_bias": lambda v: all(0 <= int(t) < VOCAB for t in v or ()),
+            "allowed_token_ids": lambda v: all(0 <= t < VOCAB for t in v or ())}
     if fits.get(bad, lambda v: True)(value):
         assert llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].error is None
     else:
@@ -1268,6 +1283,40 @@ def test_bad_stop_token_ids_are_a_value_error_at_generate(hf, monkeypatch):
                 with pytest.raises(ValueError, match="prompt 1: stop_token_ids"):
                     llm.generate([PROMPTS[1], PROMPTS[0]], [good, bad], use_tqdm=False)
                 assert tokens(llm.generate([PROMPTS[1]], good, use_tqdm=False)) == [hf.greedy(PROMPTS[1], 6)]
+
+
+@ENGINE
+def test_out_of_vocabulary_token_ids_are_a_value_error_naming_the_field_at_generate(hf, llm, monkeypatch):
+    """logit_bias, allowed_token_ids and bad words whose token ids fall outside the
+    vocabulary ([0, 256) here) are a ValueError naming the field at generate (a tokenizer
+    larger than the model's vocabulary gives such bad words); nothing stays in the engine."""
+    good = SamplingParams(temperature=0.0, max_tokens=3)
+    for bad, field in (({"logit_bias": {VOCAB: 1.0}}, "logit_bias"),
+                       ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+                       ({"allowed_token_ids": [3, VOCAB]}, "allowed_token_ids")):
+        with pytest.raises(ValueError, match=f"prompt 1: {field}: token id "):
+            llm.generate([PROMPTS[0], PROMPTS[1]], [good, SamplingParams(max_tokens=3, **bad)],
+                         use_tqdm=False)
+    monkeypatch.setattr(llm.engine.tokenizer, "encode", lambda text, **_: [1, VOCAB + 2])
+    with pytest.raises(ValueError, match=f"prompt 0: bad_words: token id {VOCAB + 2} "):
+        generate(llm, [PROMPTS[0]], max_tokens=3, bad_words=["ab"])
+    assert all_blocks_free(llm) and not llm.engine.requests
+
+
+def test_clone_is_a_deep_copy():
+    """SamplingParams.clone (vLLM's): changing the clone's lists and dicts leaves the original alone."""
+    p = SamplingParams(stop=["x"], stop_token_ids=[3], logit_bias={1: 2.0}, allowed_token_ids=[1, 2],
+                       bad_words=["ab"], min_p=0.1, truncate_prompt_tokens=4)
+    before = copy.deepcopy(p)
+    c = p.clone()
+    assert c == p and c is not p
+    c.stop.append("y")
+    c.stop_token_ids.append(4)
+    c.logit_bias[7] = 1.0
+    c.allowed_token_ids.append(5)
+    c.bad_words.append("cd")
+    assert p == before and (p.stop, p.stop_token_ids, p.logit_bias, p.allowed_token_ids, p.bad_words) == \
+        (["x"], [3], {1: 2.0}, [1, 2], ["ab"])
 
 
 # =========== scheduler.py: batching, chunked prefill, preemption, prefix cache
@@ -1613,6 +1662,153 @@ def test_penalties_count_each_childs_own_tokens(hf, llm):
 
 
 @ENGINE
+def test_logit_bias_matches_hf_sequence_bias_greedy(hf, llm):
+    """Greedy with logit_bias (a key given as a string of digits too) gives HF generate's
+    tokens with the same biases (its SequenceBiasLogitsProcessor, one-token sequences), in
+    a batch with an unbiased request, which keeps HF's plain greedy tokens."""
+    k, p = 10, PROMPTS[1]
+    plain = hf.greedy(p, k)
+    second = hf_logits(hf.model, p)[-1].topk(2).indices[1].item()   # the runner-up of the first step
+    bias = {second: 4.0, plain[3]: -2.5, (plain[5] + 1) % VOCAB: 1.5}
+    ref = hf._generate(p, do_sample=False, min_new_tokens=k, max_new_tokens=k,
+                       sequence_bias=[[[t], b] for t, b in bias.items()])[0, len(p):].tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=k, logit_bias={str(t) if t == second else t: b
+                                                                       for t, b in bias.items()})
+    outs = llm.generate([p, PROMPTS[2]], [params, SamplingParams(temperature=0.0, max_tokens=k)],
+                        use_tqdm=False)
+    assert tokens(outs) == [ref, hf.greedy(PROMPTS[2], k)] and ref != plain
+
+
+LETTER_IDS = list(range(97, 123))   # a-z: the byte tokenizer's tokens of the lowercase letters
+
+
+@ENGINE
+def test_allowed_token_ids_match_hf_prefix_allowed_tokens_fn(hf, llm):
+    """Greedy with allowed_token_ids gives HF generate's tokens restricted by
+    prefix_allowed_tokens_fn to the same ids, every one of them allowed; with a bias on
+    an allowed token too (the two compose), HF's with that sequence_bias."""
+    k = 10
+    outs = generate(llm, PROMPTS[:2], max_tokens=k, allowed_token_ids=LETTER_IDS)
+    biased = generate(llm, PROMPTS[:1], max_tokens=k, allowed_token_ids=LETTER_IDS, logit_bias={120: 3.0})
+    ref = [hf._generate(p, do_sample=False, min_new_tokens=k, max_new_tokens=k,
+                        prefix_allowed_tokens_fn=lambda batch, ids: LETTER_IDS)[0, len(p):].tolist()
+           for p in PROMPTS[:2]]
+    ref_biased = hf._generate(PROMPTS[0], do_sample=False, min_new_tokens=k, max_new_tokens=k,
+                              prefix_allowed_tokens_fn=lambda batch, ids: LETTER_IDS,
+                              sequence_bias=[[[120], 3.0]])[0, len(PROMPTS[0]):].tolist()
+    assert tokens(outs) == ref and tokens(biased) == [ref_biased] != ref[:1]
+    assert all(t in LETTER_IDS for r in ref for t in r) and ref[0] != hf.greedy(PROMPTS[0], k)
+
+
+@ENGINE
+def test_bad_words_match_hf_bad_words_ids(hf, llm):
+    """bad_words: a two-letter word the output would contain and a one-letter word, among
+    the letters only (allowed_token_ids, so each word is text): the greedy tokens are HF
+    generate's with bad_words_ids of the words' bytes (vLLM's tokenization: " " + word
+    gives more tokens, so only the word itself counts), which differ from the unbanned
+    ones and hold neither word."""
+    k, p = 14, PROMPTS[2]
+
+    def hf_run(bad_words_ids=None):
+        return hf._generate(p, do_sample=False, min_new_tokens=k, max_new_tokens=k,
+                            bad_words_ids=bad_words_ids,
+                            prefix_allowed_tokens_fn=lambda batch, ids: LETTER_IDS)[0, len(p):].tolist()
+    free = hf_run()
+    two = next(free[i:i + 2] for i in range(1, k - 1) if free[i] != free[i + 1])   # after the first token
+    one = next(t for t in free if t not in two)
+    assert p[-1] != two[0]   # HF matches prefixes on the prompt too, vLLM on the output only
+    words = [bytes(two).decode(), " " + chr(one)]   # a word's leading space is stripped (vLLM's lstrip)
+    ref = hf_run([two, [one]])
+    out = generate(llm, [p], max_tokens=k, allowed_token_ids=LETTER_IDS, bad_words=words)[0].outputs[0]
+    assert out.token_ids == ref != free and one not in ref
+    # the word is gone, its last letter alone is fine
+    assert not any(ref[i:i + 2] == two for i in range(k - 1)) and two[1] in ref
+    assert out.text == bytes(ref).decode()
+
+
+def test_bad_word_bans_match_hfs_no_bad_words_processor():
+    """sampler.bad_word_bans against HF's NoBadWordsLogitsProcessor on random outputs and
+    words of 1 to 3 tokens over a small vocabulary: the same tokens banned; with the last
+    output token PENDING, the bans it returns plus those its (token, t) pairs give for
+    the real last token t are the same set."""
+    from transformers.generation.logits_process import NoBadWordsLogitsProcessor
+    rng, vocab = random.Random(0), 6
+    for _ in range(300):
+        outputs = [rng.randrange(vocab) for _ in range(rng.randrange(1, 6))]
+        words = {tuple(rng.randrange(vocab) for _ in range(rng.randrange(1, 4))) for _ in range(3)}
+        words = [list(w) for w in words]
+        scores = NoBadWordsLogitsProcessor(words, eos_token_id=None)(torch.tensor([outputs]),
+                                                                      torch.zeros(1, vocab))
+        expect = set(torch.nonzero(scores[0] == float("-inf")).flatten().tolist())
+        banned, if_pending = sampler.bad_word_bans(words, outputs)
+        assert set(banned) == expect and not if_pending
+        banned, if_pending = sampler.bad_word_bans(words, outputs[:-1] + [request.PENDING])
+        assert set(banned) | {t for t, last in if_pending if last == outputs[-1]} == expect
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 3.0])
+def test_min_p_keeps_what_hfs_min_p_warper_keeps(temperature):
+    """min_p filters the logits after temperature as HF's MinPLogitsWarper does (the same
+    tokens kept, row by row), and sample() draws every kept token and no other."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+    logits = torch.randn(4, 12, generator=torch.Generator().manual_seed(int(temperature * 10))) * 2
+    for j, min_p in enumerate([0.05, 0.2, 0.5, 1.0]):
+        x = logits[j:j + 1] / temperature
+        ours = sampler.apply_min_p(x, torch.tensor([min_p]))
+        hf_kept = MinPLogitsWarper(min_p)(None, x.clone()).isfinite()
+        assert torch.equal(ours.isfinite(), hf_kept)
+    spread = torch.linspace(0, 8, 12)[torch.randperm(12, generator=torch.Generator().manual_seed(2))]
+    rows, params = 20000, SamplingParams(temperature=temperature, min_p=0.2)
+    torch.manual_seed(1)
+    drawn = sampler.sample(spread.to(DEVICE).expand(rows, -1).contiguous(), [params] * rows, [None] * rows)
+    kept = MinPLogitsWarper(0.2)(None, spread[None] / temperature).isfinite()[0]
+    assert set(drawn.tolist()) == set(torch.nonzero(kept).flatten().tolist()) and 1 < kept.sum() < 12
+
+
+@ENGINE
+def test_sampled_tokens_with_min_p_lie_in_hfs_min_p_set(hf, llm):
+    """Sampling at temperature 1.5 with min_p 0.3 (and a greedy request beside it, which
+    min_p leaves alone): every sampled token is in HF's MinPLogitsWarper set for HF's
+    logits of its step, and some are not the argmax (it did sample)."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+    k, prompts = 16, PROMPTS[:3]
+    sampled = generate(llm, prompts, max_tokens=k, temperature=1.5, min_p=0.3, seed=7)
+    assert tokens(generate(llm, PROMPTS[:1], max_tokens=k, min_p=0.3)) == [hf.greedy(PROMPTS[0], k)]
+    not_argmax = 0
+    for p, ids in zip(prompts, tokens(sampled), strict=True):
+        rows = hf_logits(hf.model, p + ids)[len(p) - 1:-1] / 1.5
+        kept = MinPLogitsWarper(0.3)(None, rows).isfinite()
+        assert all(kept[i, t] for i, t in enumerate(ids))
+        not_argmax += sum(t != r.argmax().item() for t, r in zip(ids, rows))
+    assert not_argmax > 0
+
+
+@ENGINE
+def test_skip_special_tokens_false_shows_the_special_tokens():
+    """The tiny preset (bytes, then ⟨id⟩ for ids past them; 256 and 257 are bos and eos, the
+    special ones): among a few allowed tokens (seeded), the text leaves the special ids out
+    by default and shows them with skip_special_tokens=False, as the tokenizer's own decode
+    and the byte tokenizer's documented text do. A stop string is matched on that same
+    text: "⟨256⟩" stops only the request that shows it."""
+    llm = LLM("tiny", device=DEVICE, num_kv_blocks=64, max_num_seqs=16)
+    knobs = {"temperature": 1.0, "seed": 3, "max_tokens": 16, "ignore_eos": True,
+             "allowed_token_ids": [97, 98, 256, 257, 300]}
+    skipped, shown = (generate(llm, ["zz"], skip_special_tokens=skip, **knobs)[0].outputs[0]
+                      for skip in (True, False))
+    ids = skipped.token_ids
+    assert ids == shown.token_ids and {256, 257, 300} <= set(ids)
+    decode = llm.get_tokenizer().decode
+    assert skipped.text == byte_text(ids, {256, 257}) == decode(ids, skip_special_tokens=True)
+    assert shown.text == byte_text(ids, set()) == decode(ids, skip_special_tokens=False)
+    stopped = [generate(llm, ["zz"], skip_special_tokens=skip, stop=["⟨256⟩"], **knobs)[0].outputs[0]
+               for skip in (True, False)]
+    first = ids.index(256)
+    assert (stopped[0].token_ids, stopped[0].text, stopped[0].finish_reason) == (ids, skipped.text, "length")
+    assert (stopped[1].token_ids, stopped[1].text, stopped[1].stop_reason) == \
+        (ids[:first + 1], byte_text(ids[:first], set()), "⟨256⟩")
+
+
+@ENGINE
 @pytest.mark.parametrize("temperature, top_p", [(1e-40, 1.0), (2e-5, 1.0), (1e4, 1.0), (1e30, 1.0),
                                                 (1.0, 1e-9), (1.0, 0.999999), (5e3, 0.5)])
 def test_sampling_at_extreme_settings_follows_a_float64_reference(temperature, top_p):
@@ -1887,6 +2083,38 @@ def test_parallel_sampling_logprobs_match_hf(hf, llm):
         expect = [ref[len(p) - 1 + i, t].item() for i, t in enumerate(c.token_ids)]
         assert got == pytest.approx(expect, abs=1e-4)
     assert all_blocks_free(llm)
+
+
+@ENGINE
+def test_parallel_samples_with_bans_and_biases_are_the_seeded_requests_own(hf, llm):
+    """n = 3 among the letters, with bad words (one of two letters, one of one), a logit
+    bias and min_p, seeded: each child's tokens are those of one request seeded seed + j,
+    so each child's bad-word bans read its own output; none holds a bad word."""
+    params = {"temperature": 1.0, "max_tokens": 12, "seed": 40, "allowed_token_ids": LETTER_IDS,
+              "bad_words": ["ea", "o"], "logit_bias": {101: 2.0}, "min_p": 0.05}
+    together = generate(llm, [PROMPTS[1]], n=3, **params)[0]
+    apart = [generate(llm, [PROMPTS[1]], **{**params, "seed": 40 + j})[0].outputs[0].token_ids
+             for j in range(3)]
+    assert [c.token_ids for c in together.outputs] == apart and len({tuple(a) for a in apart}) == 3
+    for ids in apart:
+        assert set(ids) <= set(LETTER_IDS) and b"ea" not in bytes(ids) and b"o" not in bytes(ids)
+    assert sum(bytes(ids).count(b"e") for ids in apart) > 3   # the bias shows; "ea" is then often banned
+
+
+@ENGINE
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(hf, llm):
+    """truncate_prompt_tokens=7: HF's greedy tokens after the prompt's last 7 tokens, given
+    directly; the output's prompt_token_ids are those 7 (as in vLLM), its prompt the text
+    given. A prompt longer than max_model_len (512) is served once truncated."""
+    long = prompt(600, seed=9)
+    outs = generate(llm, [PROMPTS[3], long, "hello there"], max_tokens=6, truncate_prompt_tokens=7)
+    for out, p in zip(outs, [PROMPTS[3], long, list(b"hello there")], strict=True):
+        assert out.prompt_token_ids == p[-7:] and out.outputs[0].token_ids == hf.greedy(p[-7:], 6)
+    assert outs[2].prompt == "hello there"
+    assert tokens(generate(llm, [PROMPTS[1]], max_tokens=6, truncate_prompt_tokens=100)) == \
+        [hf.greedy(PROMPTS[1], 6)]   # longer than the prompt: all of it
+    with pytest.raises(ValueError, match="max_model_len"):
+        generate(llm, [long], max_tokens=6)
 
 
 @contextlib.contextmanager
