@@ -2305,6 +2305,17 @@ def test_split_engine_gives_hf_greedy_tokens_and_lanes_keep_apart(hf, monkeypatc
 
 
 @ENGINE
+def test_split_engine_scores_prompts_as_hf(hf):
+    """prompt_logprobs on a split worker: prompts (one of 60 tokens, chunked on the prefill
+    lane beside the others' decodes) get HF's log_softmax entries."""
+    prompts = PROMPTS[:2] + [prompt(60, 9)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, prompt_logprobs=2)
+    outs = run_engine(split_engine(hf), [(p, params) for p in prompts])
+    for p, out in zip(prompts, outs):
+        assert_prompt_logprobs_match_hf(hf, p, out.prompt_logprobs, 2)
+
+
+@ENGINE
 def test_split_engine_gives_the_single_engines_seeded_tokens(hf):
     """Seeded sampling, n > 1 and beam search on a split worker: the whole-GPU engine's tokens."""
     reqs = [(prompt(30, 1), SamplingParams(temperature=1.0, top_k=20, seed=3, max_tokens=8, n=3)),
@@ -4286,6 +4297,22 @@ def test_disaggregated_sampling_matches_the_single_engine(hf):
     # Beam search runs whole on one worker: HF's beams.
     for out, p in zip(beams, PROMPTS[:2]):
         assert [c.token_ids for c in out.outputs] == hf.beams(p, 3, 6)
+
+
+@pytest.mark.usefixtures("worker_env", "torch_twins")
+def test_prompt_logprobs_cross_a_handoff(hf):
+    """prompt_logprobs on the disaggregated policy: the prefill worker scores the prompt
+    (chunked under a 16-token budget) and the entries travel with its KV to the decode
+    worker; n=2 (served as two samples) still gives one list. Each is HF's log_softmax."""
+    with make_cluster(hf, "disaggregated", 2) as cluster:
+        outs = generate(cluster, PROMPTS[1:3], max_tokens=4, prompt_logprobs=3)
+        sampled = generate(cluster, [PROMPTS[3]], max_tokens=4, n=2, temperature=1.0, seed=3,
+                           prompt_logprobs=2)[0]
+    for p, out in zip(PROMPTS[1:3], outs):
+        assert out.metrics.path == (0, 1)
+        assert_prompt_logprobs_match_hf(hf, p, out.prompt_logprobs, 3)
+    assert len(sampled.outputs) == 2
+    assert_prompt_logprobs_match_hf(hf, PROMPTS[3], sampled.prompt_logprobs, 2)
 
 
 @pytest.mark.usefixtures("worker_env", "torch_twins")
