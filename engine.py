@@ -45,10 +45,19 @@ from request import (
     seeded_generator,
     tokenize,
 )
-from runner import Draw, Lane, ModelRunner, StepOutput
+from runner import Draw, Lane, ModelRunner, PromptScore, StepOutput
 from sampler import bad_word_bans
 from scheduler import Batch, Scheduler
 from speculate import Drafted, Speculator, load_draft
+
+
+def logprob_entry(token: int, token_logprob: float, rank: int, top_values: list[float], top_ids: list[int],
+                  k: int) -> dict[int, Logprob]:
+    """A token's logprobs entry, an output's or a prompt's (as vLLM's): the k most likely
+    tokens' (ranks 1..k) and its own (its text is added at output)."""
+    entry = {t: Logprob(v, r) for r, (t, v) in enumerate(zip(top_ids[:k], top_values[:k]), 1)}
+    entry[token] = Logprob(token_logprob, rank)
+    return entry
 
 
 @dataclass
@@ -72,13 +81,16 @@ class LaunchedStep:
     launched_at: float = field(default_factory=time.perf_counter)
     drafted: dict[Sequence, Drafted] = field(default_factory=dict)   # the sequences whose drafts it checks
     num_checks: int = 0                  # its first draws check drafts (speculate.py:Drafted)
+    # prompt_logprobs: per request, the prompt tokens it scores, in order
+    scored: list[tuple[Request, list[int]]] = field(default_factory=list)
 
     def sequences(self) -> set[Sequence]:
         """The sequences this step computes or samples for."""
         return set(self.batch.seqs) | {seq for seq, _ in self.targets}
 
 
-WARM_UP = [SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0, logprobs=1),
+WARM_UP = [SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0, logprobs=1,
+                          prompt_logprobs=1),
            SamplingParams(max_tokens=2, ignore_eos=True, temperature=1.0, top_k=2, top_p=0.9, seed=0,
                           min_tokens=1, repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1)]
 
@@ -256,8 +268,10 @@ class Engine:
             step.drafted, checks = self.speculator.plan_checks(batch, done, plan)
         step.num_checks = len(checks)
         beam_k = 2 * max((s.request.beam_width for s in step.beams), default=0)
+        scores = self._plan_prompt_scores(batch)
+        step.scored = [(batch.seqs[s.row].request, s.targets) for s in scores]
         step.output = self.runner.run(batch, checks + draws, beam_rows, beam_k,
-                                      previous.output.tokens if previous else None, lane)
+                                      previous.output.tokens if previous else None, lane, scores)
         if step.drafted:
             self.speculator.launched(step.drafted)
         self.scheduler.computed(batch)
@@ -290,6 +304,25 @@ class Engine:
                              if req.adjusts else Draw(i, req.params, g))
         return plan, draws
 
+    def _plan_prompt_scores(self, batch: Batch) -> list[PromptScore]:
+        """The prompt positions this step scores for prompt_logprobs: position p of a prompt
+        chunk, up to the prompt's last but one, against prompt token p + 1 (the last
+        position's logits are the first output token's draw). A chunk's last position scores
+        the next chunk's first token, so no position is lost or doubled at a border; a prompt
+        recomputed after preemption scores none again (Request.num_prompt_scored)."""
+        scores = []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
+            req = seq.request
+            if not req.scores_prompt:
+                continue
+            first = max(seq.num_computed, req.num_prompt_scored)
+            end = min(seq.num_computed + n, seq.num_prompt_tokens - 1)
+            if first < end:
+                scores.append(PromptScore(i, first - seq.num_computed, seq.token_ids[first + 1:end + 1],
+                                          req.params.prompt_logprobs))
+                req.num_prompt_scored = end
+        return scores
+
     def _shape(self, batch: Batch) -> StepShape:
         """The step's decodes, their context and its prompt tokens (prefix hits excluded)."""
         shape = StepShape()
@@ -306,6 +339,8 @@ class Engine:
         beams. Returns the requests that finished."""
         tokens, logprobs = step.output.collect()
         checked, tokens = tokens[:step.num_checks], tokens[step.num_checks:]
+        if step.scored:
+            self._record_prompt_logprobs(step)
         now = time.perf_counter()
         for seq in step.seqs:
             if seq.request.metrics.first_token_time is None:
@@ -371,11 +406,18 @@ class Engine:
     def _record_logprobs(self, seq: Sequence, token: int, token_logprob: float, rank: int,
                          top_values: list[float], top_ids: list[int]) -> None:
         """The chosen token's and the top k's logprobs and ranks (their text is added at output)."""
-        k = seq.request.params.logprobs
-        entry = {t: Logprob(v, r) for r, (t, v) in enumerate(zip(top_ids[:k], top_values[:k]), 1)}
-        entry[token] = Logprob(token_logprob, rank)
-        seq.logprobs.append(entry)
+        seq.logprobs.append(logprob_entry(token, token_logprob, rank, top_values, top_ids,
+                                          seq.request.params.logprobs))
         seq.cumulative_logprob += token_logprob
+
+    def _record_prompt_logprobs(self, step: LaunchedStep) -> None:
+        """Each prompt token the step scored: its entry, as an output token's, appended to its
+        request's prompt_logprobs (steps finish in launch order: the entries in prompt order)."""
+        scored = iter(step.output.scored())
+        for req, targets in step.scored:
+            for token, (token_logprob, rank, top_values, top_ids) in zip(targets, scored):
+                req.prompt_logprobs.append(logprob_entry(token, token_logprob, rank, top_values, top_ids,
+                                                         req.params.prompt_logprobs))
 
     def _check_stop(self, seq: Sequence, index: int) -> None:
         """Finish seq if its token at index ends it (from min_tokens on: EOS, a stop token, a
@@ -525,10 +567,11 @@ class Engine:
         skip = seq.request.params.skip_special_tokens
         return self.tokenizer.decode(seq.output_ids, skip_special_tokens=skip)
 
-    def _decoded(self, logprobs: list[dict[int, Logprob]]) -> list[dict[int, Logprob]]:
+    def _decoded(self, logprobs: list[dict[int, Logprob] | None]) -> list[dict[int, Logprob] | None]:
         """logprobs with each token's text (decoded alone, as vLLM's decoded_token)."""
         decode = self.tokenizer.decode
-        return [{t: dataclasses.replace(lp, decoded_token=decode([t])) for t, lp in entry.items()}
+        return [None if entry is None else
+                {t: dataclasses.replace(lp, decoded_token=decode([t])) for t, lp in entry.items()}
                 for entry in logprobs]
 
     def output(self, request_id: int) -> RequestOutput:
@@ -541,5 +584,7 @@ class Engine:
                                  self._decoded(s.logprobs) if want_lp else None,
                                  s.stop_reason)
                 for i, s in enumerate(seqs)]
+        prompt_logprobs = (None if req.error or req.prompt_logprobs is None
+                           else self._decoded(req.prompt_logprobs))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.metrics,
-                             finished=req.finished, error=req.error)
+                             finished=req.finished, error=req.error, prompt_logprobs=prompt_logprobs)

@@ -103,20 +103,22 @@ class BlockManager:
 
     # -- new sequences --
 
-    def can_allocate(self, token_ids: list[int]) -> bool:
-        """Whether a new prompt fits and still leaves the watermark free."""
-        hits = self._match_prefix(token_ids)
+    def can_allocate(self, token_ids: list[int], reuse: bool = True) -> bool:
+        """Whether a new prompt fits and still leaves the watermark free (reuse: as allocate)."""
+        hits = self._match_prefix(token_ids) if reuse else []
         taken = self._free_blocks_taken(token_ids, hits)
         return self.num_free_blocks - taken >= self.watermark_blocks
 
-    def allocate(self, token_ids: list[int]) -> tuple[list[int], int]:
+    def allocate(self, token_ids: list[int], reuse: bool = True) -> tuple[list[int], int]:
         """Block table covering all of `token_ids`, and how many leading tokens are cached.
 
         The cached tokens are whole prefix-cache blocks, shared, that the engine skips
         computing. The last token is never among them: the engine needs its logits, and
-        writing it must not touch a shared block. Does not enforce the watermark.
+        writing it must not touch a shared block. reuse=False takes no cached block (every
+        position is computed: prompt logprobs need their logits). Does not enforce the
+        watermark.
         """
-        hits = self._match_prefix(token_ids)
+        hits = self._match_prefix(token_ids) if reuse else []
         taken = self._free_blocks_taken(token_ids, hits)
         if taken > self.num_free_blocks:
             raise OutOfBlocks(f"{len(token_ids)} tokens need {taken} blocks, {self.num_free_blocks} free")

@@ -60,11 +60,14 @@ class RequestLedger:
 
     def split_samples(self, t: RequestRecord) -> list[RequestRecord]:
         """n > 1 across workers: n requests of one sample each. Sample j draws from seed + j,
-        as child j does in one engine."""
+        as child j does in one engine; sample 0 alone scores the prompt (prompt_logprobs: one
+        per request)."""
         samples = []
         for j in range(t.params.n):
             seed = None if t.params.seed is None else t.params.seed + j
-            sample = self.track(t.prompt, t.prompt_token_ids, dataclasses.replace(t.params, n=1, seed=seed),
+            params = dataclasses.replace(t.params, n=1, seed=seed,
+                                         prompt_logprobs=t.params.prompt_logprobs if j == 0 else None)
+            sample = self.track(t.prompt, t.prompt_token_ids, params,
                                 metrics=RequestMetrics(t.metrics.arrival_time), parent=t.request_id)
             t.samples.append(sample.request_id)
             samples.append(sample)
@@ -113,7 +116,8 @@ class RequestLedger:
         parent.metrics = dataclasses.replace(ms[0], finish_time=max(m.finish_time or 0.0 for m in ms))
         parent.output = RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids,
                                       [] if errors else outs, parent.metrics,
-                                      error=errors[0] if errors else None)
+                                      error=errors[0] if errors else None,
+                                      prompt_logprobs=None if errors else samples[0].output.prompt_logprobs)
         self.end(parent)
 
     def restart(self, t: RequestRecord) -> bool:

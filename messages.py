@@ -41,6 +41,7 @@ class Import:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     generator_state: bytes | None = None   # the random stream, where the prefill left it
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # the prefill's (prompt_logprobs)
 
 
 @dataclass

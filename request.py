@@ -371,8 +371,9 @@ def check_request(ids: list[int], params: SamplingParams, beam_width: int, vocab
         raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                          f"max_model_len ({cfg.max_model_len})")
     check_token_ids(params, vocab)
-    if params.logprobs is not None and params.logprobs > vocab:
-        raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary size ({vocab})")
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None and getattr(params, name) > vocab:
+            raise ValueError(f"{name}={getattr(params, name)} exceeds the vocabulary size ({vocab})")
     width = max(params.n, beam_width)
     if width > cfg.max_num_seqs:
         raise ValueError(f"{'beam_width' if beam_width else 'n'}={width} exceeds "
@@ -477,11 +478,26 @@ class Request:
     num_streamed: int = 0               # output tokens already handed out by Engine.new_tokens
     error: Exception | None = None      # why it ended without its completions
     arrival: int = field(default_factory=arrival_order)   # its first sequence's: its place in the queue
+    # prompt_logprobs asked: one entry per prompt token scored so far (the first, None, has
+    # no position before it). One per request: its samples (n > 1) share the prompt.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # Set once, so that a step's sampling skips all of it for the requests that use none:
     adjusts: bool = field(init=False)   # its logits change before sampling (SamplingParams.adjusts)
+    # prompt positions whose next token a launched step scores (the host records them a
+    # step later): a recomputed prompt (preemption) scores none twice
+    num_prompt_scored: int = field(init=False)
 
     def __post_init__(self):
         self.adjusts = self.params.adjusts
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+        self.num_prompt_scored = len(self.prompt_logprobs) - 1 if self.prompt_logprobs else 0
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether prompt positions are still to be scored (prompt_logprobs): until then the
+        prompt reads no prefix cache, so every position is computed (as vLLM)."""
+        return self.prompt_logprobs is not None and self.num_prompt_scored < len(self.prompt_token_ids) - 1
 
     @property
     def finished(self) -> bool:

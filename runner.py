@@ -51,10 +51,11 @@ class PinnedRing:
     Allocating pinned memory, as torch does for every pin_memory=True tensor or
     non-blocking copy to the host, synchronizes with the device, and that would stall the
     overlap of steps. A few reused buffers never allocate. A buffer is reused only after
-    its last copy has finished, and 32 copies later: a step makes at most four, and the
-    host reads a step's downloads within two steps of its lane (each lane has rings of its
-    own, Lane). The buffers are allocated up front, the uploads' for the largest step
-    (ModelRunner.largest_upload_bytes); one grows only if a copy is bigger still."""
+    its last copy has finished, and 32 copies later: a step makes at most nine (tokens,
+    four of logprobs, four of prompt logprobs), and the host reads a step's downloads
+    within two steps of its lane (each lane has rings of its own, Lane). The buffers are
+    allocated up front, the uploads' for the largest step (ModelRunner.largest_upload_bytes);
+    one grows only if a copy is bigger still."""
 
     def __init__(self, slots: int = 32, initial_bytes: int = 1 << 16):
         self.buffers = [torch.empty(initial_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
@@ -104,6 +105,17 @@ class Draw:
     # A drafted sequence's draw: the drafts before its position, which its penalties count as
     # the sequence's own; its token is counted only once kept (Engine._finish).
     before: list[int] | None = None
+
+
+@dataclass
+class PromptScore:
+    """Prompt logprobs a step computes (prompt_logprobs): the new tokens of batch row `row`
+    from index `first` of its chunk on, one per target, each scored against the prompt
+    token after it (targets), with its k most likely alternatives."""
+    row: int                            # index into Batch.seqs
+    first: int
+    targets: list[int]
+    k: int
 
 
 def attention_rows(seq: Sequence, n: int) -> list[tuple[int, int]]:
@@ -169,6 +181,7 @@ class StepOutput:
     tokens: torch.Tensor | None = None   # [draws] on the device: the next step's PENDING ids come from here
     host: list[torch.Tensor] = field(default_factory=list)   # tokens, then logprobs (see collect)
     logprob_draws: list[int] = field(default_factory=list)    # draws that report logprobs
+    prompt_host: list[torch.Tensor] = field(default_factory=list)   # prompt logprobs (see scored)
     beams: list[tuple[list[int], list[float]]] = field(default_factory=list)   # per beam row: (ids, logprobs)
     ready: torch.cuda.Event | None = None   # the host copies have landed
 
@@ -187,6 +200,12 @@ class StepOutput:
             self.ready.synchronize()
         tokens, *logprobs = [t.tolist() for t in self.host] or [[]]
         return tokens, dict(zip(self.logprob_draws, zip(*logprobs)))
+
+    def scored(self) -> list[tuple[float, int, list[float], list[int]]]:
+        """Wait for the copies: per prompt position scored (the run's PromptScores' targets,
+        in order), as collect's logprobs."""
+        self.wait()
+        return list(zip(*[t.tolist() for t in self.prompt_host]))
 
 
 class ModelRunner:
@@ -310,23 +329,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch, draws: list[Draw], beam_rows: list[int] = (), beam_k: int = 0,
-            prev_tokens: torch.Tensor | None = None, lane: Lane | None = None) -> StepOutput:
+            prev_tokens: torch.Tensor | None = None, lane: Lane | None = None,
+            scores: list[PromptScore] = ()) -> StepOutput:
         """Run the model on the batch and sample: a token per draw, and for each of beam_rows
-        its beam_k best continuations (read at once: beam search chooses on the host).
-        prev_tokens: the running step's sampled tokens (see prepare). lane: where (the whole
-        GPU unless a split's lane); everything the step allocates is that stream's."""
+        its beam_k best continuations (read at once: beam search chooses on the host); the
+        prompt logprobs of scores. prev_tokens: the running step's sampled tokens (see
+        prepare). lane: where (the whole GPU unless a split's lane); everything the step
+        allocates is that stream's."""
         self.lane = lane = lane or self.full_gpu
         with lane.running():
-            return self._run(batch, draws, beam_rows, beam_k, prev_tokens, lane)
+            return self._run(batch, draws, beam_rows, beam_k, prev_tokens, lane, scores)
 
     def _run(self, batch: Batch, draws: list[Draw], beam_rows: list[int], beam_k: int,
-             prev_tokens: torch.Tensor | None, lane: Lane) -> StepOutput:
-        # (row, position)
-        wanted = sorted({(d.row, d.position) for d in draws} | {(r, -1) for r in beam_rows})
+             prev_tokens: torch.Tensor | None, lane: Lane, scores: list[PromptScore]) -> StepOutput:
+        # (row, position): the logits computed are those of the tokens sampled after and of
+        # the prompt positions scored, only (a prompt chunk's others are never needed)
+        scored = [(s.row, s.first + i) for s in scores for i in range(len(s.targets))]
+        wanted = sorted({(d.row, d.position) for d in draws} | {(r, -1) for r in beam_rows} | set(scored))
         # [len(wanted), vocab]
         logits = self.model.compute_logits(self._forward(batch, wanted, prev_tokens, lane))
         at = {w: i for i, w in enumerate(wanted)}
         out = StepOutput()
+        if scores:
+            self._score_prompts(logits, [at[w] for w in scored], scores, out)
         if beam_rows:
             values, ids = beam_candidates(logits[[at[r, -1] for r in beam_rows]], beam_k)
             out.beams = list(zip(ids.tolist(), values.tolist()))
@@ -354,6 +379,14 @@ class ModelRunner:
             k = max(draws[i].params.logprobs for i in out.logprob_draws)
             host += token_logprobs(row_logits[want], out.tokens[want], k)
         out.host = [self.to_host(t) for t in host]
+
+    def _score_prompts(self, logits: torch.Tensor, src: list[int], scores: list[PromptScore],
+                       out: StepOutput) -> None:
+        """Prompt logprobs: logits row src[i] scored against the i-th target of scores, as a
+        draw's logprobs (token_logprobs, of the model's own logits); start the copies home."""
+        rows, targets = self._upload_many(src, [t for s in scores for t in s.targets])
+        values = token_logprobs(logits[rows.long()], targets.long(), max(s.k for s in scores))
+        out.prompt_host = [self.to_host(t) for t in values]
 
     def _adjust(self, logits: torch.Tensor, draws: list[Draw], prev_tokens: torch.Tensor | None
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:

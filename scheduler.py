@@ -102,11 +102,13 @@ class Scheduler:
         # Then new (or preempted) sequences, first come first served, while budget and seats remain.
         while self.waiting and budget > 0 and prompt_room > 0:
             seq = self.waiting[0]
+            reuse = not seq.request.scores_prompt   # prompt logprobs: every position computed
             if len(self.running) + self.importing + self._seats(seq) > self.max_num_seqs \
-                    or not self.bm.can_allocate(seq.token_ids) or self._import_first(seq) or seq in busy:
+                    or not self.bm.can_allocate(seq.token_ids, reuse) or self._import_first(seq) \
+                    or seq in busy:
                 break
             self.waiting.popleft()
-            seq.block_table, seq.num_computed = self.bm.allocate(seq.token_ids)
+            seq.block_table, seq.num_computed = self.bm.allocate(seq.token_ids, reuse)
             seq.status = Status.RUNNING
             self.running.append(seq)
             metrics = seq.request.metrics

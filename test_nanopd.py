@@ -1090,6 +1090,7 @@ BAD_REQUESTS = {
     "top_p 1.5": ([1, 2], {"top_p": 1.5}, "top_p"),
     "top_k -2": ([1, 2], {"top_k": -2}, "top_k"),
     "logprobs over vocab": ([1, 2], {"logprobs": VOCAB + 1}, "logprobs"),
+    "prompt_logprobs over vocab": ([1, 2], {"prompt_logprobs": VOCAB + 1}, "prompt_logprobs"),
 }
 
 
@@ -1586,14 +1587,28 @@ def assert_top3_logprobs_match_hf(hf, prompts, outs, n: int) -> None:
         ref = hf.logprobs(p + c.token_ids)
         assert len(c.logprobs) == len(c.token_ids) == n
         for i, (t, entry) in enumerate(zip(c.token_ids, c.logprobs)):
-            row = ref[len(p) - 1 + i]
-            assert set(entry) == set(row.topk(3).indices.tolist()) | {t}
-            assert all(abs(v.logprob - row[k].item()) < 1e-4 for k, v in entry.items())
-            for k, v in entry.items():   # rank: 1 + HF's tokens more likely (within rounding)
-                assert (row > row[k] + 1e-4).sum() + 1 <= v.rank <= (row > row[k] - 1e-4).sum() + 1
-                assert v.decoded_token == byte_text([k], set())   # decoded alone, as vLLM
+            assert_logprob_entry_matches_hf(entry, t, ref[len(p) - 1 + i], 3)
         expect = sum(ref[len(p) - 1 + i, t].item() for i, t in enumerate(c.token_ids))
         assert c.cumulative_logprob == pytest.approx(expect, abs=1e-4)
+
+
+def assert_logprob_entry_matches_hf(entry: dict, token: int, row: torch.Tensor, k: int) -> None:
+    """A logprobs entry for token holds it and HF's top k (ranks 1..k), each at HF's
+    log_softmax row, ranked among HF's (within rounding), its text decoded alone (vLLM's)."""
+    assert set(entry) == set(row.topk(k).indices.tolist()) | {token}
+    assert all(abs(v.logprob - row[t].item()) < 1e-4 for t, v in entry.items())
+    for t, v in entry.items():   # rank: 1 + HF's tokens more likely (within rounding)
+        assert (row > row[t] + 1e-4).sum() + 1 <= v.rank <= (row > row[t] - 1e-4).sum() + 1
+        assert v.decoded_token == byte_text([t], set())   # decoded alone, as vLLM
+
+
+def assert_prompt_logprobs_match_hf(hf, p: list[int], prompt_logprobs: list, k: int) -> None:
+    """prompt_logprobs=k, as vLLM's: one entry per prompt token, the first None; token i's
+    holds it and the top k of HF's log_softmax at position i - 1."""
+    ref = hf.logprobs(p)
+    assert len(prompt_logprobs) == len(p) and prompt_logprobs[0] is None
+    for i in range(1, len(p)):
+        assert_logprob_entry_matches_hf(prompt_logprobs[i], p[i], ref[i - 1], k)
 
 
 def test_sampling_params_defaults_are_vllms():
@@ -2117,6 +2132,70 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(hf, llm):
         generate(llm, [long], max_tokens=6)
 
 
+# Engines whose prompts are scored differently: whole, in chunks of 7 (borders off the block
+# grid), recomputed after preemption mid-prompt (a cache too small for the batch), beside drafts.
+PROMPT_SCORING = {"whole": {}, "chunked": {"max_num_batched_tokens": 7},
+                  "preempted": {"num_kv_blocks": 10, "max_num_batched_tokens": 7},
+                  "speculative": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}}
+
+
+@ENGINE
+@pytest.mark.parametrize("case", list(PROMPT_SCORING))
+def test_prompt_logprobs_match_hf(hf, case):
+    """prompt_logprobs=3: every prompt token's logprob, rank and the top 3 are HF's
+    log_softmax over the prompt, each once (a chunk border loses none and doubles none, a
+    recomputed prompt records none again); the completions stay HF's greedy ones."""
+    llm = make_llm(hf.path, **PROMPT_SCORING[case])
+    sched, preempted_mid_prompt = llm.engine.scheduler, []
+    preempt = sched.preempt
+
+    def preempt_and_note(seq, batch=None):
+        preempted_mid_prompt.append(0 < seq.num_computed < seq.num_prompt_tokens)
+        preempt(seq, batch)
+    sched.preempt = preempt_and_note
+    outs = generate(llm, PROMPTS, max_tokens=20, prompt_logprobs=3)
+    assert tokens(outs) == [hf.greedy(p, 20) for p in PROMPTS]
+    for p, out in zip(PROMPTS, outs):
+        assert_prompt_logprobs_match_hf(hf, p, out.prompt_logprobs, 3)
+    assert any(preempted_mid_prompt) == (case == "preempted")
+    assert all_blocks_free(llm)
+
+
+@ENGINE
+def test_prompt_logprobs_zero_and_none(hf, llm):
+    """prompt_logprobs=0 gives each prompt token's own entry alone; None (the default), none."""
+    outs = generate(llm, PROMPTS[:2], max_tokens=2, prompt_logprobs=0)
+    outs += generate(llm, PROMPTS[:1], max_tokens=2)
+    for p, out in zip(PROMPTS, outs[:2]):
+        assert_prompt_logprobs_match_hf(hf, p, out.prompt_logprobs, 0)
+        assert all(list(entry) == [t] for entry, t in zip(out.prompt_logprobs[1:], p[1:]))
+    assert outs[2].prompt_logprobs is None
+
+
+@ENGINE
+def test_prompt_logprobs_read_no_prefix_cache(hf, llm):
+    """A prompt whose first 40 tokens are in the prefix cache is computed whole when it asks
+    for prompt_logprobs (none cached, every entry HF's), and reads the cache when it does not."""
+    shared = prompt(40, seed=34)
+    p = shared + prompt(6, seed=35)
+    generate(llm, [shared + prompt(5, seed=36)], max_tokens=2)   # the shared blocks enter the cache
+    scored = generate(llm, [p], max_tokens=4, prompt_logprobs=2)[0]
+    plain = generate(llm, [p], max_tokens=4)[0]
+    assert (scored.metrics.num_cached_tokens, plain.metrics.num_cached_tokens) == (0, 40)
+    assert_prompt_logprobs_match_hf(hf, p, scored.prompt_logprobs, 2)
+    assert tokens([scored, plain]) == [hf.greedy(p, 4)] * 2
+
+
+@ENGINE
+def test_parallel_sampling_scores_the_prompt_once(hf, llm):
+    """n=2: one prompt_logprobs for the request (not one per child), HF's."""
+    p = prompt(21, seed=37)
+    out = generate(llm, [p], max_tokens=6, n=2, temperature=1.0, seed=4, prompt_logprobs=3)[0]
+    assert len(out.outputs) == 2
+    assert_prompt_logprobs_match_hf(hf, p, out.prompt_logprobs, 3)
+    assert all_blocks_free(llm)
+
+
 @contextlib.contextmanager
 def deadline(seconds: float):
     """Fail with TimeoutError if the block runs longer than seconds (a hang is a failure, not
@@ -2634,6 +2713,17 @@ def test_split_engine_gives_hf_greedy_tokens_and_lanes_keep_apart(hf, monkeypatc
     assert all(prompts_in == (name in ("prefill", "full_gpu_eager")) for name, _, _, prompts_in in log)
     assert all(not (seqs & other) for _, seqs, other, _ in log)
     assert eng.bm.num_free_blocks == eng.bm.num_blocks
+
+
+@ENGINE
+def test_split_engine_scores_prompts_as_hf(hf):
+    """prompt_logprobs on a split worker: prompts (one of 60 tokens, chunked on the prefill
+    lane beside the others' decodes) get HF's log_softmax entries."""
+    prompts = PROMPTS[:2] + [prompt(60, 9)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, prompt_logprobs=2)
+    outs = run_engine(split_engine(hf), [(p, params) for p in prompts])
+    for p, out in zip(prompts, outs):
+        assert_prompt_logprobs_match_hf(hf, p, out.prompt_logprobs, 2)
 
 
 @ENGINE
@@ -4644,6 +4734,22 @@ def test_disaggregated_sampling_matches_the_single_engine(hf):
     # Beam search runs whole on one worker: HF's beams.
     for out, p in zip(beams, PROMPTS[:2]):
         assert beam_tokens(out, p) == hf.beams(p, 3, 6)
+
+
+@pytest.mark.usefixtures("worker_env", "torch_twins")
+def test_prompt_logprobs_cross_a_handoff(hf):
+    """prompt_logprobs on the disaggregated policy: the prefill worker scores the prompt
+    (chunked under a 16-token budget) and the entries travel with its KV to the decode
+    worker; n=2 (served as two samples) still gives one list. Each is HF's log_softmax."""
+    with make_cluster(hf, "disaggregated", 2) as cluster:
+        outs = generate(cluster, PROMPTS[1:3], max_tokens=4, prompt_logprobs=3)
+        sampled = generate(cluster, [PROMPTS[3]], max_tokens=4, n=2, temperature=1.0, seed=3,
+                           prompt_logprobs=2)[0]
+    for p, out in zip(PROMPTS[1:3], outs):
+        assert out.metrics.path == (0, 1)
+        assert_prompt_logprobs_match_hf(hf, p, out.prompt_logprobs, 3)
+    assert len(sampled.outputs) == 2
+    assert_prompt_logprobs_match_hf(hf, PROMPTS[3], sampled.prompt_logprobs, 2)
 
 
 @pytest.mark.usefixtures("worker_env", "torch_twins")

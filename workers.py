@@ -88,7 +88,8 @@ def imported_sequence(m: Import, block_table: list[int], device: torch.device) -
     block_table and its first token m.token_ids[-1], its random stream where the prefill
     worker left it."""
     req = Request(m.request_id, None, m.token_ids[:m.num_prompt_tokens], m.params,
-                  RequestMetrics(time.perf_counter()), num_streamed=1)   # the first token was streamed there
+                  RequestMetrics(time.perf_counter()), num_streamed=1,   # the first token was streamed there
+                  prompt_logprobs=None if m.prompt_logprobs is None else list(m.prompt_logprobs))
     seq = Sequence(req, 0, list(m.token_ids), m.num_prompt_tokens, block_table=block_table,
                    num_computed=m.num_prompt_tokens, cumulative_logprob=m.cumulative_logprob,
                    logprobs=list(m.logprobs), generator=seeded_generator(m.params, 0, device))
@@ -253,7 +254,7 @@ class Worker:
         state = seq.generator.get_state().numpy().tobytes() if seq.generator is not None else None
         n = cdiv(seq.num_prompt_tokens, self.engine.cfg.block_size)
         imp = Import(request_id, self.index, seq.block_table[:n], list(seq.token_ids), seq.num_prompt_tokens,
-                     req.params, seq.logprobs, seq.cumulative_logprob, state)
+                     req.params, seq.logprobs, seq.cumulative_logprob, state, req.prompt_logprobs)
         self.reports.append(Handoff(imp, req.metrics.first_scheduled_time, req.metrics.first_token_time))
 
     def _expire_parked(self) -> None:
