@@ -51,7 +51,8 @@ class Config:
 class LeastSquares:
     """y ~ theta . x, refitted on every observation kept (with forgetting) and pulled toward a
     prior theta0: theta minimises sum f^age (x . theta - y)^2 + sum_i w_i (theta_i - theta0_i)^2,
-    with w_i = PRIOR_WEIGHT / (|theta0_i| + floor_i)^2. Solved from the normal equations."""
+    with w_i = prior_weight / (|theta0_i| + floor_i)^2. Solved from the normal equations; an
+    infinite prior_weight keeps theta0."""
     theta0: list[float]
     floor: list[float]
     forget: float = FORGET
@@ -66,6 +67,8 @@ class LeastSquares:
         self.theta = list(self.theta0)
 
     def observe(self, x: list[float], y: float) -> None:
+        if math.isinf(self.prior_weight):   # the prior alone
+            return
         v = torch.tensor(x, dtype=torch.float64)
         self.xtx = self.forget * self.xtx + torch.outer(v, v)
         self.xty = self.forget * self.xty + v * y
@@ -138,6 +141,44 @@ class StepModel:
         self.observed += 1
         self.error += (abs(self.fits[place].predict(x) - ms) / ms - self.error) / min(self.observed, 100)
         self.fits[place].observe(x, ms)
+
+
+# ----------------------------------------------------------------------------- what the worker sees
+
+
+@dataclass
+class Recent:
+    """What a worker saw lately: arrivals (when, prompt tokens, max_tokens) over RECENT_S, and
+    the output lengths of the last RECENT_ENDS requests that ended before their max_tokens
+    (a stop or EOS): what an output is expected to come to."""
+    arrivals: collections.deque = field(default_factory=collections.deque)
+    early_ends: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_ENDS))
+
+    def arrived(self, now: float, prompt_len: int, max_tokens: int) -> None:
+        self.arrivals.append((now, prompt_len, max_tokens))
+
+    def ended(self, output_len: int, max_tokens: int) -> None:
+        if output_len < max_tokens:
+            self.early_ends.append(output_len)
+
+    def remaining(self, max_tokens: int, generated: int) -> int:
+        """Output tokens a request is expected still to make: max_tokens less those made,
+        capped, once requests have ended early, by their mean length (past it, half of it)."""
+        left = max_tokens - generated
+        if self.early_ends:
+            cap = sum(self.early_ends) / len(self.early_ends)
+            left = min(left, round(max(cap - generated, cap / 2)))
+        return max(1, left)
+
+    def rates(self, now: float) -> tuple[float, float, float]:
+        """(arrivals per ms, their mean prompt tokens, their mean expected output) over RECENT_S."""
+        while self.arrivals and now - self.arrivals[0][0] > RECENT_S:
+            self.arrivals.popleft()
+        if not self.arrivals:
+            return 0.0, 0.0, 1.0
+        n = len(self.arrivals)
+        return (n / (RECENT_S * 1e3), sum(a[1] for a in self.arrivals) / n,
+                sum(self.remaining(a[2], 0) for a in self.arrivals) / n)
 
 
 # ----------------------------------------------------------------------------- the forecast
@@ -404,8 +445,9 @@ class Controller:
     measured (a split's lanes are forecast from their models)."""
 
     def __init__(self, params: HardwareParams, step_tokens: int, splits: list[tuple[int, int]] = (),
-                 slo: tuple[float, float] | None = None, margin: float = MARGIN):
-        self.model = StepModel(params)
+                 slo: tuple[float, float] | None = None, margin: float = MARGIN,
+                 prior_weight: float = PRIOR_WEIGHT):
+        self.model = StepModel(params, prior_weight=prior_weight)
         self.slo, self.margin = slo, margin
         self.splits = [tuple(s) for s in splits]
         self.step_tokens = step_tokens
