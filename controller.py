@@ -244,6 +244,7 @@ class Sim:
         self.heap = [(d.remaining, d.context + d.remaining, 1) for d in snap.decodes]
         heapq.heapify(self.heap)
         self.arrived = 0   # arrivals joined so far
+        self.prefilled = 0   # prompts whose last chunk is in flight: out of the queue, not yet decoding
         self.gap = 1.0 / snap.rate if snap.rate > 0 else math.inf
 
     def next_arrival(self) -> float:
@@ -253,7 +254,7 @@ class Sim:
     def advance(self, to: float) -> None:
         """Move the clock to `to`: everyone present spends the time in the system; arrivals
         meanwhile join the queue, present from their arrival."""
-        self.area += (len(self.heap) + len(self.queue)) * (to - self.now)
+        self.area += (len(self.heap) + len(self.queue) + self.prefilled) * (to - self.now)
         while (a := self.next_arrival()) <= to:
             self.arrived += 1
             self.count += 1
@@ -284,12 +285,14 @@ class Sim:
         for _ in done:
             self.queue.popleft()
         self.admitted -= len(done)
+        self.prefilled += len(done)
         return tokens, done
 
     def first_tokens(self, done: list[list], in_flight: bool) -> None:
         """Prompts whose last chunk ended now: their first token, and they decode from the
         next decode step (the one after a decode step in flight, in_flight)."""
         first = self.counter + 1 + in_flight
+        self.prefilled -= len(done)
         for p in done:
             ttft_ok = self.slo is None or self.now - p[1] <= self.slo[0] * 1e3
             if p[2] <= 1:
@@ -408,7 +411,7 @@ def finish(sim: Sim, config: Config, decode_ms: float, chunk_ms: float,
     chunks = math.ceil(q / config.budget)
     extra = max(0.0, chunk_ms - decode_ms) if config.sm_split is None else 0.0
     for last, _, first in sim.heap:
-        left = last - sim.counter
+        left = last - max(sim.counter, abs(first) - 1)   # one that joined beside a step in flight: not in it
         tail += left * decode_ms + min(left, chunks) * extra
         if first > 0:
             done = sim.sums[sim.counter] - sim.sums[min(first - 1, sim.counter)]
