@@ -22,6 +22,7 @@ time, they end with a RuntimeError in RequestOutput.error. Nothing waits on a de
 worker. close() (also run at exit and when the object is collected) stops every worker.
 """
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -38,6 +39,8 @@ from kv_cache import cdiv
 from lifecycle import RequestLedger, RequestRecord
 from messages import (
     Abort,
+    Configured,
+    Control,
     Done,
     Drop,
     Expired,
@@ -58,7 +61,7 @@ from messages import (
     ToWorker,
 )
 from model import load_config, load_tokenizer
-from planner import Planner
+from planner import PLAN_INTERVAL_S, Planner
 from request import RequestMetrics, RequestOutput, SamplingParams, check_request, tokenize
 from roles import ROLES, RoleMap
 from router import Observation, Router
@@ -86,6 +89,16 @@ POLICIES = {
                             else ["prefill" if w < k else "decode" for w in range(n)]),
     "adaptive": Policy(lambda n, k: ["both"] * n, steered=True),
 }
+
+
+@dataclass
+class ConfigChange:
+    """A worker's controller changed its configuration (messages.py:Configured): when, in
+    seconds since the cluster started (the clock of the planner's log, from its start), and to what."""
+    time_s: float
+    worker: int
+    sm_split: tuple[int, int] | None
+    budget: int
 
 
 @dataclass(frozen=True)
@@ -252,7 +265,9 @@ class CentralScheduler:
         self._start_workers(startup_timeout_s)
         self.requests = RequestLedger()
         self.measured: dict[int, dict] = {}
-        self.router: Router | None = None
+        self._router: Router | None = None
+        self.controlled_at = -1e9   # when the workers' controllers were last sent the router's parameters
+        self.config_log: list[ConfigChange] = []
         # Under a steered policy the planner decides the roles, replanned as the arrivals change.
         self.planner = Planner(list(range(len(self.devices))), cluster.slo) if self.steered else None
         try:
@@ -266,6 +281,7 @@ class CentralScheduler:
             self.telemetry.heartbeat(w, Heartbeat(r.num_blocks, r.num_blocks))
         self.told = {w: SetRole(part.role) for w, part in self.roles.parts.items()}   # as each worker starts
         self._tell_workers()
+        self.started = time.perf_counter()
 
     def _start_workers(self, startup_timeout_s: float) -> None:
         """Spawn a worker per device on this host, or listen at `join` for workers torchrun
@@ -357,6 +373,30 @@ class CentralScheduler:
     @property
     def done(self) -> dict[int, RequestRecord]:
         return self.requests.done
+
+    @property
+    def router(self) -> Router | None:
+        return self._router
+
+    @router.setter
+    def router(self, router: Router | None) -> None:
+        """The adaptive policy's router (set after the profile): each worker then controls its
+        own configuration from the router's parameters (messages.py:Control)."""
+        self._router = router
+        if router is not None:
+            self._tell_controllers(time.perf_counter())
+
+    def _tell_controllers(self, now: float) -> None:
+        """Send each live worker the router's parameters as they are now (its controller's
+        step model's prior), every PLAN_INTERVAL_S: the router refits them as it serves."""
+        self.controlled_at = now
+        for w in self.liveness.live():
+            self.workers.send(w, Control(dataclasses.replace(self.router.cost.p), self.cluster_cfg.slo))
+
+    def sm_split_of(self, w: int) -> tuple[int, int] | None:
+        """The SM split worker w runs on: its controller's, else its role's."""
+        configured = self.telemetry.configured.get(w)
+        return configured.sm_split if configured is not None else self.roles.parts[w].sm_split
 
     # -- the regime
 
@@ -452,6 +492,8 @@ class CentralScheduler:
             self._worker_died(w)
         if self.planner is not None and self.router is not None:
             self._replan()
+            if time.perf_counter() - self.controlled_at >= PLAN_INTERVAL_S:
+                self._tell_controllers(time.perf_counter())
         return self.requests.take_ended()
 
     def _on_report(self, w: int, msg) -> None:
@@ -469,6 +511,10 @@ class CentralScheduler:
                 self.telemetry.stepped(time.perf_counter(), msg)
             case Measured():
                 self.measured[w] = msg.timings
+            case Configured():
+                self.telemetry.configured[w] = msg
+                self.config_log.append(ConfigChange(time.perf_counter() - self.started, w, msg.sm_split,
+                                                    msg.prefill_budget))
             case Tokens():
                 for request_id, ids in msg.new.items():
                     t = current(w, request_id)
@@ -536,7 +582,7 @@ class CentralScheduler:
             len(t.prompt_token_ids), len(t.output.outputs[0].token_ids), t.prefill_worker, w, load_p, load_d,
             (phases["queued"] + phases["prefill"]) * 1e3, phases["transfer"] * 1e3,
             (phases["seat_wait"] + phases["decode"]) * 1e3,
-            predicted, t.params.max_tokens, load_p.sm_split != self.roles.parts[t.prefill_worker].sm_split))
+            predicted, t.params.max_tokens, load_p.sm_split != self.sm_split_of(t.prefill_worker)))
 
     # -- endings
 

@@ -195,11 +195,12 @@ class CostModel:
         every prompt waiting; alpha0 once, alpha per token, and alpha2 per prompt, since
         attention is within a prompt: the queued ones taken as equally long), or, under a
         prefill budget of b tokens per step, in ceil(tokens / b) of w's decode steps, each
-        carrying b of them."""
+        carrying b of them (or all, if fewer)."""
         tokens = w.queued_prefill_tokens + prompt_len
         if w.prefill_budget is None:
             return self.p.alpha0 + self.p.alpha * tokens + self.p.alpha2 * self.squares(w, prompt_len)
-        step = self.decode_step_ms(w.decode_batch, w.context_tokens) + self.p.gamma * w.prefill_budget
+        chunk = min(w.prefill_budget, tokens)
+        step = self.decode_step_ms(w.decode_batch, w.context_tokens) + self.p.gamma * chunk
         return math.ceil(tokens / max(1, w.prefill_budget)) * step
 
     @staticmethod

@@ -7,12 +7,14 @@ mid-write can break only its own pipe; a queue shared by all could stay locked).
 never travel here: KV caches are shared once at start-up (workers.py), so a handoff names
 block ids only.
 
-    central scheduler --Submit/Import/Release/Drop/Abort/SendKV/SetRole/Measure/Stop--> worker
-    central scheduler <--Ready/Heartbeat/Tokens/Handoff/Imported/Done/ToWorker/...-- worker
+    central scheduler --Submit/Import/Release/Drop/Abort/SendKV/SetRole/Control/Measure/Stop--> worker
+    central scheduler <--Ready/Heartbeat/Tokens/Handoff/Imported/Done/Configured/...-- worker
 """
 
 from dataclasses import dataclass, field
 
+from controller import PRIOR_WEIGHT
+from costmodel import HardwareParams
 from request import Logprob, RequestOutput, SamplingParams
 
 # ----------------------------------------------------------------------------- to a worker
@@ -84,6 +86,18 @@ class SetRole:
 
 
 @dataclass
+class Control:
+    """Choose this worker's configuration (SM split, prompt budget per step) from now on with a
+    controller of its own (controller.py), its step model seeded from params (the profile, or
+    the router's refit of it: sent again as it refits), for the SLO (ttft_s, tpot_s) if any.
+    prior_weight: how firmly the step model holds to params against the engine's own steps
+    (controller.py:LeastSquares; infinite: params alone)."""
+    params: HardwareParams
+    slo: tuple[float, float] | None = None
+    prior_weight: float = PRIOR_WEIGHT
+
+
+@dataclass
 class Measure:
     """Run timing.measure_engine(**spec) on the idle engine and report the timings."""
     spec: dict
@@ -129,6 +143,16 @@ class StepTimed:
     prefill_tokens: int
     ms: float
     sm_split: tuple[int, int] | None = None   # it ran on a lane of this split (None: the whole GPU)
+
+
+@dataclass
+class Configured:
+    """A worker's controller changed its configuration: it runs on this SM split (None: the
+    whole GPU) with at most prefill_budget prompt tokens per step; step_error is its step
+    model's mean relative error so far."""
+    sm_split: tuple[int, int] | None
+    prefill_budget: int
+    step_error: float
 
 
 @dataclass

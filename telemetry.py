@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from costmodel import WorkerLoad
 from lifecycle import RequestRecord
-from messages import Heartbeat, StepTimed
+from messages import Configured, Heartbeat, StepTimed
 from roles import RoleMap
 
 WINDOW_S = 2.0           # the rates count the change of the last this many seconds
@@ -55,6 +55,7 @@ class Telemetry:
         self.prefilled = 0                       # prompt tokens the workers' steps prefilled, in all
         self.prefill = Window(WINDOW_S, now)
         self.batches = {w: Window(WINDOW_S, now, gap_s=BATCH_READING_S) for w in range(num_workers)}
+        self.configured: dict[int, Configured] = {}   # the workers' controllers' last choices (adaptive)
 
     def heartbeat(self, w: int, msg: Heartbeat) -> None:
         self.status[w] = msg
@@ -75,9 +76,11 @@ class Telemetry:
         grow while a request decodes). One pass over the active requests."""
         takers = roles.takers(workers)
         rate = self.prefill.rate(now, self.prefilled) / max(1, len(takers))
+        # a worker's budget and split: its controller's, else its role's
+        parts = {w: self.configured.get(w, roles.parts[w]) for w in workers}
         loads = {w: WorkerLoad(free_blocks=self.status[w].free_blocks if w in self.status else self.room,
                                prefill_rate=rate if w in takers else 0.0, seats=self.seats,
-                               prefill_budget=roles.parts[w].prefill_budget, sm_split=roles.parts[w].sm_split)
+                               prefill_budget=parts[w].prefill_budget, sm_split=parts[w].sm_split)
                  for w in workers}
         for t in active:
             load = loads.get(t.worker)

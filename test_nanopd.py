@@ -20,6 +20,7 @@ order of the README's file map (its three tables):
   hosts.py                   workers on several hosts
   costmodel.py, router.py    the cost model, the length predictor, the router
   planner.py                 the regime planner
+  controller.py              the per-worker controller
   roles.py ... cluster.py    the policies on worker processes (roles, lifecycle, telemetry)
   profiler.py                the profiler
   nanopd.py                  the LLM API and the CLI
@@ -89,6 +90,7 @@ from transformers import (
 )
 
 import cluster as cluster_mod
+import controller
 import hosts
 import kernels
 import kv_cache
@@ -4650,6 +4652,342 @@ def test_the_planner_plans_nothing_for_no_live_worker():
     for i in range(100):
         p.arrived(100.0 + i * 0.01, 20, 50.0)
     assert p.plan(CostModel(ROUTER_TEST_PARAMS), {}, 16, 108.0) is False and p.roles == {}
+
+
+# ================================ controller.py: the per-worker controller
+# The step model against least squares, the forecast against a per-request simulation, the
+# choice against the brute-force argmin, the SLO's guard and the hysteresis as invariants.
+
+
+CTL_PARAMS = HardwareParams(alpha=0.03, beta=8.0, batch_thresh=16, slope=0.2, gamma=0.02, transfer_rate=0.0,
+                            alpha0=5.0, kv=1e-3,
+                            splits={"84/48": SplitParams(6.0, 0.05, 1e-6, 11.0, 16, 0.3, 2e-3)})
+
+
+def test_the_step_model_recovers_the_coefficients_of_timed_steps():
+    """Steps timed on the whole GPU, on a split's decode lane and on its prefill lane, from
+    known coefficients with a little noise, learned by a StepModel seeded far from them
+    (twice the profile): each place's fit is torch's least squares on its steps (the prior's
+    pull made negligible, no forgetting), and within 2% of the generating coefficients."""
+    rng = random.Random(0)
+    truth = {("whole", None): [3.0, 0.5, 0.002, 0.04], ("decode", "84/48"): [4.0, 0.7, 0.003],
+             ("prefill", "84/48"): [2.0, 0.06, 2e-6]}
+    seeded = dataclasses.replace(CTL_PARAMS, beta=6.0, slope=1.0, kv=0.004, gamma=0.08, splits={
+        "84/48": SplitParams(4.0, 0.12, 4e-6, 8.0, 16, 1.4, 0.006)})
+    model = controller.StepModel(seeded, forget=1.0, prior_weight=1e-9)
+    rows = {place: ([], []) for place in truth}
+    for _ in range(300):
+        for place, theta in truth.items():
+            d, c, p = rng.randint(1, 64), rng.randint(0, 20000), rng.randint(0, 2048)
+            d = 0 if place[0] == "prefill" else d
+            split = None if place[1] is None else (84, 48)
+            x = model.features(place, d, c, p)
+            y = sum(t * v for t, v in zip(theta, x)) * (1 + rng.gauss(0, 0.002))
+            model.observe(d, c, p, y, split)
+            rows[place][0].append(x)
+            rows[place][1].append(y)
+    for place, theta in truth.items():
+        xs = torch.tensor(rows[place][0], dtype=torch.float64)
+        ys = torch.tensor(rows[place][1], dtype=torch.float64)
+        reference = torch.linalg.lstsq(xs, ys[:, None]).solution[:, 0].tolist()
+        assert model.fits[place].theta == pytest.approx(reference, rel=1e-4, abs=1e-9)
+        assert model.fits[place].theta == pytest.approx(theta, rel=0.02, abs=1e-7)
+    assert model.error < 0.05   # its predictions, each made before the step was learned
+
+
+def record(arr: float, left: int, out: int, admitted: bool, length: int, phase: str = "prompt",
+           **more) -> dict:
+    """One request of brute_forecast: arrival ms, prompt tokens left, output, seat held, prompt length."""
+    return {"arr": arr, "left": left, "out": out, "adm": admitted, "length": length, "phase": phase,
+            "steps": [], "ttft": None, "end": None, **more}
+
+
+def brute_step_ms(model: "controller.StepModel", place: tuple, d: int, c: int, p: int) -> float:
+    return max(1e-3, model.predict(place, d, c, p))
+
+
+def random_slo(rng: random.Random) -> tuple[float, float] | None:
+    return rng.choice([None, (rng.uniform(0.2, 2.0), rng.uniform(0.01, 0.05))])
+
+
+def brute_forecast(model: "controller.StepModel", config: "controller.Config", snap: "controller.Snapshot",
+                   slo: tuple[float, float] | None) -> tuple[float, float | None]:
+    """The forecast's rules, run per request and per step: (the sum of the time each request
+    spends in the system to the end of the last step plus what it still needs, the SLO share)."""
+    H, b, split = controller.HORIZON_MS, config.budget, config.sm_split
+    key = None if split is None else f"{split[0]}/{split[1]}"
+    ms_of = functools.partial(brute_step_ms, model)
+    reqs = [record(-p.waited_ms, p.tokens_left, p.output, p.admitted, p.length or p.tokens_left)
+            for p in snap.prompts]
+    reqs += [record(-1.0, 0, 0, True, 0, phase="decode", rem=d.remaining, ctx=d.context)
+             for d in snap.decodes]
+    arrivals = []   # evenly, at the rate, up to the horizon
+    while snap.rate and (len(arrivals) + 1) / snap.rate < H:
+        arrivals.append((len(arrivals) + 1) / snap.rate)
+    n = max(1, round(snap.mean_prompt))
+    joined = [0]
+
+    def join(now):
+        while joined[0] < len(arrivals) and arrivals[joined[0]] <= now:
+            reqs.append(record(arrivals[joined[0]], n, max(1, round(snap.mean_output)), False, n))
+            joined[0] += 1
+
+    def decoding():
+        return [r for r in reqs if r["phase"] == "decode"]
+
+    def chunk(room):
+        tokens, done = 0, []
+        for r in [r for r in reqs if r["phase"] == "prompt"]:
+            if room <= 0:
+                break
+            if not r["adm"]:
+                held = sum(q["adm"] for q in reqs if q["phase"] in ("prompt", "prefilled"))   # seats
+                if len(decoding()) + held >= snap.seats:
+                    break
+                r["adm"] = True
+            take = min(r["left"], room)
+            r["left"], room, tokens = r["left"] - take, room - take, tokens + take
+            if r["left"] == 0:
+                done.append(r)
+                r["phase"] = "prefilled"   # holds its seat; decodes from the next decode step
+        return tokens, done
+
+    def first_token(done, at):
+        for r in done:
+            r["ttft"] = at - r["arr"]
+            r.update(phase="done", end=at) if r["out"] <= 1 else r.update(phase="decode", rem=r["out"] - 1,
+                                                                           ctx=r["length"])
+
+    def decode_step(batch, ms, at):
+        for r in batch:
+            r["rem"], r["ctx"] = r["rem"] - 1, r["ctx"] + 1
+            r["steps"].append(ms)
+            if r["rem"] == 0:
+                r.update(phase="done", end=at)
+
+    now = 0.0
+    if split is None:
+        while now < H:
+            join(now)
+            batch = decoding()
+            tokens, done = chunk(min(b, snap.step_tokens - len(batch)))
+            if not batch and not tokens:
+                if joined[0] == len(arrivals):
+                    break
+                now = arrivals[joined[0]]
+                continue
+            ms = ms_of(("whole", None), len(batch), sum(r["ctx"] for r in batch), tokens)
+            now += ms
+            decode_step(batch, ms, now)
+            first_token(done, now)
+        join(now)
+    else:   # the two lanes, event by event (prefill lane first on a tie)
+        t_p, t_d, in_chunk, in_step = 0.0, math.inf, None, None
+        while min(t_p, t_d) < H:
+            if t_p <= t_d:
+                now = t_p
+                join(now)
+                if in_chunk is not None:   # they decode from the next decode step launched
+                    first_token(in_chunk, now)
+                tokens, in_chunk = chunk(b)
+                if tokens:
+                    lane = ("prefill", key) if decoding() or in_step else ("whole", None)
+                    t_p = now + ms_of(lane, 0, 0, tokens)
+                else:
+                    in_chunk, t_p = None, (arrivals[joined[0]] if joined[0] < len(arrivals) else math.inf)
+                if in_step is None and decoding():
+                    t_d = now
+                continue
+            now = t_d
+            join(now)
+            if in_step is not None:
+                decode_step(*in_step, now)
+            in_step, t_d = None, math.inf
+            batch = decoding()
+            if batch:
+                ms = ms_of(("decode", key) if in_chunk is not None else ("whole", None), len(batch),
+                           sum(r["ctx"] for r in batch), 0)
+                in_step, t_d = (batch, ms), now + ms
+            if in_chunk is None:
+                t_p = now
+        join(now)
+    return brute_tail(model, config, snap, slo, reqs, now, in_chunk if split else None,
+                      t_p if split else 0.0, key)
+
+
+def brute_tail(model, config, snap, slo, reqs, now, in_chunk, t_p, key):
+    """What each request left at the end still needs (controller.py:finish's rules), per request."""
+    b, ms_of = config.budget, functools.partial(brute_step_ms, model)
+    ttft, tpot = (slo[0] * 1e3, slo[1] * 1e3) if slo else (math.inf, math.inf)
+    dec = [r for r in reqs if r["phase"] == "decode"]
+    queue = [r for r in reqs if r["phase"] == "prompt"]
+    q_all = sum(r["left"] for r in queue)
+    ctx, nd = sum(r["ctx"] for r in dec), len(dec)
+    if key is None:
+        decode_ms = ms_of(("whole", None), nd, ctx, 0)
+        chunk_ms = ms_of(("whole", None), nd, ctx, min(b, q_all, snap.step_tokens - nd))
+    else:
+        lane = ("decode", key) if q_all or in_chunk is not None else ("whole", None)
+        decode_ms = ms_of(lane, nd, ctx, 0)
+        chunk_ms = ms_of(("prefill", key), 0, 0, min(b, q_all)) if q_all else 0.0
+    total, met, q = 0.0, 0, 0
+    for r in reqs:
+        total += min(r["end"] if r["end"] is not None else now, now) - max(r["arr"], 0.0)
+        ok_first = r["ttft"] is None or r["ttft"] <= ttft
+        if r["phase"] == "done":
+            met += ok_first and (not r["steps"] or sum(r["steps"]) / len(r["steps"]) <= tpot)
+    for r in in_chunk or []:
+        total += t_p - now + (r["out"] - 1) * decode_ms
+        met += t_p - r["arr"] <= ttft and decode_ms <= tpot
+    for r in queue:
+        q += r["left"]
+        wait = math.ceil(q / b) * chunk_ms
+        total += wait + (r["out"] - 1) * decode_ms
+        met += now + wait - r["arr"] <= ttft and decode_ms <= tpot
+    extra = max(0.0, chunk_ms - decode_ms) if key is None else 0.0
+    for r in dec:
+        total += r["rem"] * decode_ms + min(r["rem"], math.ceil(q / b)) * extra
+        ok_first = r["ttft"] is None or r["ttft"] <= ttft
+        met += ok_first and (sum(r["steps"]) + r["rem"] * decode_ms) / (len(r["steps"]) + r["rem"]) <= tpot
+    return total, (met / max(1, len(reqs)) if slo else None)
+
+
+def random_snapshot(rng: random.Random) -> "controller.Snapshot":
+    prompts = [controller.Prompt(rng.randint(1, 3000), rng.uniform(0, 800), rng.randint(1, 100))
+               for _ in range(rng.randint(0, 5))]
+    for p in prompts[:rng.randint(0, 1)]:   # the first may be part-prefilled, holding a seat
+        p.admitted, p.length = True, p.tokens_left + rng.randint(1, 500)
+    decodes = [controller.Decode(rng.randint(1, 200), rng.randint(1, 3000))
+               for _ in range(rng.randint(0, 12))]
+    rate = rng.choice([0.0, rng.uniform(0.001, 0.03)])
+    return controller.Snapshot(0.0, prompts, decodes, rng.choice([4, 8, 16]), rng.choice([512, 2048, 8192]),
+                               rate, rng.uniform(50, 2500), rng.uniform(1, 150))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_forecast_agrees_with_a_simulation_per_request_and_step(seed):
+    """On small random snapshots, every configuration of the menu (whole GPU and a split, every
+    budget), with and without an SLO: the forecast (a heap of decode ends, a step counter) and
+    a plain simulation of each request at each step give the same latency sum and SLO share."""
+    rng = random.Random(seed)
+    model = controller.StepModel(CTL_PARAMS)
+    for _ in range(8):
+        snap, slo = random_snapshot(rng), random_slo(rng)
+        for config in controller.menu(snap.step_tokens, [(84, 48)]):
+            f = controller.forecast(model, config, snap, slo)
+            latency, met = brute_forecast(model, config, snap, slo)
+            assert f.latency_ms == pytest.approx(latency, rel=1e-9), config
+            assert f.met == (None if slo is None else pytest.approx(met, abs=1e-12)), config
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_controller_chooses_the_brute_force_argmin_and_keeps_steps_under_the_tpot_target(seed):
+    """A fresh controller (margin 0) chooses the configuration with the best brute-force
+    forecast (brute_forecast; a split pays SWITCH_MS per request present, as it is not the
+    current one); under an SLO, if some configuration's full step stays within the TPOT
+    target, the chosen one's does."""
+    rng = random.Random(100 + seed)
+    for _ in range(6):
+        snap, slo = random_snapshot(rng), random_slo(rng)
+        ctl = controller.Controller(CTL_PARAMS, snap.step_tokens, [(84, 48)], slo, margin=0.0)
+        chosen = ctl.choose(snap)
+        options = controller.menu(snap.step_tokens, [(84, 48)])
+        full = {c: controller.full_step_ms(ctl.model, c, snap) for c in options}
+        if slo is not None and any(ms <= slo[1] * 1e3 for ms in full.values()):
+            assert full[chosen] <= slo[1] * 1e3
+            options = [c for c in options if full[c] <= slo[1] * 1e3]
+        present = len(snap.prompts) + len(snap.decodes)
+        keys = {}
+        for c in options:
+            latency, met = brute_forecast(ctl.model, c, snap, slo)
+            latency += controller.SWITCH_MS * present if c.sm_split is not None else 0.0
+            keys[c] = (0.0 if met is None else -met, latency)
+        assert keys[chosen] == pytest.approx(min(keys.values()), rel=1e-9)
+
+
+def test_the_controller_keeps_its_configuration_while_forecasts_differ_by_less_than_the_margin():
+    """A stream of snapshots on which the menu's forecasts (all but the current one's) are
+    within the margin of the current's: the configuration never changes; one on which
+    another is better by more than the margin: it changes, and a split taken is kept
+    MIN_DWELL_S (only budgets change meanwhile)."""
+    rng = random.Random(7)
+    ctl = controller.Controller(CTL_PARAMS, 8192, [(84, 48)])
+    changes, kept = 0, 0
+    for i in range(60):
+        snap = random_snapshot(rng)
+        snap.time_s = i * controller.CONTROL_INTERVAL_S
+        before, split_before, since = ctl.current, ctl.current.sm_split, ctl.split_since
+        forecasts = {c: controller.forecast(ctl.model, c, snap).latency_ms
+                     for c in controller.menu(8192, [(84, 48)])}
+        present = len(snap.prompts) + len(snap.decodes)
+        costs = {c: ms + (controller.SWITCH_MS * present if c.sm_split != before.sm_split else 0.0)
+                 for c, ms in forecasts.items()}
+        dwelling = snap.time_s - since < controller.MIN_DWELL_S
+        weighed = {c: ms for c, ms in costs.items() if not dwelling or c.sm_split == split_before}
+        within = min(weighed.values()) >= forecasts[before] * (1 - controller.MARGIN)
+        after = ctl.choose(snap)
+        if within:
+            assert after == before
+            kept += 1
+        else:
+            assert after != before and costs[after] == min(weighed.values())
+            changes += 1
+        if dwelling:
+            assert after.sm_split == split_before
+    assert kept and changes   # both cases came up
+
+
+def test_recent_expects_outputs_capped_by_those_that_ended_early_and_measures_arrivals():
+    """Recent.remaining: max_tokens less those made, until requests end early; then capped by
+    their mean (past it, half of it), never below 1; rates over the last RECENT_S."""
+    recent = controller.Recent()
+    assert recent.remaining(100, 30) == 70 and recent.remaining(100, 100) == 1
+    recent.ended(100, 100)   # ran to its max_tokens: says nothing of where outputs end
+    assert recent.remaining(100, 30) == 70
+    recent.ended(20, 100)
+    recent.ended(40, 100)
+    assert recent.remaining(100, 10) == 20 and recent.remaining(100, 25) == 15
+    assert recent.remaining(12, 5) == 7
+    for i in range(10):
+        recent.arrived(5.0 + i * 0.05, 100 + i, 200)
+    rate, mean_prompt, mean_output = recent.rates(5.9)
+    assert rate == pytest.approx(10 / (controller.RECENT_S * 1e3)) and mean_prompt == pytest.approx(104.5)
+    assert mean_output == 30
+    assert recent.rates(7.0)[0] == 0.0
+
+
+@pytest.mark.usefixtures("worker_env", "torch_twins")
+def test_the_adaptive_workers_controller_cuts_its_budget_when_long_prompts_come_among_decodes(hf):
+    """One adaptive CPU worker, its controller on a fixed step model (Control with an
+    infinite prior weight: the profile's, not the CPU's timings) in which a step of 512
+    prompt tokens beside two or more decodes outlasts the TPOT target and one of 256 does
+    not: decodes alone keep the idle default (512, the step's tokens); long prompts arriving
+    among them make it take 256 (Configured, in config_log, its budget applied: the prompts
+    are chunked by 256). Every request gives HF's greedy tokens."""
+    params = HardwareParams(alpha=0.1, beta=5.0, batch_thresh=0, slope=2.0, gamma=0.1, transfer_rate=0.0)
+    slo = (100.0, 0.06)
+    short = [prompt(3 + i, 200 + i) for i in range(6)]
+    long = [prompt(300 + 20 * i, 300 + i) for i in range(2)]
+    with make_cluster(hf, "adaptive", 1, profile=False, max_num_batched_tokens=512, num_kv_blocks=256) as llm:
+        cluster = llm.cluster
+        cluster.workers.send(0, messages.Control(params, slo, prior_weight=math.inf))
+        params_g = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+        ids = [cluster.submit(p, params_g) for p in short]
+        deadline = time.monotonic() + 60
+        while not all(len(cluster.active[i].tokens) >= 2 for i in ids) and time.monotonic() < deadline:
+            cluster.poll(0.02)
+        assert cluster.config_log == []   # short prompts, then decodes alone: the idle default
+        burst = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        ids += [cluster.submit(p, burst) for p in long]
+        ended: set[int] = set()
+        while len(ended) < len(ids) and time.monotonic() < deadline:
+            ended |= set(cluster.poll(0.02))
+        outs = [cluster.output(i) for i in ids]
+    assert [o.outputs[0].token_ids for o in outs] == [hf.greedy(p, 80) for p in short] + \
+        [hf.greedy(p, 4) for p in long]
+    changes = cluster.config_log
+    assert changes and changes[0].worker == 0 and changes[0].budget == 256 and changes[0].sm_split is None
+    assert all(c.time_s >= 0 for c in changes)
 
 
 # ======= roles.py, lifecycle.py, telemetry.py, cluster.py: the policies on worker processes

@@ -42,11 +42,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from config import EngineConfig
+from controller import CONTROL_INTERVAL_S, Config, Controller, Decode, Prompt, Recent, Snapshot
 from engine import Engine, LaunchedStep
 from kv_cache import cdiv
 from lanes import SplitEngine, make_engine
 from messages import (
     Abort,
+    Configured,
+    Control,
     Done,
     Drop,
     Expired,
@@ -69,7 +72,7 @@ from messages import (
     Tokens,
     ToWorker,
 )
-from request import Request, RequestMetrics, Sequence, arrival_order, seeded_generator
+from request import Request, RequestMetrics, Sequence, Status, arrival_order, seeded_generator
 from smsplit import load_kernels_at_start
 from timing import measure_engine
 from transport import RECEIVE_TIMEOUT_S, TRANSPORTS, DistributedTransport, Pull
@@ -146,7 +149,10 @@ class Worker:
         self.report_steps = report_steps               # time every step for the router (adaptive only)
         self.last_collected: float | None = None       # when the engine last returned a step's tokens
         self.last_sent = 0.0                           # when the last reports went out
-        self.sm_split: tuple[int, int] | None = None   # (prefill SMs, decode SMs) from SetRole; None: all
+        self.sm_split: tuple[int, int] | None = None   # (prefill SMs, decode SMs) it runs on; None: all
+        self.controller: Controller | None = None      # under adaptive (Control): its own configuration
+        self.recent = Recent()                         # the arrivals and ends the controller reads
+        self.controlled_at = -1e9                      # when the controller last chose
 
     def run(self) -> None:
         while self.step():
@@ -168,6 +174,7 @@ class Worker:
                 self._request_failed(msg, e)
         self._start_imports()
         self._finish_imports()
+        self._control()
         if self.engine.has_unfinished():
             collecting = self.engine.in_flight   # the step whose tokens this call takes
             for request_id in self.engine.step():
@@ -175,7 +182,7 @@ class Worker:
             new = self.engine.new_tokens()
             if new:
                 self.reports.append(Tokens(new, time.perf_counter()))
-            if self.report_steps:
+            if self.report_steps or self.controller is not None:
                 self._time_step(collecting)
         self._expire_parked()
         now = time.perf_counter()
@@ -202,6 +209,8 @@ class Worker:
             case Submit():   # the central scheduler checked it first; this worker's cache may be smaller
                 self.engine.submit(msg.prompt_token_ids, msg.params, msg.beam_width, msg.length_penalty,
                                    request_id=msg.request_id, prefill_only=msg.prefill_only)
+                self.recent.arrived(time.perf_counter(), len(msg.prompt_token_ids),
+                                    1 if msg.prefill_only else msg.params.max_tokens)
             case Import():
                 t = Transfer(msg, time.perf_counter())
                 self.transfers.append(t)
@@ -213,15 +222,61 @@ class Worker:
             case Abort():
                 self._drop(msg.request_id)
                 self.engine.abort([msg.request_id])
-            case SetRole():
-                self.engine.scheduler.prefill_budget = msg.prefill_budget
-                if msg.sm_split != self.sm_split:   # a new split repartitions the device: only on a change
-                    self.engine.set_split(msg.sm_split)
-                    self.sm_split = msg.sm_split
+            case SetRole() if self.controller is None:   # else the budget and split are the controller's
+                self._configure(msg.sm_split, msg.prefill_budget)
+            case Control() if self.controller is None:
+                splits = list(self.engine.runner.splits) if isinstance(self.engine, SplitEngine) else []
+                self.controller = Controller(msg.params, self.engine.cfg.max_num_batched_tokens, splits,
+                                             msg.slo, prior_weight=msg.prior_weight)
+            case Control():
+                self.controller.configure(msg.params, msg.slo)
             case SendKV():
                 self.transport.send(msg.dst, self.engine.runner.kv_cache, msg.runs)
             case Measure():
                 self.reports.append(Measured(measure_engine(self.engine, **msg.spec)))
+
+    def _configure(self, sm_split: tuple[int, int] | None, prefill_budget: int | None) -> None:
+        self.engine.scheduler.prefill_budget = prefill_budget
+        if sm_split != self.sm_split:   # a new split repartitions the device: only on a change
+            self.engine.set_split(sm_split)
+            self.sm_split = sm_split
+
+    # -- the controller (adaptive)
+
+    def _control(self) -> None:
+        """Every CONTROL_INTERVAL_S, while prompts are here or arriving or the configuration
+        is not the idle default, let the controller choose it from the engine's state; apply
+        a change and report it."""
+        c, now = self.controller, time.perf_counter()
+        if c is None or now - self.controlled_at < CONTROL_INTERVAL_S:
+            return
+        snap = self._snapshot(now)
+        if not snap.prompts and not snap.rate and c.current == c.default:
+            return
+        self.controlled_at, before = now, c.current
+        config: Config = c.choose(snap)
+        if config != before:
+            self._configure(config.sm_split, config.budget)
+            self.reports.append(Configured(config.sm_split, config.budget, c.model.error))
+
+    def _snapshot(self, now: float) -> Snapshot:
+        """The engine's state as the controller forecasts from it: each sequence still to
+        prefill (waiting, or running with prompt tokens left) and each running decode, with
+        the output it is expected still to make (Recent.remaining)."""
+        sched, prompts, decodes = self.engine.scheduler, [], []
+        for seq in [*sched.waiting, *sched.running]:
+            req = seq.request
+            max_tokens = 1 if req.prefill_only else req.params.max_tokens
+            left = self.recent.remaining(max_tokens, seq.num_outputs)
+            if seq.status != Status.RUNNING or seq.num_pending > 1:
+                prompts.append(Prompt(seq.num_pending, (now - req.metrics.arrival_time) * 1e3, left,
+                                      seq.status == Status.RUNNING, len(seq.token_ids)))
+            elif seq.num_outputs < max_tokens:
+                decodes.append(Decode(left, seq.num_computed))
+        rate, mean_prompt, mean_output = self.recent.rates(now)
+        cfg = self.engine.cfg
+        return Snapshot(now, prompts, decodes, cfg.max_num_seqs, cfg.max_num_batched_tokens, rate,
+                        mean_prompt, mean_output)
 
     def _request_failed(self, msg, error: Exception) -> None:
         """Handling msg raised: the request it is about ends here, with the error (an
@@ -244,6 +299,7 @@ class Worker:
         """A request ended here: parked for a decode worker (Handoff), or done."""
         req = self.engine.requests[request_id]
         if not req.parked:
+            self.recent.ended(max(s.num_outputs for s in req.seqs), req.params.max_tokens)
             try:
                 self.reports.append(Done(request_id, self.engine.output(request_id)))
             except Exception as e:  # noqa: BLE001 (its output could not be built: it alone fails)
@@ -342,12 +398,21 @@ class Worker:
         now = time.perf_counter()
         if collected is not None and self.last_collected is not None:
             s = collected.shape
-            self.reports.append(StepTimed(s.decodes, s.context_tokens, s.prefill_tokens,
-                                          (now - self.last_collected) * 1e3, collected.lane.split))
+            self._timed(StepTimed(s.decodes, s.context_tokens, s.prefill_tokens,
+                                  (now - self.last_collected) * 1e3, collected.lane.split))
         self.last_collected = now if self.engine.in_flight is not None else None
         if isinstance(self.engine, SplitEngine):
             for p in self.engine.take_prefill_lane_steps():
-                self.reports.append(StepTimed(0, 0, p.shape.prefill_tokens, p.ms, p.split))
+                self._timed(StepTimed(0, 0, p.shape.prefill_tokens, p.ms, p.split))
+
+    def _timed(self, step: StepTimed) -> None:
+        """A timed step: reported to the router (adaptive), learned by the controller's step model."""
+        if self.report_steps:
+            self.reports.append(step)
+        if self.controller is not None:
+            split = None if step.sm_split is None else tuple(step.sm_split)
+            self.controller.model.observe(step.decodes, step.context_tokens, step.prefill_tokens, step.ms,
+                                          split)
 
 
 # ----------------------------------------------------------------------------- the process

@@ -1,0 +1,497 @@
+"""The per-worker controller: every CONTROL_INTERVAL_S it chooses the worker's configuration,
+its SM split (a split engine's, lanes.py) and its prompt budget per step (the scheduler's
+prefill_budget), from the state its engine holds now.
+
+  Config       a configuration: (sm_split or None, prompt tokens per step)
+  StepModel    a step's ms from its shape and where it ran (the whole GPU, a split's decode
+               lane, a split's prefill lane): seeded from the profile (costmodel.py's
+               HardwareParams), refitted by least squares on the engine's own timed steps
+  Snapshot     what the engine holds now: prompts queued, decodes running, recent arrivals
+  forecast     one configuration over the next HORIZON_S, step by step, as the scheduler
+               would run it (chunked prefill, first come first served, seats)
+  Controller   the best configuration of the menu by forecast, with hysteresis
+
+The objective (docs/controller.md): without an SLO the sum of the latency of the requests
+present and arriving (the time each spends in the system over the horizon, by Little's law
+what the mean latency grows with, plus an estimate of what each still needs at its end);
+with an SLO (ttft_s, tpot_s) the share predicted to meet both first, that sum second.
+"""
+
+import collections
+import heapq
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from costmodel import HardwareParams, split_key
+
+CONTROL_INTERVAL_S = 0.2   # how often a worker with prompt work chooses its configuration
+HORIZON_MS = 1000.0        # what a forecast simulates: the next second of steps
+BUDGETS = (256, 512, 1024, 2048, 4096, 8192)   # the prompt budgets weighed (capped by the step's tokens)
+MARGIN = 0.05              # another configuration must be forecast this much better to replace the current
+SWITCH_MS = 2.25           # a split change drains the steps in flight: every request present waits this
+MIN_DWELL_S = 0.5          # a split taken is kept this long (a budget change costs nothing)
+FORGET = 0.98              # a step model's weight on the steps before the last (it tracks drift)
+PRIOR_WEIGHT = 1.0         # the profile's pull on a fit: a coefficient off by its own size costs 1 ms^2
+RECENT_S = 1.0             # the arrivals the rate and mean prompt length are measured over
+RECENT_ENDS = 64           # finished requests the output lengths are measured over
+
+
+@dataclass(frozen=True)
+class Config:
+    sm_split: tuple[int, int] | None
+    budget: int
+
+
+# ----------------------------------------------------------------------------- the step model
+
+
+@dataclass
+class LeastSquares:
+    """y ~ theta . x, refitted on every observation kept (with forgetting) and pulled toward a
+    prior theta0: theta minimises sum f^age (x . theta - y)^2 + sum_i w_i (theta_i - theta0_i)^2,
+    with w_i = prior_weight / (|theta0_i| + floor_i)^2. Solved from the normal equations; an
+    infinite prior_weight keeps theta0."""
+    theta0: list[float]
+    floor: list[float]
+    forget: float = FORGET
+    prior_weight: float = PRIOR_WEIGHT
+    xtx: torch.Tensor = None
+    xty: torch.Tensor = None
+    theta: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        k = len(self.theta0)
+        self.xtx, self.xty = torch.zeros(k, k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
+        self.theta = list(self.theta0)
+
+    def observe(self, x: list[float], y: float) -> None:
+        if math.isinf(self.prior_weight):   # the prior alone
+            return
+        v = torch.tensor(x, dtype=torch.float64)
+        self.xtx = self.forget * self.xtx + torch.outer(v, v)
+        self.xty = self.forget * self.xty + v * y
+        w = torch.tensor([self.prior_weight / (abs(t) + f) ** 2 for t, f in zip(self.theta0, self.floor)],
+                         dtype=torch.float64)
+        theta = torch.linalg.solve(self.xtx + torch.diag(w), self.xty + w * torch.tensor(self.theta0,
+                                                                                          dtype=torch.float64))
+        self.theta = theta.clamp(min=0.0).tolist()   # a negative cost would make a busy step look fast
+
+    def predict(self, x: list[float]) -> float:
+        return sum(t * v for t, v in zip(self.theta, x))
+
+
+class StepModel:
+    """A step's ms, per place it ran: the whole GPU (decodes d holding c tokens of context,
+    prompt tokens p beside them: beta + slope max(0, d - batch_thresh) + kv c + gamma p), a
+    split's decode lane (the lane's beta, slope, kv) and a split's prefill lane (a chunk of p
+    tokens: alpha0 + alpha p + alpha2 p^2). Each is seeded from the profile and refitted on
+    the steps the worker timed there (workers.py:Worker._time_step); error is the running
+    mean of |predicted - measured| / measured, each step predicted before it is learned."""
+
+    def __init__(self, params: HardwareParams, forget: float = FORGET, prior_weight: float = PRIOR_WEIGHT):
+        self.forget, self.prior_weight = forget, prior_weight
+        self.fits: dict[tuple[str, str | None], LeastSquares] = {}
+        self.error, self.observed = 0.0, 0
+        self.seed(params)
+
+    def seed(self, params: HardwareParams) -> None:
+        """Take params as the prior (the profile, or the router's refit of it): the fits keep
+        what they learned, pulled toward the new prior from now on."""
+        self.p = params
+        priors = {("whole", None): ([params.beta, params.slope, params.kv, params.gamma],
+                                    [1e-1, 1e-3, 1e-6, 1e-4])}
+        for key, s in params.splits.items():
+            priors[("decode", key)] = ([s.beta, s.slope, s.kv], [1e-1, 1e-3, 1e-6])
+            priors[("prefill", key)] = ([s.alpha0, s.alpha, s.alpha2], [1e-1, 1e-4, 1e-9])
+        for place, (theta0, floor) in priors.items():
+            fit = self.fits.get(place)
+            if fit is None:
+                self.fits[place] = LeastSquares(theta0, floor, self.forget, self.prior_weight)
+            else:
+                fit.theta0 = theta0
+
+    def features(self, place: tuple[str, str | None], decodes: int, context: int, prompt: int) -> list[float]:
+        lane, key = place
+        if lane == "prefill":
+            return [1.0, prompt, prompt * prompt]
+        thresh = self.p.batch_thresh if key is None else self.p.splits[key].batch_thresh
+        x = [1.0, max(0.0, decodes - thresh), context]
+        return x + [prompt] if lane == "whole" else x
+
+    @staticmethod
+    def place(decodes: int, sm_split: tuple[int, int] | None) -> tuple[str, str | None]:
+        """Where a timed step ran: on the whole GPU, or on a lane of sm_split (decodes 0: its
+        prefill lane's chunk)."""
+        if sm_split is None:
+            return ("whole", None)
+        return ("prefill" if decodes == 0 else "decode", split_key(sm_split))
+
+    def predict(self, place: tuple[str, str | None], decodes: int, context: int, prompt: int) -> float:
+        return self.fits[place].predict(self.features(place, decodes, context, prompt))
+
+    def observe(self, decodes: int, context: int, prompt: int, ms: float,
+                sm_split: tuple[int, int] | None = None) -> None:
+        """Learn a step the worker timed (a split the profile did not measure: nothing)."""
+        place = self.place(decodes, sm_split)
+        if place not in self.fits or ms <= 0:
+            return
+        x = self.features(place, decodes, context, prompt)
+        self.observed += 1
+        self.error += (abs(self.fits[place].predict(x) - ms) / ms - self.error) / min(self.observed, 100)
+        self.fits[place].observe(x, ms)
+
+
+# ----------------------------------------------------------------------------- what the worker sees
+
+
+@dataclass
+class Recent:
+    """What a worker saw lately: arrivals (when, prompt tokens, max_tokens) over RECENT_S, and
+    the output lengths of the last RECENT_ENDS requests that ended before their max_tokens
+    (a stop or EOS): what an output is expected to come to."""
+    arrivals: collections.deque = field(default_factory=collections.deque)
+    early_ends: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_ENDS))
+
+    def arrived(self, now: float, prompt_len: int, max_tokens: int) -> None:
+        self.arrivals.append((now, prompt_len, max_tokens))
+
+    def ended(self, output_len: int, max_tokens: int) -> None:
+        if output_len < max_tokens:
+            self.early_ends.append(output_len)
+
+    def remaining(self, max_tokens: int, generated: int) -> int:
+        """Output tokens a request is expected still to make: max_tokens less those made,
+        capped, once requests have ended early, by their mean length (past it, half of it)."""
+        left = max_tokens - generated
+        if self.early_ends:
+            cap = sum(self.early_ends) / len(self.early_ends)
+            left = min(left, round(max(cap - generated, cap / 2)))
+        return max(1, left)
+
+    def rates(self, now: float) -> tuple[float, float, float]:
+        """(arrivals per ms, their mean prompt tokens, their mean expected output) over RECENT_S."""
+        while self.arrivals and now - self.arrivals[0][0] > RECENT_S:
+            self.arrivals.popleft()
+        if not self.arrivals:
+            return 0.0, 0.0, 1.0
+        n = len(self.arrivals)
+        return (n / (RECENT_S * 1e3), sum(a[1] for a in self.arrivals) / n,
+                sum(self.remaining(a[2], 0) for a in self.arrivals) / n)
+
+
+# ----------------------------------------------------------------------------- the forecast
+
+
+@dataclass
+class Prompt:
+    """A prompt on the engine: tokens still to prefill, ms it has waited since it arrived,
+    the output tokens it is expected to make, whether it holds a seat (a chunk is done)."""
+    tokens_left: int
+    waited_ms: float
+    output: int
+    admitted: bool = False
+    length: int = 0            # its prompt's tokens, the context it decodes with (0: tokens_left)
+
+
+@dataclass
+class Decode:
+    """A running decode: output tokens it is expected still to make, its context tokens."""
+    remaining: int
+    context: int
+
+
+@dataclass
+class Snapshot:
+    """What a worker's engine holds now, and what arrives at it lately."""
+    time_s: float
+    prompts: list[Prompt]
+    decodes: list[Decode]
+    seats: int                 # max_num_seqs
+    step_tokens: int           # max_num_batched_tokens: decodes and prompt tokens of one step together
+    rate: float = 0.0          # arrivals per ms
+    mean_prompt: float = 0.0
+    mean_output: float = 1.0
+
+
+@dataclass
+class Forecast:
+    config: Config
+    latency_ms: float          # the sum over the requests present and arriving (see the module's docstring)
+    met: float | None = None   # under an SLO, the share predicted to meet both targets
+
+    def key(self) -> tuple[float, float]:
+        return (0.0 if self.met is None else -self.met, self.latency_ms)
+
+
+class Sim:
+    """One forecast's state: the clock (ms), the prompt queue (first come first served), the
+    decodes (a heap of the decode step each ends at, with a step counter: no per-request
+    loop per step), and what the requests accumulate. Arrivals come evenly at snap.rate, each
+    of the mean lengths, from time 0 to the horizon."""
+
+    def __init__(self, snap: Snapshot, slo: tuple[float, float] | None):
+        self.snap, self.slo = snap, slo
+        self.now, self.area, self.met, self.count = 0.0, 0.0, 0, len(snap.prompts) + len(snap.decodes)
+        # per prompt: [tokens left, arrival ms (negative: before now), output, admitted, prompt length]
+        self.queue = collections.deque([p.tokens_left, -p.waited_ms, p.output, p.admitted,
+                                        p.length or p.tokens_left] for p in snap.prompts)
+        self.admitted = sum(p.admitted for p in snap.prompts)
+        self.counter, self.sums = 0, [0.0]   # decode steps done, and their ms summed (sums[k]: the first k)
+        self.ctx = sum(d.context for d in snap.decodes)
+        # per decode: (last step, its context then, its first step)
+        self.heap = [(d.remaining, d.context + d.remaining, 1) for d in snap.decodes]
+        heapq.heapify(self.heap)
+        self.arrived = 0   # arrivals joined so far
+        self.prefilled = 0   # prompts whose last chunk is in flight: out of the queue, not yet decoding
+        self.gap = 1.0 / snap.rate if snap.rate > 0 else math.inf
+
+    def next_arrival(self) -> float:
+        t = (self.arrived + 1) * self.gap
+        return t if t < HORIZON_MS else math.inf
+
+    def advance(self, to: float) -> None:
+        """Move the clock to `to`: everyone present spends the time in the system; arrivals
+        meanwhile join the queue, present from their arrival."""
+        self.area += (len(self.heap) + len(self.queue) + self.prefilled) * (to - self.now)
+        while (a := self.next_arrival()) <= to:
+            self.arrived += 1
+            self.count += 1
+            self.area += to - a
+            n = max(1, round(self.snap.mean_prompt))
+            self.queue.append([n, a, max(1, round(self.snap.mean_output)), False, n])
+        self.now = to
+
+    def take(self, budget: int, decodes: int) -> tuple[int, list[list]]:
+        """A chunk of up to budget prompt tokens (within the step's tokens beside decodes),
+        first come first served, admitting prompts while seats are free; (its tokens, the
+        prompts it completes)."""
+        room, tokens, done = min(budget, self.snap.step_tokens - decodes), 0, []
+        for p in self.queue:
+            if room <= 0:
+                break
+            if not p[3]:
+                if len(self.heap) + self.admitted >= self.snap.seats:
+                    break
+                p[3] = True
+                self.admitted += 1
+            n = min(p[0], room)
+            p[0] -= n
+            room -= n
+            tokens += n
+            if p[0] == 0:
+                done.append(p)
+        for _ in done:
+            self.queue.popleft()
+        self.admitted -= len(done)
+        self.prefilled += len(done)
+        return tokens, done
+
+    def first_tokens(self, done: list[list], in_flight: bool) -> None:
+        """Prompts whose last chunk ended now: their first token, and they decode from the
+        next decode step (the one after a decode step in flight, in_flight)."""
+        first = self.counter + 1 + in_flight
+        self.prefilled -= len(done)
+        for p in done:
+            ttft_ok = self.slo is None or self.now - p[1] <= self.slo[0] * 1e3
+            if p[2] <= 1:
+                self.met += ttft_ok
+                continue
+            heapq.heappush(self.heap, (first + p[2] - 2, p[4] + p[2] - 1, first if ttft_ok else -first))
+            self.ctx += p[4]
+
+    def decode_step(self, ms: float, decodes: int) -> None:
+        """A decode step of `decodes` sequences, ms long, has ended: each made a token; those
+        whose last it was leave (meeting the SLO if their TTFT did and their mean step did)."""
+        self.counter += 1
+        self.sums.append(self.sums[-1] + ms)
+        self.ctx += decodes
+        while self.heap and self.heap[0][0] <= self.counter:
+            last, ctx, first = heapq.heappop(self.heap)
+            self.ctx -= ctx
+            if self.slo is not None and first > 0:
+                self.met += (self.sums[last] - self.sums[first - 1]) / (last - first + 1) <= self.slo[1] * 1e3
+
+
+def forecast(model: StepModel, config: Config, snap: Snapshot,
+             slo: tuple[float, float] | None = None) -> Forecast:
+    """The configuration's latency (and SLO share) over the next HORIZON_MS of steps, then
+    what the requests left still need (finish)."""
+    sim = Sim(snap, slo)
+    if config.sm_split is None:
+        return finish(sim, config, *run_whole(model, config, sim), [])
+    return finish(sim, config, *run_split(model, config, sim))
+
+
+def step_ms(model: StepModel, place: tuple[str, str | None], decodes: int, context: int,
+            prompt: int) -> float:
+    return max(1e-3, model.predict(place, decodes, context, prompt))   # time moves on
+
+
+def run_whole(model: StepModel, config: Config, sim: Sim) -> tuple[float, float]:
+    """Steps on the whole GPU, each taking every decode and a chunk of the queue; (a decode
+    step's ms at the end, and a step's with a chunk of what is still queued)."""
+    place = ("whole", None)
+    while sim.now < HORIZON_MS:
+        decodes, ctx = len(sim.heap), sim.ctx
+        tokens, done = sim.take(config.budget, decodes)
+        if decodes == 0 and tokens == 0:   # nothing to run until the next arrival
+            if sim.next_arrival() == math.inf:
+                break
+            sim.advance(sim.next_arrival())
+            continue
+        ms = step_ms(model, place, decodes, ctx, tokens)
+        sim.advance(sim.now + ms)
+        if decodes:
+            sim.decode_step(ms, decodes)
+        sim.first_tokens(done, in_flight=False)
+    queued = min(config.budget, sum(p[0] for p in sim.queue), sim.snap.step_tokens - len(sim.heap))
+    decodes = len(sim.heap)
+    return step_ms(model, place, decodes, sim.ctx, 0), step_ms(model, place, decodes, sim.ctx, queued)
+
+
+def run_split(model: StepModel, config: Config, sim: Sim) -> tuple[float, float, list[tuple[list, float]]]:
+    """Two lanes at once: prompt chunks on the prefill lane (on the whole GPU while nothing
+    decodes), decode steps on the decode lane while a chunk is in flight beside them (else on
+    the whole GPU, as lanes.py runs them). Events in time order, the prefill lane's first on
+    a tie. (A decode step's ms at the end, a chunk's of what is queued, the prompts a chunk in
+    flight at the end completes with when it ends.)"""
+    key = split_key(config.sm_split)
+    whole, lane_d, lane_p = ("whole", None), ("decode", key), ("prefill", key)
+    t_p, t_d, chunk, step = 0.0, math.inf, None, None   # chunk: the prompts it completes; step: (ms, d)
+    while min(t_p, t_d) < HORIZON_MS:
+        if t_p <= t_d:   # the prefill lane is free: the chunk in flight ends, the next starts
+            sim.advance(t_p)
+            if chunk is not None:
+                sim.first_tokens(chunk, in_flight=step is not None)
+            tokens, chunk = sim.take(config.budget, 0)
+            if tokens:
+                t_p = sim.now + step_ms(model, lane_p if sim.heap or step else whole, 0, 0, tokens)
+            else:   # nothing to prefill until a prompt arrives or a decode step frees a seat
+                chunk, t_p = None, sim.next_arrival()
+            if step is None and sim.heap:
+                t_d = sim.now
+            continue
+        sim.advance(t_d)   # the decode lane's step ends, the next starts
+        if step is not None:
+            sim.decode_step(*step)
+        step, t_d = None, math.inf
+        if sim.heap:
+            ms = step_ms(model, lane_d if chunk is not None else whole, len(sim.heap), sim.ctx, 0)
+            step, t_d = (ms, len(sim.heap)), sim.now + ms
+        if chunk is None:
+            t_p = sim.now
+    queued = min(config.budget, sum(p[0] for p in sim.queue))
+    lane = lane_d if queued or chunk is not None else whole
+    return (step_ms(model, lane, len(sim.heap), sim.ctx, 0),
+            step_ms(model, lane_p, 0, 0, queued) if queued else 0.0,
+            [(p, t_p) for p in chunk or []])
+
+
+def finish(sim: Sim, config: Config, decode_ms: float, chunk_ms: float,
+           pending: list[tuple[list, float]]) -> Forecast:
+    """The forecast: the time the requests spent in the system over the horizon, and for
+    those left at its end what they still need: a queued prompt waits ceil(Q / budget)
+    chunks (Q: the tokens queued up to and with its own), then decodes its output at
+    decode_ms a step; a decode's remaining steps take decode_ms each, on the whole GPU the
+    first ceil(Q / budget) of them a chunk's more (chunk_ms). Under an SLO a request meets
+    it if its first token came (or is forecast) within ttft_s and its steps average at most
+    tpot_s."""
+    slo, tail, met, q = sim.slo, 0.0, sim.met, 0
+    ttft, tpot = (slo[0] * 1e3, slo[1] * 1e3) if slo else (math.inf, math.inf)
+    for p, done_at in pending:   # a chunk in flight completes them
+        tail += done_at - sim.now + (p[2] - 1) * decode_ms
+        met += done_at - p[1] <= ttft and decode_ms <= tpot
+    for p in sim.queue:
+        q += p[0]
+        wait = math.ceil(q / config.budget) * chunk_ms
+        tail += wait + (p[2] - 1) * decode_ms
+        met += sim.now + wait - p[1] <= ttft and decode_ms <= tpot
+    chunks = math.ceil(q / config.budget)
+    extra = max(0.0, chunk_ms - decode_ms) if config.sm_split is None else 0.0
+    for last, _, first in sim.heap:
+        left = last - max(sim.counter, abs(first) - 1)   # one that joined beside a step in flight: not in it
+        tail += left * decode_ms + min(left, chunks) * extra
+        if first > 0:
+            done = sim.sums[sim.counter] - sim.sums[min(first - 1, sim.counter)]
+            met += (done + left * decode_ms) / (last - first + 1) <= tpot
+    return Forecast(config, sim.area + tail, met / max(1, sim.count) if slo else None)
+
+
+# ----------------------------------------------------------------------------- choosing
+
+
+def full_step_ms(model: StepModel, config: Config, snap: Snapshot) -> float:
+    """The decodes' step now under config with a full chunk beside them: on the whole GPU,
+    the decodes and budget prompt tokens; on a split, the decode lane's step."""
+    decodes, context = len(snap.decodes), sum(d.context for d in snap.decodes)
+    if config.sm_split is None:
+        prompt = min(config.budget, snap.step_tokens - decodes)
+        return model.predict(("whole", None), decodes, context, prompt)
+    return model.predict(("decode", split_key(config.sm_split)), decodes, context, 0)
+
+
+def menu(step_tokens: int, splits: list[tuple[int, int]]) -> list[Config]:
+    """Every budget of BUDGETS (capped at the step's tokens) on the whole GPU and on each split."""
+    budgets = sorted({min(b, step_tokens) for b in BUDGETS})
+    return [Config(s, b) for s in [None, *splits] for b in budgets]
+
+
+class Controller:
+    """Chooses a worker's configuration (choose) from its engine's state, by forecast, with
+    hysteresis: another configuration must be forecast better by MARGIN (an SLO share higher
+    by MARGIN, or as high and a latency lower by MARGIN) to replace the current one; a split
+    change also pays SWITCH_MS for each request present, and a split is kept MIN_DWELL_S.
+    Under an SLO, only configurations whose full step (full_step_ms) stays within the TPOT
+    target are weighed, while any does. splits: the engine's split menu that the profile
+    measured (a split's lanes are forecast from their models)."""
+
+    def __init__(self, params: HardwareParams, step_tokens: int, splits: list[tuple[int, int]] = (),
+                 slo: tuple[float, float] | None = None, margin: float = MARGIN,
+                 prior_weight: float = PRIOR_WEIGHT):
+        self.model = StepModel(params, prior_weight=prior_weight)
+        self.slo, self.margin = slo, margin
+        self.splits = [tuple(s) for s in splits]
+        self.step_tokens = step_tokens
+        self.default = Config(None, min(max(BUDGETS), step_tokens))
+        self.current, self.split_since = self.default, -math.inf
+
+    def configure(self, params: HardwareParams, slo: tuple[float, float] | None) -> None:
+        """A new prior (the router refitted the profile) and SLO."""
+        self.model.seed(params)
+        self.slo = slo
+
+    def options(self, snap: Snapshot) -> list[Config]:
+        """The menu (the splits the profile measured), within the TPOT target where any is,
+        and the current split alone while it is younger than MIN_DWELL_S."""
+        splits = [s for s in self.splits if split_key(s) in self.model.p.splits]
+        options = menu(self.step_tokens, splits)
+        if snap.time_s - self.split_since < MIN_DWELL_S:
+            options = [c for c in options if c.sm_split == self.current.sm_split]
+        if self.slo is not None:
+            within = [c for c in options if full_step_ms(self.model, c, snap) <= self.slo[1] * 1e3]
+            options = within or options
+        return options
+
+    def choose(self, snap: Snapshot) -> Config:
+        """The configuration to run from now on (the current one unless another is clearly better)."""
+        present = len(snap.prompts) + len(snap.decodes)
+        forecasts = []
+        for config in self.options(snap):
+            f = forecast(self.model, config, snap, self.slo)
+            if config.sm_split != self.current.sm_split:
+                f.latency_ms += SWITCH_MS * present
+            forecasts.append(f)
+        best = min(forecasts, key=Forecast.key)
+        current = next((f for f in forecasts if f.config == self.current), None)
+        if current is None or self.clearly_better(best, current):
+            if best.config.sm_split != self.current.sm_split:
+                self.split_since = snap.time_s
+            self.current = best.config
+        return self.current
+
+    def clearly_better(self, new: Forecast, old: Forecast) -> bool:
+        if self.slo is not None and abs(new.met - old.met) > self.margin:
+            return new.met > old.met
+        return new.latency_ms < old.latency_ms * (1 - self.margin)
