@@ -459,7 +459,7 @@ def plot_roles(plt, timelines: list[dict]):
 
 WHOLE_GPU = "#999999"
 SPLIT_COLORS = ["#1F3F73", "#2F5A9E", "#4C72B0", "#7C9CD0", "#A9C0E6"]   # by decode SMs, fewest darkest
-BUDGET_MENU = (256, 512, 1024, 2048, 4096, 8192)   # controller.py's; a budget off it takes the next colour
+BUDGET_MENU = (256, 512, 1024, 2048, 4096, 8192)   # the controllers' budgets, the colour scale's ends
 
 
 def budget_color(plt, budget: int):
@@ -739,9 +739,9 @@ def make_run(args: argparse.Namespace) -> Run:
     return run
 
 
-# `--policy all` on one device: beside adaptive, every fixed configuration its controller
-# chooses between (controller.py): the whole GPU at three step budgets, the controller's
-# menu's 512 and 2048 tokens and --max-num-batched-tokens (None), and the fixed SM split
+# `--policy all` on one device: beside adaptive, the fixed configurations its controller
+# chooses between: the whole GPU at three step budgets, the controller's menu's 512 and
+# 2048 tokens and --max-num-batched-tokens (None), and the fixed SM split
 # (disaggregated on one device is a split worker, cluster.py:POLICIES) at the latter. Each
 # is named policy@budget. On several devices `all` is the three policies at the one budget.
 ONE_DEVICE_ALL = (("collocated", 512), ("collocated", 2048), ("collocated", None),
@@ -865,7 +865,7 @@ def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
                           **({"phases": run.phases, "phase_s": run.phase_s} if workload == "phased" else {})}
                 if llm.cluster.planner is not None:
                     timelines.append({**run_id, **regime_timeline(llm.cluster.planner, start, seconds)})
-                log = getattr(llm.cluster, "config_log", None)   # the workers' controllers (controller.py)
+                log = getattr(llm.cluster, "config_log", None)   # None: a cluster without controllers
                 if log is not None and policy == "adaptive":
                     configs.append({**run_id, **config_timeline(llm.cluster, log, held, start, seconds)})
         return rows, results, calibration(router, profiled), timelines, configs
