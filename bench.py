@@ -53,11 +53,13 @@ WORKLOADS = {
     "decode-heavy": lambda rng: (rng.randint(64, 256), rng.randint(256, 512)),
     # 128 in, 128 out: the shape of vLLM's and the engine benchmark's throughput figure.
     "fixed": lambda rng: (128, 128),
-    "phased": None,   # PHASES in turn, PHASE_S each (make_requests)
+    # Long prompts, short outputs: the GPU mostly prefills (issue 42's long phase).
+    "prefill-heavy": lambda rng: (rng.randint(1200, 2400), rng.randint(48, 192)),
+    "phased": None,   # its phases in turn (make_requests; --phases, --phase-s)
 }
 # The phased workload: long prompts at the given rate, then ShareGPT-like requests at three
 # times it (shorter, so the same GPUs serve more of them), and so on; the mix moves under
-# the policies, as a day's traffic does.
+# the policies, as a day's traffic does. Each phase: (its workload, its rate over --rate).
 PHASES = (("long", 1.0), ("sharegpt", 3.0))
 PHASE_S = 10.0
 
@@ -73,12 +75,14 @@ class Spec:
 
 
 def make_requests(workload: str, rate: float, duration: float, count: int, seed: int, vocab: int,
-                  scale: float) -> list[Spec]:
+                  scale: float, phases: tuple[tuple[str, float], ...] = PHASES,
+                  phase_s: float = PHASE_S) -> list[Spec]:
     """Poisson arrivals at rate per second for duration seconds (rate 0: `count` at once).
-    The phased workload draws from PHASES in turn, PHASE_S seconds each, at its rates."""
+    The phased workload draws from phases in turn, phase_s seconds each, each at its factor
+    times rate."""
     rng, t, specs = random.Random(seed), 0.0, []
     while (rate > 0 and t < duration) or (rate <= 0 and len(specs) < count):
-        mix, factor = PHASES[int(t // PHASE_S) % len(PHASES)] if workload == "phased" else (workload, 1.0)
+        mix, factor = phases[int(t // phase_s) % len(phases)] if workload == "phased" else (workload, 1.0)
         prompt_len, out_len = WORKLOADS[mix](rng)
         prompt_len, out_len = max(4, int(prompt_len * scale)), max(2, int(out_len * scale))
         specs.append(Spec(t if rate > 0 else 0.0, [rng.randrange(vocab) for _ in range(prompt_len)], out_len,
@@ -196,14 +200,64 @@ def rate_text(rate: float) -> str:
     return "static (all at once)" if rate <= 0 else f"{rate:g} req/s"
 
 
-def print_table(rows: list[dict], title: str) -> None:
+def frontier(rows: list[dict], slo: bool) -> list[dict]:
+    """For each workload and rate served by more than one run: the best fixed configuration
+    (every run but adaptive), the one of lowest E2E p50, and adaptive's E2E p50 over its;
+    with an SLO given (slo), also the fixed one meeting it most and adaptive's share met
+    over its (the same requests at the same times, so the ratio of their goodputs)."""
+    def e2e(r: dict) -> float:
+        return r["e2e_p50"] if math.isfinite(r["e2e_p50"]) else math.inf   # nothing served: last
+    out = []
+    for workload, rate in dict.fromkeys((r["workload"], r["rate"]) for r in rows):
+        group = [r for r in rows if (r["workload"], r["rate"]) == (workload, rate)]
+        fixed = [r for r in group if run_config(r["policy"])[0] != "adaptive"]
+        adaptive = next((r for r in group if r["policy"] == "adaptive"), None)
+        if not fixed or len(group) < 2:
+            continue
+        best = min(fixed, key=e2e)
+        entry = {"workload": workload, "rate": rate, "best_fixed": best["policy"],
+                 "best_fixed_e2e_p50": best["e2e_p50"]}
+        if adaptive is not None:
+            entry.update(adaptive_e2e_p50=adaptive["e2e_p50"],
+                         e2e_p50_ratio=adaptive["e2e_p50"] / best["e2e_p50"])
+        if slo:
+            met = max(fixed, key=lambda r: r["slo_attainment"])
+            entry.update(best_fixed_slo=met["policy"], best_fixed_slo_attainment=met["slo_attainment"])
+            if adaptive is not None:
+                entry.update(adaptive_slo_attainment=adaptive["slo_attainment"],
+                             slo_attainment_ratio=adaptive["slo_attainment"]
+                             / max(met["slo_attainment"], 1e-9))
+        out.append(entry)
+    return out
+
+
+def print_frontier(front: list[dict]) -> None:
+    """adaptive beside the best fixed configuration, a line per workload and rate."""
+    for f in front:
+        if "e2e_p50_ratio" not in f:
+            continue
+        line = (f"adaptive vs the best fixed ({f['best_fixed']}), {f['workload']} at {rate_text(f['rate'])}: "
+                f"E2E p50 {f['adaptive_e2e_p50']:.2f} s vs {f['best_fixed_e2e_p50']:.2f} s, "
+                f"{f['e2e_p50_ratio']:.2f}x")
+        if "slo_attainment_ratio" in f:
+            line += (f"; SLO met {f['adaptive_slo_attainment']:.0%} vs "
+                     f"{f['best_fixed_slo_attainment']:.0%} ({f['best_fixed_slo']}), goodput "
+                     f"{f['slo_attainment_ratio']:.2f}x")
+        print(line)
+
+
+def print_table(rows: list[dict], title: str, front: list[dict] = ()) -> None:
+    """The summary rows as a Markdown table, each workload and rate's best fixed
+    configuration (frontier) marked."""
+    best = {(f["best_fixed"], f["workload"], f["rate"]) for f in front}
     print(f"\n{title}")
     print("| policy | workload | rate (req/s) | requests | output tok/s | TTFT p50 / p99 (s) "
           "| TPOT p50 / p99 (ms) | E2E p50 / p99 (s) | SLO met | disaggregated |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         rate = "static" if r["rate"] <= 0 else f"{r['rate']:g}"
-        print(f"| {r['policy']} | {r['workload']} | {rate} | {r['requests']} | {r['output_tok_s']:.0f} "
+        name = r["policy"] + (" (best fixed)" if (r["policy"], r["workload"], r["rate"]) in best else "")
+        print(f"| {name} | {r['workload']} | {rate} | {r['requests']} | {r['output_tok_s']:.0f} "
               f"| {r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} "
               f"| {r['tpot_p50'] * 1e3:.1f} / {r['tpot_p99'] * 1e3:.1f} "
               f"| {r['e2e_p50']:.2f} / {r['e2e_p99']:.2f} | {r['slo_attainment']:.0%} "
@@ -215,7 +269,7 @@ def print_table(rows: list[dict], title: str) -> None:
 
 
 def plot(run: "Run", rows: list[dict], results: list[Result], goodput: dict,
-         timelines: list[dict]) -> list[str]:
+         timelines: list[dict], configs: list[dict] = ()) -> list[str]:
     """The PNGs a reader would rather look at than read, under run.out; their file names.
     Every figure is headed by the run's caption (policies, workloads, model, devices)."""
     import matplotlib
@@ -231,6 +285,8 @@ def plot(run: "Run", rows: list[dict], results: list[Result], goodput: dict,
         figures["router_choices.png"] = plot_router(plt, routed)
     if timelines:
         figures["roles_over_time.png"] = plot_roles(plt, timelines)
+    if configs:
+        figures["configs_over_time.png"] = plot_configs(plt, configs, results)
     for name, fig in figures.items():
         fig.suptitle(caption(run), fontsize=8, color="0.3")
         fig.savefig(run.out / name, dpi=110, bbox_inches="tight")   # legends outside the axes stay in
@@ -246,11 +302,33 @@ POLICY_MARKERS = {"collocated": ("o", 10), "disaggregated": ("s", 7), "adaptive"
 LINE_STYLES = ["-", "--", ":", "-."]
 
 
+# A policy's runs at budgets below its largest (one device's `--policy all`, ONE_DEVICE_ALL):
+# a colour of their own each, and a line thinner by this per step down, drawn after it.
+VARIANT_COLORS = ["C4", "C9", "C5", "C6", "C8"]
+VARIANT_THINNER = 0.35
+
+
+def run_looks(names: list[str]) -> dict[str, tuple[str, float]]:
+    """Each run's colour and line width (by its name): its policy's, or for a run below its
+    policy's largest budget, a colour of VARIANT_COLORS and a thinner line."""
+    def budget(name: str) -> float:
+        return run_config(name)[1] or math.inf
+    looks, variants = {}, 0
+    for name in names:
+        policy = run_config(name)[0]
+        below = sum(run_config(m)[0] == policy and budget(m) > budget(name) for m in names)
+        color = VARIANT_COLORS[variants % len(VARIANT_COLORS)] if below else POLICY_COLORS[policy]
+        variants += below > 0
+        looks[name] = (color, POLICY_WIDTHS[policy] - VARIANT_THINNER * below)
+    return looks
+
+
 def series_styles(rows: list[dict]) -> dict[str, dict]:
-    """Each series' look (by its label): the colour and width its policy's, the line style
-    its workload's; drawn in the order of POLICY_WIDTHS, the widest first."""
+    """Each series' look (by its label): the colour and width its run's (run_looks), the line
+    style its workload's; drawn in order of width, the widest first."""
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    styles = {r["label"]: {"color": POLICY_COLORS[r["policy"]], "linewidth": POLICY_WIDTHS[r["policy"]],
+    looks = run_looks(list(dict.fromkeys(r["policy"] for r in rows)))
+    styles = {r["label"]: {"color": looks[r["policy"]][0], "linewidth": looks[r["policy"]][1],
                            "linestyle": LINE_STYLES[workloads.index(r["workload"]) % len(LINE_STYLES)]}
               for r in rows}
     return dict(sorted(styles.items(), key=lambda kv: -kv[1]["linewidth"]))
@@ -281,7 +359,7 @@ def plot_vs_rate(plt, rows: list[dict], styles: dict):
     fig, axes = plt.subplots(1, 3, figsize=(14, 4), layout="constrained")
     for name, style in styles.items():
         mine = sorted((r for r in rows if r["label"] == name), key=lambda r: r["rate"])
-        marker, size = POLICY_MARKERS[mine[0]["policy"]]
+        marker, size = POLICY_MARKERS[run_config(mine[0]["policy"])[0]]
         for ax, key in zip(axes, ("e2e_p50", "e2e_p99", "output_tok_s")):
             ax.plot([r["rate"] for r in mine], [r[key] for r in mine], marker=marker, markersize=size,
                     label=name, **style)
@@ -351,13 +429,14 @@ def plot_roles(plt, timelines: list[dict]):
         workers = sorted({int(w) for c in tl["changes"] for w in c["roles"]})
         if tl["workload"] == "phased":   # each phase named in a strip above the bars, every other one shaded
             ax.set_ylim(-0.5, workers[-1] + 0.9)
-            for k in range(math.ceil(tl["seconds"] / PHASE_S)):
-                start, end = k * PHASE_S, min((k + 1) * PHASE_S, tl["seconds"])
+            phases, phase_s = tl.get("phases", PHASES), tl.get("phase_s", PHASE_S)
+            for k in range(math.ceil(tl["seconds"] / phase_s)):
+                start, end = k * phase_s, min((k + 1) * phase_s, tl["seconds"])
                 if k % 2:
                     ax.axvspan(start, end, color="0.9")
                 # too short a stub left at the end: no room for a name
                 if end - start > 0.15 * tl["seconds"]:
-                    ax.text((start + end) / 2, 0.97, f"phase {PHASES[k % len(PHASES)][0]}", ha="center",
+                    ax.text((start + end) / 2, 0.97, f"phase {phases[k % len(phases)][0]}", ha="center",
                             va="top", fontsize=7, transform=ax.get_xaxis_transform())
         ends = [c["time"] for c in tl["changes"][1:]] + [tl["seconds"]]
         for change, end in zip(tl["changes"], ends):
@@ -376,6 +455,97 @@ def plot_roles(plt, timelines: list[dict]):
                                for r in ROLE_COLORS if r in seen],
                       title="role", fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     return fig
+
+
+WHOLE_GPU = "#999999"
+SPLIT_COLORS = ["#1F3F73", "#2F5A9E", "#4C72B0", "#7C9CD0", "#A9C0E6"]   # by decode SMs, fewest darkest
+BUDGET_MENU = (256, 512, 1024, 2048, 4096, 8192)   # the controllers' budgets, the colour scale's ends
+
+
+def budget_color(plt, budget: int):
+    """A prompt budget's colour: light for small budgets, dark for large, on a log scale."""
+    k = math.log2(max(budget, 1) / BUDGET_MENU[0]) / math.log2(BUDGET_MENU[-1] / BUDGET_MENU[0])
+    return plt.get_cmap("YlOrBr")(0.2 + 0.7 * min(1.0, max(0.0, k)))
+
+
+def plot_configs(plt, configs: list[dict], results: list[Result]):
+    """For each adaptive run with its controllers' log (config_timeline): on top the
+    requests arriving per second, by the mix (phase) that drew them; under it one band
+    per worker, its upper half the SM split it held (grey: the whole GPU; blue: prefill
+    SMs / decode SMs), its lower half the step's prompt budget (darker: larger), each
+    labelled where there is room; the phased workload's phase boundaries dotted across."""
+    from tools.figures import draw_arrivals
+    heights = [h for tl in configs for h in (2.0, 0.8 * len({c["worker"] for c in tl["changes"]}))]
+    fig, axes = plt.subplots(len(heights), 1, figsize=(10, 0.6 + sum(heights)), height_ratios=heights,
+                             layout="constrained", squeeze=False)
+    for k, tl in enumerate(configs):
+        top, bands = axes[2 * k, 0], axes[2 * k + 1, 0]
+        bands.sharex(top)
+        mine = [(r.arrival, r.phase or r.workload) for r in results
+                if (r.policy, r.workload, r.rate) == (tl["policy"], tl["workload"], tl["rate"])]
+        draw_arrivals(top, mine, tl["seconds"], bin_s=1.0 if tl["seconds"] > 30 else 0.5, loc="upper left",
+                      bbox_to_anchor=(1.01, 1.0))
+        changes = len(tl["changes"]) - len({c["worker"] for c in tl["changes"]})
+        top.set_title(f"the adaptive controllers' configuration, {tl['workload']} at "
+                      f"{rate_text(tl['rate'])}: {changes} changes over {tl['seconds']:.1f} s", fontsize=10)
+        draw_config_bands(plt, bands, tl)
+        if tl["workload"] == "phased":
+            for ax in (top, bands):
+                for t in [i * tl["phase_s"] for i in range(1, math.ceil(tl["seconds"] / tl["phase_s"]))]:
+                    ax.axvline(t, color="black", linestyle=":", linewidth=0.8)
+        top.set_xlim(0, tl["seconds"])
+        top.tick_params(labelbottom=False)   # the bands under it carry the times
+    axes[-1, 0].set_xlabel("seconds into the run")
+    return fig
+
+
+def draw_config_bands(plt, ax, tl: dict) -> None:
+    """config_timeline's changes as a band per worker (plot_configs), with their legends."""
+    workers = sorted({c["worker"] for c in tl["changes"]})
+    splits = sorted({tuple(c["sm_split"]) for c in tl["changes"] if c["sm_split"]}, key=lambda s: s[1])
+    budgets = sorted({c["budget"] for c in tl["changes"]})
+    spans = config_spans(tl)
+    for w in workers:
+        y = len(workers) - 1 - workers.index(w)   # worker 0 on top
+        mine = [(c, end) for c, end in spans if c["worker"] == w]
+        for (t0, t1, split), base in ((s, y + 0.02) for s in held_runs(mine, "sm_split")):
+            color = WHOLE_GPU if split is None else \
+                SPLIT_COLORS[splits.index(tuple(split)) % len(SPLIT_COLORS)]
+            label_span(ax, t0, t1, base, color, "whole GPU" if split is None else f"{split[0]}/{split[1]}",
+                       "white", tl["seconds"])
+        for t0, t1, budget in held_runs(mine, "budget"):
+            label_span(ax, t0, t1, y - 0.45, budget_color(plt, budget), str(budget),
+                       "white" if budget >= 2048 else "black", tl["seconds"])
+    ax.set_yticks([t for y in range(len(workers))[::-1] for t in (y + 0.235, y - 0.235)],
+                  [t for w in workers for t in (f"worker {w} SMs", f"worker {w} budget")], fontsize=8)
+    ax.set_ylim(-0.55, len(workers) - 0.45)
+    patches = [plt.Rectangle((0, 0), 1, 1, color=WHOLE_GPU, label="whole GPU")] + [
+        plt.Rectangle((0, 0), 1, 1, color=SPLIT_COLORS[i % len(SPLIT_COLORS)], label=f"{p}/{d}")
+        for i, (p, d) in enumerate(splits)]
+    ax.add_artist(ax.legend(handles=patches, title="SM split\n(prefill/decode)", fontsize=7, title_fontsize=7,
+                            loc="lower left", bbox_to_anchor=(1.01, 0.0)))
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=budget_color(plt, b), label=str(b))
+                       for b in budgets], title="prompt budget\n(tokens a step)", fontsize=7,
+              title_fontsize=7,
+              loc="lower left", bbox_to_anchor=(1.16, 0.0), ncol=1 + (len(budgets) > 3))
+
+
+def held_runs(spans: list[tuple[dict, float]], key: str) -> list[tuple[float, float, object]]:
+    """A worker's config_spans as (start, end, value of key), a span per run of one value."""
+    runs = []
+    for c, end in spans:
+        if runs and runs[-1][2] == c[key]:
+            runs[-1] = (runs[-1][0], end, c[key])
+        else:
+            runs.append((c["time"], end, c[key]))
+    return runs
+
+
+def label_span(ax, t0: float, t1: float, base: float, color, text: str, ink: str, seconds: float) -> None:
+    """A bar of a band from t0 to t1, labelled text where it is wide enough to hold it."""
+    ax.broken_barh([(t0, t1 - t0)], (base, 0.43), color=color)
+    if t1 - t0 > 0.012 * seconds * (len(text) + 2):   # about a character's width at 10 inches
+        ax.text((t0 + t1) / 2, base + 0.215, text, ha="center", va="center", fontsize=8, color=ink)
 
 
 def plot_cdf(plt, rows: list[dict], results: list[Result], styles: dict):
@@ -422,6 +592,8 @@ class Run:
     join: str | None = None     # HOST:PORT for workers on other hosts (hosts.py), instead of devices
     transport: str = "p2p"      # how KV moves (transport.py); distributed with join
     device_name: str | None = None   # the GPUs' name (default: asked of CUDA; replot: results.json's)
+    phases: tuple[tuple[str, float], ...] = PHASES   # the phased workload's (workload, rate factor)
+    phase_s: float = PHASE_S    # and how long each lasts
 
 
 def parser() -> argparse.ArgumentParser:
@@ -468,6 +640,11 @@ def parser() -> argparse.ArgumentParser:
                    help="seats per worker, every policy (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step (default: 8192 on GPUs, 256 on CPUs)")
+    p.add_argument("--phases", nargs="+", default=None, metavar="WORKLOAD:FACTOR",
+                   help="the phased workload's phases, in turn, each a workload arriving at FACTOR times "
+                   "--rate (default: " + " ".join(f"{w}:{f:g}" for w, f in PHASES) + ")")
+    p.add_argument("--phase-s", type=float, default=PHASE_S,
+                   help="seconds each phase of the phased workload lasts (default: %(default)g)")
     p.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="speculative decoding, K ngram drafts a step (docs/speculative.md); 0: none "
                    "(default)")
@@ -539,8 +716,8 @@ def make_run(args: argparse.Namespace) -> Run:
         rates = [0.0]
     else:
         rates = [default(args.rate, 8.0 if gpu else 4.0)]
-    run = Run(mode=args.mode,
-              policies=["collocated", "disaggregated", "adaptive"] if args.policy == "all" else [args.policy],
+    budget = default(args.max_num_batched_tokens, 8192 if gpu else 256)
+    run = Run(mode=args.mode, policies=run_names(args.policy, devices, budget),
               workloads=args.workload, rates=rates,
               duration=default(args.duration, 60.0 if gpu else 15.0),
               count=default(args.num_requests, 512 if gpu else 64),
@@ -549,16 +726,65 @@ def make_run(args: argparse.Namespace) -> Run:
               ttft_slo=default(args.ttft_slo, 2.0 if gpu else 0.5),
               tpot_slo=default(args.tpot_slo, 0.1 if gpu else 0.05),
               engine={"max_num_seqs": args.max_num_seqs, "max_model_len": 4096,
-                      "max_num_batched_tokens": default(args.max_num_batched_tokens, 8192 if gpu else 256),
+                      "max_num_batched_tokens": budget,
                       **({"speculative_config": {"method": "ngram",
                                                  "num_speculative_tokens": args.speculative}}
                          if args.speculative != 0 else {})},
               seed=args.seed, out=Path(args.out), join=args.join,
               transport=args.transport or ("distributed" if args.join else "p2p"),
               slo=None if args.ttft_slo is None and args.tpot_slo is None else
-              (default(args.ttft_slo, 2.0 if gpu else 0.5), default(args.tpot_slo, 0.1 if gpu else 0.05)))
+              (default(args.ttft_slo, 2.0 if gpu else 0.5), default(args.tpot_slo, 0.1 if gpu else 0.05)),
+              phases=parse_phases(args.phases), phase_s=args.phase_s)
     check_run(run)
     return run
+
+
+# `--policy all` on one device: beside adaptive, the fixed configurations its controller
+# chooses between: the whole GPU at three step budgets, the controller's menu's 512 and
+# 2048 tokens and --max-num-batched-tokens (None), and the fixed SM split
+# (disaggregated on one device is a split worker, cluster.py:POLICIES) at the latter. Each
+# is named policy@budget. On several devices `all` is the three policies at the one budget.
+ONE_DEVICE_ALL = (("collocated", 512), ("collocated", 2048), ("collocated", None),
+                  ("disaggregated", None), ("adaptive", None))
+FIXED_ORDER = ("collocated", "disaggregated")   # the table's order of the fixed configurations
+
+
+def run_names(policy: str, devices: list[str] | None, budget: int) -> list[str]:
+    """The runs --policy asks for, by name (run_config reads a name back): the fixed
+    configurations by policy then budget, adaptive last."""
+    if policy != "all":
+        return [policy]
+    if devices is None or len(devices) > 1:   # several workers (or joined ones): the three policies
+        return ["collocated", "disaggregated", "adaptive"]
+    configs = {(p, b or budget) for p, b in ONE_DEVICE_ALL}
+    fixed = sorted((c for c in configs if c[0] in FIXED_ORDER), key=lambda c: (FIXED_ORDER.index(c[0]), c[1]))
+    return [f"{p}@{b}" for p, b in fixed] + ["adaptive"]
+
+
+def run_config(name: str) -> tuple[str, int | None]:
+    """A run's policy and its step budget (None: --max-num-batched-tokens) from its name."""
+    policy, _, budget = name.partition("@")
+    return policy, int(budget) if budget else None
+
+
+def parse_phases(values: list[str] | None) -> tuple[tuple[str, float], ...]:
+    """--phases WORKLOAD:FACTOR ... as (workload, factor) pairs; SystemExit with one line
+    naming the flag for an entry that is not one."""
+    if values is None:
+        return PHASES
+    phases = []
+    for value in values:
+        mix, _, factor = value.partition(":")
+        try:
+            rate = float(factor)
+        except ValueError:
+            rate = math.nan
+        if mix not in WORKLOADS or mix == "phased" or not (math.isfinite(rate) and rate > 0):
+            raise SystemExit(f"error: --phases takes WORKLOAD:FACTOR, a workload of "
+                             f"{', '.join(w for w in WORKLOADS if w != 'phased')} and a factor above 0, "
+                             f"got {value!r}")
+        phases.append((mix, rate))
+    return tuple(phases)
 
 
 def default(value, fallback):
@@ -572,7 +798,7 @@ MAX_REQUESTS = 1_000_000   # per workload and rate: past it a run would take hou
 def check_run(run: Run) -> None:
     """SystemExit with one line naming the flag, for a run that could not run or never end."""
     for flag, values in (("--rate/--rates", run.rates if run.mode != "static" else []),
-                         ("--duration", [run.duration]),
+                         ("--duration", [run.duration]), ("--phase-s", [run.phase_s]),
                          ("--ttft-slo", [run.ttft_slo]), ("--tpot-slo", [run.tpot_slo])):
         bad = [v for v in values if not (math.isfinite(v) and v > 0)]
         if bad:
@@ -593,19 +819,23 @@ def check_run(run: Run) -> None:
         raise SystemExit(f"error: --out {run.out}: {e.strerror or e}") from None
 
 
-def run_policy(run: Run, policy: str) -> tuple[list[dict], list[Result], dict, list[dict]]:
-    """Every workload at every rate under one policy, one start-up: the summary rows (the
-    phased workload's also per phase), every request's result, the router's calibration
-    and the regimes it went through (adaptive)."""
+def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, list[dict], list[dict]]:
+    """Every workload at every rate under one run's configuration (run_names), one
+    start-up: the summary rows (the phased workload's also per phase), every request's
+    result, the router's calibration, the regimes it went through and the configurations
+    its workers held (adaptive)."""
     from nanopd import LLM
+    policy, budget = run_config(name)
+    engine = {**run.engine, **({"max_num_batched_tokens": budget} if budget else {})}
     try:
         llm = LLM(run.model, policy=policy, devices=run.devices,
                   slo=run.slo if policy == "adaptive" else None,
-                  join=run.join, transport=run.transport, **run.engine)
+                  join=run.join, transport=run.transport, **engine)
     except ValueError as e:   # bad --model, --devices for the policy, ...: say so, no traceback
         raise SystemExit(f"error: {e}") from None
-    rows, results, timelines = [], [], []
+    rows, results, timelines, configs = [], [], [], []
     with llm:
+        held = {"budget": llm.cluster.cfg.max_num_batched_tokens, "sm_split": llm.cluster.cfg.sm_split}
         vocab = llm.cluster.vocab_size
         router = llm.cluster.router
         profiled = asdict(router.cost.p) if router is not None else None   # before the refits
@@ -614,24 +844,63 @@ def run_policy(run: Run, policy: str) -> tuple[list[dict], list[Result], dict, l
         warm = make_requests(run.workloads[0], 0, 0, 8, run.seed + 999, vocab, run.scale)
         rng = random.Random(run.seed + 998)
         warm.append(Spec(0.0, [rng.randrange(vocab) for _ in range(int(2048 * run.scale))], 8))
-        serve(llm, policy, "warm-up", 0.0, warm, f"{policy} warm-up")
+        serve(llm, name, "warm-up", 0.0, warm, f"{name} warm-up")
         for workload in run.workloads:
             for rate in run.rates:
-                specs = make_requests(workload, rate, run.duration, run.count, run.seed, vocab, run.scale)
+                specs = make_requests(workload, rate, run.duration, run.count, run.seed, vocab, run.scale,
+                                      run.phases, run.phase_s)
                 start = time.perf_counter()
-                got, seconds = serve(llm, policy, workload, rate, specs,
-                                     f"{policy} {workload} @ {'static' if rate <= 0 else rate}")
+                got, seconds = serve(llm, name, workload, rate, specs,
+                                     f"{name} {workload} @ {'static' if rate <= 0 else rate}")
                 results += got
-                rows.append({"policy": policy, "workload": workload, "rate": rate,
+                rows.append({"policy": name, "workload": workload, "rate": rate, **held,
                              **summarize(got, seconds, run.ttft_slo, run.tpot_slo)})
+                phases = list(dict.fromkeys(mix for mix, _ in run.phases))
                 if workload == "phased":   # each phase apart, over its share of the run
-                    rows += [{"policy": policy, "workload": f"phased:{name}", "rate": rate,
-                              **summarize([r for r in got if r.phase == name], seconds / len(PHASES),
-                                          run.ttft_slo, run.tpot_slo)} for name, _ in PHASES]
+                    rows += [{"policy": name, "workload": f"phased:{mix}", "rate": rate, **held,
+                              **summarize([r for r in got if r.phase == mix],
+                                          seconds * sum(m == mix for m, _ in run.phases) / len(run.phases),
+                                          run.ttft_slo, run.tpot_slo)} for mix in phases]
+                run_id = {"policy": name, "workload": workload, "rate": rate,
+                          **({"phases": run.phases, "phase_s": run.phase_s} if workload == "phased" else {})}
                 if llm.cluster.planner is not None:
-                    timelines.append({"policy": policy, "workload": workload, "rate": rate,
-                                      **regime_timeline(llm.cluster.planner, start, seconds)})
-        return rows, results, calibration(router, profiled), timelines
+                    timelines.append({**run_id, **regime_timeline(llm.cluster.planner, start, seconds)})
+                log = getattr(llm.cluster, "config_log", None)   # None: a cluster without controllers
+                if log is not None and policy == "adaptive":
+                    configs.append({**run_id, **config_timeline(llm.cluster, log, held, start, seconds)})
+        return rows, results, calibration(router, profiled), timelines, configs
+
+
+@dataclass
+class ConfigChange:
+    """A worker's configuration from time_s on (s since the cluster started), as the central
+    scheduler logs it (cluster.py:CentralScheduler.config_log): its SM split (prefill SMs,
+    decode SMs; None: the whole GPU) and its step's prompt budget. bench.py reads any rows
+    with these fields; this one is for the tests' synthetic logs."""
+    time_s: float
+    worker: int
+    sm_split: tuple[int, int] | None
+    budget: int
+
+
+def config_timeline(cluster, log: list, held: dict, start: float, seconds: float) -> dict:
+    """Each worker's configuration over a run (times in s after its start): the one it held
+    when the run started (its last change before, or the engine's own: held), then every
+    change during it. The log's times count from the cluster's start (cluster.started on
+    perf_counter's clock; without that attribute, perf_counter's own, as the planner's log)."""
+    origin = getattr(cluster, "started", 0.0) - start
+    first = {w: {"time": 0.0, "worker": w, "sm_split": held["sm_split"], "budget": held["budget"]}
+             for w in range(len(cluster.devices))}
+    changes = []
+    for c in sorted(log, key=lambda c: c.time_s):
+        t = c.time_s + origin
+        row = {"time": max(0.0, t), "worker": c.worker,
+               "sm_split": None if c.sm_split is None else list(c.sm_split), "budget": c.budget}
+        if t <= 0:
+            first[c.worker] = row
+        elif t <= seconds:
+            changes.append(row)
+    return {"seconds": seconds, "changes": list(first.values()) + changes}
 
 
 def regime_timeline(planner, start: float, seconds: float) -> dict:
@@ -692,7 +961,8 @@ def caption(run: Run) -> str:
             f"model {model} | {devices}")
 
 
-def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timelines: list[dict]) -> None:
+def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timelines: list[dict],
+           configs: list[dict] = ()) -> None:
     """The table and goodput on stdout; results.json and the plots under run.out."""
     for r in rows:
         r["label"] = label(r["policy"], r["workload"], rows)
@@ -700,15 +970,44 @@ def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timel
     goodput = {lb: max([r["rate"] for r in rows if r["label"] == lb and r["slo_attainment"] >= 0.9],
                        default=0.0)
                for lb in labels}
-    print_table(rows, caption(run))
+    front = frontier(rows, run.slo is not None)
+    print_table(rows, caption(run), front)
+    print_notes(run, rows, goodput, calib, timelines, configs, front)
+    run.out.mkdir(parents=True, exist_ok=True)
+    files = plot(run, rows, results, goodput, timelines, configs)
+    gpu = run.devices[0].startswith("cuda") if run.devices else torch.cuda.is_available()
+    meta = {"model": run.model, "devices": run.devices or [f"joined at {run.join}"],
+            "workloads": run.workloads, "transport": run.transport, "mode": run.mode, "seed": run.seed,
+            "ttft_slo": run.ttft_slo, "tpot_slo": run.tpot_slo, "slo_given": run.slo is not None,
+            "length_scale": run.scale, "duration": run.duration, "num_requests": run.count,
+            "phases": run.phases, "phase_s": run.phase_s,
+            "device_name": torch.cuda.get_device_name() if gpu else "cpu"}
+    # One line, six significant digits: a sweep holds some 15,000 requests' timings.
+    (run.out / "results.json").write_text(json.dumps(six_digits(
+        {"meta": meta, "summary": rows, "goodput": goodput, "frontier": front, "router_calibration": calib,
+         "regimes": timelines, "configs": list(configs), "requests": [r.__dict__ for r in results]}),
+        separators=(",", ":")))
+    print(f"wrote {run.out / 'results.json'} and {', '.join(files)}")
+
+
+def print_notes(run: Run, rows: list[dict], goodput: dict, calib: dict, timelines: list[dict],
+                configs: list[dict], front: list[dict]) -> None:
+    """What the table does not say, under it: the fixed split's SMs, adaptive beside the
+    best fixed configuration, the client's lag, goodput, the router's calibration, and the
+    regimes and configurations adaptive went through."""
+    for name, split in dict.fromkeys((r["policy"], tuple(r["sm_split"])) for r in rows if r.get("sm_split")):
+        print(f"{name}: one split worker, {split[0]} SMs prefill / {split[1]} decode")
+    print_frontier(front)
     behind = max(r["lag_max"] for r in rows)
     if behind > 0.05:
         print(f"note: the client fell behind its arrivals by up to {behind:.2f} s (latencies count from "
               "the arrivals)")
     if len(run.rates) > 1:
+        fixed = [g for lb, g in goodput.items() if lb in run.policies and run_config(lb)[0] != "adaptive"]
+        ratio = (f"; adaptive / the best fixed {goodput['adaptive'] / max(fixed):.2f}x"
+                 if "adaptive" in goodput and fixed and max(fixed) > 0 else "")
         print(f"goodput (req/s, >= 90% within TTFT <= {run.ttft_slo:g} s and TPOT <= "
-              f"{run.tpot_slo * 1e3:g} ms): "
-              + ", ".join(f"{p} {g:g}" for p, g in goodput.items()))
+              f"{run.tpot_slo * 1e3:g} ms): " + ", ".join(f"{p} {g:g}" for p, g in goodput.items()) + ratio)
     if calib:
         print(f"adaptive router: median |predicted - measured| / measured latency "
               f"{calib['median_rel_error']:.1%} (by decile of the run: "
@@ -722,19 +1021,36 @@ def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timel
     for tl in timelines:   # when the planner changed the regime (the plots and results.json say more)
         print(f"{tl['policy']} regimes, {tl['workload']} at {tl['rate']:g} req/s: "
               + ", ".join(f"{c['time']:.1f} s {c['regime']}" for c in tl["changes"]))
-    run.out.mkdir(parents=True, exist_ok=True)
-    files = plot(run, rows, results, goodput, timelines)
-    gpu = run.devices[0].startswith("cuda") if run.devices else torch.cuda.is_available()
-    meta = {"model": run.model, "devices": run.devices or [f"joined at {run.join}"],
-            "workloads": run.workloads, "transport": run.transport, "mode": run.mode, "seed": run.seed,
-            "ttft_slo": run.ttft_slo, "tpot_slo": run.tpot_slo, "length_scale": run.scale,
-            "duration": run.duration, "num_requests": run.count,
-            "device_name": torch.cuda.get_device_name() if gpu else "cpu"}
-    # One line, six significant digits: a sweep holds some 15,000 requests' timings.
-    (run.out / "results.json").write_text(json.dumps(six_digits(
-        {"meta": meta, "summary": rows, "goodput": goodput, "router_calibration": calib, "regimes": timelines,
-         "requests": [r.__dict__ for r in results]}), separators=(",", ":")))
-    print(f"wrote {run.out / 'results.json'} and {', '.join(files)}")
+    for tl in configs:   # what each worker's controller held, for how much of the run
+        print(f"{tl['policy']} configurations, {tl['workload']} at {tl['rate']:g} req/s, "
+              f"{len(tl['changes']) - len(held_shares(tl))} changes: "
+              + "; ".join(f"worker {w} " + ", ".join(f"{text} {share:.0%}" for text, share in shares.items())
+                          for w, shares in held_shares(tl).items()))
+
+
+def config_text(sm_split: list[int] | None, budget: int) -> str:
+    return f"{'whole GPU' if sm_split is None else f'{sm_split[0]}/{sm_split[1]} SMs'} @{budget}"
+
+
+def held_shares(timeline: dict) -> dict[int, dict[str, float]]:
+    """Each worker's configurations (config_text) over a run of config_timeline, by the share
+    of the run it held each, the longest first."""
+    shares: dict[int, dict[str, float]] = {}
+    for c, end in config_spans(timeline):
+        mine = shares.setdefault(c["worker"], {})
+        text = config_text(c["sm_split"], c["budget"])
+        mine[text] = mine.get(text, 0.0) + (end - c["time"]) / max(timeline["seconds"], 1e-9)
+    return {w: dict(sorted(s.items(), key=lambda kv: -kv[1])) for w, s in sorted(shares.items())}
+
+
+def config_spans(timeline: dict) -> list[tuple[dict, float]]:
+    """Each change of config_timeline with the time it lasted to (the worker's next change,
+    or the run's end)."""
+    ends, spans = {}, []
+    for c in reversed(timeline["changes"]):   # in time order per worker: a change ends at the next
+        spans.append((c, ends.get(c["worker"], timeline["seconds"])))
+        ends[c["worker"]] = c["time"]
+    return spans[::-1]
 
 
 def replot(args: argparse.Namespace) -> None:
@@ -752,9 +1068,11 @@ def replot(args: argparse.Namespace) -> None:
               devices=None if joined else meta["devices"], scale=meta["length_scale"],
               ttft_slo=meta["ttft_slo"], tpot_slo=meta["tpot_slo"], engine={}, seed=meta["seed"],
               out=args.results.parent, join=meta["devices"][0].removeprefix("joined at ") if joined else None,
-              transport=meta.get("transport", "p2p"), device_name=meta["device_name"])
+              transport=meta.get("transport", "p2p"), device_name=meta["device_name"],
+              phases=tuple(tuple(p) for p in meta.get("phases", PHASES)),
+              phase_s=meta.get("phase_s", PHASE_S))
     results = [Result(**r) for r in data["requests"]]
-    files = plot(run, rows, results, data["goodput"], data.get("regimes") or [])
+    files = plot(run, rows, results, data["goodput"], data.get("regimes") or [], data.get("configs") or [])
     print(f"wrote {', '.join(str(run.out / f) for f in files)}")
 
 
@@ -763,11 +1081,12 @@ def main() -> None:
     if args.command is not None:   # a tool (add_tool_commands)
         return args.main(args)
     run = make_run(args)
-    rows, results, calib, timelines = [], [], {}, []
-    for policy in run.policies:
-        got_rows, got, c, t = run_policy(run, policy)
-        rows, results, calib, timelines = rows + got_rows, results + got, c or calib, timelines + t
-    report(run, rows, results, calib, timelines)
+    rows, results, calib, timelines, configs = [], [], {}, [], []
+    for name in run.policies:
+        got_rows, got, c, t, held = run_policy(run, name)
+        rows, results, calib = rows + got_rows, results + got, c or calib
+        timelines, configs = timelines + t, configs + held
+    report(run, rows, results, calib, timelines, configs)
 
 
 if __name__ == "__main__":

@@ -6458,6 +6458,109 @@ def test_bench_refuses_an_out_folder_it_cannot_write_and_writes_into_an_ignored_
     assert default.parts[0] in ignored   # the main command leaves a clean checkout
 
 
+ISSUE42_PHASES = ["--workload", "phased", "--phase-s", "0.5", "--phases", "prefill-heavy:1", "sharegpt:2.5"]
+
+
+def test_bench_all_on_one_device_runs_the_frontier_and_marks_the_best_fixed(tmp_path):
+    """`python bench.py --policy all` on one CPU worker, issue 42's phased load (scaled):
+    collocated at step budgets 512, 2048 and the CPU default 256, the fixed split
+    (disaggregated on one device: a split worker) and adaptive, each named for it; for each
+    workload row (the run, each phase) the fixed configuration the table marks best and
+    results.json's frontier names has the least E2E p50 recomputed here from the requests
+    (nearest rank), and adaptive's ratio is its p50 over that one's."""
+    env = {**os.environ, "HOME": str(tmp_path), "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, "bench.py", "--policy", "all", "--rate", "4", "--duration", "1",
+                          *ISSUE42_PHASES, "--ttft-slo", "0.5", "--model", "tiny", "--devices", "cpu",
+                          "--out", str(tmp_path / "out")], cwd=HERE, env=env, capture_output=True,
+                         timeout=600, check=False)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    fixed = ["collocated@256", "collocated@512", "collocated@2048", "disaggregated@256"]
+    assert list(dict.fromkeys(r["policy"] for r in results["summary"])) == fixed + ["adaptive"]
+    assert all(r["error"] is None for r in results["requests"])
+    for r in results["summary"]:   # the budget each ran at, and only the split worker split
+        assert (r["sm_split"] is not None) == (r["policy"] == "disaggregated@256")
+        assert r["policy"] == "adaptive" or r["policy"].endswith(f"@{r['budget']}")
+    table = [line.split(" | ") for line in run.stdout.decode().splitlines() if line.startswith("| ")]
+    def p50(name: str, workload: str) -> float:   # the run's row: every request; a phase's: its own
+        mine = sorted(q["e2e"] for q in results["requests"] if q["policy"] == name
+                      and workload in ("phased", f"phased:{q['phase']}"))
+        return mine[len(mine) // 2]
+    for f in results["frontier"]:
+        least = min(p50(name, f["workload"]) for name in fixed)
+        assert p50(f["best_fixed"], f["workload"]) == pytest.approx(least, rel=1e-5)
+        assert f["e2e_p50_ratio"] == pytest.approx(p50("adaptive", f["workload"]) / least, rel=1e-4)
+        marked = [row[0].lstrip("| ") for row in table
+                  if row[1] == f["workload"] and "(best fixed)" in row[0]]
+        assert marked == [f"{f['best_fixed']} (best fixed)"]
+    assert {f["workload"] for f in results["frontier"]} == {"phased", "phased:prefill-heavy",
+                                                             "phased:sharegpt"}
+    assert b"adaptive vs the best fixed" in run.stdout
+    prefill_heavy = [q for q in results["requests"] if q["phase"] == "prefill-heavy"]
+    assert prefill_heavy and all(1200 // 8 <= q["prompt_len"] <= 2400 // 8 for q in prefill_heavy)
+
+
+def test_bench_phases_from_the_command_line_draw_issue_42s_load():
+    """`--workload phased --rate 10 --phase-s 3 --phases prefill-heavy:1 sharegpt:2.5`: issue
+    42's load, 3 s of prompts of 1,200-2,400 tokens and outputs of 48-192 at 10 req/s, then
+    ShareGPT-like requests at 25 req/s, twice (Poisson counts within 5 standard deviations);
+    a bad phase is one line naming --phases. `--policy all` on two devices is the three
+    policies as before; on one, a budget given that is on the frontier's list runs once."""
+    import bench
+    argv = ["--workload", "phased", "--rate", "10", "--duration", "12", "--phase-s", "3", "--phases",
+            "prefill-heavy:1", "sharegpt:2.5", "--devices", "cpu"]
+    run = bench.make_run(bench.parse_args(argv))
+    specs = bench.make_requests("phased", 10, 12, 0, 3, VOCAB, 1.0, run.phases, run.phase_s)
+    for k, (name, rate) in enumerate([("prefill-heavy", 10), ("sharegpt", 25)] * 2):
+        mine = [s for s in specs if 3 * k <= s.arrival < 3 * (k + 1)]
+        assert mine and all(s.phase == name for s in mine)
+        assert abs(len(mine) - 3 * rate) < 5 * (3 * rate) ** 0.5
+        if name == "prefill-heavy":
+            assert all(1200 <= len(s.prompt_ids) <= 2400 and 48 <= s.max_tokens <= 192 for s in mine)
+    for bad in (["long:0"], ["phased:1"], ["nope:1"], ["long"]):
+        with pytest.raises(SystemExit, match="--phases"):
+            bench.make_run(bench.parse_args(argv[:-3] + bad))
+    two = bench.make_run(bench.parse_args(["--policy", "all", "--devices", "cpu", "cpu"]))
+    assert two.policies == ["collocated", "disaggregated", "adaptive"]
+    one = bench.make_run(bench.parse_args(["--policy", "all", "--devices", "cpu", "--max-num-batched-tokens",
+                                           "512"]))
+    assert one.policies == ["collocated@512", "collocated@2048", "disaggregated@512", "adaptive"]
+
+
+def test_bench_plots_the_configurations_over_time_from_a_synthetic_log(tmp_path):
+    """bench.config_timeline and bench.plot_configs on a made-up controllers' log (the
+    fields of CentralScheduler.config_log) for two workers: times count from the run's
+    start, a worker's last change before it is what it held at 0, and one that never
+    changed holds the engine's own; each worker's shares of the run add to 1 and are the
+    spans counted here; the figure's legends name exactly the splits and budgets held,
+    and it is written."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    import bench
+    log = [bench.ConfigChange(1.0, 0, None, 512), bench.ConfigChange(3.0, 0, (84, 48), 512),
+           bench.ConfigChange(6.0, 0, None, 2048),
+           bench.ConfigChange(13.0, 0, (100, 28), 256)]   # past the run's end
+    cluster = type("Cluster", (), {"devices": ["cpu", "cpu"], "started": 100.0})()
+    tl = {"policy": "adaptive", "workload": "sharegpt", "rate": 4.0,   # the run started 2 s into the cluster
+          **bench.config_timeline(cluster, log, {"budget": 8192, "sm_split": None}, 102.0, 10.0)}
+    assert [(c["time"], c["worker"], c["sm_split"], c["budget"]) for c in tl["changes"]] == [
+        (0.0, 0, None, 512), (0.0, 1, None, 8192), (1.0, 0, [84, 48], 512), (4.0, 0, None, 2048)]
+    assert bench.held_shares(tl) == {0: {"whole GPU @2048": pytest.approx(0.6),
+                                         "84/48 SMs @512": pytest.approx(0.3),
+                                         "whole GPU @512": pytest.approx(0.1)}, 1: {"whole GPU @8192": 1.0}}
+    results = [bench.Result("adaptive", "sharegpt", 4.0, 16, 8, 0.1, 0.01, 0.5, [0], phase="sharegpt",
+                            arrival=0.25 * i) for i in range(40)]
+    fig = bench.plot_configs(plt, [tl], results)
+    legends = [{t.get_text() for t in lg.get_texts()} for ax in fig.axes for lg in
+               [a for a in ax.get_children() if isinstance(a, matplotlib.legend.Legend)]]
+    assert {"whole GPU", "84/48"} in legends and {"512", "2048", "8192"} in legends
+    fig.savefig(tmp_path / "configs.png")
+    plt.close(fig)
+    assert (tmp_path / "configs.png").stat().st_size > 1000
+
+
 # ======= tools/: bench.py's sub-commands, the micro-benchmarks and the figures
 # tools/microbench.py (`bench.py kernels | engine | transfer | profile`), tools/splitbench.py
 # (`bench.py split`) and tools/specbench.py (`bench.py speculative`) at their --small sizes,

@@ -210,6 +210,30 @@ def phase_rates(requests: list[dict]) -> dict[str, float]:
     return {phase: sum(r["phase"] == phase for r in requests) / len(s) for phase, s in seconds.items()}
 
 
+MIX_COLORS = {"long": PREFILL, "prefill-heavy": PREFILL, "sharegpt": COLORS[2]}   # others: COLORS in turn
+
+
+def draw_arrivals(ax, arrivals: list[tuple[float, str]], end: float, labels: dict[str, str] | None = None,
+                  bin_s: float = 1.0, **legend) -> None:
+    """Requests arriving per second over a run, in bins of bin_s seconds, stacked by the mix
+    that drew them (the workload, or the phase of bench.py's phased one), a colour each;
+    the legend names each mix (labels, or its name) with its mean rate while it arrived
+    (its requests over the bins they arrived in), placed by legend (default: upper right)."""
+    mixes = list(dict.fromkeys(mix for _, mix in arrivals))
+    bottom = [0.0] * (int(end / bin_s) + 1)
+    for k, mix in enumerate(mixes):
+        bins = [0.0] * len(bottom)
+        for t, m in arrivals:
+            bins[min(int(t / bin_s), len(bins) - 1)] += (m == mix) / bin_s
+        rate = sum(m == mix for _, m in arrivals) / (sum(b > 0 for b in bins) * bin_s)
+        ax.bar([i * bin_s for i in range(len(bins))], bins, width=bin_s, bottom=bottom, align="edge",
+               color=MIX_COLORS.get(mix, COLORS[(k + 3) % len(COLORS)]),
+               label=f"{(labels or {}).get(mix, mix)}: {rate:.0f} req/s on average")
+        bottom = [b + x for b, x in zip(bottom, bins)]
+    ax.legend(fontsize=8, **(legend or {"loc": "upper right"}))
+    ax.set_ylabel("requests arriving\nin each second" if bin_s == 1 else "requests arriving\nper second")
+
+
 def draw_regimes(out: Path, run: Path = REGIMES_RUN) -> Path:
     """The requests arriving per second (1 s bins, by the phase that drew them) over the
     run, and under them the regime the planner held: the whole GPU or a split (prefill SMs
@@ -222,15 +246,9 @@ def draw_regimes(out: Path, run: Path = REGIMES_RUN) -> Path:
     rates = phase_rates(requests)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 3.8), sharex=True, height_ratios=[3, 1],
                                       layout="constrained")
-    for phase, color, label in (("long", PREFILL, "long prompts (1024-2048 tokens)"),
-                                ("sharegpt", COLORS[2], "ShareGPT-like (median 256 tokens)")):
-        bins = [0] * (int(end) + 1)
-        for r in requests:
-            bins[int(r["arrival"])] += r["phase"] == phase
-        top.bar(range(len(bins)), bins, width=1.0, align="edge", color=color,
-                label=f"{label}: {rates[phase]:.0f} req/s on average")
-    top.legend(fontsize=8, loc="upper right")
-    top.set_ylabel("requests arriving\nin each second")
+    draw_arrivals(top, [(r["arrival"], r["phase"]) for r in requests], end,
+                  {"long": "long prompts (1024-2048 tokens)",
+                   "sharegpt": "ShareGPT-like (median 256 tokens)"})
     top.set_title(f"The planner's regime on one H200 over bench.py's phased workload, --rate "
                   f"{requests[0]['rate']:g} (the long\nprompts' rate; the ShareGPT-like phase arrives "
                   f"{rates['sharegpt'] / rates['long']:.1f}x as fast), {len(requests)} requests over "
