@@ -865,30 +865,18 @@ def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
                           **({"phases": run.phases, "phase_s": run.phase_s} if workload == "phased" else {})}
                 if llm.cluster.planner is not None:
                     timelines.append({**run_id, **regime_timeline(llm.cluster.planner, start, seconds)})
-                log = getattr(llm.cluster, "config_log", None)   # None: a cluster without controllers
-                if log is not None and policy == "adaptive":
-                    configs.append({**run_id, **config_timeline(llm.cluster, log, held, start, seconds)})
+                if policy == "adaptive":   # its workers' controllers choose their configurations
+                    configs.append({**run_id, **config_timeline(llm.cluster, llm.cluster.config_log, held,
+                                                                start, seconds)})
         return rows, results, calibration(router, profiled), timelines, configs
-
-
-@dataclass
-class ConfigChange:
-    """A worker's configuration from time_s on (s since the cluster started), as the central
-    scheduler logs it (cluster.py:CentralScheduler.config_log): its SM split (prefill SMs,
-    decode SMs; None: the whole GPU) and its step's prompt budget. bench.py reads any rows
-    with these fields; this one is for the tests' synthetic logs."""
-    time_s: float
-    worker: int
-    sm_split: tuple[int, int] | None
-    budget: int
 
 
 def config_timeline(cluster, log: list, held: dict, start: float, seconds: float) -> dict:
     """Each worker's configuration over a run (times in s after its start): the one it held
     when the run started (its last change before, or the engine's own: held), then every
-    change during it. The log's times count from the cluster's start (cluster.started on
-    perf_counter's clock; without that attribute, perf_counter's own, as the planner's log)."""
-    origin = getattr(cluster, "started", 0.0) - start
+    change during it. The log's times (cluster.py:ConfigChange) count from the cluster's
+    start (cluster.started, on perf_counter's clock)."""
+    origin = cluster.started - start
     first = {w: {"time": 0.0, "worker": w, "sm_split": held["sm_split"], "budget": held["budget"]}
              for w in range(len(cluster.devices))}
     changes = []

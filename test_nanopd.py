@@ -6539,9 +6539,9 @@ def test_bench_plots_the_configurations_over_time_from_a_synthetic_log(tmp_path)
     import matplotlib.pyplot as plt
 
     import bench
-    log = [bench.ConfigChange(1.0, 0, None, 512), bench.ConfigChange(3.0, 0, (84, 48), 512),
-           bench.ConfigChange(6.0, 0, None, 2048),
-           bench.ConfigChange(13.0, 0, (100, 28), 256)]   # past the run's end
+    log = [cluster_mod.ConfigChange(1.0, 0, None, 512), cluster_mod.ConfigChange(3.0, 0, (84, 48), 512),
+           cluster_mod.ConfigChange(6.0, 0, None, 2048),
+           cluster_mod.ConfigChange(13.0, 0, (100, 28), 256)]   # past the run's end
     cluster = type("Cluster", (), {"devices": ["cpu", "cpu"], "started": 100.0})()
     tl = {"policy": "adaptive", "workload": "sharegpt", "rate": 4.0,   # the run started 2 s into the cluster
           **bench.config_timeline(cluster, log, {"budget": 8192, "sm_split": None}, 102.0, 10.0)}
