@@ -27,6 +27,7 @@ import torch
 from costmodel import HardwareParams, split_key
 
 CONTROL_INTERVAL_S = 0.2   # how often a worker with prompt work chooses its configuration
+REACT_S = 0.025            # ... and, on new work arriving, how soon after its last choice
 HORIZON_MS = 1000.0        # what a forecast simulates: the next second of steps
 BUDGETS = (256, 512, 1024, 2048, 4096, 8192)   # the prompt budgets weighed (capped by the step's tokens)
 MARGIN = 0.05              # another configuration must be forecast this much better to replace the current
@@ -36,6 +37,9 @@ FORGET = 0.98              # a step model's weight on the steps before the last 
 PRIOR_WEIGHT = 1.0         # the profile's pull on a fit: a coefficient off by its own size costs 1 ms^2
 RECENT_S = 1.0             # the arrivals the rate and mean prompt length are measured over
 RECENT_ENDS = 64           # finished requests the output lengths are measured over
+UNTRIED_ERROR = 0.3        # a place's step model error before it has run steps there (a profile's lane
+                           # models were 30-50% off the lanes beside real prompts)
+ERROR_PRIOR_STEPS = 16     # ... weighed as this many steps' errors, against those it has run
 
 
 @dataclass(frozen=True)
@@ -88,12 +92,14 @@ class StepModel:
     split's decode lane (the lane's beta, slope, kv) and a split's prefill lane (a chunk of p
     tokens: alpha0 + alpha p + alpha2 p^2). Each is seeded from the profile and refitted on
     the steps the worker timed there (workers.py:Worker._time_step); error is the running
-    mean of |predicted - measured| / measured, each step predicted before it is learned."""
+    mean of |predicted - measured| / measured, each step predicted before it is learned;
+    errors hold it per place, which uncertainty reads."""
 
     def __init__(self, params: HardwareParams, forget: float = FORGET, prior_weight: float = PRIOR_WEIGHT):
         self.forget, self.prior_weight = forget, prior_weight
         self.fits: dict[tuple[str, str | None], LeastSquares] = {}
         self.error, self.observed = 0.0, 0
+        self.errors: dict[tuple[str, str | None], tuple[float, int]] = {}   # place -> (mean error, steps)
         self.seed(params)
 
     def seed(self, params: HardwareParams) -> None:
@@ -138,9 +144,19 @@ class StepModel:
         if place not in self.fits or ms <= 0:
             return
         x = self.features(place, decodes, context, prompt)
+        miss = abs(self.fits[place].predict(x) - ms) / ms
         self.observed += 1
-        self.error += (abs(self.fits[place].predict(x) - ms) / ms - self.error) / min(self.observed, 100)
+        self.error += (miss - self.error) / min(self.observed, 100)
+        mean, n = self.errors.get(place, (0.0, 0))
+        self.errors[place] = (mean + (miss - mean) / min(n + 1, 100), n + 1)
         self.fits[place].observe(x, ms)
+
+    def uncertainty(self, place: tuple[str, str | None]) -> float:
+        """How far off a step predicted there may be, relative: the place's mean error,
+        shrunk toward UNTRIED_ERROR while it has run few steps (ERROR_PRIOR_STEPS' worth)."""
+        mean, n = self.errors.get(place, (0.0, 0))
+        n = min(n, 100)
+        return (n * mean + ERROR_PRIOR_STEPS * UNTRIED_ERROR) / (n + ERROR_PRIOR_STEPS)
 
 
 # ----------------------------------------------------------------------------- what the worker sees
@@ -432,6 +448,15 @@ def full_step_ms(model: StepModel, config: Config, snap: Snapshot) -> float:
     return model.predict(("decode", split_key(config.sm_split)), decodes, context, 0)
 
 
+def places(config: Config) -> set[tuple[str, str | None]]:
+    """The step models a configuration's forecast reads: a split's lanes, and the whole GPU
+    (where a split's decodes step while no prompt is in flight)."""
+    if config.sm_split is None:
+        return {("whole", None)}
+    key = split_key(config.sm_split)
+    return {("whole", None), ("decode", key), ("prefill", key)}
+
+
 def menu(step_tokens: int, splits: list[tuple[int, int]]) -> list[Config]:
     """Every budget of BUDGETS (capped at the step's tokens) on the whole GPU and on each split."""
     budgets = sorted({min(b, step_tokens) for b in BUDGETS})
@@ -443,6 +468,11 @@ class Controller:
     hysteresis: another configuration must be forecast better by MARGIN (an SLO share higher
     by MARGIN, or as high and a latency lower by MARGIN) to replace the current one; a split
     change also pays SWITCH_MS for each request present, and a split is kept MIN_DWELL_S.
+    A configuration is weighed as the model is sure of it: its forecast is made worse by the
+    uncertainty of the step models it reads that the current one does not (StepModel.
+    uncertainty: a split's lanes before they have run, or once they have run badly), so a
+    budget change on the same place needs only the margin, and a move to a split lane the
+    model knows little of needs a gain larger than the model's error there.
     Under an SLO, only configurations whose full step (full_step_ms) stays within the TPOT
     target are weighed, while any does. splits: the engine's split menu that the profile
     measured (a split's lanes are forecast from their models)."""
@@ -482,6 +512,10 @@ class Controller:
             f = forecast(self.model, config, snap, self.slo)
             if config.sm_split != self.current.sm_split:
                 f.latency_ms += SWITCH_MS * present
+            new = places(config) - places(self.current)
+            doubt = max((self.model.uncertainty(p) for p in new), default=0.0)
+            f.latency_ms *= 1 + doubt
+            f.met = None if f.met is None else f.met * (1 - doubt)
             forecasts.append(f)
         best = min(forecasts, key=Forecast.key)
         current = next((f for f in forecasts if f.config == self.current), None)

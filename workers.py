@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from config import EngineConfig
-from controller import CONTROL_INTERVAL_S, Config, Controller, Decode, Prompt, Recent, Snapshot
+from controller import CONTROL_INTERVAL_S, REACT_S, Config, Controller, Decode, Prompt, Recent, Snapshot
 from engine import Engine, LaunchedStep
 from kv_cache import cdiv
 from lanes import SplitEngine, make_engine
@@ -174,7 +174,7 @@ class Worker:
                 self._request_failed(msg, e)
         self._start_imports()
         self._finish_imports()
-        self._control()
+        self._control(arrived=any(isinstance(m, Submit | Import) for m in msgs))
         if self.engine.has_unfinished():
             collecting = self.engine.in_flight   # the step whose tokens this call takes
             for request_id in self.engine.step():
@@ -243,12 +243,13 @@ class Worker:
 
     # -- the controller (adaptive)
 
-    def _control(self) -> None:
+    def _control(self, arrived: bool) -> None:
         """Every CONTROL_INTERVAL_S, while prompts are here or arriving or the configuration
-        is not the idle default, let the controller choose it from the engine's state; apply
-        a change and report it."""
+        is not the idle default, let the controller choose it from the engine's state, and
+        as soon as new work arrives (REACT_S after the last choice at the soonest: a burst
+        is met before its first chunk runs); apply a change and report it."""
         c, now = self.controller, time.perf_counter()
-        if c is None or now - self.controlled_at < CONTROL_INTERVAL_S:
+        if c is None or now - self.controlled_at < (REACT_S if arrived else CONTROL_INTERVAL_S):
             return
         snap = self._snapshot(now)
         if not snap.prompts and not snap.rate and c.current == c.default:
