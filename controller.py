@@ -37,6 +37,8 @@ FORGET = 0.98              # a step model's weight on the steps before the last 
 PRIOR_WEIGHT = 1.0         # the profile's pull on a fit: a coefficient off by its own size costs 1 ms^2
 RECENT_S = 1.0             # the arrivals the rate and mean prompt length are measured over
 RECENT_ENDS = 64           # finished requests the output lengths are measured over
+MAX_LOAD = 0.9             # a configuration prefilling the arrivals' prompt tokens at less than 1 / this
+                           # of their rate falls behind: Poisson bursts past its headroom pile up
 UNTRIED_ERROR = 0.3        # a place's step model error before it has run steps there (a profile's lane
                            # models were 30-50% off the lanes beside real prompts)
 ERROR_PRIOR_STEPS = 16     # ... weighed as this many steps' errors, against those it has run
@@ -236,9 +238,18 @@ class Forecast:
     config: Config
     latency_ms: float          # the sum over the requests present and arriving (see the module's docstring)
     met: float | None = None   # under an SLO, the share predicted to meet both targets
+    load: float = 0.0          # the arrivals' prompt tokens over what it prefills (prompt_load)
 
-    def key(self) -> tuple[float, float]:
-        return (0.0 if self.met is None else -self.met, self.latency_ms)
+    @property
+    def overloaded(self) -> bool:
+        return self.load >= MAX_LOAD
+
+    def key(self) -> tuple[float, float, float]:
+        """Those that keep up with the arrivals first; then the SLO share and the latency;
+        overloaded ones by their load (the least behind first)."""
+        if self.overloaded:
+            return (1.0, self.load, 0.0)
+        return (0.0, 0.0 if self.met is None else -self.met, self.latency_ms)
 
 
 class Sim:
@@ -336,8 +347,30 @@ def forecast(model: StepModel, config: Config, snap: Snapshot,
     what the requests left still need (finish)."""
     sim = Sim(snap, slo)
     if config.sm_split is None:
-        return finish(sim, config, *run_whole(model, config, sim), [])
-    return finish(sim, config, *run_split(model, config, sim))
+        result = finish(sim, config, *run_whole(model, config, sim), [])
+    else:
+        result = finish(sim, config, *run_split(model, config, sim))
+    result.load = prompt_load(model, config, snap)
+    return result
+
+
+def prompt_load(model: StepModel, config: Config, snap: Snapshot) -> float:
+    """The recent arrivals' prompt tokens per ms over those the configuration prefills per
+    ms beside the decodes running now: a full chunk per step, on the whole GPU a step of
+    the decodes and the chunk, on a split a chunk of the prefill lane (the decodes step on
+    the other). At 1 or more the queue grows past any horizon: a one-second forecast sees
+    only its start, and without this a budget too small to keep up looked best (its steps
+    short, the backlog still to come)."""
+    if snap.rate <= 0:
+        return 0.0
+    decodes, context = len(snap.decodes), sum(d.context for d in snap.decodes)
+    if config.sm_split is None:
+        chunk = max(1, min(config.budget, snap.step_tokens - decodes))
+        ms = step_ms(model, ("whole", None), decodes, context, chunk)
+    else:
+        chunk = max(1, min(config.budget, snap.step_tokens))
+        ms = step_ms(model, ("prefill", split_key(config.sm_split)), 0, 0, chunk)
+    return snap.rate * snap.mean_prompt / (chunk / ms)
 
 
 def step_ms(model: StepModel, place: tuple[str, str | None], decodes: int, context: int,
@@ -515,6 +548,7 @@ class Controller:
             new = places(config) - places(self.current)
             doubt = max((self.model.uncertainty(p) for p in new), default=0.0)
             f.latency_ms *= 1 + doubt
+            f.load *= 1 + doubt
             f.met = None if f.met is None else f.met * (1 - doubt)
             forecasts.append(f)
         best = min(forecasts, key=Forecast.key)
@@ -526,6 +560,8 @@ class Controller:
         return self.current
 
     def clearly_better(self, new: Forecast, old: Forecast) -> bool:
+        if new.overloaded or old.overloaded:   # keeping up first; then the least behind
+            return not new.overloaded or (old.overloaded and new.load < old.load * (1 - self.margin))
         if self.slo is not None and abs(new.met - old.met) > self.margin:
             return new.met > old.met
         return new.latency_ms < old.latency_ms * (1 - self.margin)

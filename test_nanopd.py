@@ -4864,6 +4864,24 @@ def random_snapshot(rng: random.Random) -> "controller.Snapshot":
                                rate, rng.uniform(50, 2500), rng.uniform(1, 150))
 
 
+def brute_load(model: "controller.StepModel", config: "controller.Config",
+               snap: "controller.Snapshot") -> float:
+    """The arrivals' prompt tokens per ms over what config prefills per ms: a full chunk per
+    step beside the decodes (whole GPU), or per prefill-lane chunk (a split)."""
+    if snap.rate == 0:
+        return 0.0
+    d, c = len(snap.decodes), sum(x.context for x in snap.decodes)
+    if config.sm_split is None:
+        chunk = max(1, min(config.budget, snap.step_tokens - d))
+        beta, slope, kv, gamma = model.fits[("whole", None)].theta
+        ms = beta + slope * max(0, d - model.p.batch_thresh) + kv * c + gamma * chunk
+    else:
+        chunk = max(1, min(config.budget, snap.step_tokens))
+        a0, a1, a2 = model.fits[("prefill", "84/48")].theta
+        ms = a0 + a1 * chunk + a2 * chunk * chunk
+    return snap.rate * snap.mean_prompt * max(ms, 1e-3) / chunk
+
+
 def test_the_step_models_uncertainty_is_its_error_shrunk_toward_the_untried_one():
     """On a fixed model (prior_weight inf: predictions stay the profile's) steps timed 25%
     slower than predicted on the whole GPU: its uncertainty there is UNTRIED_ERROR before any
@@ -4901,8 +4919,9 @@ def test_the_forecast_agrees_with_a_simulation_per_request_and_step(seed):
 def test_the_controller_chooses_the_brute_force_argmin_and_keeps_steps_under_the_tpot_target(seed):
     """A fresh controller (margin 0) chooses the configuration with the best brute-force
     forecast (brute_forecast; a split, not the current one, pays SWITCH_MS per request
-    present and, its lanes untried, UNTRIED_ERROR of doubt: its latency that much higher,
-    its SLO share that much lower); under an SLO, if some configuration's full step stays
+    present and, its lanes untried, UNTRIED_ERROR of doubt: its latency and load that much
+    higher, its SLO share that much lower; one whose load, brute_load, is MAX_LOAD or more
+    ranks behind every other, by its load); under an SLO, if some configuration's full step stays
     within the TPOT target, the chosen one's does."""
     rng = random.Random(100 + seed)
     for _ in range(6):
@@ -4920,7 +4939,9 @@ def test_the_controller_chooses_the_brute_force_argmin_and_keeps_steps_under_the
             latency, met = brute_forecast(ctl.model, c, snap, slo)
             latency += controller.SWITCH_MS * present if c.sm_split is not None else 0.0
             doubt = controller.UNTRIED_ERROR if c.sm_split is not None else 0.0
-            keys[c] = (0.0 if met is None else -met * (1 - doubt), latency * (1 + doubt))
+            load = brute_load(ctl.model, c, snap) * (1 + doubt)
+            keys[c] = (1.0, load, 0.0) if load >= controller.MAX_LOAD else \
+                (0.0, 0.0 if met is None else -met * (1 - doubt), latency * (1 + doubt))
         assert keys[chosen] == pytest.approx(min(keys.values()), rel=1e-9)
 
 
@@ -4928,13 +4949,14 @@ def test_the_controller_keeps_its_configuration_while_forecasts_differ_by_less_t
     """A stream of snapshots on which the menu's forecasts (all but the current one's) are
     within the margin of the current's: the configuration never changes; one on which
     another is better by more than the margin: it changes, and a split taken is kept
-    MIN_DWELL_S (only budgets change meanwhile)."""
+    MIN_DWELL_S (only budgets change meanwhile). No arrivals: every configuration keeps up
+    (load 0), and the latency alone decides."""
     rng = random.Random(7)
     ctl = controller.Controller(CTL_PARAMS, 8192, [(84, 48)])
     changes, kept = 0, 0
     for i in range(60):
         snap = random_snapshot(rng)
-        snap.time_s = i * controller.CONTROL_INTERVAL_S
+        snap.time_s, snap.rate = i * controller.CONTROL_INTERVAL_S, 0.0   # none arriving: all keep up
         before, split_before, since = ctl.current, ctl.current.sm_split, ctl.split_since
         forecasts = {c: controller.forecast(ctl.model, c, snap).latency_ms
                      for c in controller.menu(8192, [(84, 48)])}
@@ -4993,7 +5015,8 @@ def test_the_adaptive_workers_controller_cuts_its_budget_when_long_prompts_come_
     with make_cluster(hf, "adaptive", 1, profile=False, max_num_batched_tokens=512, num_kv_blocks=256) as llm:
         cluster = llm.cluster
         cluster.workers.send(0, messages.Control(params, slo, prior_weight=math.inf))
-        params_g = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+        # long enough that they still decode when the burst comes, on a GPU too
+        params_g = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
         ids = [cluster.submit(p, params_g) for p in short]
         deadline = time.monotonic() + 60
         while not all(len(cluster.active[i].tokens) >= 2 for i in ids) and time.monotonic() < deadline:
@@ -5005,7 +5028,7 @@ def test_the_adaptive_workers_controller_cuts_its_budget_when_long_prompts_come_
         while len(ended) < len(ids) and time.monotonic() < deadline:
             ended |= set(cluster.poll(0.02))
         outs = [cluster.output(i) for i in ids]
-    assert [o.outputs[0].token_ids for o in outs] == [hf.greedy(p, 80) for p in short] + \
+    assert [o.outputs[0].token_ids for o in outs] == [hf.greedy(p, 300) for p in short] + \
         [hf.greedy(p, 4) for p in long]
     changes = cluster.config_log
     assert changes and changes[0].worker == 0 and changes[0].budget == 256 and changes[0].sm_split is None
