@@ -39,8 +39,8 @@ RECENT_S = 1.0             # the arrivals the rate and mean prompt length are me
 RECENT_ENDS = 64           # finished requests the output lengths are measured over
 MAX_LOAD = 0.9             # a configuration prefilling the arrivals' prompt tokens at less than 1 / this
                            # of their rate falls behind: Poisson bursts past its headroom pile up
-UNTRIED_ERROR = 0.3        # a place's step model error before it has run steps there (a profile's lane
-                           # models were 30-50% off the lanes beside real prompts)
+UNTRIED_ERROR = 0.3        # a place's step model error before it has run steps there (the profile
+                           # measured a split's lanes beside its own prompts, not the load's)
 ERROR_PRIOR_STEPS = 16     # ... weighed as this many steps' errors, against those it has run
 
 
