@@ -174,7 +174,7 @@ def forecast(cost: CostModel, regime: Regime, mix: Mix, seats: int, slo: tuple[f
     lam = mix.rate
     n_take = regime.both + regime.prefill   # workers that take prompts
     n_dec = regime.both + regime.decode     # workers that decode
-    lam_p, lam_d = lam / n_take, lam / n_dec               # per worker
+    lam_p, lam_d = lam / n_take, lam / n_dec   # per worker
     mean_l = sum(mix.prompt_lens) / len(mix.prompt_lens)
     mean_o = sum(mix.output_lens) / len(mix.output_lens)
     context = mean_l + mean_o / 2
