@@ -5,9 +5,11 @@ under a policy. A policy only writes the regime, each worker's role (roles.py):
   disaggregated  num_prefill workers prefill, the others decode; a prefilled request's
                  KV moves to the decode worker with the least work
   adaptive       every worker both at first; the Planner (planner.py) rewrites the roles as
-                 the arrivals change, and per request the Router (router.py) picks the
-                 prefill and the decode worker the roles allow by predicted cost (the same
-                 one: collocated), and learns from what each request and step really cost
+                 the arrivals change (on two or more workers: one has one regime), each
+                 worker's controller (controller.py) chooses its prompt budget and SM split,
+                 and per request the Router (router.py) picks the prefill and the decode
+                 worker the roles allow by predicted cost (the same one: collocated), and
+                 learns from what each request and step really cost
 
 Dispatch reads the roles, never the policy. The CentralScheduler is wiring between its
 parts, each with one job: Liveness (below: which workers are alive), Telemetry
@@ -61,7 +63,7 @@ from messages import (
     ToWorker,
 )
 from model import load_config, load_tokenizer
-from planner import PLAN_INTERVAL_S, Planner
+from planner import PLAN_INTERVAL_S, Planner, regimes
 from request import RequestMetrics, RequestOutput, SamplingParams, check_request, tokenize
 from roles import ROLES, RoleMap
 from router import Observation, Router
@@ -268,8 +270,10 @@ class CentralScheduler:
         self._router: Router | None = None
         self.controlled_at = -1e9   # when the workers' controllers were last sent the router's parameters
         self.config_log: list[ConfigChange] = []
-        # Under a steered policy the planner decides the roles, replanned as the arrivals change.
-        self.planner = Planner(list(range(len(self.devices))), cluster.slo) if self.steered else None
+        # Under a steered policy the planner decides the roles, replanned as the arrivals change,
+        # where the workers have more than one regime to choose from (one worker has one: both).
+        n = len(self.devices)
+        self.planner = Planner(list(range(n)), cluster.slo) if self.steered and len(regimes(n)) > 1 else None
         try:
             readies = self.liveness.wait_ready(startup_timeout_s)
         except (ValueError, RuntimeError):
@@ -321,11 +325,11 @@ class CentralScheduler:
 
     def _split_menu(self, devices: list[str], roles: list[str]) -> None:
         """The SM splits the workers' engines are built for (their decode graphs are captured
-        at start-up): a steered policy's planner may give a worker any of the default menu
+        at start-up): a steered policy's controllers may choose any of the default menu
         (smsplit.default_menu); a fixed split worker runs on sm_split (default: the menu's
         second, 3/8 of the SMs for decode: 84/48 on an H200). Speculative decoding and a split
         exclude each other (config.py): a steered policy with speculation gets no menu, so its
-        planner never splits, and a fixed split worker with speculation is refused here,
+        controllers never split, and a fixed split worker with speculation is refused here,
         before any worker starts."""
         menu = default_menu(num_sms(torch.device(devices[0])) if str(devices[0]).startswith("cuda") else 0)
         speculates = self.cfg.speculative_config is not None
@@ -393,18 +397,12 @@ class CentralScheduler:
         for w in self.liveness.live():
             self.workers.send(w, Control(dataclasses.replace(self.router.cost.p), self.cluster_cfg.slo))
 
-    def sm_split_of(self, w: int) -> tuple[int, int] | None:
-        """The SM split worker w runs on: its controller's, else its role's."""
-        configured = self.telemetry.configured.get(w)
-        return configured.sm_split if configured is not None else self.roles.parts[w].sm_split
-
     # -- the regime
 
-    def set_roles(self, roles: dict[int, str], budgets: dict[int, int | None] | None = None,
-                  splits: dict[int, tuple[int, int]] | None = None) -> None:
-        """Write roles (and budgets, SM splits) into the role map, which dispatch reads from
-        now on; tell each live worker whose part changed."""
-        self.roles.write(roles, budgets, splits)
+    def set_roles(self, roles: dict[int, str]) -> None:
+        """Write roles into the role map, which dispatch reads from now on; tell each live
+        worker whose part changed."""
+        self.roles.write(roles)
         self._tell_workers()
 
     def _tell_workers(self) -> None:
@@ -422,9 +420,8 @@ class CentralScheduler:
             return
         if self.planner.plan(self.router.cost, self.worker_loads(self.liveness.live()), self.cfg.max_num_seqs,
                              now):
-            self.set_roles(self.planner.roles, self.planner.budgets, self.planner.splits)
-            log.info("regime %s, roles %s, budgets %s", self.planner.regime, self.planner.roles,
-                     self.planner.budgets)
+            self.set_roles(self.planner.roles)
+            log.info("regime %s, roles %s", self.planner.regime, self.planner.roles)
 
     def worker_loads(self, workers: list[int]) -> dict[int, WorkerLoad]:
         """What the router weighs, per worker (telemetry.py:Telemetry.loads)."""
@@ -490,8 +487,9 @@ class CentralScheduler:
                 self._on_report(w, msg)
         for w in self.liveness.check():
             self._worker_died(w)
-        if self.planner is not None and self.router is not None:
-            self._replan()
+        if self.router is not None:
+            if self.planner is not None:
+                self._replan()
             if time.perf_counter() - self.controlled_at >= PLAN_INTERVAL_S:
                 self._tell_controllers(time.perf_counter())
         return self.requests.take_ended()
@@ -581,8 +579,8 @@ class CentralScheduler:
         self.router.observe(Observation(
             len(t.prompt_token_ids), len(t.output.outputs[0].token_ids), t.prefill_worker, w, load_p, load_d,
             (phases["queued"] + phases["prefill"]) * 1e3, phases["transfer"] * 1e3,
-            (phases["seat_wait"] + phases["decode"]) * 1e3,
-            predicted, t.params.max_tokens, load_p.sm_split != self.sm_split_of(t.prefill_worker)))
+            (phases["seat_wait"] + phases["decode"]) * 1e3, predicted, t.params.max_tokens,
+            load_p.sm_split != self.telemetry.sm_split(t.prefill_worker, self.roles)))
 
     # -- endings
 
@@ -593,7 +591,7 @@ class CentralScheduler:
         why = self.dead[w]
         if self.planner is not None:
             self.planner.reset(self.liveness.live(), time.perf_counter())
-            self.set_roles(self.planner.roles, self.planner.budgets, self.planner.splits)
+            self.set_roles(self.planner.roles)
         for t in list(self.active.values()):
             if t.samples or t.phase == "done":
                 continue

@@ -100,7 +100,7 @@ class WorkerLoad:
     # that ended. Past saturation it is positive, and a request decoding there will share
     # its steps with more sequences than it sees now; while queues drain, negative.
     batch_growth: float = 0.0
-    prefill_budget: int | None = None   # prompt tokens per step it may carry (planner.py), None: any
+    prefill_budget: int | None = None   # prompt tokens per step it may carry (its controller's), None: any
     # Prompt tokens of the requests here for their prefill and output tokens still to decode
     # here: where no router picks, a request goes to the worker with the fewest.
     work_tokens: int = 0
@@ -116,21 +116,14 @@ class CostModel:
     def __init__(self, params: HardwareParams):
         self.p = params
 
-    def on_split(self, split: tuple[int, int], prefill_busy: float = 1.0) -> "CostModel":
-        """The cost model of a split worker's lanes: its prefills as the split measured them,
-        its decode steps on the decode lane while the prefill lane is busy (prefill_busy of
-        the time) and on the whole GPU otherwise (the split is taken only while both lanes
-        have work, engine.py); no prompt tokens in a decode step (gamma 0) and no KV to move
+    def on_split(self, split: tuple[int, int]) -> "CostModel":
+        """The cost model of a split worker's lanes: its prefills and its decode steps as the
+        split measured them, no prompt tokens in a decode step (gamma 0) and no KV to move
         (the lanes share the cache)."""
-        s, p, b = self.p.splits[split_key(split)], self.p, min(1.0, max(0.0, prefill_busy))
-
-        def blend(lane: float, whole: float) -> float:
-            return b * lane + (1 - b) * whole
+        s = self.p.splits[split_key(split)]
         return CostModel(dataclasses.replace(
-            p, alpha0=s.alpha0, alpha=s.alpha, alpha2=s.alpha2, beta=blend(s.beta, p.beta),
-            batch_thresh=blend(s.batch_thresh, p.batch_thresh), slope=blend(s.slope, p.slope),
-            kv=blend(s.kv, p.kv),
-            gamma=0.0, transfer_rate=0.0, links={}, splits={}))
+            self.p, alpha0=s.alpha0, alpha=s.alpha, alpha2=s.alpha2, beta=s.beta, batch_thresh=s.batch_thresh,
+            slope=s.slope, kv=s.kv, gamma=0.0, transfer_rate=0.0, links={}, splits={}))
 
     def prefill_ms(self, tokens: float) -> float:
         return self.p.alpha0 + self.p.alpha * tokens + self.p.alpha2 * tokens ** 2

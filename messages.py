@@ -13,8 +13,6 @@ block ids only.
 
 from dataclasses import dataclass, field
 
-from controller import PRIOR_WEIGHT
-from costmodel import HardwareParams
 from request import Logprob, RequestOutput, SamplingParams
 
 # ----------------------------------------------------------------------------- to a worker
@@ -76,12 +74,10 @@ class SendKV:
 
 @dataclass(frozen=True)
 class SetRole:
-    """This worker's part of the regime from now on (roles.py): its role, at most
-    prefill_budget prompt tokens per step (None: no cap beyond the step's token budget;
-    planner.py's SLO budget), and, for a split worker, the SMs its prefills and its decodes
+    """This worker's part of the regime from now on (roles.py): its role and, for a split
+    worker (the disaggregated policy's on one device), the SMs its prefills and its decodes
     run on (engine.set_split; None: unsplit). Frozen: the cluster's role map holds these."""
     role: str
-    prefill_budget: int | None = None
     sm_split: tuple[int, int] | None = None
 
 
@@ -91,10 +87,10 @@ class Control:
     controller of its own (controller.py), its step model seeded from params (the profile, or
     the router's refit of it: sent again as it refits), for the SLO (ttft_s, tpot_s) if any.
     prior_weight: how firmly the step model holds to params against the engine's own steps
-    (controller.py:LeastSquares; infinite: params alone)."""
-    params: HardwareParams
+    (controller.py:LeastSquares; infinite: params alone; None: the controller's default)."""
+    params: object   # a costmodel.HardwareParams (not imported: the file map has costmodel.py after this)
     slo: tuple[float, float] | None = None
-    prior_weight: float = PRIOR_WEIGHT
+    prior_weight: float | None = None
 
 
 @dataclass

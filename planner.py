@@ -1,6 +1,7 @@
-"""The adaptive policy's regime: which workers take prompts, which take decodes, and (under an
-SLO) how many prompt tokens a step may carry, chosen for the arrivals seen lately by what
-the fitted cost model predicts in steady state.
+"""The adaptive policy's regime: which workers take prompts and which take decodes, chosen
+for the arrivals seen lately by what the fitted cost model predicts in steady state. What
+a worker's steps carry (its prompt budget) and the SM split it runs on are its own
+controller's (controller.py), chosen from its engine's state as the load moves.
 
 The router (router.py) picks each request's path from the load it sees. What makes
 disaggregation pay is a property of the whole cluster: a GPU that never prefills, whose
@@ -12,11 +13,8 @@ the regime the router still routes each request. A regime gives each worker a ro
     both     takes prompts and decodes: the prompts' tokens share its decode steps
     prefill  takes prompts only; their KV moves to a decoding worker
     decode   takes decodes only, of requests prefilled elsewhere
-    split    both, on two SM partitions of its GPU at once (smsplit.py): a prefill worker
-             and a decode worker in one, forecast from the split's lanes (split_state)
 
-Under an SLO the both-workers may also carry a prefill budget, at most b prompt tokens per
-step with b = (tpot - step) / gamma, so that no decode step outlasts the TPOT target.
+One worker has one regime (both), so the cluster plans only for two or more (regimes).
 
 The steady state of a regime (forecast), for requests arriving at rate lam with prompt
 lengths L and predicted output lengths O:
@@ -50,9 +48,7 @@ MIX_WINDOW_S = 10.0      # the arrivals a plan is for: those of the last this ma
 MIN_ARRIVALS = 8         # fewer say too little to plan on
 MIX_SAMPLE = 400         # the lengths a forecast weighs: an even sample of the window (planning blocks)
 MIX_CHANGE = 0.5         # a rate or mean prompt length this far (50%) off the window's is a new mix
-MIN_BUDGET = 16          # prompt tokens per step a budgeted worker always takes
 MIN_DWELL_S = 6.0        # a regime the planner chose is kept at least this long (Planner.plan)
-SPLIT_MIN_SHARE = 0.25   # splits weighed only while prompts take this share of the whole GPU's time (rank)
 
 
 @dataclass(frozen=True)
@@ -60,36 +56,21 @@ class Regime:
     both: int = 0                # workers that take prompts and decodes
     prefill: int = 0             # workers that only prefill
     decode: int = 0              # workers that only decode
-    budgeted: bool = False       # the both-workers keep every step under the TPOT target
-    split: int = 0               # workers that prefill and decode at once, on SM partitions of their GPU
-    sm_split: tuple[int, int] | None = None   # ... on this split (prefill SMs, decode SMs)
 
     def roles(self) -> list[str]:
         """One role per worker, both-workers first."""
-        return (["both"] * self.both + ["prefill"] * self.prefill + ["decode"] * self.decode
-                + ["split"] * self.split)
+        return ["both"] * self.both + ["prefill"] * self.prefill + ["decode"] * self.decode
 
     def __str__(self) -> str:
-        parts = [f"{n} {role}" for role, n in (("both", self.both), ("prefill", self.prefill),
-                                                 ("decode", self.decode), ("split", self.split)) if n]
-        return (" + ".join(parts) + (f" {self.sm_split[0]}/{self.sm_split[1]}" if self.split else "")
-                + (" (budgeted)" if self.budgeted else ""))
+        return " + ".join(f"{n} {role}" for role, n in (("both", self.both), ("prefill", self.prefill),
+                                                         ("decode", self.decode)) if n)
 
 
-def regimes(n: int, slo: tuple[float, float] | None = None,
-            splits: list[tuple[int, int]] = ()) -> list[Regime]:
-    """Every regime of n workers in which someone prefills and someone decodes, split
-    workers (on one split of those measured, splits) beside the others; with an SLO, each
-    with and without prefill budgets on its both-workers."""
-    out = []
-    for both, prefill, split in itertools.product(range(n + 1), repeat=3):
-        decode = n - both - prefill - split
-        if decode < 0 or both + prefill + split == 0 or both + decode + split == 0:
-            continue
-        for sm_split in ([tuple(s) for s in splits] if split else [None]):
-            out += [Regime(both, prefill, decode, b, split, sm_split) for b in ((False, True) if slo and both
-                                                                             else (False,))]
-    return out
+def regimes(n: int) -> list[Regime]:
+    """Every regime of n workers in which someone prefills and someone decodes."""
+    return [Regime(both, prefill, n - both - prefill)
+            for both, prefill in itertools.product(range(n + 1), repeat=2)
+            if both + prefill <= n and both + prefill > 0 and n - prefill > 0]
 
 
 @dataclass
@@ -110,7 +91,6 @@ class RoleState:
     wait_ms: float = 0.0         # a prompt's mean wait before its prefill starts
     busy: float = 0.0            # the prompt server's utilization (rho, or u)
     load: float = 0.0            # demand / capacity, its busiest part
-    budget: float | None = None  # prompt tokens per step (budgeted both-workers)
 
 
 @dataclass
@@ -192,9 +172,9 @@ def forecast(cost: CostModel, regime: Regime, mix: Mix, seats: int, slo: tuple[f
              with_capacity: bool = True) -> Forecast:
     """The regime's steady state for the mix (see the module's docstring)."""
     lam = mix.rate
-    n_take = regime.both + regime.prefill + regime.split   # workers that take prompts
-    n_dec = regime.both + regime.decode + regime.split     # workers that decode
-    lam_p, lam_d = lam / n_take, lam / n_dec               # per worker
+    n_take = regime.both + regime.prefill   # workers that take prompts
+    n_dec = regime.both + regime.decode     # workers that decode
+    lam_p, lam_d = lam / n_take, lam / n_dec   # per worker
     mean_l = sum(mix.prompt_lens) / len(mix.prompt_lens)
     mean_o = sum(mix.output_lens) / len(mix.output_lens)
     context = mean_l + mean_o / 2
@@ -207,10 +187,7 @@ def forecast(cost: CostModel, regime: Regime, mix: Mix, seats: int, slo: tuple[f
         step = cost.decode_step_ms(n, n * context)
         roles["decode"] = RoleState(decodes=n, step_ms=step, tpot_ms=step, load=load)
     if regime.both:
-        roles["both"] = both_state(cost, lam_p, lam_d, mix, mean_l, mean_o, seats,
-                                   slo[1] * 1e3 if slo and regime.budgeted else None)
-    if regime.split:
-        roles["split"] = split_state(cost, regime.sm_split, lam_p, lam_d, mix, mean_o, context, seats)
+        roles["both"] = both_state(cost, lam_p, lam_d, mix, mean_l, mean_o, seats)
     load = max(r.load for r in roles.values())
     e2e, met = request_outcomes(cost, regime, mix, roles, lam_p, lam_d, slo) if load < 1 else (math.inf, 0.0)
     result = Forecast(regime, e2e, load, met if slo is not None else None, roles)
@@ -232,45 +209,18 @@ def capacity(cost: CostModel, regime: Regime, mix: Mix, seats: int) -> float:
     return lo
 
 
-def split_state(cost: CostModel, sm_split: tuple[int, int], lam_p: float, lam_d: float, mix: Mix,
-                mean_o: float, context: float, seats: int) -> RoleState:
-    """A split worker: a prefill worker on its prefill lane and a decode worker on its
-    decode lane in one (CostModel.on_split), no KV moving between them; its decode steps
-    run on the whole GPU while its prefill lane idles, on the decode lane while it is busy."""
-    wait, busy = prefill_queue(cost.on_split(sm_split), lam_p, mix.prompt_lens)
-    lanes = cost.on_split(sm_split, busy)
-    n, load = decode_state(lanes, lam_d, mean_o, context, 0.0, seats)
-    step = lanes.decode_step_ms(n, n * context)
-    return RoleState(decodes=n, step_ms=step, tpot_ms=step, wait_ms=wait, busy=busy, load=max(busy, load))
-
-
 def both_state(cost: CostModel, lam_p: float, lam_d: float, mix: Mix, mean_l: float, mean_o: float,
-               seats: int, tpot: float | None) -> RoleState:
+               seats: int) -> RoleState:
     """A worker that prefills lam_p prompts per ms inside its decode steps and decodes lam_d
-    requests per ms; with a TPOT target (ms), at most b = (tpot - step) / gamma prompt tokens
-    per step."""
+    requests per ms."""
     p = cost.p
     u = p.gamma * lam_p * mean_l   # share of its time on prompt tokens
     n, load = decode_state(cost, lam_d, mean_o, mean_l + mean_o / 2, min(u, MAX_PREFILL_SHARE), seats)
     step = cost.decode_step_ms(n, n * (mean_l + mean_o / 2))
-    state = RoleState(decodes=n, step_ms=step, tpot_ms=step / (1 - u) if u < 1 else math.inf, busy=u)
-    if tpot is None:
-        s_mean, s_sq = p.gamma * mean_l, \
-            p.gamma ** 2 * sum(n * n for n in mix.prompt_lens) / len(mix.prompt_lens)
-        state.wait_ms = mg1_wait(lam_p, s_mean, s_sq)[0] if u < 1 else math.inf
-        state.load = max(load, u / MAX_PREFILL_SHARE)
-        return state
-    # Budgeted: a step carries at most b prompt tokens, so it lasts at most step + gamma b =
-    # tpot, and the worker absorbs at most b / tpot prompt tokens per ms; a prompt of L
-    # tokens occupies L / b of those steps.
-    state.budget = max(MIN_BUDGET, (tpot - step) / p.gamma) if p.gamma > 0 else math.inf
-    per_step = step + p.gamma * state.budget
-    state.load = max(load, lam_p * mean_l * per_step / state.budget)
-    state.tpot_ms = min(state.tpot_ms, per_step)
-    if state.load < 1:
-        s = [n / state.budget * per_step for n in mix.prompt_lens]
-        state.wait_ms = mg1_wait(lam_p, sum(s) / len(s), sum(x * x for x in s) / len(s))[0]
-    return state
+    s_mean, s_sq = p.gamma * mean_l, p.gamma ** 2 * sum(x * x for x in mix.prompt_lens) / len(mix.prompt_lens)
+    return RoleState(decodes=n, step_ms=step, tpot_ms=step / (1 - u) if u < 1 else math.inf,
+                     wait_ms=mg1_wait(lam_p, s_mean, s_sq)[0] if u < 1 else math.inf, busy=u,
+                     load=max(load, u / MAX_PREFILL_SHARE))
 
 
 def request_outcomes(cost: CostModel, regime: Regime, mix: Mix, roles: dict[str, RoleState], lam_p: float,
@@ -279,32 +229,22 @@ def request_outcomes(cost: CostModel, regime: Regime, mix: Mix, roles: dict[str,
     prefill worker, in proportion to their numbers; a both-worker keeps min(lam_p, lam_d) of
     its prompts to decode itself; the rest move to the decoding workers' spare decode shares."""
     lam = mix.rate
-    both, pre, split = roles.get("both"), roles.get("prefill"), roles.get("split")
-    keep = min(lam_p, lam_d) / lam   # the share of all requests a worker that prefills and decodes keeps
-    local, local_split = regime.both * keep, regime.split * keep
+    both, pre = roles.get("both"), roles.get("prefill")
+    local = regime.both * min(lam_p, lam_d) / lam   # the share of all requests the both-workers keep
     moved_from_both = regime.both * lam_p / lam - local
-    moved_from_split = regime.split * lam_p / lam - local_split
     moved_from_pre = regime.prefill * lam_p / lam
-    # Where moved requests decode: the decode workers, and the spare shares of the workers
-    # that decode what they prefill (both, split).
+    # Where moved requests decode: the decode workers, and the both-workers' spare decode shares.
     into = [(roles["decode"].tpot_ms, regime.decode * lam_d)] if regime.decode else []
-    for state, count in ((both, regime.both), (split, regime.split)):
-        if state and lam_d > lam_p:
-            into.append((state.tpot_ms, count * (lam_d - lam_p)))
+    if both and lam_d > lam_p:
+        into.append((both.tpot_ms, regime.both * (lam_d - lam_p)))
     moved_tpot = sum(t * r for t, r in into) / sum(r for _, r in into) if into else 0.0
-    lanes = cost.on_split(regime.sm_split) if split else None
     e2e = met = 0.0
     for n, out in zip(mix.prompt_lens, mix.output_lens):
         classes = []
         if both:
-            ttft = both.wait_ms + (math.ceil(n / both.budget) * (both.step_ms + cost.p.gamma * both.budget)
-                                   if both.budget else both.step_ms + cost.p.gamma * n)
+            ttft = both.wait_ms + both.step_ms + cost.p.gamma * n
             classes += [(local, ttft, 0.0, both.tpot_ms, both),
                         (moved_from_both, ttft, 1.0, moved_tpot, both)]
-        if split:
-            ttft = split.wait_ms + lanes.prefill_ms(n)
-            classes += [(local_split, ttft, 0.0, split.tpot_ms, split),
-                        (moved_from_split, ttft, 1.0, moved_tpot, split)]
         if pre:
             classes.append((moved_from_pre, pre.wait_ms + cost.prefill_ms(n), 1.0, moved_tpot, pre))
         # classes of no share are left out: inf x 0 is NaN
@@ -321,25 +261,10 @@ def request_outcomes(cost: CostModel, regime: Regime, mix: Mix, roles: dict[str,
 # ----------------------------------------------------------------------------- choosing
 
 
-def prompt_share(cost: CostModel, mix: Mix, n: int) -> float:
-    """u, the share of their time n workers that all prefill and decode spend on the mix's
-    prompt tokens (both_state): what stretches their decode steps."""
-    return cost.p.gamma * mix.rate / n * sum(mix.prompt_lens) / len(mix.prompt_lens)
-
-
 def rank(cost: CostModel, mix: Mix, seats: int, n: int,
          slo: tuple[float, float] | None = None) -> list[Forecast]:
-    """Every regime of n workers forecast for the mix, best first (Forecast.key); splits
-    where the profile measured them, and only while the prompts would take at least
-    SPLIT_MIN_SHARE of the workers' time were they all both. What a split wins back is that
-    share of the decode steps (the prompts leave them for the other lane); below it, the
-    split's forecast gain is inside its error, and its costs are real: a prompt's chunk
-    moves the decodes to the smaller lane and holds the host while it is launched (on
-    short prompts with long outputs, a split's TPOT came out well above the whole GPU's
-    where its forecast was level with it; docs/split.md)."""
-    share = prompt_share(cost, mix, n)
-    splits = [tuple(map(int, key.split("/"))) for key in cost.p.splits] if share >= SPLIT_MIN_SHARE else []
-    return sorted((forecast(cost, r, mix, seats, slo) for r in regimes(n, slo, splits)), key=Forecast.key)
+    """Every regime of n workers forecast for the mix, best first (Forecast.key)."""
+    return sorted((forecast(cost, r, mix, seats, slo) for r in regimes(n)), key=Forecast.key)
 
 
 @dataclass
@@ -352,13 +277,13 @@ class PlanLog:
 
 
 class Planner:
-    """Decides the cluster's regime and each worker's role in it (roles and budgets, which
-    the cluster writes into its role map, roles.py). The cluster tells it of every arrival
+    """Decides the cluster's regime and each worker's role in it (roles, which the cluster
+    writes into its role map, roles.py). The cluster tells it of every arrival
     (arrived) and asks it every PLAN_INTERVAL_S (plan): it forecasts every regime for the
     arrivals of the last MIX_WINDOW_S and switches when one beats the current by the
     hysteresis margin (or the current is overloaded and another less so). A regime it chose
-    is kept MIN_DWELL_S, a few requests' lifetimes: a switch changes the split (or the role)
-    under every request running, whose predicted costs were for the one they were routed
+    is kept MIN_DWELL_S, a few requests' lifetimes: a switch changes the role under every
+    request running, whose predicted costs were for the one they were routed
     under, and over a few seconds the arrivals' rate swings by more than a forecast's margin
     (a burst, then a lull), so without it the regime chased them. A worker's death is not a
     choice and holds nothing. Every change is logged with its forecasts."""
@@ -367,9 +292,7 @@ class Planner:
                  hysteresis: float = HYSTERESIS):
         self.slo, self.hysteresis = slo, hysteresis
         self.roles = dict.fromkeys(workers, "both")   # every worker mixed until arrivals say otherwise
-        self.splits: dict[int, tuple[int, int]] = {}   # the split workers' SM splits
         self.regime = Regime(both=len(workers))
-        self.budgets: dict[int, int | None] = dict.fromkeys(workers)
         # each arrival: (time, L, O predicted)
         self.arrivals: collections.deque[tuple[float, int, float]] = collections.deque()
         self.planned_at = -math.inf
@@ -380,21 +303,19 @@ class Planner:
         self.arrivals.append((now, prompt_len, predicted_out))
 
     def reset(self, live: list[int], now: float) -> None:
-        """A worker died: every live worker both, unbudgeted, until the next plan says
-        otherwise (the regime it had may have lost the only worker of a role)."""
+        """A worker died: every live worker both until the next plan says otherwise (the
+        regime it had may have lost the only worker of a role)."""
         self.switch(Regime(both=len(live)), {w: WorkerLoad() for w in live}, now, [])
-        self.budgets = dict.fromkeys(self.roles)
 
     def time_to_plan(self, now: float) -> bool:
         """Whether PLAN_INTERVAL_S has passed since the last plan."""
         return now - self.planned_at >= PLAN_INTERVAL_S
 
     def plan(self, cost: CostModel, loads: dict[int, WorkerLoad], seats: int, now: float) -> bool:
-        """Replan for the live workers (loads' keys) if it is due; True if a role or a budget
-        changed."""
+        """Replan for the live workers (loads' keys) if it is due; True if a role changed."""
         if not self.time_to_plan(now):
             return False
-        self.planned_at, before = now, (dict(self.roles), dict(self.budgets), dict(self.splits))
+        self.planned_at, before = now, dict(self.roles)
         if not loads:   # no live worker: nothing to plan for (the cluster fails what arrives)
             return False
         if set(loads) != set(self.roles):   # a worker died: all mixed on the live ones, then plan
@@ -413,8 +334,7 @@ class Planner:
                     self.clearly_better(forecasts[0], current)
                     and self.better_below(cost, forecasts[0], current, mix, seats))):
                 self.switch(forecasts[0].regime, loads, now, forecasts)
-        self.set_budgets(cost, loads)
-        return (self.roles, self.budgets, self.splits) != before
+        return self.roles != before
 
     def forget_a_changed_mix(self, now: float) -> None:
         """On a clear change in the arrivals (the last PLAN_INTERVAL_S's rate or mean prompt
@@ -447,7 +367,6 @@ class Planner:
         """Take the regime: chosen by its forecasts, or forced (none: a worker died), which holds nothing."""
         self.regime, self.roles = regime, assign_roles(regime, loads)
         self.chosen_at = now if forecasts else -math.inf
-        self.splits = {w: regime.sm_split for w, role in self.roles.items() if role == "split"}
         self.log.append(PlanLog(now, regime, dict(self.roles), forecasts))
 
     def clearly_better(self, new: Forecast, old: Forecast) -> bool:
@@ -459,24 +378,11 @@ class Planner:
                                                          and new_b < old_b * (1 - self.hysteresis))
         return new_a < old_a * (1 - self.hysteresis)
 
-    def set_budgets(self, cost: CostModel, loads: dict[int, WorkerLoad]) -> None:
-        """Under a budgeted regime, each both-worker's prefill budget from its batch now:
-        b = (tpot - step) / gamma, at least MIN_BUDGET so that its prompts still move."""
-        budgets = dict.fromkeys(self.roles)
-        if self.regime.budgeted:
-            for w, role in self.roles.items():
-                if role == "both":
-                    step = cost.decode_step_ms(loads[w].decode_batch, loads[w].context_tokens)
-                    room = (self.slo[1] * 1e3 - step) / cost.p.gamma if cost.p.gamma > 0 else math.inf
-                    budgets[w] = int(min(max(room, MIN_BUDGET), 1 << 30))
-        self.budgets = budgets
-
 
 def assign_roles(regime: Regime, loads: dict[int, WorkerLoad]) -> dict[int, str]:
     """Which worker takes which role: prefill roles to the workers decoding least (they have
     the least to finish), decode roles to those decoding most, both in between. A worker
     keeps its cache and running requests whatever its new role."""
     order = sorted(loads, key=lambda w: (loads[w].decode_batch, w))
-    roles = (["prefill"] * regime.prefill + ["both"] * regime.both + ["decode"] * regime.decode
-             + ["split"] * regime.split)
+    roles = ["prefill"] * regime.prefill + ["both"] * regime.both + ["decode"] * regime.decode
     return dict(zip(order, roles))

@@ -7,7 +7,8 @@
     split    yes            yes             here (or where routed)  two SM partitions, prefill / decode
 
 collocated writes every worker both; disaggregated the first num_prefill prefill and the
-rest decode, for good; adaptive what its planner decides (planner.py), as it decides it.
+rest decode, for good (on one device, one split worker on its fixed split); adaptive what
+its planner decides (planner.py: both, prefill or decode), as it decides it.
 The central scheduler (cluster.py) sends a prompt only to a worker whose role takes
 prompts, a prefilled request only to one whose role takes handoffs, and tells a worker its
 part of the regime (messages.py:SetRole) whenever that part changes. A new role is a new
@@ -52,21 +53,18 @@ def check_role(part: SetRole) -> SetRole:
 
 
 class RoleMap:
-    """Worker -> its part of the regime (a SetRole: the role, its prefill budget, its SM
-    split). Written by the policy, read by dispatch."""
+    """Worker -> its part of the regime (a SetRole: the role, and a split worker's SM split,
+    fixed at start-up). Written by the policy, read by dispatch."""
 
     def __init__(self, roles: list[str], splits: dict[int, tuple[int, int]] | None = None):
         splits = splits or {}
-        self.parts: dict[int, SetRole] = {w: check_role(SetRole(r, None, splits.get(w)))
+        self.parts: dict[int, SetRole] = {w: check_role(SetRole(r, splits.get(w)))
                                           for w, r in enumerate(roles)}
 
-    def write(self, roles: dict[int, str], budgets: dict[int, int | None] | None = None,
-              splits: dict[int, tuple[int, int]] | None = None) -> None:
-        """The workers named in roles take these roles (with these budgets and SM splits;
-        none if not given); the others keep theirs."""
-        budgets, splits = budgets or {}, splits or {}
-        self.parts |= {w: check_role(SetRole(role, budgets.get(w), splits.get(w)))
-                       for w, role in roles.items()}
+    def write(self, roles: dict[int, str]) -> None:
+        """The workers named in roles take these roles (unsplit: a split is fixed at
+        start-up); the others keep theirs."""
+        self.parts |= {w: check_role(SetRole(role)) for w, role in roles.items()}
 
     def name(self, w: int) -> str:
         return self.parts[w].role

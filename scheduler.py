@@ -56,7 +56,7 @@ class Scheduler:
         self.running: list[Sequence] = []          # in admission order; the last is preempted first
         self.importing = 0                         # seats held by imports whose KV is being copied in
         self.imports_waiting: list[int] = []       # arrival orders of imports waiting for seats, oldest first
-        self.prefill_budget: int | None = None     # prompt tokens per step, if capped (planner.py)
+        self.prefill_budget: int | None = None     # prompt tokens per step, if capped (controller.py)
         self.restarted: list[Request] = []         # beam searches preempted whole: the engine restarts them
         self.num_preemptions = 0
 

@@ -76,11 +76,10 @@ class Telemetry:
         grow while a request decodes). One pass over the active requests."""
         takers = roles.takers(workers)
         rate = self.prefill.rate(now, self.prefilled) / max(1, len(takers))
-        # a worker's budget and split: its controller's, else its role's
-        parts = {w: self.configured.get(w, roles.parts[w]) for w in workers}
+        budgets = {w: c.prefill_budget for w, c in self.configured.items()}   # its controller's, else none
         loads = {w: WorkerLoad(free_blocks=self.status[w].free_blocks if w in self.status else self.room,
                                prefill_rate=rate if w in takers else 0.0, seats=self.seats,
-                               prefill_budget=parts[w].prefill_budget, sm_split=parts[w].sm_split)
+                               prefill_budget=budgets.get(w), sm_split=self.sm_split(w, roles))
                  for w in workers}
         for t in active:
             load = loads.get(t.worker)
@@ -100,6 +99,10 @@ class Telemetry:
             self.batches[w].read(now, load.decode_batch)
             load.batch_growth = self.batches[w].rate(now, load.decode_batch)
         return loads
+
+    def sm_split(self, w: int, roles: RoleMap) -> tuple[int, int] | None:
+        """The SM split worker w runs on: its controller's, else its role's."""
+        return self.configured[w].sm_split if w in self.configured else roles.parts[w].sm_split
 
     def least_loaded(self, workers: list[int], active: Iterable[RequestRecord], roles: RoleMap,
                      now: float) -> int:

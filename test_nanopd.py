@@ -3619,22 +3619,22 @@ def test_abort_frees_a_request_wherever_it_is(hf):
 
 
 @ENGINE
-def test_set_role_sets_the_budget_and_the_sm_split_only_when_it_changes(hf, monkeypatch):
-    """SetRole carries what the regime asks of a worker: its prefill budget is set every
-    time; its SM split goes to engine.set_split when it becomes, changes or stops being a
-    split, not on a budget change alone. This engine's split menu is empty: asking for a
-    split fails the worker, with the engine's ValueError."""
+def test_set_role_sets_the_sm_split_only_when_it_changes(hf, monkeypatch):
+    """SetRole carries what the regime asks of a worker: its SM split goes to
+    engine.set_split when it becomes, changes or stops being a split, not on a role change
+    alone; the prefill budget stays the scheduler's (no cap). This engine's split menu is
+    empty: asking for a split fails the worker, with the engine's ValueError."""
     worker = in_process_worker(make_llm(hf.path).engine)
     splits, set_split = [], worker.engine.set_split
     monkeypatch.setattr(worker.engine, "set_split", splits.append)
-    for msg in [messages.SetRole("both", 4), messages.SetRole("split", None, (2, 6)),
-                messages.SetRole("split", 8, (2, 6)), messages.SetRole("decode")]:
-        worker.inbox.put(msg)
+    for role, split in [("both", None), ("split", (2, 6)), ("split", (2, 6)), ("split", (4, 4)),
+                        ("decode", None), ("both", None)]:
+        worker.inbox.put(messages.SetRole(role, split))
         worker.step(wait=False)
-        assert worker.engine.scheduler.prefill_budget == msg.prefill_budget
-    assert splits == [(2, 6), None]
+        assert worker.engine.scheduler.prefill_budget is None
+    assert splits == [(2, 6), (4, 4), None]
     monkeypatch.setattr(worker.engine, "set_split", set_split)
-    worker.inbox.put(messages.SetRole("split", None, (2, 6)))
+    worker.inbox.put(messages.SetRole("split", (2, 6)))
     with pytest.raises(ValueError, match="split menu"):
         worker.step(wait=False)
 
@@ -4378,103 +4378,39 @@ def test_a_prefill_worker_batching_its_queue_waits_as_simulated():
     assert one_per_step > 3 * simulated_prefill_worker(cost, rate, sharegpt, 100_000, seed=len(sharegpt))
 
 
-def test_a_split_worker_decodes_on_the_whole_gpu_while_its_prefill_lane_idles():
-    """A split worker's forecast: its prefill lane is a prefill worker on the lane's
-    measured model; its decode steps are the whole GPU's while that lane idles and the
-    decode lane's while it is busy. At a trickle of arrivals its TPOT is a whole-GPU decode
-    worker's; as the prompts come faster it moves toward the lane's, never past it."""
-    lane = SplitParams(alpha0=2.0, alpha=0.05, alpha2=0.0, beta=3.0, batch_thresh=1, slope=8.0)
-    hw = dataclasses.replace(ROUTER_TEST_PARAMS, splits={"84/48": lane})
-    cost, split = CostModel(hw), planner.Regime(split=1, sm_split=(84, 48))
-    lens, outs = [200, 400, 800], [50.0, 100.0, 150.0]
-
-    def tpot(c: CostModel, regime: planner.Regime, rate: float) -> float:
-        role = "split" if regime.split else "decode"
-        return planner.forecast(c, regime, planner.Mix(rate, lens, outs), 64).roles[role].tpot_ms
-    lane_only = CostModel(dataclasses.replace(hw, alpha0=lane.alpha0, alpha=lane.alpha, alpha2=lane.alpha2,
-                                              beta=lane.beta, batch_thresh=lane.batch_thresh,
-                                              slope=lane.slope, gamma=0.0, splits={}))
-    trickle = 1e-4
-    assert tpot(cost, split, trickle) \
-        == pytest.approx(tpot(cost, planner.Regime(prefill=1, decode=1), trickle), rel=0.01)
-    for rate in (0.005, 0.01, 0.02):
-        f = planner.forecast(cost, split, planner.Mix(rate, lens, outs), 64)
-        assert f.roles["split"].busy == pytest.approx(rate * sum(lane.alpha * n for n in lens) / len(lens))
-        assert tpot(cost, planner.Regime(prefill=1, decode=1), rate) < f.roles["split"].tpot_ms \
-            < tpot(lane_only, planner.Regime(prefill=1, decode=1), rate)
-
-
 def test_on_one_gpu_nothing_moves_so_no_link_counts():
     """One worker, no link to another (transfer_rate infinite, as the profiler leaves it on
-    one GPU): whole or split, a request prefills and decodes where it is, so the forecast's
-    mean E2E is finite and the same whatever the link would cost."""
-    lane = SplitParams(alpha0=2.0, alpha=0.05, alpha2=0.0, beta=3.0, batch_thresh=1, slope=8.0)
+    one GPU): its one regime is both, a request prefills and decodes where it is, so the
+    forecast's mean E2E is finite and the same whatever the link would cost."""
     mix = planner.Mix(0.001, [200, 400, 800], [50.0, 100.0, 150.0])
-    for regime in (planner.Regime(both=1), planner.Regime(split=1, sm_split=(84, 48))):
-        e2e = [planner.forecast(CostModel(dataclasses.replace(ROUTER_TEST_PARAMS, transfer_rate=rate,
-                                                              splits={"84/48": lane})),
-                                regime, mix, 64).e2e_ms
-               for rate in (math.inf, 0.0, 1.0)]
-        assert math.isfinite(e2e[0]) and e2e[0] == e2e[1] == e2e[2], regime
+    assert planner.regimes(1) == [planner.Regime(both=1)]
+    e2e = [planner.forecast(CostModel(dataclasses.replace(ROUTER_TEST_PARAMS, transfer_rate=rate)),
+                            planner.Regime(both=1), mix, 64).e2e_ms
+           for rate in (math.inf, 0.0, 1.0)]
+    assert math.isfinite(e2e[0]) and e2e[0] == e2e[1] == e2e[2]
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10 ** 6), n=st.integers(2, 4), rate=st.floats(1, 400), with_slo=st.booleans())
+@given(seed=st.integers(0, 10 ** 6), n=st.integers(1, 4), rate=st.floats(1, 400), with_slo=st.booleans())
 def test_the_planner_ranks_as_brute_force_over_every_role_assignment(seed, n, rate, with_slo):
-    """Random hardware parameters (with two measured SM splits), mixes and rates: the
-    planner's best regime is the best of a brute-force search over every assignment of a
-    role to each worker (4^n of them, split workers on either split, with and without
-    budgets under an SLO), each forecast with the same cost model; and assign_roles gives
-    each worker the role the regime counts."""
+    """Random hardware parameters, mixes and rates: the planner's regimes are the role counts
+    of every assignment of a role to each worker (3^n of them) in which someone prefills and
+    someone decodes (one worker: both alone), its best regime the best of them, each
+    forecast with the same cost model; and assign_roles gives each worker the role the
+    regime counts."""
     rng = random.Random(seed)
-    params = random_params(rng)
-    params.splits = {key: SplitParams(rng.uniform(0, 10), params.alpha * rng.uniform(1, 3), 0.0,
-                                      params.beta * rng.uniform(1, 2), params.batch_thresh,
-                                      params.slope * rng.uniform(1, 3))
-                     for key in ("96/32", "64/64")}
-    cost, mix = CostModel(params), random_mix(rng, rate)
+    cost, mix = CostModel(random_params(rng)), random_mix(rng, rate)
     slo = (rng.uniform(0.2, 5), rng.uniform(0.01, 0.3)) if with_slo else None
     best = planner.rank(cost, mix, 256, n, slo)[0]
-    keys = []
-    for roles in itertools.product(("both", "prefill", "decode", "split"), repeat=n):
-        if not {"both", "prefill", "split"} & set(roles) or not {"both", "decode", "split"} & set(roles):
-            continue   # nobody prefills, or nobody decodes
-        if "split" in roles \
-                and params.gamma * mix.rate / n * statistics.mean(mix.prompt_lens) < planner.SPLIT_MIN_SHARE:
-            continue   # splits only where the prompts would take that share of every worker both
-        for budgeted, sm_split in itertools.product((False, True) if slo and "both" in roles else (False,),
-                                                    ((96, 32), (64, 64)) if "split" in roles else (None,)):
-            regime = planner.Regime(roles.count("both"), roles.count("prefill"),
-                                    roles.count("decode"), budgeted, roles.count("split"), sm_split)
-            keys.append(planner.forecast(cost, regime, mix, 256, slo).key())
-    assert best.key() == min(keys)
+    brute = set()
+    for roles in itertools.product(("both", "prefill", "decode"), repeat=n):
+        if {"both", "prefill"} & set(roles) and {"both", "decode"} & set(roles):
+            brute.add(planner.Regime(roles.count("both"), roles.count("prefill"), roles.count("decode")))
+    assert sorted(planner.regimes(n), key=str) == sorted(brute, key=str)
+    assert best.key() == min(planner.forecast(cost, regime, mix, 256, slo).key() for regime in brute)
     loads = {w: WorkerLoad(decode_batch=rng.randint(0, 50)) for w in range(n)}
     assigned = planner.assign_roles(best.regime, loads)
     assert sorted(assigned.values()) == sorted(best.regime.roles())
-
-
-@settings(max_examples=100, deadline=None)
-@given(seed=st.integers(0, 10 ** 6))
-def test_the_prefill_budget_keeps_every_step_under_the_tpot_target(seed):
-    """Under an SLO, a budgeted both-worker's step with a full prefill budget lasts at most
-    the TPOT target (in the forecast, and the budget the planner sends a live worker), so
-    its requests' TPOT meets the target."""
-    rng = random.Random(seed)
-    cost, mix = CostModel(random_params(rng)), random_mix(rng, rng.uniform(1, 100))
-    slo = (rng.uniform(0.5, 5), rng.uniform(0.02, 0.3))
-    f = planner.forecast(cost, planner.Regime(2, 0, 0, budgeted=True), mix, 256, slo)
-    both = f.roles["both"]
-    if both.budget > planner.MIN_BUDGET:
-        assert both.step_ms + cost.p.gamma * both.budget <= slo[1] * 1e3 * (1 + 1e-9)
-        assert both.tpot_ms <= slo[1] * 1e3 * (1 + 1e-9)
-    plan = planner.Planner([0, 1], slo)
-    plan.regime = planner.Regime(2, 0, 0, budgeted=True)
-    loads = {w: WorkerLoad(decode_batch=rng.randint(0, 300), context_tokens=rng.randint(0, 10 ** 5))
-             for w in (0, 1)}
-    plan.set_budgets(cost, loads)
-    for w, budget in plan.budgets.items():
-        step = cost.decode_step_ms(loads[w].decode_batch, loads[w].context_tokens)
-        assert budget == planner.MIN_BUDGET or step + cost.p.gamma * budget <= slo[1] * 1e3 * (1 + 1e-9)
 
 
 def test_the_planner_switches_with_hysteresis_and_logs_why():
@@ -4539,41 +4475,6 @@ def test_the_planner_follows_phases_but_not_bursts():
     at = lambda rate: planner.forecast(cost, split, planner.Mix(rate / 1e3, lens, outs), 256).load
     assert at(len(burst) / (4.5 - burst[0].arrival)) > 1 and at(24) < 0.9
     assert regimes[19.5] == both and regimes[29.5] == split
-
-
-@pytest.mark.parametrize("gamma", [0.0260869, 0.104])
-def test_the_planner_splits_one_gpu_only_where_prompts_hold_the_decodes_back(monkeypatch, gamma):
-    """One H200's profile, ten seconds of bench.py's decode-heavy workload at 8 req/s
-    (short prompts, long outputs; measured on that GPU: a split's TPOT 1.4x the whole
-    GPU's): the prompts take under SPLIT_MIN_SHARE of the GPU's time (gamma x their tokens
-    per ms), and the planner keeps the whole GPU, also with gamma 4x the profile's, where
-    a split's forecast is more than the hysteresis ahead (without the gate the planner
-    takes it). The phased workload's long prompts at 17 req/s take more than that share,
-    and the planner weighs splits there as before."""
-    import bench
-    cost = CostModel(dataclasses.replace(H200, gamma=gamma))
-
-    def plan_for(workload: str, rate: float) -> tuple[planner.Planner, planner.Mix]:
-        plan, specs = planner.Planner([0]), bench.make_requests(workload, rate, 10.0, 0, 0, 1000, 1.0)
-        for spec in specs:
-            plan.arrived(spec.arrival, len(spec.prompt_ids), spec.max_tokens)
-        plan.plan(cost, {0: WorkerLoad()}, 256, now=10.0)
-        return plan, planner.Mix(len(specs) / 1e4, [len(s.prompt_ids) for s in specs],
-                                 [s.max_tokens for s in specs])
-    plan, mix = plan_for("decode-heavy", 8)
-    u = gamma * mix.rate * sum(mix.prompt_lens) / len(mix.prompt_lens)   # one worker: all the prompts are its
-    assert u < planner.SPLIT_MIN_SHARE and plan.regime == planner.Regime(both=1)
-    if gamma > 0.1:
-        whole = planner.forecast(cost, planner.Regime(both=1), mix, 256)
-        split = min((planner.forecast(cost, planner.Regime(split=1, sm_split=s), mix, 256) for s in
-                     ((100, 32), (84, 48), (68, 64), (52, 80))), key=planner.Forecast.key)
-        assert split.e2e_ms < (1 - planner.HYSTERESIS) * whole.e2e_ms
-        monkeypatch.setattr(planner, "SPLIT_MIN_SHARE", 0.0)
-        assert plan_for("decode-heavy", 8)[0].regime.split == 1
-    monkeypatch.undo()
-    mix = plan_for("phased", 17)[1]
-    assert gamma * mix.rate * sum(mix.prompt_lens) / len(mix.prompt_lens) > planner.SPLIT_MIN_SHARE
-    assert sum(f.regime.split for f in planner.rank(cost, mix, 256, 1)) == 4
 
 
 def test_the_planner_forecasts_from_a_bounded_sample_at_the_full_rate(monkeypatch):
@@ -5443,10 +5344,10 @@ def test_workers_under_pressure_serve_numpy_seeds_two_threads_and_crowded_beams(
 @pytest.mark.usefixtures("worker_env")
 def test_a_role_change_mid_run_keeps_every_request_and_its_tokens(hf):
     """Adaptive on two workers: requests run with both workers mixed; mid-run the regime
-    makes one worker prefill and the other decode, and later both mixed again under a
-    4-token prefill budget. Nothing is lost or restarted: every request gives HF's greedy
-    tokens, the requests sent under the split follow its roles, and every block comes back."""
-    with make_cluster(hf, "adaptive", 2, profile=ROUTER_TEST_PARAMS, slo=(30.0, 10.0)) as llm:
+    makes one worker prefill and the other decode, and later both mixed again. Nothing is
+    lost or restarted: every request gives HF's greedy tokens, the requests sent under the
+    split follow its roles, each worker is told its role, and every block comes back."""
+    with make_cluster(hf, "adaptive", 2, profile=ROUTER_TEST_PARAMS) as llm:
         cluster = llm.cluster
         first = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=40)) for p in MIXED_PROMPTS[:3]]
         deadline = time.monotonic() + 60
@@ -5463,11 +5364,9 @@ def test_a_role_change_mid_run_keeps_every_request_and_its_tokens(hf):
         while not set(second) <= ended:
             assert time.monotonic() < deadline + 60
             ended |= set(cluster.poll(0.01))
-        cluster.planner.switch(planner.Regime(2, 0, 0, budgeted=True), loads, time.perf_counter(), [])
-        cluster.planner.budgets = {0: 4, 1: 4}
-        # each worker is sent SetRole(both, 4)
-        cluster.set_roles(cluster.planner.roles, cluster.planner.budgets)
-        assert cluster.told == {w: messages.SetRole("both", 4) for w in (0, 1)}
+        cluster.planner.switch(planner.Regime(2, 0, 0), loads, time.perf_counter(), [])
+        cluster.set_roles(cluster.planner.roles)
+        assert cluster.told == {w: messages.SetRole("both") for w in (0, 1)}
         third = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=8)) for p in MIXED_PROMPTS[:2]]
         while not set(first + third) <= ended:
             assert time.monotonic() < deadline + 120
@@ -5481,69 +5380,20 @@ def test_a_role_change_mid_run_keeps_every_request_and_its_tokens(hf):
 
 
 @pytest.mark.usefixtures("worker_env", "torch_twins")
-def test_one_device_serves_as_a_split_worker_under_every_split_policy(hf, monkeypatch):
-    """One device, worker processes. disaggregated is one split worker: HF's greedy tokens,
-    the single engine's seeded ones, one worker on every path. adaptive's regime turns its
-    one worker into a split worker mid-run and back: nothing is lost, every request gives
-    HF's tokens, and every block comes back each time."""
+def test_one_device_serves_as_a_split_worker_under_disaggregated(hf):
+    """One device, worker processes: disaggregated is one split worker, on its fixed split:
+    HF's greedy tokens, the single engine's seeded ones, one worker on every path, and
+    every block comes back."""
     seeded = {"max_tokens": 8, "temperature": 1.0, "seed": 11, "n": 2}
     ref = generate(make_llm(hf.path, device=WORKER_DEVICES[0]), PROMPTS[:2], **seeded)
     with make_cluster(hf, "disaggregated", 1) as llm:
-        assert llm.cluster.roles.role(0).splits_sms
+        assert llm.cluster.roles.role(0).splits_sms and llm.cluster.roles.parts[0].sm_split is not None
         outs = generate(llm, MIXED_PROMPTS, max_tokens=10)
         assert tokens(outs) == [hf.greedy(p, 10) for p in MIXED_PROMPTS]
         assert all(o.metrics.path == (0,) for o in outs)
         sampled = generate(llm, PROMPTS[:2], **seeded)
         assert [[c.token_ids for c in o.outputs] for o in sampled] == [[c.token_ids for c in o.outputs]
                                                                        for o in ref]
-        assert workers_all_free(llm)
-    profile = dataclasses.replace(ROUTER_TEST_PARAMS, splits={f"{s.prefill_sms}/{s.decode_sms}": SplitParams(
-        1.0, 0.2, 0.0, 1.0, 1, 5.0) for s in SPLITS})
-    with make_cluster(hf, "adaptive", 1, profile=profile) as llm:
-        cluster, ended, deadline = llm.cluster, set(), time.monotonic() + 120
-        monkeypatch.setattr(cluster.planner, "time_to_plan", lambda now: False)   # the test sets the regime
-        first = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=30)) for p in MIXED_PROMPTS[:3]]
-        while not all(cluster.active[r].tokens for r in first):
-            assert time.monotonic() < deadline
-            cluster.poll(0.01)
-        for regime in (planner.Regime(split=1, sm_split=SPLIT), planner.Regime(both=1)):
-            cluster.planner.switch(regime, cluster.worker_loads([0]), time.perf_counter(), [])
-            cluster.set_roles(cluster.planner.roles, cluster.planner.budgets, cluster.planner.splits)
-            assert cluster.told[0] == messages.SetRole(cluster.planner.roles[0], None, regime.sm_split)
-            later = [cluster.submit(p, SamplingParams(temperature=0.0, max_tokens=12))
-                     for p in MIXED_PROMPTS[3:]]
-            while not set(later) <= ended:
-                assert time.monotonic() < deadline
-                ended |= set(cluster.poll(0.01))
-            assert [cluster.output(r).outputs[0].token_ids for r in later] == \
-                [hf.greedy(p, 12) for p in MIXED_PROMPTS[3:]]
-        while not set(first) <= ended:
-            assert time.monotonic() < deadline
-            ended |= set(cluster.poll(0.01))
-        assert [cluster.output(r).outputs[0].token_ids for r in first] == [hf.greedy(p, 30)
-                                                                           for p in MIXED_PROMPTS[:3]]
-        assert workers_all_free(llm)
-
-
-@pytest.mark.usefixtures("worker_env", "torch_twins")
-def test_a_split_worker_takes_handoffs_beside_a_prefill_worker(hf, monkeypatch):
-    """Adaptive on two workers, the regime "1 prefill + 1 split" (held: no replanning):
-    prompts prefilled on the prefill worker move to the split worker, whose decode lane
-    decodes them beside its own; every request gives HF's greedy tokens and every block
-    comes back."""
-    profile = dataclasses.replace(ROUTER_TEST_PARAMS, splits={f"{s.prefill_sms}/{s.decode_sms}": SplitParams(
-        1.0, 0.2, 0.0, 1.0, 1, 5.0) for s in SPLITS})
-    with make_cluster(hf, "adaptive", 2, profile=profile) as llm:
-        cluster = llm.cluster
-        monkeypatch.setattr(cluster.planner, "time_to_plan", lambda now: False)
-        regime = planner.Regime(prefill=1, split=1, sm_split=SPLIT)
-        cluster.planner.switch(regime, cluster.worker_loads([0, 1]), time.perf_counter(), [])
-        cluster.set_roles(cluster.planner.roles, cluster.planner.budgets, cluster.planner.splits)
-        splitter = next(w for w, r in cluster.planner.roles.items() if r == "split")
-        outs = generate(llm, MIXED_PROMPTS * 2, max_tokens=10)
-        assert tokens(outs) == [hf.greedy(p, 10) for p in MIXED_PROMPTS * 2]
-        assert all(o.metrics.path[-1] == splitter for o in outs)            # every request decodes there
-        assert any(len(o.metrics.path) == 2 for o in outs)                  # ... some after a handoff
         assert workers_all_free(llm)
 
 
@@ -5579,9 +5429,10 @@ def test_dispatch_reads_the_role_map_whatever_the_policy(monkeypatch):
     """A collocated cluster (fake workers) whose role map is rewritten: worker 0 decode, 1
     prefill, 2 both. Prompts go to workers 1 and 2 only, 1's prefill only (its role hands
     off); each worker whose part changed is told (SetRole), the others not; worker 1's
-    prefilled request goes to worker 0, the one idle worker that takes handoffs. As a split
-    worker 2 still takes whole requests, and is told its SM split, and when it stops being
-    one; with no worker left to take prompts, a request fails at once."""
+    prefilled request goes to worker 0, the one idle worker that takes handoffs. With worker
+    2 the only one left to take prompts it takes whole requests; with none left, a request
+    fails at once. A split role is fixed at start-up: written later, with no SM split, it is
+    refused."""
     import cluster
     monkeypatch.setattr(cluster, "WorkerProcesses", FakeWorkers)
     c = cluster.CentralScheduler(EngineConfig(model="tiny", max_model_len=128),
@@ -5600,14 +5451,10 @@ def test_dispatch_reads_the_role_map_whatever_the_policy(monkeypatch):
     fake.reports.append((1, [messages.Handoff(imp, 0.0, 0.0)]))
     c.poll(0)
     assert fake.taken(messages.Import) == [(0, imp)]
-    c.set_roles({2: "split"}, splits={2: (2, 6)})
-    assert fake.taken(messages.SetRole) == [(2, messages.SetRole("split", None, (2, 6)))]
     c.set_roles({1: "decode"})
-    fake.taken(messages.SetRole)
+    assert fake.taken(messages.SetRole) == [(1, messages.SetRole("decode"))]
     rid = c.submit(prompt(12, seed=9), params)
     assert [(w, m.prefill_only) for w, m in fake.taken(messages.Submit)] == [(2, False)]
-    c.set_roles({2: "both"})
-    assert fake.taken(messages.SetRole) == [(2, messages.SetRole("both"))]
     c.set_roles({2: "decode"})
     late = c.submit(prompt(12, seed=10), params)
     assert late in c.poll(0) and "no live worker" in str(c.output(late).error) \
@@ -5615,6 +5462,29 @@ def test_dispatch_reads_the_role_map_whatever_the_policy(monkeypatch):
     c.abort(rids + [rid])
     with pytest.raises(ValueError, match="SM split"):
         c.set_roles({0: "split"})
+
+
+def test_the_cluster_plans_roles_only_where_the_workers_have_a_choice(monkeypatch):
+    """Adaptive on fake workers: on one device the only assignment of roles in which someone
+    prefills and someone decodes is both, so there is no planner (nothing to choose), yet the
+    router's parameters still reach the worker's controller (Control) and arrivals are
+    served; on two devices the planner starts with every worker both."""
+    import cluster
+    from router import Router
+    monkeypatch.setattr(cluster, "WorkerProcesses", FakeWorkers)
+    for n in (1, 2):
+        c = cluster.CentralScheduler(EngineConfig(model="tiny", max_model_len=128),
+                                     cluster.ClusterConfig("adaptive", ["cpu"] * n))
+        assignments = [r for r in itertools.product(("both", "prefill", "decode"), repeat=n)
+                       if {"both", "prefill"} & set(r) and {"both", "decode"} & set(r)]
+        assert (c.planner is None) == (len(assignments) == 1)
+        c.router = Router(dataclasses.replace(ROUTER_TEST_PARAMS))
+        assert [w for w, _ in c.workers.taken(messages.Control)] == list(range(n))
+        c.submit(prompt(12, seed=1), SamplingParams(temperature=0.0, max_tokens=4))
+        c.poll(0)
+        assert len(c.workers.taken(messages.Submit)) == 1
+        if c.planner is not None:
+            assert c.planner.roles == dict.fromkeys(range(n), "both")
 
 
 # =================================================== profiler.py: the profiler

@@ -42,7 +42,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from config import EngineConfig
-from controller import CONTROL_INTERVAL_S, REACT_S, Config, Controller, Decode, Prompt, Recent, Snapshot
+from controller import (
+    CONTROL_INTERVAL_S,
+    PRIOR_WEIGHT,
+    REACT_S,
+    Config,
+    Controller,
+    Decode,
+    Prompt,
+    Recent,
+    Snapshot,
+)
 from engine import Engine, LaunchedStep
 from kv_cache import cdiv
 from lanes import SplitEngine, make_engine
@@ -222,12 +232,13 @@ class Worker:
             case Abort():
                 self._drop(msg.request_id)
                 self.engine.abort([msg.request_id])
-            case SetRole() if self.controller is None:   # else the budget and split are the controller's
-                self._configure(msg.sm_split, msg.prefill_budget)
+            case SetRole() if self.controller is None:   # else the split is the controller's
+                self._set_split(msg.sm_split)
             case Control() if self.controller is None:
                 splits = list(self.engine.runner.splits) if isinstance(self.engine, SplitEngine) else []
+                weight = PRIOR_WEIGHT if msg.prior_weight is None else msg.prior_weight
                 self.controller = Controller(msg.params, self.engine.cfg.max_num_batched_tokens, splits,
-                                             msg.slo, prior_weight=msg.prior_weight)
+                                             msg.slo, prior_weight=weight)
             case Control():
                 self.controller.configure(msg.params, msg.slo)
             case SendKV():
@@ -235,8 +246,7 @@ class Worker:
             case Measure():
                 self.reports.append(Measured(measure_engine(self.engine, **msg.spec)))
 
-    def _configure(self, sm_split: tuple[int, int] | None, prefill_budget: int | None) -> None:
-        self.engine.scheduler.prefill_budget = prefill_budget
+    def _set_split(self, sm_split: tuple[int, int] | None) -> None:
         if sm_split != self.sm_split:   # a new split repartitions the device: only on a change
             self.engine.set_split(sm_split)
             self.sm_split = sm_split
@@ -257,7 +267,8 @@ class Worker:
         self.controlled_at, before = now, c.current
         config: Config = c.choose(snap)
         if config != before:
-            self._configure(config.sm_split, config.budget)
+            self.engine.scheduler.prefill_budget = config.budget
+            self._set_split(config.sm_split)
             self.reports.append(Configured(config.sm_split, config.budget, c.model.error))
 
     def _snapshot(self, now: float) -> Snapshot:
