@@ -874,7 +874,8 @@ def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
 def config_timeline(cluster, log: list, held: dict, start: float, seconds: float) -> dict:
     """Each worker's configuration over a run (times in s after its start): the one it held
     when the run started (its last change before, or the engine's own: held), then every
-    change during it. The log's times (cluster.py:ConfigChange) count from the cluster's
+    change during it, and the steps its workers timed ([time, worker, decodes, context
+    tokens, prompt tokens, ms, sm_split]). The log's times (cluster.py:ConfigChange) count from the cluster's
     start (cluster.started, on perf_counter's clock)."""
     origin = cluster.started - start
     first = {w: {"time": 0.0, "worker": w, "sm_split": held["sm_split"], "budget": held["budget"]}
@@ -888,7 +889,11 @@ def config_timeline(cluster, log: list, held: dict, start: float, seconds: float
             first[c.worker] = row
         elif t <= seconds:
             changes.append(row)
-    return {"seconds": seconds, "changes": list(first.values()) + changes}
+    # Every step the workers timed during the run: what the step models learn from.
+    steps = [[round(t + origin, 4), w, s.decodes, s.context_tokens, s.prefill_tokens, round(s.ms, 3),
+              None if s.sm_split is None else list(s.sm_split)]
+             for t, w, s in cluster.step_log if 0 < t + origin <= seconds]
+    return {"seconds": seconds, "changes": list(first.values()) + changes, "steps": steps}
 
 
 def regime_timeline(planner, start: float, seconds: float) -> dict:

@@ -270,6 +270,7 @@ class CentralScheduler:
         self._router: Router | None = None
         self.controlled_at = -1e9   # when the workers' controllers were last sent the router's parameters
         self.config_log: list[ConfigChange] = []
+        self.step_log: list[tuple[float, int, StepTimed]] = []   # (s since start, worker, step): steered only
         # Under a steered policy the planner decides the roles, replanned as the arrivals change,
         # where the workers have more than one regime to choose from (one worker has one: both).
         n = len(self.devices)
@@ -507,6 +508,7 @@ class CentralScheduler:
                     self.router.observe_step(msg.decodes, msg.context_tokens, msg.prefill_tokens, msg.ms,
                                              msg.sm_split)
                 self.telemetry.stepped(time.perf_counter(), msg)
+                self.step_log.append((time.perf_counter() - self.started, w, msg))
             case Measured():
                 self.measured[w] = msg.timings
             case Configured():

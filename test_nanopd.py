@@ -6446,9 +6446,9 @@ def test_bench_plots_the_configurations_over_time_from_a_synthetic_log(tmp_path)
     """bench.config_timeline and bench.plot_configs on a made-up controllers' log (the
     fields of CentralScheduler.config_log) for two workers: times count from the run's
     start, a worker's last change before it is what it held at 0, and one that never
-    changed holds the engine's own; each worker's shares of the run add to 1 and are the
-    spans counted here; the figure's legends name exactly the splits and budgets held,
-    and it is written."""
+    changed holds the engine's own; only the steps timed within the run are kept; each
+    worker's shares of the run add to 1 and are the spans counted here; the figure's
+    legends name exactly the splits and budgets held, and it is written."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -6457,9 +6457,13 @@ def test_bench_plots_the_configurations_over_time_from_a_synthetic_log(tmp_path)
     log = [cluster_mod.ConfigChange(1.0, 0, None, 512), cluster_mod.ConfigChange(3.0, 0, (84, 48), 512),
            cluster_mod.ConfigChange(6.0, 0, None, 2048),
            cluster_mod.ConfigChange(13.0, 0, (100, 28), 256)]   # past the run's end
-    cluster = type("Cluster", (), {"devices": ["cpu", "cpu"], "started": 100.0})()
+    step = messages.StepTimed
+    steps = [(1.5, 0, step(3, 300, 0, 9.0)), (2.5, 1, step(4, 400, 512, 21.0, (84, 48))),
+             (12.5, 0, step(1, 10, 0, 5.0))]   # before the run, in it, after it
+    cluster = type("Cluster", (), {"devices": ["cpu", "cpu"], "started": 100.0, "step_log": steps})()
     tl = {"policy": "adaptive", "workload": "sharegpt", "rate": 4.0,   # the run started 2 s into the cluster
           **bench.config_timeline(cluster, log, {"budget": 8192, "sm_split": None}, 102.0, 10.0)}
+    assert tl["steps"] == [[0.5, 1, 4, 400, 512, 21.0, [84, 48]]]
     assert [(c["time"], c["worker"], c["sm_split"], c["budget"]) for c in tl["changes"]] == [
         (0.0, 0, None, 512), (0.0, 1, None, 8192), (1.0, 0, [84, 48], 512), (4.0, 0, None, 2048)]
     assert bench.held_shares(tl) == {0: {"whole GPU @2048": pytest.approx(0.6),
