@@ -463,7 +463,7 @@ BUDGET_MENU = (256, 512, 1024, 2048, 4096, 8192)   # the controllers' budgets, t
 
 
 def budget_color(plt, budget: int):
-    """A prompt budget's colour: light for small budgets, dark for large, on a log scale."""
+    """A token budget's colour: light for small budgets, dark for large, on a log scale."""
     k = math.log2(max(budget, 1) / BUDGET_MENU[0]) / math.log2(BUDGET_MENU[-1] / BUDGET_MENU[0])
     return plt.get_cmap("YlOrBr")(0.2 + 0.7 * min(1.0, max(0.0, k)))
 
@@ -472,7 +472,7 @@ def plot_configs(plt, configs: list[dict], results: list[Result]):
     """For each adaptive run with its controllers' log (config_timeline): on top the
     requests arriving per second, by the mix (phase) that drew them; under it one band
     per worker, its upper half the SM split it held (grey: the whole GPU; blue: prefill
-    SMs / decode SMs), its lower half the step's prompt budget (darker: larger), each
+    SMs / decode SMs), its lower half the step's token budget (darker: larger), each
     labelled where there is room; the phased workload's phase boundaries dotted across."""
     from tools.figures import draw_arrivals
     heights = [h for tl in configs for h in (2.0, 0.8 * len({c["worker"] for c in tl["changes"]}))]
@@ -525,7 +525,7 @@ def draw_config_bands(plt, ax, tl: dict) -> None:
     ax.add_artist(ax.legend(handles=patches, title="SM split\n(prefill/decode)", fontsize=7, title_fontsize=7,
                             loc="lower left", bbox_to_anchor=(1.01, 0.0)))
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=budget_color(plt, b), label=str(b))
-                       for b in budgets], title="prompt budget\n(tokens a step)", fontsize=7,
+                       for b in budgets], title="token budget\n(tokens a step)", fontsize=7,
               title_fontsize=7,
               loc="lower left", bbox_to_anchor=(1.16, 0.0), ncol=1 + (len(budgets) > 3))
 
@@ -819,21 +819,22 @@ def check_run(run: Run) -> None:
         raise SystemExit(f"error: --out {run.out}: {e.strerror or e}") from None
 
 
-def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, list[dict], list[dict]]:
+def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, list[dict], list[dict],
+                                             list[dict]]:
     """Every workload at every rate under one run's configuration (run_names), one
     start-up: the summary rows (the phased workload's also per phase), every request's
-    result, the router's calibration, the regimes it went through and the configurations
-    its workers held (adaptive)."""
+    result, the router's calibration, the regimes it went through, the configurations
+    its workers held (adaptive) and the steps they timed."""
     from nanopd import LLM
     policy, budget = run_config(name)
     engine = {**run.engine, **({"max_num_batched_tokens": budget} if budget else {})}
     try:
         llm = LLM(run.model, policy=policy, devices=run.devices,
                   slo=run.slo if policy == "adaptive" else None,
-                  join=run.join, transport=run.transport, **engine)
+                  join=run.join, transport=run.transport, time_steps=True, **engine)
     except ValueError as e:   # bad --model, --devices for the policy, ...: say so, no traceback
         raise SystemExit(f"error: {e}") from None
-    rows, results, timelines, configs = [], [], [], []
+    rows, results, timelines, configs, steps = [], [], [], [], []
     with llm:
         held = {"budget": llm.cluster.cfg.max_num_batched_tokens, "sm_split": llm.cluster.cfg.sm_split}
         vocab = llm.cluster.vocab_size
@@ -868,14 +869,14 @@ def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
                 if policy == "adaptive":   # its workers' controllers choose their configurations
                     configs.append({**run_id, **config_timeline(llm.cluster, llm.cluster.config_log, held,
                                                                 start, seconds)})
-        return rows, results, calibration(router, profiled), timelines, configs
+                steps.append({**run_id, "steps": timed_steps(llm.cluster, start, seconds)})
+        return rows, results, calibration(router, profiled), timelines, configs, steps
 
 
 def config_timeline(cluster, log: list, held: dict, start: float, seconds: float) -> dict:
     """Each worker's configuration over a run (times in s after its start): the one it held
     when the run started (its last change before, or the engine's own: held), then every
-    change during it, and the steps its workers timed ([time, worker, decodes, context
-    tokens, prompt tokens, ms, sm_split]). The log's times (cluster.py:ConfigChange) count from the cluster's
+    change during it. The log's times (cluster.py:ConfigChange) count from the cluster's
     start (cluster.started, on perf_counter's clock)."""
     origin = cluster.started - start
     first = {w: {"time": 0.0, "worker": w, "sm_split": held["sm_split"], "budget": held["budget"]}
@@ -889,11 +890,17 @@ def config_timeline(cluster, log: list, held: dict, start: float, seconds: float
             first[c.worker] = row
         elif t <= seconds:
             changes.append(row)
-    # Every step the workers timed during the run: what the step models learn from.
-    steps = [[round(t + origin, 4), w, s.decodes, s.context_tokens, s.prefill_tokens, round(s.ms, 3),
-              None if s.sm_split is None else list(s.sm_split)]
-             for t, w, s in cluster.step_log if 0 < t + origin <= seconds]
-    return {"seconds": seconds, "changes": list(first.values()) + changes, "steps": steps}
+    return {"seconds": seconds, "changes": list(first.values()) + changes}
+
+
+def timed_steps(cluster, start: float, seconds: float) -> list[list]:
+    """Every step the workers timed during a run (cluster.step_log), what step models learn
+    from: [s after the run's start, worker, decodes, context tokens, prompt tokens, ms,
+    sm_split or None]."""
+    origin = cluster.started - start
+    return [[round(t + origin, 4), w, s.decodes, s.context_tokens, s.prefill_tokens, round(s.ms, 3),
+             None if s.sm_split is None else list(s.sm_split)]
+            for t, w, s in cluster.step_log if 0 < t + origin <= seconds]
 
 
 def regime_timeline(planner, start: float, seconds: float) -> dict:
@@ -955,7 +962,7 @@ def caption(run: Run) -> str:
 
 
 def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timelines: list[dict],
-           configs: list[dict] = ()) -> None:
+           configs: list[dict] = (), steps: list[dict] = ()) -> None:
     """The table and goodput on stdout; results.json and the plots under run.out."""
     for r in rows:
         r["label"] = label(r["policy"], r["workload"], rows)
@@ -978,7 +985,8 @@ def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timel
     # One line, six significant digits: a sweep holds some 15,000 requests' timings.
     (run.out / "results.json").write_text(json.dumps(six_digits(
         {"meta": meta, "summary": rows, "goodput": goodput, "frontier": front, "router_calibration": calib,
-         "regimes": timelines, "configs": list(configs), "requests": [r.__dict__ for r in results]}),
+         "regimes": timelines, "configs": list(configs), "steps": list(steps),
+         "requests": [r.__dict__ for r in results]}),
         separators=(",", ":")))
     print(f"wrote {run.out / 'results.json'} and {', '.join(files)}")
 
@@ -1074,12 +1082,12 @@ def main() -> None:
     if args.command is not None:   # a tool (add_tool_commands)
         return args.main(args)
     run = make_run(args)
-    rows, results, calib, timelines, configs = [], [], {}, [], []
+    rows, results, calib, timelines, configs, steps = [], [], {}, [], [], []
     for name in run.policies:
-        got_rows, got, c, t, held = run_policy(run, name)
+        got_rows, got, c, t, held, timed = run_policy(run, name)
         rows, results, calib = rows + got_rows, results + got, c or calib
-        timelines, configs = timelines + t, configs + held
-    report(run, rows, results, calib, timelines, configs)
+        timelines, configs, steps = timelines + t, configs + held, steps + timed
+    report(run, rows, results, calib, timelines, configs, steps)
 
 
 if __name__ == "__main__":

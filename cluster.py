@@ -113,6 +113,7 @@ class ClusterConfig:
     transport: str = "p2p"                      # how the KV moves (transport.py); joined workers: distributed
     worker_timeout_s: float = 60.0              # a worker silent this long is dead (Liveness)
     slo: tuple[float, float] | None = None      # adaptive: (ttft_s, tpot_s), to route and plan for goodput
+    time_steps: bool = False                    # every worker reports its timed steps (adaptive's always do)
     # HOST:PORT: serve workers torchrun starts on their hosts (hosts.py)
     join: str | None = None
 
@@ -264,13 +265,15 @@ class CentralScheduler:
         self.vocab_size = config.vocab_size
         self.tokenizer = load_tokenizer(self.cfg.tokenizer or self.cfg.model)
         self.steered = POLICIES[cluster.policy].steered
+        # Workers time every step for the router under a steered policy, and where asked (bench.py).
+        self.times_steps = self.steered or cluster.time_steps
         self._start_workers(startup_timeout_s)
         self.requests = RequestLedger()
         self.measured: dict[int, dict] = {}
         self._router: Router | None = None
         self.controlled_at = -1e9   # when the workers' controllers were last sent the router's parameters
         self.config_log: list[ConfigChange] = []
-        self.step_log: list[tuple[float, int, StepTimed]] = []   # (s since start, worker, step): steered only
+        self.step_log: list[tuple[float, int, StepTimed]] = []   # (s since start, worker, step): times_steps
         # Under a steered policy the planner decides the roles, replanned as the arrivals change,
         # where the workers have more than one regime to choose from (one worker has one: both).
         n = len(self.devices)
@@ -294,7 +297,7 @@ class CentralScheduler:
         exit_in_order_on_sigterm()   # a SIGTERM then stops the workers too, as any exit does
         cluster, devices = self.cluster_cfg, self.cluster_cfg.devices
         if cluster.join is not None:
-            self.workers = RemoteWorkers(cluster.join, self.cfg, self.transport, self.steered,
+            self.workers = RemoteWorkers(cluster.join, self.cfg, self.transport, self.times_steps,
                                          startup_timeout_s)
             self._close = weakref.finalize(self, self.workers.close)
             devices = [f"worker {w}" for w in range(self.workers.count)]   # named by their Ready
@@ -307,9 +310,8 @@ class CentralScheduler:
             raise ValueError(f"{cluster.policy} needs 1 <= num_prefill < the number of workers, "
                              f"got num_prefill={cluster.num_prefill} with {n} workers")
         if cluster.join is None:
-            # Workers time every step for the router only under a steered policy.
             configs = [self._worker_config(device, role) for device, role in zip(devices, roles)]
-            self.workers = WorkerProcesses(configs, self._sources(n), self.transport, self.steered,
+            self.workers = WorkerProcesses(configs, self._sources(n), self.transport, self.times_steps,
                                            [f"nanopd-{self.roles.name(w)}-{w}" for w in range(n)])
             self._close = weakref.finalize(self, self.workers.close)   # it holds the workers, not this object
         self.liveness = Liveness(self.workers, list(devices), cluster.worker_timeout_s)
@@ -514,7 +516,7 @@ class CentralScheduler:
             case Configured():
                 self.telemetry.configured[w] = msg
                 self.config_log.append(ConfigChange(time.perf_counter() - self.started, w, msg.sm_split,
-                                                    msg.prefill_budget))
+                                                    msg.token_budget))
             case Tokens():
                 for request_id, ids in msg.new.items():
                     t = current(w, request_id)

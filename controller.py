@@ -1,8 +1,8 @@
 """The per-worker controller: every CONTROL_INTERVAL_S it chooses the worker's configuration,
-its SM split (a split engine's, lanes.py) and its prompt budget per step (the scheduler's
-prefill_budget), from the state its engine holds now.
+its SM split (a split engine's, lanes.py) and its token budget per step (the scheduler's
+token_budget: decodes and prompt chunks together), from the state its engine holds now.
 
-  Config       a configuration: (sm_split or None, prompt tokens per step)
+  Config       a configuration: (sm_split or None, tokens per step)
   StepModel    a step's ms from its shape and where it ran (the whole GPU, a split's decode
                lane, a split's prefill lane): seeded from the profile (costmodel.py's
                HardwareParams), refitted by least squares on the engine's own timed steps
@@ -26,19 +26,22 @@ import torch
 
 from costmodel import HardwareParams, split_key
 
-CONTROL_INTERVAL_S = 0.2   # how often a worker with prompt work chooses its configuration
-REACT_S = 0.025            # ... and, on new work arriving, how soon after its last choice
+CONTROL_INTERVAL_S = 0.25  # how often a worker with prompt work chooses its configuration
+REACT_S = 0.025            # ... and, on work arriving at an idle one, how soon after its last choice
 HORIZON_MS = 1000.0        # what a forecast simulates: the next second of steps
-BUDGETS = (256, 512, 1024, 2048, 4096, 8192)   # the prompt budgets weighed (capped by the step's tokens)
+# The token budgets weighed on the whole GPU (capped by max_num_batched_tokens; those below
+# twice max_num_seqs left out: they would leave a full decode batch little room for prompts).
+# A split's prefill lane runs prompts only: it is weighed at the largest, its most efficient.
+BUDGETS = (512, 1024, 2048, 4096, 8192)
 MARGIN = 0.05              # another configuration must be forecast this much better to replace the current
 SWITCH_MS = 2.25           # a split change drains the steps in flight: every request present waits this
 MIN_DWELL_S = 0.5          # a split taken is kept this long (a budget change costs nothing)
+MAX_LOAD = 0.9             # a split whose prefill lane prefills the arrivals' prompt tokens at less than
+                           # 1 / this of their rate falls behind for as long as they last: not weighed
 FORGET = 0.98              # a step model's weight on the steps before the last (it tracks drift)
 PRIOR_WEIGHT = 1.0         # the profile's pull on a fit: a coefficient off by its own size costs 1 ms^2
 RECENT_S = 1.0             # the arrivals the rate and mean prompt length are measured over
 RECENT_ENDS = 64           # finished requests the output lengths are measured over
-MAX_LOAD = 0.9             # a configuration prefilling the arrivals' prompt tokens at less than 1 / this
-                           # of their rate falls behind: Poisson bursts past its headroom pile up
 UNTRIED_ERROR = 0.3        # a place's step model error before it has run steps there (the profile
                            # measured a split's lanes beside its own prompts, not the load's)
 ERROR_PRIOR_STEPS = 16     # ... weighed as this many steps' errors, against those it has run
@@ -90,7 +93,9 @@ class LeastSquares:
 
 class StepModel:
     """A step's ms, per place it ran: the whole GPU (decodes d holding c tokens of context,
-    prompt tokens p beside them: beta + slope max(0, d - batch_thresh) + kv c + gamma p), a
+    prompt tokens p beside them: beta + slope max(0, d - batch_thresh) + kv c + gamma p, with
+    beta its own for steps that carry prompt tokens: they run other code, piece by piece,
+    where a decode step replays one CUDA graph), a
     split's decode lane (the lane's beta, slope, kv) and a split's prefill lane (a chunk of p
     tokens: alpha0 + alpha p + alpha2 p^2). Each is seeded from the profile and refitted on
     the steps the worker timed there (workers.py:Worker._time_step); error is the running
@@ -108,8 +113,8 @@ class StepModel:
         """Take params as the prior (the profile, or the router's refit of it): the fits keep
         what they learned, pulled toward the new prior from now on."""
         self.p = params
-        priors = {("whole", None): ([params.beta, params.slope, params.kv, params.gamma],
-                                    [1e-1, 1e-3, 1e-6, 1e-4])}
+        priors = {("whole", None): ([params.beta, params.beta, params.slope, params.kv, params.gamma],
+                                    [1e-1, 1e-1, 1e-3, 1e-6, 1e-4])}
         for key, s in params.splits.items():
             priors[("decode", key)] = ([s.beta, s.slope, s.kv], [1e-1, 1e-3, 1e-6])
             priors[("prefill", key)] = ([s.alpha0, s.alpha, s.alpha2], [1e-1, 1e-4, 1e-9])
@@ -125,8 +130,10 @@ class StepModel:
         if lane == "prefill":
             return [1.0, prompt, prompt * prompt]
         thresh = self.p.batch_thresh if key is None else self.p.splits[key].batch_thresh
-        x = [1.0, max(0.0, decodes - thresh), context]
-        return x + [prompt] if lane == "whole" else x
+        x = [max(0.0, decodes - thresh), context]
+        if lane == "whole":   # (beta of a decode step, beta of a step with prompt tokens, ...)
+            return [float(prompt == 0), float(prompt > 0), *x, prompt]
+        return [1.0, *x]
 
     @staticmethod
     def place(decodes: int, sm_split: tuple[int, int] | None) -> tuple[str, str | None]:
@@ -238,18 +245,10 @@ class Forecast:
     config: Config
     latency_ms: float          # the sum over the requests present and arriving (see the module's docstring)
     met: float | None = None   # under an SLO, the share predicted to meet both targets
-    load: float = 0.0          # the arrivals' prompt tokens over what it prefills (prompt_load)
 
-    @property
-    def overloaded(self) -> bool:
-        return self.load >= MAX_LOAD
-
-    def key(self) -> tuple[float, float, float]:
-        """Those that keep up with the arrivals first; then the SLO share and the latency;
-        overloaded ones by their load (the least behind first)."""
-        if self.overloaded:
-            return (1.0, self.load, 0.0)
-        return (0.0, 0.0 if self.met is None else -self.met, self.latency_ms)
+    def key(self) -> tuple[float, float]:
+        """The SLO share (under an SLO), then the latency."""
+        return (0.0 if self.met is None else -self.met, self.latency_ms)
 
 
 class Sim:
@@ -291,10 +290,10 @@ class Sim:
         self.now = to
 
     def take(self, budget: int, decodes: int) -> tuple[int, list[list]]:
-        """A chunk of up to budget prompt tokens (within the step's tokens beside decodes),
+        """A chunk of the step's budget less its decodes (capped by the step's tokens),
         first come first served, admitting prompts while seats are free; (its tokens, the
         prompts it completes)."""
-        room, tokens, done = min(budget, self.snap.step_tokens - decodes), 0, []
+        room, tokens, done = min(budget, self.snap.step_tokens) - decodes, 0, []
         for p in self.queue:
             if room <= 0:
                 break
@@ -350,27 +349,17 @@ def forecast(model: StepModel, config: Config, snap: Snapshot,
         result = finish(sim, config, *run_whole(model, config, sim), [])
     else:
         result = finish(sim, config, *run_split(model, config, sim))
-    result.load = prompt_load(model, config, snap)
     return result
 
 
-def prompt_load(model: StepModel, config: Config, snap: Snapshot) -> float:
-    """The recent arrivals' prompt tokens per ms over those the configuration prefills per
-    ms beside the decodes running now: a full chunk per step, on the whole GPU a step of
-    the decodes and the chunk, on a split a chunk of the prefill lane (the decodes step on
-    the other). At 1 or more the queue grows past any horizon: a one-second forecast sees
-    only its start, and without this a budget too small to keep up looked best (its steps
-    short, the backlog still to come)."""
-    if snap.rate <= 0:
-        return 0.0
-    decodes, context = len(snap.decodes), sum(d.context for d in snap.decodes)
-    if config.sm_split is None:
-        chunk = max(1, min(config.budget, snap.step_tokens - decodes))
-        ms = step_ms(model, ("whole", None), decodes, context, chunk)
-    else:
-        chunk = max(1, min(config.budget, snap.step_tokens))
-        ms = step_ms(model, ("prefill", split_key(config.sm_split)), 0, 0, chunk)
-    return snap.rate * snap.mean_prompt / (chunk / ms)
+def lane_load(model: StepModel, config: Config, snap: Snapshot) -> float:
+    """A split's prefill lane: the recent arrivals' prompt tokens per ms over those its
+    chunks of budget tokens prefill per ms. A split's lane has the SMs it has; at 1 or more
+    its queue grows for as long as the arrivals last, past any horizon (the whole GPU's
+    room for prompts grows instead as its decodes end)."""
+    chunk = max(1, min(config.budget, snap.step_tokens))
+    ms = step_ms(model, ("prefill", split_key(config.sm_split)), 0, 0, chunk)
+    return snap.rate * snap.mean_prompt * ms / chunk
 
 
 def step_ms(model: StepModel, place: tuple[str, str | None], decodes: int, context: int,
@@ -395,7 +384,7 @@ def run_whole(model: StepModel, config: Config, sim: Sim) -> tuple[float, float]
         if decodes:
             sim.decode_step(ms, decodes)
         sim.first_tokens(done, in_flight=False)
-    queued = min(config.budget, sum(p[0] for p in sim.queue), sim.snap.step_tokens - len(sim.heap))
+    queued = min(sum(p[0] for p in sim.queue), min(config.budget, sim.snap.step_tokens) - len(sim.heap))
     decodes = len(sim.heap)
     return step_ms(model, place, decodes, sim.ctx, 0), step_ms(model, place, decodes, sim.ctx, queued)
 
@@ -441,23 +430,26 @@ def run_split(model: StepModel, config: Config, sim: Sim) -> tuple[float, float,
 def finish(sim: Sim, config: Config, decode_ms: float, chunk_ms: float,
            pending: list[tuple[list, float]]) -> Forecast:
     """The forecast: the time the requests spent in the system over the horizon, and for
-    those left at its end what they still need: a queued prompt waits ceil(Q / budget)
-    chunks (Q: the tokens queued up to and with its own), then decodes its output at
-    decode_ms a step; a decode's remaining steps take decode_ms each, on the whole GPU the
-    first ceil(Q / budget) of them a chunk's more (chunk_ms). Under an SLO a request meets
+    those left at its end what they still need: a queued prompt waits ceil(Q / c) chunks
+    (Q: the tokens queued up to and with its own, c: a step's prompt tokens, the budget
+    less the decodes beside it on the whole GPU), then decodes its output at decode_ms a
+    step; a decode's remaining steps take decode_ms each, on the whole GPU the first
+    ceil(Q / c) of them a chunk's more (chunk_ms). Under an SLO a request meets
     it if its first token came (or is forecast) within ttft_s and its steps average at most
     tpot_s."""
     slo, tail, met, q = sim.slo, 0.0, sim.met, 0
+    beside = len(sim.heap) if config.sm_split is None else 0   # on the whole GPU decodes share a step
+    room = max(1, min(config.budget, sim.snap.step_tokens) - beside)
     ttft, tpot = (slo[0] * 1e3, slo[1] * 1e3) if slo else (math.inf, math.inf)
     for p, done_at in pending:   # a chunk in flight completes them
         tail += done_at - sim.now + (p[2] - 1) * decode_ms
         met += done_at - p[1] <= ttft and decode_ms <= tpot
     for p in sim.queue:
         q += p[0]
-        wait = math.ceil(q / config.budget) * chunk_ms
+        wait = math.ceil(q / room) * chunk_ms
         tail += wait + (p[2] - 1) * decode_ms
         met += sim.now + wait - p[1] <= ttft and decode_ms <= tpot
-    chunks = math.ceil(q / config.budget)
+    chunks = math.ceil(q / room)
     extra = max(0.0, chunk_ms - decode_ms) if config.sm_split is None else 0.0
     for last, _, first in sim.heap:
         left = last - max(sim.counter, abs(first) - 1)   # one that joined beside a step in flight: not in it
@@ -472,11 +464,13 @@ def finish(sim: Sim, config: Config, decode_ms: float, chunk_ms: float,
 
 
 def full_step_ms(model: StepModel, config: Config, snap: Snapshot) -> float:
-    """The decodes' step now under config with a full chunk beside them: on the whole GPU,
-    the decodes and budget prompt tokens; on a split, the decode lane's step."""
+    """The decodes' step now under config with the chunk the queue fills beside them: on the
+    whole GPU, the decodes and the prompt tokens queued up to the budget's room; on a
+    split, the decode lane's step."""
     decodes, context = len(snap.decodes), sum(d.context for d in snap.decodes)
     if config.sm_split is None:
-        prompt = min(config.budget, snap.step_tokens - decodes)
+        queued = sum(p.tokens_left for p in snap.prompts)
+        prompt = max(0, min(queued, min(config.budget, snap.step_tokens) - decodes))
         return model.predict(("whole", None), decodes, context, prompt)
     return model.predict(("decode", split_key(config.sm_split)), decodes, context, 0)
 
@@ -490,10 +484,11 @@ def places(config: Config) -> set[tuple[str, str | None]]:
     return {("whole", None), ("decode", key), ("prefill", key)}
 
 
-def menu(step_tokens: int, splits: list[tuple[int, int]]) -> list[Config]:
-    """Every budget of BUDGETS (capped at the step's tokens) on the whole GPU and on each split."""
-    budgets = sorted({min(b, step_tokens) for b in BUDGETS})
-    return [Config(s, b) for s in [None, *splits] for b in budgets]
+def menu(step_tokens: int, seats: int, splits: list[tuple[int, int]]) -> list[Config]:
+    """The whole GPU at every budget of BUDGETS from twice the seats (capped at the step's
+    tokens, which are one too), and each split at the step's tokens."""
+    budgets = sorted({min(b, step_tokens) for b in BUDGETS if b >= 2 * seats} | {step_tokens})
+    return [Config(None, b) for b in budgets] + [Config(s, step_tokens) for s in splits]
 
 
 class Controller:
@@ -526,12 +521,14 @@ class Controller:
         self.slo = slo
 
     def options(self, snap: Snapshot) -> list[Config]:
-        """The menu (the splits the profile measured), within the TPOT target where any is,
-        and the current split alone while it is younger than MIN_DWELL_S."""
+        """The menu (the splits the profile measured, less those whose prefill lane falls
+        behind the arrivals: lane_load), within the TPOT target where any is, and the current
+        split alone while it is younger than MIN_DWELL_S."""
         splits = [s for s in self.splits if split_key(s) in self.model.p.splits]
-        options = menu(self.step_tokens, splits)
+        options = [c for c in menu(self.step_tokens, snap.seats, splits)
+                   if c.sm_split is None or lane_load(self.model, c, snap) < MAX_LOAD]
         if snap.time_s - self.split_since < MIN_DWELL_S:
-            options = [c for c in options if c.sm_split == self.current.sm_split]
+            options = [c for c in options if c.sm_split == self.current.sm_split] or options
         if self.slo is not None:
             within = [c for c in options if full_step_ms(self.model, c, snap) <= self.slo[1] * 1e3]
             options = within or options
@@ -548,7 +545,6 @@ class Controller:
             new = places(config) - places(self.current)
             doubt = max((self.model.uncertainty(p) for p in new), default=0.0)
             f.latency_ms *= 1 + doubt
-            f.load *= 1 + doubt
             f.met = None if f.met is None else f.met * (1 - doubt)
             forecasts.append(f)
         best = min(forecasts, key=Forecast.key)
@@ -560,8 +556,6 @@ class Controller:
         return self.current
 
     def clearly_better(self, new: Forecast, old: Forecast) -> bool:
-        if new.overloaded or old.overloaded:   # keeping up first; then the least behind
-            return not new.overloaded or (old.overloaded and new.load < old.load * (1 - self.margin))
         if self.slo is not None and abs(new.met - old.met) > self.margin:
             return new.met > old.met
         return new.latency_ms < old.latency_ms * (1 - self.margin)

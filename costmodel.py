@@ -100,7 +100,7 @@ class WorkerLoad:
     # that ended. Past saturation it is positive, and a request decoding there will share
     # its steps with more sequences than it sees now; while queues drain, negative.
     batch_growth: float = 0.0
-    prefill_budget: int | None = None   # prompt tokens per step it may carry (its controller's), None: any
+    token_budget: int | None = None   # tokens per step, decodes and chunks (its controller's), None: any
     # Prompt tokens of the requests here for their prefill and output tokens still to decode
     # here: where no router picks, a request goes to the worker with the fewest.
     work_tokens: int = 0
@@ -187,14 +187,14 @@ class CostModel:
         """Prefilling w's queued prompts and then this one: in one go (w's next step takes
         every prompt waiting; alpha0 once, alpha per token, and alpha2 per prompt, since
         attention is within a prompt: the queued ones taken as equally long), or, under a
-        prefill budget of b tokens per step, in ceil(tokens / b) of w's decode steps, each
-        carrying b of them (or all, if fewer)."""
+        token budget of b tokens per step, in ceil(tokens / c) of w's decode steps, each
+        carrying c = b less its decodes of them (or all, if fewer)."""
         tokens = w.queued_prefill_tokens + prompt_len
-        if w.prefill_budget is None:
+        if w.token_budget is None:
             return self.p.alpha0 + self.p.alpha * tokens + self.p.alpha2 * self.squares(w, prompt_len)
-        chunk = min(w.prefill_budget, tokens)
-        step = self.decode_step_ms(w.decode_batch, w.context_tokens) + self.p.gamma * chunk
-        return math.ceil(tokens / max(1, w.prefill_budget)) * step
+        room = max(1, w.token_budget - w.decode_batch)
+        step = self.decode_step_ms(w.decode_batch, w.context_tokens) + self.p.gamma * min(room, tokens)
+        return math.ceil(tokens / room) * step
 
     @staticmethod
     def squares(w: WorkerLoad, prompt_len: int) -> float:

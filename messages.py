@@ -144,10 +144,10 @@ class StepTimed:
 @dataclass
 class Configured:
     """A worker's controller changed its configuration: it runs on this SM split (None: the
-    whole GPU) with at most prefill_budget prompt tokens per step; step_error is its step
-    model's mean relative error so far."""
+    whole GPU) with at most token_budget tokens per step (decodes and prompt chunks
+    together); step_error is its step model's mean relative error so far."""
     sm_split: tuple[int, int] | None
-    prefill_budget: int
+    token_budget: int
     step_error: float
 
 

@@ -358,7 +358,7 @@ class ModelRunner:
         if draws:
             self._sample(logits, [at[d.row, d.position] for d in draws], draws, out, prev_tokens)
         if self.device.type == "cuda":
-            out.ready = torch.cuda.Event()
+            out.ready = torch.cuda.Event(enable_timing=True)   # timing: workers.py times steps by it
             out.ready.record()
         return out
 

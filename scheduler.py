@@ -56,7 +56,7 @@ class Scheduler:
         self.running: list[Sequence] = []          # in admission order; the last is preempted first
         self.importing = 0                         # seats held by imports whose KV is being copied in
         self.imports_waiting: list[int] = []       # arrival orders of imports waiting for seats, oldest first
-        self.prefill_budget: int | None = None     # prompt tokens per step, if capped (controller.py)
+        self.token_budget: int | None = None       # tokens per step, if cut (controller.py)
         self.restarted: list[Request] = []         # beam searches preempted whole: the engine restarts them
         self.num_preemptions = 0
 
@@ -76,10 +76,11 @@ class Scheduler:
         """This step's work: running decodes, unfinished prompt chunks and new sequences, or
         (a split worker's lanes, engine.py) only the decodes or only the prompts. busy: the
         sequences the other lane is computing now; they are neither scheduled nor preempted."""
-        batch, budget = Batch(), self.max_num_batched_tokens
-        # Prompt tokens (chunks, new sequences) may also be capped per step (prefill_budget),
-        # so that a step carrying them stays short for the decodes beside it.
-        prompt_room = (budget if self.prefill_budget is None else self.prefill_budget) if prompts else 0
+        # The step's tokens, decodes and prompt chunks together (vLLM's max_num_batched_tokens),
+        # may be cut for a while (token_budget), so that a step carrying prompt tokens stays
+        # short for the decodes beside it (Sarathi-Serve's token budget).
+        budget = min(self.max_num_batched_tokens, self.token_budget or self.max_num_batched_tokens)
+        batch = Batch()
         # Running decodes first (each waits on one token), then unfinished prompt chunks. A
         # sequence whose token in flight is its last (max_tokens) only waits to finish.
         todo = [s for s in self.running if s.num_pending == 1 and s.num_outputs < s.request.params.max_tokens
@@ -92,15 +93,14 @@ class Scheduler:
             if seq.status != Status.RUNNING or seq in busy:
                 continue
             # A decode's drafts (speculate.py) are checked in its step, as many as the budget holds.
-            n = min(seq.num_pending + len(seq.drafts), budget, prompt_room if seq.num_pending > 1 else budget)
+            n = min(seq.num_pending + len(seq.drafts), budget)
             del seq.drafts[max(0, n - seq.num_pending):]
             n = self._append_slots(seq, n, batch, busy) if n else 0
             if n == 0:
                 continue
             budget -= n + self._schedule_branches(seq, n, batch, budget - n)
-            prompt_room -= n if seq.num_pending > 1 else 0
         # Then new (or preempted) sequences, first come first served, while budget and seats remain.
-        while self.waiting and budget > 0 and prompt_room > 0:
+        while prompts and self.waiting and budget > 0:
             seq = self.waiting[0]
             reuse = not seq.request.scores_prompt   # prompt logprobs: every position computed
             if len(self.running) + self.importing + self._seats(seq) > self.max_num_seqs \
@@ -115,9 +115,9 @@ class Scheduler:
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = time.perf_counter()
                 metrics.num_cached_tokens = seq.num_computed
-            n = min(seq.num_pending, budget, prompt_room)
+            n = min(seq.num_pending, budget)
             batch.add(seq, n)
-            budget, prompt_room = budget - n, prompt_room - n
+            budget -= n
         return batch
 
     def _import_first(self, seq: Sequence) -> bool:

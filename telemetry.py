@@ -69,17 +69,17 @@ class Telemetry:
     def loads(self, workers: list[int], active: Iterable[RequestRecord], roles: RoleMap, now: float
               ) -> dict[int, WorkerLoad]:
         """What each of workers holds: prompts waiting for prefill, sequences decoding (and
-        their context), its work tokens, free blocks, seats, prefill budget; the prompt
+        their context), its work tokens, free blocks, seats, token budget; the prompt
         tokens per ms the workers' steps prefilled lately, shared by the workers that take
         prompts (costmodel.WorkerLoad says why not each worker's own); the growth of its
         decode batch, sequences per ms, over the last WINDOW_S (past saturation the batches
         grow while a request decodes). One pass over the active requests."""
         takers = roles.takers(workers)
         rate = self.prefill.rate(now, self.prefilled) / max(1, len(takers))
-        budgets = {w: c.prefill_budget for w, c in self.configured.items()}   # its controller's, else none
+        budgets = {w: c.token_budget for w, c in self.configured.items()}   # its controller's, else none
         loads = {w: WorkerLoad(free_blocks=self.status[w].free_blocks if w in self.status else self.room,
                                prefill_rate=rate if w in takers else 0.0, seats=self.seats,
-                               prefill_budget=budgets.get(w), sm_split=self.sm_split(w, roles))
+                               token_budget=budgets.get(w), sm_split=self.sm_split(w, roles))
                  for w in workers}
         for t in active:
             load = loads.get(t.worker)

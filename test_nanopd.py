@@ -1412,21 +1412,23 @@ def test_imports_in_flight_hold_their_seats(hf):
 
 
 @ENGINE
-def test_a_prefill_budget_caps_the_prompt_tokens_of_every_step(hf, monkeypatch):
-    """scheduler.prefill_budget = 5: no step carries more than 5 prompt tokens (decodes
-    beside them are not counted), and the tokens are still HF's greedy ones."""
+def test_a_token_budget_caps_the_tokens_of_every_step(hf, monkeypatch):
+    """scheduler.token_budget = 7: no step carries more than 7 tokens, decodes and prompt
+    chunks together, some carry exactly 7 with decodes beside a chunk, and the tokens
+    are still HF's greedy ones."""
     llm = make_llm(hf.path)
-    llm.engine.scheduler.prefill_budget = 5
-    prompt_tokens, run = [], llm.engine.runner.run
+    llm.engine.scheduler.token_budget = 7
+    steps, run = [], llm.engine.runner.run
 
     def counting_run(batch, *args):
-        prompt_tokens.append(sum(min(n, s.num_prompt_tokens - s.num_computed)
-                                 for s, n in zip(batch.seqs, batch.num_new)
-                                 if s.num_computed < s.num_prompt_tokens))
+        prompt = sum(min(n, s.num_prompt_tokens - s.num_computed) for s, n in zip(batch.seqs, batch.num_new)
+                     if s.num_computed < s.num_prompt_tokens)
+        steps.append((sum(batch.num_new), prompt))
         return run(batch, *args)
     monkeypatch.setattr(llm.engine.runner, "run", counting_run)
     assert tokens(generate(llm, PROMPTS, max_tokens=6)) == [hf.greedy(p, 6) for p in PROMPTS]
-    assert max(prompt_tokens) == 5 and all_blocks_free(llm)
+    assert max(t for t, _ in steps) == 7 and any(t == 7 and 0 < p < 7 for t, p in steps)
+    assert all_blocks_free(llm)
 
 
 @ENGINE
@@ -3622,7 +3624,7 @@ def test_abort_frees_a_request_wherever_it_is(hf):
 def test_set_role_sets_the_sm_split_only_when_it_changes(hf, monkeypatch):
     """SetRole carries what the regime asks of a worker: its SM split goes to
     engine.set_split when it becomes, changes or stops being a split, not on a role change
-    alone; the prefill budget stays the scheduler's (no cap). This engine's split menu is
+    alone; the token budget stays the scheduler's (no cap). This engine's split menu is
     empty: asking for a split fails the worker, with the engine's ValueError."""
     worker = in_process_worker(make_llm(hf.path).engine)
     splits, set_split = [], worker.engine.set_split
@@ -3631,7 +3633,7 @@ def test_set_role_sets_the_sm_split_only_when_it_changes(hf, monkeypatch):
                         ("decode", None), ("both", None)]:
         worker.inbox.put(messages.SetRole(role, split))
         worker.step(wait=False)
-        assert worker.engine.scheduler.prefill_budget is None
+        assert worker.engine.scheduler.token_budget is None
     assert splits == [(2, 6), (4, 4), None]
     monkeypatch.setattr(worker.engine, "set_split", set_split)
     worker.inbox.put(messages.SetRole("split", (2, 6)))
@@ -4571,7 +4573,7 @@ def test_the_step_model_recovers_the_coefficients_of_timed_steps():
     (twice the profile): each place's fit is torch's least squares on its steps (the prior's
     pull made negligible, no forgetting), and within 2% of the generating coefficients."""
     rng = random.Random(0)
-    truth = {("whole", None): [3.0, 0.5, 0.002, 0.04], ("decode", "84/48"): [4.0, 0.7, 0.003],
+    truth = {("whole", None): [3.0, 2.2, 0.5, 0.002, 0.04], ("decode", "84/48"): [4.0, 0.7, 0.003],
              ("prefill", "84/48"): [2.0, 0.06, 2e-6]}
     seeded = dataclasses.replace(CTL_PARAMS, beta=6.0, slope=1.0, kv=0.004, gamma=0.08, splits={
         "84/48": SplitParams(4.0, 0.12, 4e-6, 8.0, 16, 1.4, 0.006)})
@@ -4579,11 +4581,11 @@ def test_the_step_model_recovers_the_coefficients_of_timed_steps():
     rows = {place: ([], []) for place in truth}
     for _ in range(300):
         for place, theta in truth.items():
-            d, c, p = rng.randint(1, 64), rng.randint(0, 20000), rng.randint(0, 2048)
+            d, c, p = rng.randint(1, 64), rng.randint(0, 20000), rng.choice([0, rng.randint(1, 2048)])
             d = 0 if place[0] == "prefill" else d
             split = None if place[1] is None else (84, 48)
             x = model.features(place, d, c, p)
-            y = sum(t * v for t, v in zip(theta, x)) * (1 + rng.gauss(0, 0.002))
+            y = sum(t * v for t, v in zip(theta, x)) * (1 + rng.gauss(0, 0.001))
             model.observe(d, c, p, y, split)
             rows[place][0].append(x)
             rows[place][1].append(y)
@@ -4671,7 +4673,7 @@ def brute_forecast(model: "controller.StepModel", config: "controller.Config", s
         while now < H:
             join(now)
             batch = decoding()
-            tokens, done = chunk(min(b, snap.step_tokens - len(batch)))
+            tokens, done = chunk(min(b, snap.step_tokens) - len(batch))   # decodes count in the budget
             if not batch and not tokens:
                 if joined[0] == len(arrivals):
                     break
@@ -4726,12 +4728,13 @@ def brute_tail(model, config, snap, slo, reqs, now, in_chunk, t_p, key):
     ctx, nd = sum(r["ctx"] for r in dec), len(dec)
     if key is None:
         decode_ms = ms_of(("whole", None), nd, ctx, 0)
-        chunk_ms = ms_of(("whole", None), nd, ctx, min(b, q_all, snap.step_tokens - nd))
+        chunk_ms = ms_of(("whole", None), nd, ctx, min(q_all, min(b, snap.step_tokens) - nd))
     else:
         lane = ("decode", key) if q_all or in_chunk is not None else ("whole", None)
         decode_ms = ms_of(lane, nd, ctx, 0)
         chunk_ms = ms_of(("prefill", key), 0, 0, min(b, q_all)) if q_all else 0.0
     total, met, q = 0.0, 0, 0
+    room = max(1, min(b, snap.step_tokens) - (nd if key is None else 0))   # a step's prompt tokens
     for r in reqs:
         total += min(r["end"] if r["end"] is not None else now, now) - max(r["arr"], 0.0)
         ok_first = r["ttft"] is None or r["ttft"] <= ttft
@@ -4742,12 +4745,12 @@ def brute_tail(model, config, snap, slo, reqs, now, in_chunk, t_p, key):
         met += t_p - r["arr"] <= ttft and decode_ms <= tpot
     for r in queue:
         q += r["left"]
-        wait = math.ceil(q / b) * chunk_ms
+        wait = math.ceil(q / room) * chunk_ms
         total += wait + (r["out"] - 1) * decode_ms
         met += now + wait - r["arr"] <= ttft and decode_ms <= tpot
     extra = max(0.0, chunk_ms - decode_ms) if key is None else 0.0
     for r in dec:
-        total += r["rem"] * decode_ms + min(r["rem"], math.ceil(q / b)) * extra
+        total += r["rem"] * decode_ms + min(r["rem"], math.ceil(q / room)) * extra
         ok_first = r["ttft"] is None or r["ttft"] <= ttft
         met += ok_first and (sum(r["steps"]) + r["rem"] * decode_ms) / (len(r["steps"]) + r["rem"]) <= tpot
     return total, (met / max(1, len(reqs)) if slo else None)
@@ -4765,22 +4768,16 @@ def random_snapshot(rng: random.Random) -> "controller.Snapshot":
                                rate, rng.uniform(50, 2500), rng.uniform(1, 150))
 
 
-def brute_load(model: "controller.StepModel", config: "controller.Config",
-               snap: "controller.Snapshot") -> float:
-    """The arrivals' prompt tokens per ms over what config prefills per ms: a full chunk per
-    step beside the decodes (whole GPU), or per prefill-lane chunk (a split)."""
-    if snap.rate == 0:
-        return 0.0
-    d, c = len(snap.decodes), sum(x.context for x in snap.decodes)
+def brute_keeps_up(model: "controller.StepModel", config: "controller.Config",
+                   snap: "controller.Snapshot") -> bool:
+    """The whole GPU, or a split whose prefill lane prefills the recent arrivals' prompt
+    tokens (rate x mean prompt per ms) at least MAX_LOAD times as fast as they come: its
+    chunks of the budget at a0 + a1 L + a2 L^2 ms each."""
     if config.sm_split is None:
-        chunk = max(1, min(config.budget, snap.step_tokens - d))
-        beta, slope, kv, gamma = model.fits[("whole", None)].theta
-        ms = beta + slope * max(0, d - model.p.batch_thresh) + kv * c + gamma * chunk
-    else:
-        chunk = max(1, min(config.budget, snap.step_tokens))
-        a0, a1, a2 = model.fits[("prefill", "84/48")].theta
-        ms = a0 + a1 * chunk + a2 * chunk * chunk
-    return snap.rate * snap.mean_prompt * max(ms, 1e-3) / chunk
+        return True
+    chunk = min(config.budget, snap.step_tokens)
+    a0, a1, a2 = model.fits[("prefill", controller.split_key(config.sm_split))].theta
+    return snap.rate * snap.mean_prompt * (a0 + a1 * chunk + a2 * chunk * chunk) / chunk < controller.MAX_LOAD
 
 
 def test_the_step_models_uncertainty_is_its_error_shrunk_toward_the_untried_one():
@@ -4809,7 +4806,7 @@ def test_the_forecast_agrees_with_a_simulation_per_request_and_step(seed):
     model = controller.StepModel(CTL_PARAMS)
     for _ in range(8):
         snap, slo = random_snapshot(rng), random_slo(rng)
-        for config in controller.menu(snap.step_tokens, [(84, 48)]):
+        for config in controller.menu(snap.step_tokens, snap.seats, [(84, 48)]):
             f = controller.forecast(model, config, snap, slo)
             latency, met = brute_forecast(model, config, snap, slo)
             assert f.latency_ms == pytest.approx(latency, rel=1e-9), config
@@ -4820,16 +4817,17 @@ def test_the_forecast_agrees_with_a_simulation_per_request_and_step(seed):
 def test_the_controller_chooses_the_brute_force_argmin_and_keeps_steps_under_the_tpot_target(seed):
     """A fresh controller (margin 0) chooses the configuration with the best brute-force
     forecast (brute_forecast; a split, not the current one, pays SWITCH_MS per request
-    present and, its lanes untried, UNTRIED_ERROR of doubt: its latency and load that much
-    higher, its SLO share that much lower; one whose load, brute_load, is MAX_LOAD or more
-    ranks behind every other, by its load); under an SLO, if some configuration's full step stays
+    present and, its lanes untried, UNTRIED_ERROR of doubt: its latency that much higher, its
+    SLO share that much lower; a split whose prefill lane falls behind the arrivals,
+    brute_keeps_up, is not weighed); under an SLO, if some configuration's full step stays
     within the TPOT target, the chosen one's does."""
     rng = random.Random(100 + seed)
     for _ in range(6):
         snap, slo = random_snapshot(rng), random_slo(rng)
         ctl = controller.Controller(CTL_PARAMS, snap.step_tokens, [(84, 48)], slo, margin=0.0)
         chosen = ctl.choose(snap)
-        options = controller.menu(snap.step_tokens, [(84, 48)])
+        options = [c for c in controller.menu(snap.step_tokens, snap.seats, [(84, 48)])
+                   if brute_keeps_up(ctl.model, c, snap)]
         full = {c: controller.full_step_ms(ctl.model, c, snap) for c in options}
         if slo is not None and any(ms <= slo[1] * 1e3 for ms in full.values()):
             assert full[chosen] <= slo[1] * 1e3
@@ -4840,9 +4838,7 @@ def test_the_controller_chooses_the_brute_force_argmin_and_keeps_steps_under_the
             latency, met = brute_forecast(ctl.model, c, snap, slo)
             latency += controller.SWITCH_MS * present if c.sm_split is not None else 0.0
             doubt = controller.UNTRIED_ERROR if c.sm_split is not None else 0.0
-            load = brute_load(ctl.model, c, snap) * (1 + doubt)
-            keys[c] = (1.0, load, 0.0) if load >= controller.MAX_LOAD else \
-                (0.0, 0.0 if met is None else -met * (1 - doubt), latency * (1 + doubt))
+            keys[c] = (0.0 if met is None else -met * (1 - doubt), latency * (1 + doubt))
         assert keys[chosen] == pytest.approx(min(keys.values()), rel=1e-9)
 
 
@@ -4850,26 +4846,26 @@ def test_the_controller_keeps_its_configuration_while_forecasts_differ_by_less_t
     """A stream of snapshots on which the menu's forecasts (all but the current one's) are
     within the margin of the current's: the configuration never changes; one on which
     another is better by more than the margin: it changes, and a split taken is kept
-    MIN_DWELL_S (only budgets change meanwhile). No arrivals: every configuration keeps up
-    (load 0), and the latency alone decides."""
+    MIN_DWELL_S (only budgets change meanwhile)."""
     rng = random.Random(7)
     ctl = controller.Controller(CTL_PARAMS, 8192, [(84, 48)])
     changes, kept = 0, 0
     for i in range(60):
         snap = random_snapshot(rng)
-        snap.time_s, snap.rate = i * controller.CONTROL_INTERVAL_S, 0.0   # none arriving: all keep up
+        snap.time_s = i * controller.CONTROL_INTERVAL_S
         before, split_before, since = ctl.current, ctl.current.sm_split, ctl.split_since
         forecasts = {c: controller.forecast(ctl.model, c, snap).latency_ms
-                     for c in controller.menu(8192, [(84, 48)])}
+                     for c in controller.menu(8192, 256, [(84, 48)]) if brute_keeps_up(ctl.model, c, snap)}
         present = len(snap.prompts) + len(snap.decodes)
         # a move onto the split's untried lanes is doubted by UNTRIED_ERROR (no step ran there)
         doubt = controller.UNTRIED_ERROR if before.sm_split is None else 0.0
         switch = controller.SWITCH_MS * present
         costs = {c: (ms + switch) * (1 + doubt) if c.sm_split != before.sm_split else ms
                  for c, ms in forecasts.items()}
-        dwelling = snap.time_s - since < controller.MIN_DWELL_S
+        # while a split is young only its budgets are weighed (unless its lane falls behind)
+        dwelling = snap.time_s - since < controller.MIN_DWELL_S and before in forecasts
         weighed = {c: ms for c, ms in costs.items() if not dwelling or c.sm_split == split_before}
-        within = min(weighed.values()) >= forecasts[before] * (1 - controller.MARGIN)
+        within = before in forecasts and min(weighed.values()) >= forecasts[before] * (1 - controller.MARGIN)
         after = ctl.choose(snap)
         if within:
             assert after == before
@@ -4904,20 +4900,23 @@ def test_recent_expects_outputs_capped_by_those_that_ended_early_and_measures_ar
 @pytest.mark.usefixtures("worker_env", "torch_twins")
 def test_the_adaptive_workers_controller_cuts_its_budget_when_long_prompts_come_among_decodes(hf):
     """One adaptive CPU worker, its controller on a fixed step model (Control with an
-    infinite prior weight: the profile's, not the CPU's timings) in which a step of 512
-    prompt tokens beside two or more decodes outlasts the TPOT target and one of 256 does
-    not: decodes alone keep the idle default (512, the step's tokens); long prompts arriving
-    among them make it take 256 (Configured, in config_log, its budget applied: the prompts
-    are chunked by 256). Every request gives HF's greedy tokens."""
-    params = HardwareParams(alpha=0.1, beta=5.0, batch_thresh=0, slope=2.0, gamma=0.1, transfer_rate=0.0)
+    infinite prior weight: the profile's, not the CPU's timings) in which a step of six
+    decodes and a 1024-token budget's chunk outlasts the TPOT target and one of 512 tokens
+    does not: short prompts, then decodes alone keep the idle default (1024, the step's
+    tokens); six long prompts arriving among the decodes, four of them waiting for a seat
+    while the short ones decode (so that a choice sees them queued however fast the device
+    steps), make it take 512 (Configured, in config_log). Every request gives HF's greedy
+    tokens."""
+    params = HardwareParams(alpha=0.1, beta=5.0, batch_thresh=0, slope=3.0, gamma=0.05, transfer_rate=0.0)
     slo = (100.0, 0.06)
     short = [prompt(3 + i, 200 + i) for i in range(6)]
-    long = [prompt(300 + 20 * i, 300 + i) for i in range(2)]
-    with make_cluster(hf, "adaptive", 1, profile=False, max_num_batched_tokens=512, num_kv_blocks=256) as llm:
+    long = [prompt(480 + 5 * i, 300 + i) for i in range(6)]
+    with make_cluster(hf, "adaptive", 1, profile=False, max_num_batched_tokens=1024, max_num_seqs=8,
+                      num_kv_blocks=512) as llm:
         cluster = llm.cluster
         cluster.workers.send(0, messages.Control(params, slo, prior_weight=math.inf))
         # long enough that they still decode when the burst comes, on a GPU too
-        params_g = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+        params_g = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
         ids = [cluster.submit(p, params_g) for p in short]
         deadline = time.monotonic() + 60
         while not all(len(cluster.active[i].tokens) >= 2 for i in ids) and time.monotonic() < deadline:
@@ -4929,10 +4928,10 @@ def test_the_adaptive_workers_controller_cuts_its_budget_when_long_prompts_come_
         while len(ended) < len(ids) and time.monotonic() < deadline:
             ended |= set(cluster.poll(0.02))
         outs = [cluster.output(i) for i in ids]
-    assert [o.outputs[0].token_ids for o in outs] == [hf.greedy(p, 300) for p in short] + \
+    assert [o.outputs[0].token_ids for o in outs] == [hf.greedy(p, 400) for p in short] + \
         [hf.greedy(p, 4) for p in long]
     changes = cluster.config_log
-    assert changes and changes[0].worker == 0 and changes[0].budget == 256 and changes[0].sm_split is None
+    assert changes and changes[0].worker == 0 and changes[0].budget == 512 and changes[0].sm_split is None
     assert all(c.time_s >= 0 for c in changes)
 
 
@@ -6463,7 +6462,7 @@ def test_bench_plots_the_configurations_over_time_from_a_synthetic_log(tmp_path)
     cluster = type("Cluster", (), {"devices": ["cpu", "cpu"], "started": 100.0, "step_log": steps})()
     tl = {"policy": "adaptive", "workload": "sharegpt", "rate": 4.0,   # the run started 2 s into the cluster
           **bench.config_timeline(cluster, log, {"budget": 8192, "sm_split": None}, 102.0, 10.0)}
-    assert tl["steps"] == [[0.5, 1, 4, 400, 512, 21.0, [84, 48]]]
+    assert bench.timed_steps(cluster, 102.0, 10.0) == [[0.5, 1, 4, 400, 512, 21.0, [84, 48]]]
     assert [(c["time"], c["worker"], c["sm_split"], c["budget"]) for c in tl["changes"]] == [
         (0.0, 0, None, 512), (0.0, 1, None, 8192), (1.0, 0, [84, 48], 512), (4.0, 0, None, 2048)]
     assert bench.held_shares(tl) == {0: {"whole GPU @2048": pytest.approx(0.6),

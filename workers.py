@@ -157,12 +157,14 @@ class Worker:
         self.transfers: list[Transfer] = []            # imports, first come first served
         self.reports: list = []                        # this round's, sent at its end
         self.report_steps = report_steps               # time every step for the router (adaptive only)
-        self.last_collected: float | None = None       # when the engine last returned a step's tokens
+        self.last_collected: tuple[float, torch.cuda.Event | None] | None = None   # when (and on the
+        # device, the event at which) the engine last returned a step's tokens
         self.last_sent = 0.0                           # when the last reports went out
         self.sm_split: tuple[int, int] | None = None   # (prefill SMs, decode SMs) it runs on; None: all
         self.controller: Controller | None = None      # under adaptive (Control): its own configuration
         self.recent = Recent()                         # the arrivals and ends the controller reads
         self.controlled_at = -1e9                      # when the controller last chose
+        self.waiting_seen = 0                          # ... and the prompt tokens waiting then
 
     def run(self) -> None:
         while self.step():
@@ -256,18 +258,26 @@ class Worker:
     def _control(self, arrived: bool) -> None:
         """Every CONTROL_INTERVAL_S, while prompts are here or arriving or the configuration
         is not the idle default, let the controller choose it from the engine's state, and
-        as soon as new work arrives (REACT_S after the last choice at the soonest: a burst
-        is met before its first chunk runs); apply a change and report it."""
+        soon after a burst arrives (REACT_S after the last choice at the soonest: a burst is
+        met before its first chunk runs), a burst being prompt tokens waiting, more than
+        twice those at the last choice, that the next step has no room for; apply a change
+        and report it. Choosing costs host time between steps: not on every arrival."""
         c, now = self.controller, time.perf_counter()
-        if c is None or now - self.controlled_at < (REACT_S if arrived else CONTROL_INTERVAL_S):
+        if c is None:
+            return
+        sched = self.engine.scheduler
+        waiting = sum(seq.num_pending for seq in sched.waiting) if arrived else 0
+        burst = waiting > max(2 * self.waiting_seen, c.current.budget - len(sched.running))
+        if now - self.controlled_at < (REACT_S if burst else CONTROL_INTERVAL_S):
             return
         snap = self._snapshot(now)
+        self.controlled_at, before = now, c.current
+        self.waiting_seen = sum(p.tokens_left for p in snap.prompts if not p.admitted)
         if not snap.prompts and not snap.rate and c.current == c.default:
             return
-        self.controlled_at, before = now, c.current
         config: Config = c.choose(snap)
         if config != before:
-            self.engine.scheduler.prefill_budget = config.budget
+            self.engine.scheduler.token_budget = config.budget
             self._set_split(config.sm_split)
             self.reports.append(Configured(config.sm_split, config.budget, c.model.error))
 
@@ -403,16 +413,21 @@ class Worker:
     def _time_step(self, collected: LaunchedStep | None) -> None:
         """Report the step just collected with its time: the time since the previous one was
         collected, while the engine runs back to back (one step on the device while the
-        host finishes the one before), so a step's time is what its decodes waited. A split
+        host finishes the one before), so a step's time is what its decodes waited. On a GPU
+        it is the time between the device events that ended the two steps: the host sees a
+        step's tokens only after it launched the next, which a long prompt chunk's launch
+        delays, and timed so a chunk's ms went to the step beside it. A split
         worker's steps say where they ran: on the whole GPU, or on a lane of a split, whose
         own models the router refits; its prompt chunks are reported too (decodes 0), timed
         by the engine from launch until their tokens were seen."""
         now = time.perf_counter()
+        ended = collected.output.ready if collected is not None and collected.output else None
         if collected is not None and self.last_collected is not None:
+            at, before = self.last_collected
+            ms = before.elapsed_time(ended) if before is not None and ended is not None else (now - at) * 1e3
             s = collected.shape
-            self._timed(StepTimed(s.decodes, s.context_tokens, s.prefill_tokens,
-                                  (now - self.last_collected) * 1e3, collected.lane.split))
-        self.last_collected = now if self.engine.in_flight is not None else None
+            self._timed(StepTimed(s.decodes, s.context_tokens, s.prefill_tokens, ms, collected.lane.split))
+        self.last_collected = (now, ended) if self.engine.in_flight is not None else None
         if isinstance(self.engine, SplitEngine):
             for p in self.engine.take_prefill_lane_steps():
                 self._timed(StepTimed(0, 0, p.shape.prefill_tokens, p.ms, p.split))
