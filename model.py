@@ -24,7 +24,7 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-import kernels
+import gpu_kernels as kernels
 from config import TOKENIZER_FILES, resolve_dtype
 
 

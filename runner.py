@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-import kernels
+import gpu_kernels as kernels
 from config import EngineConfig
 from kv_cache import allocate_kv_cache, blocks_for_memory, cdiv, kv_bytes_per_block
 from model import AttentionMetadata, CausalLM

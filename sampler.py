@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-import kernels
+import gpu_kernels as kernels
 from request import PENDING, SamplingParams, Sequence
 
 # host list -> tensor on the device (ModelRunner.upload)

@@ -11,7 +11,7 @@ order of the README's file map (its three tables):
   sampler.py                 sampling and logprobs
   runner.py                  the model runner
   engine.py                  steps, stops, n > 1, errors, Ctrl-C
-  kernels.py                 the Triton kernels
+  gpu_kernels.py             the Triton kernels
   smsplit.py, lanes.py       the split worker: two lanes on one GPU
   speculate.py               speculative decoding, in the engine's step
   beams.py                   beam search
@@ -30,7 +30,7 @@ order of the README's file map (its three tables):
 timing.py has no section: the profiler's and the micro-benchmarks' tests run it.
 
 Without CUDA the Triton kernels run under the interpreter (TRITON_INTERPRET=1 is set
-below, before kernels.py decorates anything), so CI tests the kernels themselves.
+below, before gpu_kernels.py decorates anything), so CI tests the kernels themselves.
 Interpreter arithmetic on bf16 is wrong, so bf16 is tested on the GPU only.
 """
 
@@ -91,8 +91,8 @@ from transformers import (
 
 import cluster as cluster_mod
 import controller
+import gpu_kernels as kernels
 import hosts
-import kernels
 import kv_cache
 import lanes
 import messages
@@ -249,7 +249,7 @@ def llm(hf) -> LLM:
 @pytest.fixture
 def torch_twins(monkeypatch):
     """On CPU, run the kernels' torch twins instead of the (slow) Triton interpreter: the
-    kernels themselves are tested in kernels.py's section. (On a GPU this changes nothing.)"""
+    kernels themselves are tested in gpu_kernels.py's section. (On a GPU this changes nothing.)"""
     monkeypatch.setattr(kernels, "INTERPRET", False)
 
 
@@ -2368,7 +2368,7 @@ def test_two_threads_generating_on_one_llm_each_get_their_own_outputs(hf, llm):
     assert all_blocks_free(llm) and not llm.engine.requests and not llm.ended
 
 
-# ============================================== kernels.py: the Triton kernels
+# ============================================== gpu_kernels.py: the Triton kernels
 # Each kernel against a dense reference written here and against its torch twin.
 
 

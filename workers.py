@@ -165,6 +165,7 @@ class Worker:
         self.recent = Recent()                         # the arrivals and ends the controller reads
         self.controlled_at = -1e9                      # when the controller last chose
         self.waiting_seen = 0                          # ... and the prompt tokens waiting then
+        self.burst = False                             # a burst has come since
 
     def run(self) -> None:
         while self.step():
@@ -266,12 +267,13 @@ class Worker:
         if c is None:
             return
         sched = self.engine.scheduler
-        waiting = sum(seq.num_pending for seq in sched.waiting) if arrived else 0
-        burst = waiting > max(2 * self.waiting_seen, c.current.budget - len(sched.running))
-        if now - self.controlled_at < (REACT_S if burst else CONTROL_INTERVAL_S):
+        if arrived:   # a burst stays one until the controller has seen it
+            waiting = sum(seq.num_pending for seq in sched.waiting)
+            self.burst |= waiting > max(2 * self.waiting_seen, c.current.budget - len(sched.running))
+        if now - self.controlled_at < (REACT_S if self.burst else CONTROL_INTERVAL_S):
             return
         snap = self._snapshot(now)
-        self.controlled_at, before = now, c.current
+        self.controlled_at, self.burst, before = now, False, c.current
         self.waiting_seen = sum(p.tokens_left for p in snap.prompts if not p.admitted)
         if not snap.prompts and not snap.rate and c.current == c.default:
             return

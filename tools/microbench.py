@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-import kernels
+import gpu_kernels as kernels
 from request import SamplingParams
 from scheduler import Batch
 from timing import fake_batch, free_batch, run_step, time_step_ms

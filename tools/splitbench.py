@@ -28,7 +28,7 @@ import time
 
 import torch
 
-import kernels
+import gpu_kernels as kernels
 from config import EngineConfig
 from lanes import SplitEngine
 from request import SamplingParams
