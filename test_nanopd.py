@@ -2788,29 +2788,36 @@ def test_a_request_a_split_change_finishes_is_returned_and_an_abort_after_drops_
 @ENGINE
 @given(seed=st.integers(0, 2 ** 16), blocks=st.sampled_from([12, 24, 256]))
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_split_changes_every_step_under_aborts_and_preemption_lose_nothing(hf, seed, blocks):
-    """A random split (or none) before every step, random aborts, and caches small enough
-    to preempt: every request not aborted is returned once with HF's greedy tokens, no
-    aborted one is returned, and every block comes back."""
+def test_split_and_budget_changes_every_step_under_aborts_and_preemption_lose_nothing(hf, seed, blocks):
+    """A random split (or none) and a random token budget before every step, random aborts,
+    and caches small enough to preempt: every request not aborted is returned once, the
+    greedy ones with HF's greedy tokens and the seeded ones with the tokens the plain
+    engine at its default budget samples for them; no aborted one is returned, and every
+    block comes back."""
     rng = random.Random(seed)
     eng = split_engine(hf, num_kv_blocks=blocks, max_num_seqs=6)
     prompts = [prompt(rng.randint(3, 40), seed * 31 + i) for i in range(10)]
-    lengths = [rng.randint(1, 12) for _ in prompts]
-    ids = [eng.submit(p, SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True))
-           for p, k in zip(prompts, lengths)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 12), ignore_eos=True) if i % 2 else
+              SamplingParams(temperature=0.8, seed=seed + i, max_tokens=rng.randint(1, 12), ignore_eos=True)
+              for i in range(len(prompts))]
+    plain = run_engine(split_engine(hf, sm_split=None, split_menu=()), list(zip(prompts, params)))
+    ids = [eng.submit(p, sp) for p, sp in zip(prompts, params)]
     aborted, ended = set(), []
     for _ in range(2000):
         if not eng.has_unfinished():
             break
         ended += eng.step()
         eng.set_split(rng.choice([None, SPLIT, OTHER_SPLIT]))   # between steps: the steps in flight drain
+        eng.scheduler.token_budget = rng.choice([3, 8, 24])     # a budget change costs nothing
         live = [r for r in ids if r not in ended and r not in aborted]   # not yet returned
         if live and rng.random() < 0.1:
             aborted.add(victim := rng.choice(live))
             eng.abort([victim])
     assert not eng.has_unfinished() and len(ended) == len(set(ended)) and set(ended) == set(ids) - aborted
     for r in ended:
-        assert eng.output(r).outputs[0].token_ids == hf.greedy(prompts[ids.index(r)], lengths[ids.index(r)])
+        i = ids.index(r)
+        want = plain[i].outputs[0].token_ids if i % 2 == 0 else hf.greedy(prompts[i], params[i].max_tokens)
+        assert eng.output(r).outputs[0].token_ids == want
     assert eng.bm.num_free_blocks == eng.bm.num_blocks and not eng.requests
 
 
