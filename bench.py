@@ -231,9 +231,34 @@ def frontier(rows: list[dict], slo: bool) -> list[dict]:
     return out
 
 
-def print_frontier(front: list[dict]) -> None:
-    """adaptive beside the best fixed configuration, a line per workload and rate."""
+def phase_switch(front: list[dict], results: list[Result]) -> None:
+    """To each phased run's frontier entry, what a configuration chosen per phase could do:
+    each phase's requests taken from the fixed configuration best for that phase (its own
+    frontier entry), their E2E p50 together over the best fixed one's. An estimate of the
+    most a change between phases gains on this load: each phase's requests met the backlog
+    its run's configuration left, not the one the switch would."""
+    phases = {(f["workload"].removeprefix("phased:"), f["rate"]): f["best_fixed"] for f in front
+              if f["workload"].startswith("phased:")}
     for f in front:
+        if f["workload"] != "phased":
+            continue
+        best = {mix: name for (mix, rate), name in phases.items() if rate == f["rate"]}
+        e2e = [r.e2e for r in results if r.error is None and r.workload == "phased" and r.rate == f["rate"]
+               and best.get(r.phase) == r.policy]
+        if best and e2e:
+            f.update(phase_best=best, phase_switch_e2e_p50=percentile(e2e, 50),
+                     phase_switch_ratio=percentile(e2e, 50) / f["best_fixed_e2e_p50"])
+
+
+def print_frontier(front: list[dict]) -> None:
+    """adaptive beside the best fixed configuration, a line per workload and rate, and on a
+    phased load the estimate of a configuration per phase (phase_switch)."""
+    for f in front:
+        if "phase_switch_ratio" in f:
+            best = ", ".join(f"{mix} {name}" for mix, name in f["phase_best"].items())
+            print(f"each phase on its best fixed ({best}), {f['workload']} at {rate_text(f['rate'])}: "
+                  f"E2E p50 {f['phase_switch_e2e_p50']:.2f} s, {f['phase_switch_ratio']:.2f}x the best "
+                  "fixed: about the most a change between phases gains here")
         if "e2e_p50_ratio" not in f:
             continue
         line = (f"adaptive vs the best fixed ({f['best_fixed']}), {f['workload']} at {rate_text(f['rate'])}: "
@@ -971,6 +996,7 @@ def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timel
                        default=0.0)
                for lb in labels}
     front = frontier(rows, run.slo is not None)
+    phase_switch(front, results)
     print_table(rows, caption(run), front)
     print_notes(run, rows, goodput, calib, timelines, configs, front)
     run.out.mkdir(parents=True, exist_ok=True)
@@ -1055,8 +1081,9 @@ def config_spans(timeline: dict) -> list[tuple[dict, float]]:
 
 
 def replot(args: argparse.Namespace) -> None:
-    """A run's PNGs drawn again, beside its results.json, from what that file holds: nothing
-    is measured. The run's caption is rebuilt from the file's meta and summary."""
+    """A run's PNGs drawn again, beside its results.json, and its frontier lines printed
+    again, from what that file holds: nothing is measured. The run's caption is rebuilt from
+    the file's meta and summary."""
     data = json.loads(args.results.read_text())
     meta, rows = data["meta"], data["summary"]
     duration = default(args.duration, meta.get("duration"))
@@ -1073,6 +1100,9 @@ def replot(args: argparse.Namespace) -> None:
               phases=tuple(tuple(p) for p in meta.get("phases", PHASES)),
               phase_s=meta.get("phase_s", PHASE_S))
     results = [Result(**r) for r in data["requests"]]
+    front = frontier(rows, meta.get("slo_given", False))
+    phase_switch(front, results)
+    print_frontier(front)
     files = plot(run, rows, results, data["goodput"], data.get("regimes") or [], data.get("configs") or [])
     print(f"wrote {', '.join(str(run.out / f) for f in files)}")
 

@@ -6388,7 +6388,8 @@ def test_bench_all_on_one_device_runs_the_frontier_and_marks_the_best_fixed(tmp_
     (disaggregated on one device: a split worker) and adaptive, each named for it; for each
     workload row (the run, each phase) the fixed configuration the table marks best and
     results.json's frontier names has the least E2E p50 recomputed here from the requests
-    (nearest rank), and adaptive's ratio is its p50 over that one's."""
+    (nearest rank), and adaptive's ratio is its p50 over that one's; the run's entry gives
+    the p50 of each phase's requests from that phase's best fixed configuration."""
     env = {**os.environ, "HOME": str(tmp_path), "TRITON_INTERPRET": "0"}
     run = subprocess.run([sys.executable, "bench.py", "--policy", "all", "--rate", "4", "--duration", "1",
                           *ISSUE42_PHASES, "--ttft-slo", "0.5", "--model", "tiny", "--devices", "cpu",
@@ -6417,6 +6418,14 @@ def test_bench_all_on_one_device_runs_the_frontier_and_marks_the_best_fixed(tmp_
     assert {f["workload"] for f in results["frontier"]} == {"phased", "phased:prefill-heavy",
                                                              "phased:sharegpt"}
     assert b"adaptive vs the best fixed" in run.stdout
+    # a configuration per phase: each phase's requests from its own best fixed, their p50
+    whole = next(f for f in results["frontier"] if f["workload"] == "phased")
+    best = {f["workload"].removeprefix("phased:"): f["best_fixed"] for f in results["frontier"]
+            if f["workload"] != "phased"}
+    switched = sorted(q["e2e"] for q in results["requests"] if best.get(q["phase"]) == q["policy"])
+    assert whole["phase_best"] == best
+    assert whole["phase_switch_e2e_p50"] == pytest.approx(switched[len(switched) // 2], rel=1e-5)
+    assert b"each phase on its best fixed" in run.stdout
     prefill_heavy = [q for q in results["requests"] if q["phase"] == "prefill-heavy"]
     assert prefill_heavy and all(1200 // 8 <= q["prompt_len"] <= 2400 // 8 for q in prefill_heavy)
 
