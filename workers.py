@@ -662,11 +662,15 @@ def stop_processes(procs: list, inboxes: list, reports: list, shares: list, hear
     """WorkerProcesses.close, as a function a weakref finalizer can hold (it must not hold
     the object it finalizes). A worker not heard from is still starting (LLM(...) was
     interrupted): it holds no request and reads no message before it is ready, so it is
-    terminated at once. A SIGTERM meanwhile waits until all is released (SigtermExit)."""
+    terminated at once, and sent nothing: a put starts the queue's feeder thread, which
+    holds two of its semaphores, and one still running at the interpreter's exit can be
+    frozen between unlinking them and telling the resource tracker (its "leaked"
+    warning). A SIGTERM meanwhile waits until all is released (SigtermExit)."""
     with SIGTERM_EXIT.held():
-        for q in inboxes:
+        for w, q in enumerate(inboxes):
             try:
-                q.put(Stop())
+                if w in heard:
+                    q.put(Stop())
             except (OSError, ValueError):
                 pass
         deadline = time.monotonic() + timeout_s
