@@ -853,6 +853,7 @@ def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
     from nanopd import LLM
     policy, budget = run_config(name)
     engine = {**run.engine, **({"max_num_batched_tokens": budget} if budget else {})}
+    begun = time.perf_counter()
     try:
         llm = LLM(run.model, policy=policy, devices=run.devices,
                   slo=run.slo if policy == "adaptive" else None,
@@ -870,7 +871,10 @@ def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
         warm = make_requests(run.workloads[0], 0, 0, 8, run.seed + 999, vocab, run.scale)
         rng = random.Random(run.seed + 998)
         warm.append(Spec(0.0, [rng.randrange(vocab) for _ in range(int(2048 * run.scale))], 8))
+        started = time.perf_counter()
         serve(llm, name, "warm-up", 0.0, warm, f"{name} warm-up")
+        # LLM(): the workers, their CUDA graphs and, for adaptive, its profile unless one is cached
+        startup = {"start_s": started - begun, "warm_up_s": time.perf_counter() - started}
         for workload in run.workloads:
             for rate in run.rates:
                 specs = make_requests(workload, rate, run.duration, run.count, run.seed, vocab, run.scale,
@@ -879,7 +883,7 @@ def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
                 got, seconds = serve(llm, name, workload, rate, specs,
                                      f"{name} {workload} @ {'static' if rate <= 0 else rate}")
                 results += got
-                rows.append({"policy": name, "workload": workload, "rate": rate, **held,
+                rows.append({"policy": name, "workload": workload, "rate": rate, **held, **startup,
                              **summarize(got, seconds, run.ttft_slo, run.tpot_slo)})
                 phases = list(dict.fromkeys(mix for mix, _ in run.phases))
                 if workload == "phased":   # each phase apart, over its share of the run
@@ -1025,6 +1029,9 @@ def print_notes(run: Run, rows: list[dict], goodput: dict, calib: dict, timeline
     for name, split in dict.fromkeys((r["policy"], tuple(r["sm_split"])) for r in rows if r.get("sm_split")):
         print(f"{name}: one split worker, {split[0]} SMs prefill / {split[1]} decode")
     print_frontier(front)
+    print("start-up (LLM(): workers, CUDA graphs, adaptive's profile unless cached; then the warm-up): "
+          + ", ".join(f"{r['policy']} {r['start_s']:.1f} + {r['warm_up_s']:.1f} s"
+                      for r in {r["policy"]: r for r in rows if "start_s" in r}.values()))
     behind = max(r["lag_max"] for r in rows)
     if behind > 0.05:
         print(f"note: the client fell behind its arrivals by up to {behind:.2f} s (latencies count from "

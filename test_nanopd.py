@@ -6223,16 +6223,23 @@ def test_bench_counts_latency_from_the_arrival_when_the_client_falls_behind():
 def test_bench_sweep_smoke(tmp_path):
     """`python bench.py --policy all --mode sweep` on two CPU workers, two workloads: every
     policy serves every request of each at every rate, and the table, results.json and the
-    plots come out."""
+    plots come out. Each policy's start-up and warm-up are on every row of it, and together
+    they fit in the call's own wall time (they are spans of it, one after another)."""
     env = {**os.environ, "HOME": str(tmp_path), "TRITON_INTERPRET": "0",
                "CUDA_VISIBLE_DEVICES": ""}
+    called = time.perf_counter()
     run = subprocess.run([sys.executable, "bench.py", "--policy", "all", "--mode", "sweep",
                           "--rates", "2", "4", "--duration", "1.5", "--workload", "sharegpt", "fixed",
                           "--model", "tiny",
                           "--devices", "cpu", "cpu", "--out", str(tmp_path / "out")], cwd=HERE, env=env,
                          capture_output=True, timeout=600, check=False)
+    wall = time.perf_counter() - called
     assert run.returncode == 0, run.stderr.decode()[-3000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
+    startup = {r["policy"]: (r["start_s"], r["warm_up_s"]) for r in results["summary"]}
+    assert all(startup[r["policy"]] == (r["start_s"], r["warm_up_s"]) for r in results["summary"])
+    assert all(a > 0 and b > 0 for a, b in startup.values()) and sum(map(sum, startup.values())) < wall
+    assert b"start-up (LLM()" in run.stdout
     assert {(r["policy"], r["workload"], r["rate"]) for r in results["summary"]} == {
         (p, w, r) for p in ("collocated", "disaggregated", "adaptive") for w in ("sharegpt", "fixed")
         for r in (2, 4)}
