@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tools import figures, microbench, specbench, splitbench
+from tools import calibrate, figures, microbench, specbench, splitbench
 
 # ----------------------------------------------------------------------------- workloads
 
@@ -719,6 +719,11 @@ def add_tool_commands(p: argparse.ArgumentParser) -> None:
     again.add_argument("results", type=Path, help="a results.json that bench.py wrote")
     again.add_argument("--duration", type=float, default=None, help="the run's --duration, for a "
                        "results.json too old to hold it (results/README.md gives each run's command)")
+    recal = sub.add_parser("calibrate", help="the cost model replayed on a run's adaptive requests",
+                           description=calibrate.__doc__, prog="bench.py calibrate",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    recal.set_defaults(main=calibrate.main)
+    recal.add_argument("results", type=Path, help="a results.json (or .json.gz) that bench.py wrote")
     figs = sub.add_parser("figures", help="draw the docs' figures", description=figures.__doc__,
                           prog="bench.py figures", formatter_class=argparse.RawDescriptionHelpFormatter)
     figs.set_defaults(main=figures.main)

@@ -443,6 +443,7 @@ class CentralScheduler:
         ids, params = check_request(ids, params, beam_width, self.vocab_size, self.tokenizer, self.cfg,
                                     self.room, length_penalty)
         t = self.requests.track(text, ids, params, beam_width, length_penalty)
+        self.telemetry.arrived(time.perf_counter(), len(ids))
         if self.planner is not None and self.router is not None:
             predicted = self.router.predictor.predict(len(ids), params.max_tokens).mean
             self.planner.arrived(time.perf_counter(), len(ids), predicted)

@@ -88,11 +88,13 @@ class WorkerLoad:
     context_tokens: int = 0          # ... and the tokens of context they hold
     free_blocks: int = 1 << 30       # KV blocks it can still hand out
     # Prompt tokens per ms it will prefill beside its decodes: what the workers' steps
-    # prefilled lately, per worker. Prefilled, not sent: past the seats, prompts wait and
-    # share no step. Per worker, not its own: where the next prompts go is the router's
-    # choice, and a worker that prefilled many would look slow to decode on, get only
-    # prompts and look slower still (a lock-in of roles that, at overload, left one worker
-    # prefilling and the other out of seats).
+    # prefilled lately, but no more than arrived lately (the backlog ahead of a request is
+    # prefilled before it decodes: only the prompts that come after it share its steps),
+    # per worker. Prefilled, not sent: past the seats, prompts wait and share no step. Per
+    # worker, not its own: where the next prompts go is the router's choice, and a worker
+    # that prefilled many would look slow to decode on, get only prompts and look slower
+    # still (a lock-in of roles that, at overload, left one worker prefilling and the other
+    # out of seats).
     prefill_rate: float = 0.0
     seats: int = 1 << 30             # sequences it runs at once (max_num_seqs); the rest wait
     queued_prefills: int = 0         # prompts those queued tokens belong to
@@ -132,22 +134,20 @@ class CostModel:
         """A decode step of batch sequences holding context tokens in all."""
         return self.p.beta + self.p.slope * max(0.0, batch - self.p.batch_thresh) + self.p.kv * context
 
-    def steps_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
-        """out_len steps on w, whose batch gains this request (its context L to L + out_len),
-        beside the prompts w keeps prefilling meanwhile: over a decode of T ms, w prefills
-        rate * T prompt tokens, each adding gamma to a step, so T = out_len * step + gamma *
-        rate * T. Meanwhile the batch moves by batch_growth per ms, so each step is longer (or
-        shorter) than the one before: dt / dstep = step(batch + growth t), integrated over
-        GROWTH_SEGMENTS pieces. At most `seats` sequences share a step.
-        The batch it starts in holds w's decodes and the prompts queued there: they are ahead
-        of it, so each is decoding by the time it is (left out, the decode of a request queued
-        behind a burst of prompts was predicted too short).
+    def steps_ms(self, prompt_len: int, out_len: float, w: WorkerLoad, waited: int = 0) -> float:
+        """out_len steps on w, after `waited` steps of w, whose batch gains this request (its
+        context L to L + out_len), beside the prompts w keeps prefilling meanwhile: over a
+        decode of T ms, w prefills rate * T prompt tokens, each adding gamma to a step, so
+        T = out_len * step + gamma * rate * T (stretch). Meanwhile the batch moves by
+        batch_growth per ms, so each step is longer (or shorter) than the one before:
+        dt / dstep = step(batch + growth t), integrated over GROWTH_SEGMENTS pieces. At most
+        `seats` sequences share a step. The batch it starts in is batch_ahead's.
         The growth counts only past saturation, while sequences wait for w's seats: below it,
         starts and ends balance, and a trend over the last seconds is the batch's random swing,
         which does not go on (taken as a trend, it made every prediction too long)."""
-        stretch = 1.0 - min(self.p.gamma * w.prefill_rate, MAX_PREFILL_SHARE)
-        ahead = w.decode_batch + w.queued_prefills
-        per_seq = (w.context_tokens + w.queued_prefill_tokens) / max(1, ahead)   # context tokens each holds
+        stretch = self.stretch(w)
+        ahead = self.batch_ahead(out_len, w, waited)
+        per_seq = (w.context_tokens + w.queued_prefill_tokens) / max(1, w.decode_batch + w.queued_prefills)
         growth = w.batch_growth if self.excess_share(w) > 0 else 0.0
 
         def step_at(t: float) -> float:   # a step t ms into the decode, stretched
@@ -159,6 +159,27 @@ class CostModel:
         for _ in range(GROWTH_SEGMENTS):
             t += k * step_at(t + k * step_at(t) / 2)
         return t
+
+    def stretch(self, w: WorkerLoad) -> float:
+        """The share of w's time left to its decodes beside the prompts it prefills."""
+        return 1.0 - min(self.p.gamma * w.prefill_rate, MAX_PREFILL_SHARE)
+
+    def batch_ahead(self, out_len: float, w: WorkerLoad, waited: int) -> float:
+        """The sequences decoding beside a request when it starts, after `waited` steps of w:
+        those of w's decodes still running then, and those of the prompts queued ahead of it
+        that have started and not ended. Every length is taken as exponential with this
+        request's mean (m = out_len steps): after s steps a decode runs on with chance
+        e^(-s/m), and a queued prompt, started at an even time within them, with chance
+        (m/s)(1 - e^(-s/m)). With no wait, all of them: a burst of prompts decodes together
+        (left out, a request queued behind one was predicted too short); behind a long
+        backlog, the decodes running now have ended (counted, a request behind one was
+        predicted far too long). Past saturation the batch stays at the seats: those in line
+        take the seats that free."""
+        if waited <= 0 or self.excess_share(w) > 0:
+            return w.decode_batch + w.queued_prefills
+        s, m = waited, max(1.0, out_len)
+        kept = math.exp(-s / m)
+        return w.decode_batch * kept + w.queued_prefills * (m / s) * (1.0 - kept)
 
     def seat_wait_ms(self, prompt_len: int, out_len: float, w: WorkerLoad) -> float:
         """The wait for a seat on w, which a prompt needs to be prefilled there and a
@@ -194,7 +215,14 @@ class CostModel:
             return self.p.alpha0 + self.p.alpha * tokens + self.p.alpha2 * self.squares(w, prompt_len)
         room = max(1, w.token_budget - w.decode_batch)
         step = self.decode_step_ms(w.decode_batch, w.context_tokens) + self.p.gamma * min(room, tokens)
-        return math.ceil(tokens / room) * step
+        return self.prefill_steps(w, prompt_len) * step
+
+    @staticmethod
+    def prefill_steps(w: WorkerLoad, prompt_len: int) -> int:
+        """The steps of w that prefill its queue and then this prompt (prefill_on)."""
+        if w.token_budget is None:
+            return 1
+        return math.ceil((w.queued_prefill_tokens + prompt_len) / max(1, w.token_budget - w.decode_batch))
 
     @staticmethod
     def squares(w: WorkerLoad, prompt_len: int) -> float:
@@ -207,10 +235,15 @@ class CostModel:
                 link: float | None = None) -> tuple[float, float]:
         """(time to the first token, time from it to the last) on a path: decode None is the
         collocated one. A seat on each worker in turn: one to be prefilled, one to decode;
-        between them the KV moves at link ms per prompt token (default transfer_rate)."""
+        between them the KV moves at link ms per prompt token (default transfer_rate).
+        Collocated, it decodes beside what is left after the steps before its last chunk
+        (batch_ahead; none with no token budget: w's next step prefills every prompt waiting);
+        on a decode worker, beside what is there now: the handoffs that reach it first are
+        not in its load."""
         ttft = self.seat_wait_ms(prompt_len, out_len, prefill) + self.prefill_on(prefill, prompt_len)
         if decode is None:
-            return ttft, self.steps_ms(prompt_len, out_len, prefill)
+            waited = self.prefill_steps(prefill, prompt_len) - 1
+            return ttft, self.steps_ms(prompt_len, out_len, prefill, waited)
         link = self.p.transfer_rate if link is None else link
         return ttft, link * prompt_len + self.decode_ms(prompt_len, out_len, decode)
 

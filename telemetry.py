@@ -3,8 +3,9 @@ the requests it has sent there and the workers' own reports.
 
 One measure of load, per worker (costmodel.py:WorkerLoad), from one pass over the active
 requests: what the router weighs, and the work tokens the least loaded worker is picked by
-where no router picks. Two of its parts are rates over the last WINDOW_S, each a Window:
-the prompt tokens the workers' steps prefilled (StepTimed), and each worker's decode batch.
+where no router picks. Three of its parts are rates, each a Window: the prompt tokens the
+workers' steps prefilled (StepTimed) and each worker's decode batch over the last WINDOW_S,
+and the prompt tokens that arrived over the last ARRIVAL_WINDOW_S.
 """
 
 import collections
@@ -18,6 +19,7 @@ from roles import RoleMap
 
 WINDOW_S = 2.0           # the rates count the change of the last this many seconds
 BATCH_READING_S = 0.1    # a decode batch is read this often at most (a reading is kept per worker)
+ARRIVAL_WINDOW_S = 1.0   # the arrivals' rate counts the last second: a change of phase shows there first
 
 
 @dataclass
@@ -47,18 +49,25 @@ class Window:
 
 class Telemetry:
     """The workers' load: their last Heartbeat (free blocks), the prompt tokens their steps
-    prefilled, and, on request, each one's WorkerLoad."""
+    prefilled and those that arrived, and, on request, each one's WorkerLoad."""
 
     def __init__(self, num_workers: int, room: int, seats: int, now: float):
         self.room, self.seats = room, seats   # a worker's blocks before its first heartbeat; its max_num_seqs
         self.status: dict[int, Heartbeat] = {}   # worker -> its last Heartbeat
         self.prefilled = 0                       # prompt tokens the workers' steps prefilled, in all
         self.prefill = Window(WINDOW_S, now)
+        self.submitted = 0                       # prompt tokens of the requests that arrived, in all
+        self.arrivals = Window(ARRIVAL_WINDOW_S, now)
         self.batches = {w: Window(WINDOW_S, now, gap_s=BATCH_READING_S) for w in range(num_workers)}
         self.configured: dict[int, Configured] = {}   # the workers' controllers' last choices (adaptive)
 
     def heartbeat(self, w: int, msg: Heartbeat) -> None:
         self.status[w] = msg
+
+    def arrived(self, now: float, prompt_tokens: int) -> None:
+        """A request came: its prompt tokens count toward the arrival rate."""
+        self.submitted += prompt_tokens
+        self.arrivals.read(now, self.submitted)
 
     def stepped(self, now: float, msg: StepTimed) -> None:
         """A step a worker timed: its prompt tokens count toward the prefill rate."""
@@ -70,12 +79,13 @@ class Telemetry:
               ) -> dict[int, WorkerLoad]:
         """What each of workers holds: prompts waiting for prefill, sequences decoding (and
         their context), its work tokens, free blocks, seats, token budget; the prompt
-        tokens per ms the workers' steps prefilled lately, shared by the workers that take
-        prompts (costmodel.WorkerLoad says why not each worker's own); the growth of its
+        tokens per ms the workers' steps prefilled lately, but no more than arrived lately,
+        shared by the workers that take prompts (costmodel.WorkerLoad says why); the growth of its
         decode batch, sequences per ms, over the last WINDOW_S (past saturation the batches
         grow while a request decodes). One pass over the active requests."""
         takers = roles.takers(workers)
-        rate = self.prefill.rate(now, self.prefilled) / max(1, len(takers))
+        rate = min(self.prefill.rate(now, self.prefilled), self.arrivals.rate(now, self.submitted))
+        rate /= max(1, len(takers))
         budgets = {w: c.token_budget for w, c in self.configured.items()}   # its controller's, else none
         loads = {w: WorkerLoad(free_blocks=self.status[w].free_blocks if w in self.status else self.room,
                                prefill_rate=rate if w in takers else 0.0, seats=self.seats,

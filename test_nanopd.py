@@ -4258,6 +4258,31 @@ def test_the_decode_prediction_follows_a_growing_batch():
         assert cost.steps_ms(0, out, w) == pytest.approx(t, rel=0.02)
 
 
+def test_the_batch_a_request_decodes_in_is_what_survives_its_wait_by_brute_force():
+    """batch_ahead's closed form against a brute-force draw: N decodes running, each with an
+    exponential remaining length of mean m steps, and Q prompts queued ahead, started at
+    uniform times within the wait of s steps, each as long: the mean count still running
+    when the wait ends (20,000 draws, within 4 standard errors). With no wait all N + Q
+    are; past saturation the batch stays whole. Under a token budget a queue and a prompt
+    take ceil(tokens / (budget - decodes)) steps to prefill, one step without one."""
+    rng = random.Random(11)
+    cost = CostModel(HardwareParams(alpha=0.05, beta=8.0, batch_thresh=32, slope=0.12, gamma=0.03,
+                                    transfer_rate=0.004))
+    for _ in range(6):
+        n, q, m, s = rng.randint(0, 60), rng.randint(0, 60), rng.uniform(4, 300), rng.randint(1, 400)
+        w = WorkerLoad(decode_batch=n, queued_prefills=q)
+        draws = [sum(rng.expovariate(1 / m) > s for _ in range(n))
+                 + sum(rng.uniform(0, s) + rng.expovariate(1 / m) > s for _ in range(q))
+                 for _ in range(20000)]
+        mean, sd = statistics.fmean(draws), statistics.pstdev(draws)
+        assert abs(cost.batch_ahead(m, w, s) - mean) <= 4 * sd / math.sqrt(len(draws)) + 1e-9
+        assert cost.batch_ahead(m, w, 0) == n + q
+        assert cost.batch_ahead(m, dataclasses.replace(w, seats=max(1, n + q)), s) == n + q
+    w = WorkerLoad(decode_batch=40, queued_prefills=30, queued_prefill_tokens=30 * 1000, token_budget=512)
+    assert cost.prefill_steps(w, 1000) == math.ceil(31 * 1000 / (512 - 40))
+    assert cost.prefill_steps(dataclasses.replace(w, token_budget=None), 1000) == 1
+
+
 def test_under_an_slo_the_router_takes_a_path_that_meets_it():
     """With an SLO the router prefers a path predicted to meet both targets, even if another
     is faster on the whole; when none can, it takes the one that costs the others least."""
@@ -4965,6 +4990,32 @@ def test_a_window_over_a_running_total_is_its_last_span_over_the_span(seed):
         else:
             expected = sum(n for t, n in steps if now - t <= 2.0) / 2000.0
             assert window.rate(now, total) == pytest.approx(expected)
+
+
+def test_the_loads_prefill_rate_is_what_the_steps_prefilled_at_most_what_arrived():
+    """Telemetry.loads' prefill_rate, per worker that takes prompts: the prompt tokens the
+    steps prefilled over WINDOW_S, capped by those that arrived over ARRIVAL_WINDOW_S, each
+    counted here by brute force from the same events: while a backlog drains, the arrivals
+    are the lower; while prompts queue, the steps."""
+    import telemetry
+    from roles import RoleMap
+    roles = RoleMap(["both", "both"], {})
+    for arriving, prefilling in ((100, 400), (400, 100)):
+        t = telemetry.Telemetry(2, room=1000, seats=64, now=0.0)
+        arrived, prefilled = [], []
+        for i in range(1, 301):   # 3 s, an event every 10 ms
+            now = i / 100
+            t.arrived(now, arriving)
+            arrived.append((now, arriving))
+            t.stepped(now, messages.StepTimed(decodes=1, context_tokens=10, prefill_tokens=prefilling,
+                                              ms=10.0))
+            prefilled.append((now, prefilling))
+        now = 3.005   # off the events' times: none falls on a window's edge
+        recent = {name: sum(n for at, n in events if now - at <= span) / (span * 1e3)
+                  for name, events, span in (("arrived", arrived, telemetry.ARRIVAL_WINDOW_S),
+                                             ("prefilled", prefilled, telemetry.WINDOW_S))}
+        loads = t.loads([0, 1], [], roles, now)
+        assert loads[0].prefill_rate == loads[1].prefill_rate == pytest.approx(min(recent.values()) / 2)
 
 
 def test_a_window_over_a_level_read_often_is_its_slope():
@@ -6462,6 +6513,57 @@ def test_bench_phases_from_the_command_line_draw_issue_42s_load():
     one = bench.make_run(bench.parse_args(["--policy", "all", "--devices", "cpu", "--max-num-batched-tokens",
                                            "512"]))
     assert one.policies == ["collocated@512", "collocated@2048", "disaggregated@512", "adaptive"]
+
+
+def test_bench_calibrate_replays_the_cost_model_on_a_runs_requests(tmp_path, capsys):
+    """`bench.py calibrate` on a synthetic results.json (gzipped, requests shuffled, another
+    policy's among them): requests alone on an idle worker, whose predicted time to the
+    first token (alpha0 + alpha L) and rest (O steps of beta + kv (L + O/2), stretched by
+    the prefill rate capped by the arrivals of the last second, counted here) are worked
+    out by hand, and measured at known multiples of them. Its medians, overall and by
+    tenth in order of arrival, are those of the known ratios."""
+    import gzip
+
+    import bench
+    from tools import calibrate
+    rng = random.Random(5)
+    params = {"alpha": 0.02, "beta": 5.0, "batch_thresh": 32, "slope": 0.01, "gamma": 0.02,
+              "transfer_rate": 0.001, "alpha0": 2.0, "kv": 1e-4, "links": {}, "splits": {}}
+    requests, t, expected = [], 0.0, []
+    for _ in range(200):
+        t += rng.expovariate(40.0)
+        L, out, rate = rng.randint(16, 2048), rng.randint(2, 300), rng.uniform(0, 30)
+        arrived = sum(r["prompt_len"] for r in requests if t - r["arrival"] <= 1.0) + L
+        stretch = 1 - min(params["gamma"] * min(rate, arrived / 1000.0), 0.9)
+        ttft = params["alpha0"] + params["alpha"] * L
+        rest = out * (params["beta"] + params["kv"] * (L + out / 2)) / stretch
+        f_ttft, f_rest = rng.uniform(0.5, 2.0), rng.uniform(0.5, 2.0)
+        measured_ttft, measured_rest = ttft * f_ttft / 1e3, rest * f_rest / 1e3
+        requests.append({"policy": "adaptive", "workload": "phased", "rate": 40.0, "prompt_len": L,
+                         "output_len": out, "arrival": t, "ttft": measured_ttft,
+                         "e2e": measured_ttft + measured_rest,
+                         "routed": {"predicted_ms": 1.0, "prefill_rate": rate, "token_budget": None}})
+        expected.append(((ttft + rest) / (ttft * f_ttft + rest * f_rest), 1 / f_ttft, 1 / f_rest))
+    others = [{**r, "policy": "collocated@512", "routed": {}} for r in requests[:20]]
+    shuffled = rng.sample(requests + others, len(requests) + len(others))
+    path = tmp_path / "results.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"requests": shuffled, "router_calibration": {
+        "profiled": params, "refitted": params}}).encode()))
+    got = calibrate.calibrate(calibrate.read_results(path))["phased @ 40"]
+    tenths = [expected[i * 20:(i + 1) * 20] for i in range(10)]
+
+    def medians(part):   # by tenth
+        return [statistics.median(part(e) for e in tenth) for tenth in tenths]
+    for name in ("profiled", "refitted"):
+        overall = statistics.median(abs(e[0] - 1) for e in expected)
+        assert got[name]["median_rel_error"] == pytest.approx(overall)
+        assert got[name]["by_tenth"] == pytest.approx(medians(lambda e: abs(e[0] - 1)))
+        assert got[name]["ttft_ratio_by_tenth"] == pytest.approx(medians(lambda e: e[1]))
+        assert got[name]["rest_ratio_by_tenth"] == pytest.approx(medians(lambda e: e[2]))
+    assert got["requests"] == 200
+    args = bench.parse_args(["calibrate", str(path)])
+    args.main(args)
+    assert "adaptive, phased @ 40 req/s, 200 requests" in capsys.readouterr().out
 
 
 def test_bench_plots_the_configurations_over_time_from_a_synthetic_log(tmp_path):

@@ -1,0 +1,128 @@
+"""`python bench.py calibrate RUN/results.json`: the cost model (costmodel.py) replayed on a
+run's adaptive requests, nothing measured. Each request is predicted again from the load it
+was routed under (as results.json keeps it), its true output length and the run's
+parameters, once as profiled at its start and once as refitted by its end; the online
+router refitted as it went, so neither set is the one it predicted with, and the two
+bracket it. The load's prefill rate is capped by the prompt tokens that arrived over the
+last telemetry.py:ARRIVAL_WINDOW_S, as the central scheduler does (a no-op on a run
+recorded with the cap). Printed per run (policy adaptive, one workload and rate): the
+median |predicted - measured| / measured latency, overall and by tenth of the run in order
+of arrival, and the time to the first token and the rest of each request apart, predicted
+over measured, by tenth. A change to the cost model is then weighed on recorded GPU runs,
+on any machine, before a GPU measures it again.
+"""
+
+import argparse
+import gzip
+import json
+import statistics
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+from costmodel import CostModel, HardwareParams, WorkerLoad, split_key
+from telemetry import ARRIVAL_WINDOW_S, Window
+
+TENTHS = 10
+
+
+@dataclass
+class Replayed:
+    """One request predicted again: its latency over the measured one, and its parts'."""
+    arrival: float
+    ratio: float         # predicted / measured E2E
+    ttft_ratio: float    # predicted / measured time to the first token
+    rest_ratio: float    # predicted / measured time from it to the last
+
+
+def read_results(path: Path) -> dict:
+    """A results.json that bench.py wrote, plain or gzipped."""
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
+
+
+def adaptive_runs(data: dict) -> dict[tuple[str, float], list[dict]]:
+    """The adaptive policy's routed requests, by (workload, rate), in order of arrival."""
+    runs: dict[tuple[str, float], list[dict]] = {}
+    for r in data["requests"]:
+        if r["policy"] == "adaptive" and r.get("routed"):
+            runs.setdefault((r["workload"], r["rate"]), []).append(r)
+    return {k: sorted(v, key=lambda r: r["arrival"]) for k, v in runs.items()}
+
+
+def loads_as_routed(requests: list[dict]) -> list[WorkerLoad]:
+    """Each request's load as recorded, its prefill rate capped by the arrivals' (every
+    request of the run counts, as every one reached the central scheduler)."""
+    keep = {f.name for f in fields(WorkerLoad)}
+    arrivals, submitted, loads = Window(ARRIVAL_WINDOW_S, 0.0), 0, []
+    for r in requests:
+        submitted += r["prompt_len"]
+        arrivals.read(r["arrival"], submitted)
+        w = WorkerLoad(**{k: v for k, v in r["routed"].items() if k in keep})
+        w.sm_split = None if w.sm_split is None else tuple(w.sm_split)
+        w.prefill_rate = min(w.prefill_rate, arrivals.rate(r["arrival"], submitted))
+        loads.append(w)
+    return loads
+
+
+def replay(requests: list[dict], params: dict) -> list[Replayed]:
+    """Every one of a run's requests predicted again on the path it took (collocated: one
+    worker; a split worker's on its lanes, where the profile measured them)."""
+    whole, out = CostModel(HardwareParams(**params)), []
+    for r, w in zip(requests, loads_as_routed(requests)):
+        split = w.sm_split is not None and split_key(w.sm_split) in whole.p.splits
+        cost = whole.on_split(w.sm_split) if split else whole
+        ttft, rest = cost.path_ms(r["prompt_len"], r["output_len"], w, None)
+        out.append(Replayed(r["arrival"], (ttft + rest) / 1e3 / r["e2e"], ttft / 1e3 / max(r["ttft"], 1e-6),
+                            rest / 1e3 / max(r["e2e"] - r["ttft"], 1e-6)))
+    return out
+
+
+def by_tenth(values: list[float]) -> list[float]:
+    n = len(values)
+    return [statistics.median(values[i * n // TENTHS:(i + 1) * n // TENTHS] or [float("nan")])
+            for i in range(TENTHS)]
+
+
+def summary(replayed: list[Replayed]) -> dict:
+    errors = [abs(r.ratio - 1) for r in replayed]
+    return {"median_rel_error": statistics.median(errors), "by_tenth": by_tenth(errors),
+            "ttft_ratio_by_tenth": by_tenth([r.ttft_ratio for r in replayed]),
+            "rest_ratio_by_tenth": by_tenth([r.rest_ratio for r in replayed])}
+
+
+def calibrate(data: dict) -> dict[str, dict]:
+    """Per run ("workload @ rate"): the online router's own median error (its predicted
+    lengths, its parameters of the moment), and the replay's summary under each parameter set."""
+    calib = data["router_calibration"]
+    out = {}
+    for (workload, rate), requests in adaptive_runs(data).items():
+        online = [abs(r["routed"]["predicted_ms"] / 1e3 / r["e2e"] - 1) for r in requests]
+        out[f"{workload} @ {rate:g}"] = {"requests": len(requests), "online_median_rel_error":
+                                         statistics.median(online),
+                                         **{name: summary(replay(requests, calib[name]))
+                                            for name in ("profiled", "refitted") if calib.get(name)}}
+    return out
+
+
+def main(args: argparse.Namespace) -> None:
+    try:
+        data = read_results(args.results)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {args.results}: {e}") from None
+    if not adaptive_runs(data) or "refitted" not in data.get("router_calibration", {}):
+        raise SystemExit(f"error: {args.results} holds no adaptive run with the loads its requests were "
+                         "routed under and the router's parameters")
+    for run, c in calibrate(data).items():
+        print(f"adaptive, {run} req/s, {c['requests']} requests: the online router's median error "
+              f"{c['online_median_rel_error']:.1%}")
+        for name in ("profiled", "refitted"):
+            if name in c:
+                s = c[name]
+                print(f"  replayed, parameters {name}: median error {s['median_rel_error']:.1%}; "
+                      f"by tenth of the run {tenths(s['by_tenth'])}")
+                print(f"    predicted / measured: TTFT {tenths(s['ttft_ratio_by_tenth'])}; "
+                      f"the rest {tenths(s['rest_ratio_by_tenth'])}")
+
+
+def tenths(values: list[float]) -> str:
+    return " ".join(f"{x:.2f}" for x in values)
