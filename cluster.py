@@ -251,6 +251,25 @@ class Liveness:
         return ", ".join(f"worker {w} ({self.devices[w]}): {why}" for w, why in self.dead.items()) or "none"
 
 
+def configs_held(log: list[ConfigChange], w: int, start: float, end: float, routed: WorkerLoad
+                 ) -> list[tuple[float, tuple[int, int] | None, int | None]]:
+    """The configurations (SM split, token budget) worker w held from start to end (s since
+    the cluster started), each with its share of that time: the one a request was routed
+    under (routed), then w's changes in the log after start (in time order: read back from
+    its end, so a long log costs only what changed meanwhile)."""
+    changes = []
+    for c in reversed(log):
+        if c.time_s <= start:
+            break
+        if c.worker == w and c.time_s <= end:
+            changes.append(c)
+    held = [(start, routed.sm_split, routed.token_budget)] + [(c.time_s, c.sm_split, c.budget)
+                                                              for c in reversed(changes)]
+    span = max(end - start, 1e-9)
+    return [((until - at) / span, split, budget)
+            for (at, split, budget), until in zip(held, [h[0] for h in held[1:]] + [end])]
+
+
 class CentralScheduler:
     """Serves requests on one worker process per entry of devices, under a policy (see the
     module's docstring). Under adaptive, `router` must be set before the first submit
@@ -579,13 +598,15 @@ class CentralScheduler:
         self.workers.send(t.prefill_worker, Release(t.request_id))
 
     def _teach_router(self, t: RequestRecord, w: int) -> None:
-        """Feed the router what this request's path really cost."""
+        """Feed the router what this request's path really cost, and under what it ran."""
         phases, (predicted, load_p, load_d) = t.metrics.phases(), t.metrics.routed
+        ran = configs_held(self.config_log, t.prefill_worker, t.metrics.arrival_time - self.started,
+                           time.perf_counter() - self.started, load_p)
         self.router.observe(Observation(
             len(t.prompt_token_ids), len(t.output.outputs[0].token_ids), t.prefill_worker, w, load_p, load_d,
             (phases["queued"] + phases["prefill"]) * 1e3, phases["transfer"] * 1e3,
             (phases["seat_wait"] + phases["decode"]) * 1e3, predicted, t.params.max_tokens,
-            load_p.sm_split != self.telemetry.sm_split(t.prefill_worker, self.roles)))
+            any(split != load_p.sm_split for _, split, _ in ran), ran))
 
     # -- endings
 

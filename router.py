@@ -15,6 +15,7 @@ docs/router.md.
 """
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from statistics import NormalDist
@@ -181,6 +182,9 @@ class Observation:
     predicted_ms: float | None = None   # what route() predicted (with the predicted output length)
     max_tokens: int | None = None       # the request's cap (None: taken as its output length)
     split_changed: bool = False         # its worker changed SM split (or took one) while it ran
+    # The configurations (SM split, token budget) its worker held while it ran, each with its
+    # share of the request's time; empty: the one it was routed under, throughout.
+    ran_under: list[tuple[float, tuple[int, int] | None, int | None]] = field(default_factory=list)
 
 
 class Router:
@@ -258,8 +262,15 @@ class Router:
         return self.cost if self.measured_split(load) is None else self.cost.on_split(load.sm_split)
 
     def predicted_ms(self, o: Observation) -> float:
+        """What the cost model predicts for a finished request with its true output length:
+        collocated, under each configuration its worker held while it ran, for its share of
+        the time (the load otherwise as routed)."""
         if o.prefill_worker == o.decode_worker:
-            return self.cost_at(o.load_prefill).collocated_ms(o.prompt_len, o.output_len, o.load_prefill)
+            held = o.ran_under or [(1.0, o.load_prefill.sm_split, o.load_prefill.token_budget)]
+            loads = [(share, dataclasses.replace(o.load_prefill, sm_split=split, token_budget=budget))
+                     for share, split, budget in held]
+            return sum(share * self.cost_at(w).collocated_ms(o.prompt_len, o.output_len, w)
+                       for share, w in loads)
         return self.cost.disaggregated_ms(o.prompt_len, o.output_len, o.load_prefill, o.load_decode,
                                           self.cost.p.link(o.prefill_worker, o.decode_worker))
 

@@ -4142,6 +4142,27 @@ def test_the_calibration_scores_requests_whose_split_changed_apart():
     assert calib["split_changed"] == {"requests": 2, "median_rel_error": pytest.approx(0.75)}
 
 
+def test_the_cost_model_alone_predicts_a_request_under_each_configuration_it_ran_under():
+    """A request alone on an idle worker whose token budget went from 8192 to 512 a quarter
+    of the way through: the cost model's prediction with its true length, against which its
+    error is scored, is a quarter of its latency worked out by hand at 8192 (its prompt in
+    one step) and three quarters at 512 (ceil(L / 512) steps of beta + gamma 512 and a
+    last one with the rest; then out steps of beta + kv (L + out / 2))."""
+    p = HardwareParams(alpha=0.02, beta=5.0, batch_thresh=16, slope=0.02, gamma=0.02, transfer_rate=0.01,
+                       kv=1e-4)
+    router, L, out = Router(dataclasses.replace(p)), 1500, 40
+
+    def by_hand(budget: int) -> float:
+        steps = math.ceil(L / budget)
+        return steps * (p.beta + p.gamma * min(budget, L)) + out * (p.beta + p.kv * (L + out / 2))
+    measured = 1000.0
+    load = WorkerLoad(token_budget=8192)
+    router.observe(Observation(L, out, 0, 0, load, load, measured / 2, 0.0, measured / 2, None,
+                               ran_under=[(0.25, None, 8192), (0.75, None, 512)]))
+    expected = 0.25 * by_hand(8192) + 0.75 * by_hand(512)
+    assert router.model_errors == [pytest.approx(abs(expected - measured) / measured)]
+
+
 @pytest.mark.parametrize("clip", [router_mod.OUTLIER_CLIP, math.inf])
 def test_a_few_stalled_steps_do_not_carry_the_step_model_away(clip, monkeypatch):
     """Decode steps by a known model (1% noise), 3% of them stalled by 250 ms (the host
@@ -5016,6 +5037,36 @@ def test_the_loads_prefill_rate_is_what_the_steps_prefilled_at_most_what_arrived
                                              ("prefilled", prefilled, telemetry.WINDOW_S))}
         loads = t.loads([0, 1], [], roles, now)
         assert loads[0].prefill_rate == loads[1].prefill_rate == pytest.approx(min(recent.values()) / 2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10 ** 6))
+def test_the_configurations_a_worker_held_are_its_log_read_at_every_instant(seed):
+    """cluster.configs_held against brute force: a log of random changes of three workers
+    (in time order), a span within it; the shares it gives each (split, budget) are those of
+    20,000 even instants of the span at which worker 1 held it (its last change at or before
+    the instant, else the configuration the request was routed under)."""
+    from cluster import ConfigChange, configs_held
+    rng = random.Random(seed)
+    configs = [(None, 8192), (None, 512), ((84, 48), 2048)]
+    t, log = 0.0, []
+    for _ in range(rng.randint(0, 30)):
+        t += rng.expovariate(2.0)
+        log.append(ConfigChange(t, rng.randrange(3), *rng.choice(configs)))
+    start = rng.uniform(0, t + 1)
+    end = start + rng.uniform(0.1, 5)
+    routed_split, routed_budget = rng.choice(configs)
+    routed = WorkerLoad(sm_split=routed_split, token_budget=routed_budget)
+    got = Counter()
+    for share, split, budget in configs_held(log, 1, start, end, routed):
+        got[(split, budget)] += share
+    instants, seen = 20000, Counter()
+    for i in range(instants):
+        at = start + (i + 0.5) * (end - start) / instants
+        mine = [c for c in log if c.worker == 1 and start < c.time_s <= at]
+        seen[(mine[-1].sm_split, mine[-1].budget) if mine else (routed_split, routed_budget)] += 1 / instants
+    assert {k for k, v in got.items() if v > 1e-3} == {k for k, v in seen.items() if v > 1e-3}
+    assert all(got[k] == pytest.approx(seen[k], abs=2e-3) for k in seen)
 
 
 def test_a_window_over_a_level_read_often_is_its_slope():
