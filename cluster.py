@@ -637,6 +637,16 @@ class CentralScheduler:
         else:
             self.requests.fail(t, RuntimeError(why))
 
+    def new_tokens(self) -> dict[int, list[int]]:
+        """Output tokens of the running single-completion requests since the last call, as
+        Engine.new_tokens gives them (n > 1 and beams report their completions when done): what
+        a stream shows. A request restarted elsewhere shows tokens again past those it showed."""
+        new = {}
+        for t in self.requests.active.values():
+            if not (t.beam_width or t.params.n > 1 or t.samples) and len(t.tokens) > t.shown:
+                new[t.request_id], t.shown = t.tokens[t.shown:], len(t.tokens)
+        return new
+
     def output(self, request_id: int) -> RequestOutput:
         """An ended request's output; the cluster forgets it."""
         return self.requests.output(request_id)

@@ -32,6 +32,7 @@ class RequestRecord:
     decode_worker: int | None = None   # where it goes after its prefill (None: the least loaded then)
     phase: str = "queued"              # prefill, transfer, decode, done
     tokens: list[int] = field(default_factory=list)   # streamed so far
+    shown: int = 0                     # of them, handed out by CentralScheduler.new_tokens
     output: RequestOutput | None = None
     retried: bool = False
     samples: list[int] = field(default_factory=list)  # n > 1 split into samples (when it may be handed off)

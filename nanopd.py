@@ -22,11 +22,14 @@ import dataclasses
 import difflib
 import inspect
 import itertools
+import json
 import numbers
 import signal
 import sys
 import threading
 import time
+import types
+import typing
 from collections.abc import Callable
 from typing import Self
 
@@ -154,20 +157,28 @@ class LLM:
         """generate on conversations ([{"role": ..., "content": ...}, ...], or a list of them)
         rendered by the tokenizer's chat template (or chat_template, a Jinja template), as
         vLLM's LLM.chat: the rendered text is the prompt, tokenized without special tokens."""
-        conversations = checked_conversations(messages)
+        texts = [self.render_chat(c, chat_template, add_generation_prompt)
+                 for c in checked_conversations(messages)]
         tokenizer = self.get_tokenizer()
-        if (chat_template or getattr(tokenizer, "chat_template", None)) is None:
-            raise ValueError(f"the tokenizer of {self.backend.cfg.model} has no chat template: pass "
-                             "chat_template=... (a Jinja template, as in the tokenizer_config.json of chat "
-                             "models)")
-        texts = [tokenizer.apply_chat_template(c, chat_template=chat_template, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt)
-                 for c in conversations]
         outs = self.generate([tokenizer.encode(t, add_special_tokens=False) for t in texts], sampling_params,
                              use_tqdm)
         for out, text in zip(outs, texts):
             out.prompt = text
         return outs
+
+    def render_chat(self, conversation: list[dict], chat_template: str | None = None,
+                    add_generation_prompt: bool = True) -> str:
+        """One conversation's prompt text, by the tokenizer's chat template (or chat_template):
+        what chat and the server's /v1/chat/completions prompt with. A ValueError names a bad
+        message, or says that there is no template."""
+        (conversation,) = checked_conversations([conversation])
+        tokenizer = self.get_tokenizer()
+        if (chat_template or getattr(tokenizer, "chat_template", None)) is None:
+            raise ValueError(f"the tokenizer of {self.backend.cfg.model} has no chat template: pass "
+                             "chat_template=... (a Jinja template, as in the tokenizer_config.json of chat "
+                             "models)")
+        return tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
 
     def beam_search(self, prompts: list, params: BeamSearchParams, *,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -401,7 +412,65 @@ def as_prompt_list(prompts) -> list:
                      f"got {type(prompts).__name__}")
 
 
+def serve_main(argv: list[str]) -> None:
+    """`python nanopd.py serve MODEL ...`: the OpenAI-compatible server (server.py) on LLM(MODEL,
+    ...), every LLM setting a flag of its name (--max-num-seqs 64, --policy adaptive, --devices
+    cuda:0 cuda:1, --sm-split 84 48, --split-menu 84/48 68/64, --speculative-config JSON, ...);
+    a setting not given keeps LLM's default."""
+    p = argparse.ArgumentParser(prog="nanopd.py serve", description=serve_main.__doc__)
+    p.add_argument("model", help="preset or HF checkpoint folder")
+    p.add_argument("--policy", default=None, choices=["collocated", "disaggregated", "adaptive"],
+                   help="none: one engine in this process")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="every endpoint but /health wants 'Authorization: Bearer KEY'")
+    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
+    p.add_argument("--max-pending", type=int, default=4096, help="requests held at once; past it, 503")
+    p.add_argument("--drain-s", type=float, default=30.0,
+                   help="on SIGTERM, how long requests in flight may finish")
+    names = [f for f in dataclasses.fields(EngineConfig) + dataclasses.fields(ClusterConfig)
+             if f.name not in ("model", "policy")]
+    for f in names:
+        setting_flag(p, f)
+    args = p.parse_args(argv)
+    settings = {f.name: getattr(args, f.name) for f in names if getattr(args, f.name) is not None}
+    settings = {k: tuple(v) if isinstance(v, list) and k != "devices" else v for k, v in settings.items()}
+    import server
+    try:
+        llm = LLM(args.model, policy=args.policy, **settings)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    with llm:
+        server.serve(llm, args.host, args.port, args.api_key, args.served_model_name, args.max_pending,
+                     args.drain_s)
+
+
+def setting_flag(p: argparse.ArgumentParser, f: dataclasses.Field) -> None:
+    """A flag for one LLM setting, parsed as its type says: a switch, a number, a string,
+    JSON (a dict), several values (a list, a pair), or splits written P/D."""
+    union = typing.get_origin(f.type) in (typing.Union, types.UnionType)
+    kinds = set(typing.get_args(f.type)) - {type(None)} if union else {f.type}
+    flag, pairs = "--" + f.name.replace("_", "-"), [typing.get_args(k) for k in kinds if typing.get_origin(k)]
+    if bool in kinds:
+        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+    elif kinds & {int, float} and not pairs:
+        p.add_argument(flag, type=float if float in kinds else int, default=None)
+    elif dict in kinds:
+        p.add_argument(flag, type=json.loads, default=None, help="JSON")
+    elif pairs and pairs[0][-1] is Ellipsis:   # splits: P/D each
+        p.add_argument(flag, nargs="+", default=None, metavar="P/D",
+                       type=lambda s: tuple(int(x) for x in s.split("/")))
+    elif pairs:   # a pair of numbers, or a list of strings
+        kind = pairs[0][0]
+        p.add_argument(flag, nargs=len(pairs[0]) if kind is not str else "+", type=kind, default=None)
+    else:
+        p.add_argument(flag, default=None)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["serve"]:
+        return serve_main(sys.argv[2:])
     p = argparse.ArgumentParser(description="nanoPD: generate text, streaming it as it comes",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="qwen3-8b" if torch.cuda.is_available() else "tiny",

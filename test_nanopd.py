@@ -35,6 +35,7 @@ Interpreter arithmetic on bf16 is wrong, so bf16 is tested on the GPU only.
 """
 
 import ast
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -6266,6 +6267,237 @@ def test_a_script_without_a_main_guard_gets_one_clear_line(tmp_path):
     assert "bootstrapping" not in err and err.count("Traceback") <= 1
 
 
+# ============================================= server.py: the OpenAI-compatible server
+# The official openai client and raw HTTP against the server on the loopback: the tokens of
+# LLM.generate and LLM.chat, OpenAI's errors, streams that end or are cut off.
+
+
+@contextlib.contextmanager
+def serving(llm: LLM, **kwargs):
+    """llm behind server.make_app on a loopback port of its own, served by uvicorn on a
+    thread while the block runs; its base URL."""
+    import uvicorn
+
+    import server
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(server.make_app(llm, **kwargs), log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        srv.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def pair_llm(hf, tmp_path_factory) -> LLM:
+    """The checkpoint with the two-letter tokenizer and its chat template (with_pair_tokenizer),
+    64 seats; on a CPU its kernels' torch twins, not the Triton interpreter: what is tested
+    here is the server, against the same engine's own outputs."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "INTERPRET", False)
+        yield make_llm(with_pair_tokenizer(hf.path, tmp_path_factory.mktemp("served") / "pairs"),
+                       max_num_seqs=64)
+
+
+SERVED_PROMPTS = ["abcdefgh", "ijklmnopab", "cdcdcd"]
+
+
+def test_the_openai_client_gets_generates_and_chats_tokens_from_the_server(pair_llm):
+    """Through the official openai client, /v1/completions and /v1/chat/completions, whole and
+    streamed, give the text LLM.generate and LLM.chat give with the same settings: greedy, a
+    stop string, seeded sampling with n = 2 (sample j is generate's child j); the logprobs'
+    tokens are the output's; usage counts the tokens; the stream's pieces add up to the text
+    and end with a finish reason."""
+    import openai
+    settings = [{"temperature": 0.0, "max_tokens": 6}, {"temperature": 0.0, "max_tokens": 8, "stop": ["ef"]},
+                {"temperature": 1.0, "top_p": 0.9, "max_tokens": 5, "seed": 11, "n": 2}]
+    refs = [generate(pair_llm, SERVED_PROMPTS, **s) for s in settings]
+    conv = [{"role": "user", "content": "abcdef"}]
+    chat_ref = pair_llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0]
+    with serving(pair_llm, model_name="pairs") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        assert [m.id for m in client.models.list().data] == ["pairs"]
+        for s, ref in zip(settings, refs):
+            got = client.completions.create(model="pairs", prompt=SERVED_PROMPTS, **s)
+            n = s.get("n", 1)
+            want = [c.text for out in ref for c in out.outputs]
+            assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == want
+            assert got.usage.completion_tokens == sum(len(c.token_ids) for out in ref for c in out.outputs)
+            assert got.usage.prompt_tokens == sum(len(out.prompt_token_ids) for out in ref)
+            pieces = {}
+            for chunk in client.completions.create(model="pairs", prompt=SERVED_PROMPTS, stream=True, **s):
+                for c in chunk.choices:
+                    pieces.setdefault(c.index, []).append(c)
+            assert ["".join(c.text for c in pieces[i]) for i in range(len(SERVED_PROMPTS) * n)] == want
+            ends = [c.finish_reason for o in ref for c in o.outputs]
+            assert [[x.finish_reason for x in pieces[i]] for i in sorted(pieces)] \
+                == [[None] * (len(pieces[i]) - 1) + [end] for i, end in zip(sorted(pieces), ends)]
+        lp = client.completions.create(model="pairs", prompt=SERVED_PROMPTS[0], max_tokens=4, temperature=0,
+                                       logprobs=2)
+        assert lp.choices[0].logprobs.tokens == [PAIR_TEXT[t] for t in refs[0][0].outputs[0].token_ids[:4]]
+        chat = client.chat.completions.create(model="pairs", messages=conv, max_tokens=5, temperature=0)
+        assert chat.choices[0].message.content == chat_ref.outputs[0].text
+        assert chat.choices[0].message.role == "assistant"
+        assert chat.usage.prompt_tokens == len(chat_ref.prompt_token_ids)
+        deltas = list(client.chat.completions.create(model="pairs", messages=conv, max_tokens=5,
+                                                     temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
+        assert deltas[0].choices[0].delta.role == "assistant"
+        text = "".join(d.choices[0].delta.content or "" for d in deltas if d.choices)
+        assert text == chat_ref.outputs[0].text
+        assert deltas[-1].usage.completion_tokens == len(chat_ref.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"model": "nope", "prompt": "ab"}, 400, "model"),
+    ({"model": "pairs", "prompt": "ab", "temperature": "hot"}, 400, "temperature"),
+    ({"model": "pairs", "prompt": "ab", "temperature": -1}, 400, "temperature"),
+    ({"model": "pairs", "prompt": "ab", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "pairs", "prompt": "ab", "logprobs": 50}, 400, "logprobs"),
+    ({"model": "pairs", "prompt": "ab", "n": 0}, 400, "n"),
+    ({"model": "pairs", "prompt": [1] * 5000, "max_tokens": 4}, 400, "prompt"),
+    ({"model": "pairs"}, 400, "prompt"),
+    ("{not json", 400, None),
+])
+def test_a_bad_request_is_a_400_with_an_openai_error_naming_the_field(pair_llm, body, status, param):
+    """Raw HTTP: an unknown model, bad JSON, a wrong type, a value out of range, a prompt
+    over max_model_len (4096 tokens), a missing field: each answers at once
+    with OpenAI's error body, its param the field; the server then serves the next request."""
+    import httpx
+    with serving(pair_llm, model_name="pairs") as url:
+        data = body if isinstance(body, str) else json.dumps(body)
+        r = httpx.post(f"{url}/v1/completions", content=data, headers={"content-type": "application/json"})
+        assert r.status_code == status, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and error["message"] and error["code"] == status
+        ok = httpx.post(f"{url}/v1/completions", json={"model": "pairs", "prompt": "ab", "max_tokens": 2})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_the_server_wants_its_key_but_for_health_and_is_503_when_full(pair_llm):
+    """With --api-key every endpoint but /health answers 401 without it; with max_pending 1,
+    a second request while one streams is a 503 at once, and once that one ends the next is
+    served."""
+    import httpx
+    with serving(pair_llm, model_name="pairs", api_key="k", max_pending=1) as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/metrics", headers={"authorization": "Bearer wrong"}).status_code == 401
+        key = {"authorization": "Bearer k"}
+        body = {"model": "pairs", "prompt": "ab", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=key, timeout=60) as long:
+            lines = long.iter_lines()
+            next(lines)   # it runs
+            full = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, headers=key,
+                              timeout=60)
+            assert full.status_code == 503 and full.json()["error"]["code"] == 503
+            lines = [line for line in lines if line]
+        assert lines[-1] == "data: [DONE]"
+        again = httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 2},
+                           headers=key)
+        assert again.status_code == 200
+
+
+def test_clients_that_go_mid_stream_leave_no_request_running_and_no_block_taken(pair_llm):
+    """100 streaming clients that each read a few events and close: every request is aborted
+    (the engine holds none and every KV block is free again), and the server serves on."""
+    import httpx
+    with serving(pair_llm, model_name="pairs") as url:
+        body = {"model": "pairs", "prompt": "abcd", "max_tokens": 300, "ignore_eos": True, "stream": True,
+                "temperature": 0}
+
+        def go() -> None:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                for i, _ in enumerate(r.iter_lines()):
+                    if i >= 3:
+                        return
+        with concurrent.futures.ThreadPoolExecutor(25) as pool:
+            list(pool.map(lambda _: go(), range(100)))
+        engine, deadline = pair_llm.engine, time.monotonic() + 60
+        while (engine.requests or engine.bm.num_free_blocks < engine.runner.num_blocks) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.requests and engine.bm.num_free_blocks == engine.runner.num_blocks
+        ok = httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_200_concurrent_streaming_clients_each_get_their_own_complete_stream(pair_llm):
+    """200 clients at once, each streaming its own prompt: each stream's text is what
+    LLM.generate gives that prompt alone (greedy), ends with finish_reason length, then
+    [DONE]."""
+    import httpx
+    prompts = ["".join(random.Random(i).choice(LETTERS) for _ in range(2 * (2 + i % 5))) for i in range(200)]
+    want = [o.outputs[0].text for o in generate(pair_llm, prompts, max_tokens=4)]
+    with serving(pair_llm, model_name="pairs") as url:
+        def stream(prompt: str) -> tuple[str, list[str]]:
+            body = {"model": "pairs", "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+                lines = [line for line in r.iter_lines() if line]
+            chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+            return "".join(c["choices"][0]["text"] for c in chunks), [lines[-1], chunks[-1]["choices"][0]
+                                                                     ["finish_reason"]]
+        with concurrent.futures.ThreadPoolExecutor(200) as pool:
+            got = list(pool.map(stream, prompts))
+    assert [text for text, _ in got] == want
+    assert all(end == ["data: [DONE]", "length"] for _, end in got)
+
+
+def test_serve_drains_its_streams_on_sigterm_and_exits_cleanly(tmp_path):
+    """`python nanopd.py serve tiny` (a flag for an LLM setting among its flags): a client
+    streams 48 tokens; SIGTERM once the first came: the stream still ends whole ([DONE], 48
+    tokens of usage), then the server ends as a process SIGTERM ended (uvicorn raises the
+    signal again once it has drained), with no traceback, and leaves no process."""
+    import signal
+
+    import httpx
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    token = f"nanopd-serve-{os.getpid()}"
+    env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "", "NANOPD_TEST_TOKEN": token}
+    with open(tmp_path / "stderr.txt", "wb") as err:
+        proc = subprocess.Popen([sys.executable, "nanopd.py", "serve", "tiny", "--port", str(port),
+                                 "--max-num-seqs", "8", "--drain-s", "60"], cwd=HERE, env=env,
+                                stdout=subprocess.DEVNULL, stderr=err)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            time.sleep(0.2)
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 48, "ignore_eos": True, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line)
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert first.startswith("data: ") and rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2].removeprefix("data: "))["usage"]["completion_tokens"] == 48
+        assert proc.wait(timeout=60) in (-signal.SIGTERM, 128 + signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while processes_with(token) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not processes_with(token)
+        assert "Traceback" not in (tmp_path / "stderr.txt").read_text()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 # ============================================= bench.py: the serving benchmark
 # Bad flags are one line; a sweep of every policy runs on CPU workers.
 
@@ -6903,11 +7135,11 @@ def symbols_of(path: Path) -> set[str]:
     """Top-level names of a module, and Class.member for its classes' members."""
     names = set()
     for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             names.add(node.name)
         if isinstance(node, ast.ClassDef):
             for item in node.body:
-                if isinstance(item, ast.FunctionDef):
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
                     names.add(f"{node.name}.{item.name}")
                 elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
                     names.add(f"{node.name}.{item.target.id}")

@@ -1,0 +1,641 @@
+"""The OpenAI-compatible HTTP server: an LLM (nanopd.py builds it) behind the API that vLLM
+and SGLang speak, so that OpenAI's client, a chat UI or a load tester can use it.
+
+  python nanopd.py serve MODEL [--policy ...] [--host] [--port] [--api-key] [any LLM setting]
+
+  EngineLoop   the LLM's backend (an Engine or a CentralScheduler) on a thread of its own:
+               it takes submits and aborts from the HTTP side, polls the backend, and hands
+               each request its new tokens and then its output (Stream, an asyncio queue)
+  TextStream   a stream's text as its tokens come, held back where a stop string may start
+  make_app     FastAPI: /v1/completions and /v1/chat/completions (server-sent events with
+               stream=true), /v1/models, /health and /metrics (Prometheus, vLLM's names)
+
+The HTTP loop never waits on the engine: a handler puts a command on the loop's queue and
+awaits its request's events; the engine thread never waits on a client. n > 1 is n requests
+of one sample each, sample j seeded seed + j, as in LLM.generate. docs/server.md says what is
+and is not served.
+"""
+
+import asyncio
+import itertools
+import json
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine import Engine
+from model import Detokenizer
+from request import CompletionOutput, RequestOutput, SamplingParams
+
+# ----------------------------------------------------------------------------- the engine's thread
+
+
+@dataclass(eq=False)
+class Stream:
+    """One request's events, from the engine thread to its handler, on the queue it shares
+    with the other requests of the same HTTP call: (stream, "tokens", ids) as they come,
+    then (stream, "end", RequestOutput). accepted resolves once the backend took it (or
+    refused it: its exception)."""
+    index: int                     # its choice in the response
+    params: SamplingParams
+    events: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    accepted: asyncio.Future
+    request_id: int | None = None
+    first_token: bool = False      # a token came (it is running, not waiting)
+    ended: bool = False
+
+    def put(self, kind: str, value) -> None:   # from the engine thread
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (self, kind, value))
+
+
+class Full(Exception):
+    """The server holds as many requests as it takes (max_pending): answered 503 at once."""
+
+
+class EngineLoop:
+    """The backend on a thread of its own. Commands come on a queue (submit, abort, stop);
+    between them it polls the backend (an Engine steps, a cluster reads its workers' reports)
+    and hands out what came: each running request's new tokens, each ended one's output."""
+
+    def __init__(self, backend, max_pending: int):
+        self.backend, self.max_pending = backend, max_pending
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.streams: dict[int, Stream] = {}   # request id -> its stream, while it runs
+        self.pending = 0                       # requests submitted or queued to submit, not ended
+        self.lock = threading.Lock()           # pending is counted on both threads
+        self.on_end = lambda out: None         # metrics (make_app)
+        self.running = 0                       # of the streams, those with a token (read by /metrics)
+        self.kv_usage = 0.0                    # the share of KV blocks in use, on average over workers
+        self.thread = threading.Thread(target=self.run, name="nanopd-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, index: int, prompt: str | list[int], params: SamplingParams, events: asyncio.Queue
+               ) -> Stream:
+        """A stream for a new request (its accepted future resolves on the engine thread);
+        Full if the server holds max_pending requests already. Called on the HTTP loop."""
+        with self.lock:
+            if self.pending >= self.max_pending:
+                raise Full(f"the server holds {self.pending} requests, its limit (--max-pending)")
+            self.pending += 1
+        loop = asyncio.get_running_loop()
+        stream = Stream(index, params, events, loop, loop.create_future())
+        self.commands.put(("submit", prompt, stream))
+        return stream
+
+    def abort(self, stream: Stream) -> None:
+        self.commands.put(("abort", stream))
+
+    def stop(self) -> None:
+        self.commands.put(("stop",))
+        self.thread.join()
+
+    def run(self) -> None:
+        while True:
+            try:   # wait for a command only while idle
+                command = self.commands.get(timeout=0.0 if self.streams else 0.05)
+                while True:
+                    if not self.obey(command):
+                        return self.fail_all(RuntimeError("the server is shutting down"))
+                    command = self.commands.get_nowait()
+            except queue.Empty:
+                pass
+            if self.streams:
+                self.serve_once()
+
+    def obey(self, command: tuple) -> bool:
+        """Carry out one command; False for stop."""
+        match command:
+            case ("submit", prompt, stream):
+                try:
+                    stream.request_id = self.backend.submit(prompt, stream.params)
+                    self.streams[stream.request_id] = stream
+                    stream.loop.call_soon_threadsafe(stream.accepted.set_result, stream.request_id)
+                except Exception as e:  # noqa: BLE001 (a refused request: its handler answers it)
+                    self.ended()
+                    stream.loop.call_soon_threadsafe(stream.accepted.set_exception, e)
+            case ("abort", stream):
+                if self.streams.pop(stream.request_id, None) is not None:
+                    self.backend.abort([stream.request_id])
+                    self.ended()
+            case ("stop",):
+                return False
+        return True
+
+    def serve_once(self) -> None:
+        """One poll of the backend: what came for each request."""
+        ended = self.backend.poll(0.002)
+        for request_id, ids in self.backend.new_tokens().items():
+            if request_id in self.streams:
+                self.streams[request_id].first_token = True
+                self.streams[request_id].put("tokens", ids)
+        for request_id in ended:
+            stream = self.streams.pop(request_id, None)
+            out = self.backend.output(request_id)
+            if stream is not None:
+                self.ended()
+                self.on_end(out)
+                stream.put("end", out)
+        self.running = sum(s.first_token for s in self.streams.values())
+        self.kv_usage = kv_usage(self.backend)
+
+    def ended(self) -> None:
+        with self.lock:
+            self.pending -= 1
+
+    def fail_all(self, error: Exception) -> None:
+        for stream in self.streams.values():
+            stream.put("end", RequestOutput(stream.request_id, None, [], [], None, error=error))
+        self.streams.clear()
+
+
+def kv_usage(backend) -> float:
+    """The share of the KV cache's blocks in use: the engine's, or the workers' mean (their
+    last heartbeats)."""
+    if isinstance(backend, Engine):
+        return 1.0 - backend.bm.num_free_blocks / max(1, backend.runner.num_blocks)
+    status = backend.telemetry.status.values()
+    return sum(1.0 - h.free_blocks / max(1, h.num_blocks) for h in status) / max(1, len(status))
+
+
+# ----------------------------------------------------------------------------- text as it comes
+
+
+class TextStream:
+    """A request's text as its tokens come (model.py:Detokenizer), less what a stop string
+    could still claim: the text from a stop string found, and the last len(longest) - 1
+    characters, where one may be starting. The final text is the output's; what was held
+    back comes then."""
+
+    def __init__(self, tokenizer, params: SamplingParams):
+        self.detok = Detokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+        self.stops, self.hold = stops, max(map(len, stops), default=1) - 1
+        self.sent = 0   # characters handed out
+
+    def add(self, ids: list[int]) -> str:
+        for token in ids:
+            self.detok.add(token)
+        text = self.detok.text
+        safe = len(text) - self.hold
+        for stop in self.stops:
+            at = text.find(stop)
+            safe = min(safe, at) if at >= 0 else safe
+        return self.take(text[:max(safe, self.sent)])
+
+    def finish(self, text: str) -> str:
+        return self.take(text)
+
+    def take(self, text: str) -> str:
+        piece, self.sent = text[self.sent:], max(self.sent, len(text))
+        return piece
+
+
+# ----------------------------------------------------------------------------- the API's bodies
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """What both endpoints take: OpenAI's fields and vLLM's extras, by their names; fields it
+    does not know are ignored, as vLLM does. Values are checked by SamplingParams."""
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16   # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+
+
+class ChatRequest(Sampling):
+    messages: list[dict] = Field(min_length=1)
+    max_completion_tokens: int | None = None   # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    chat_template: str | None = None           # vLLM's: instead of the tokenizer's
+    add_generation_prompt: bool = True
+
+
+class BadRequest(Exception):
+    """A request the server refuses: 400 (or status) with an OpenAI error body naming param."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               500: "internal_server_error", 503: "service_unavailable"}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """OpenAI's error object (what its client raises from)."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "error"), "param": param,
+                      "code": status}}
+
+
+def sampling_params(body: Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The request's SamplingParams for one sample (n is split by the handler); BadRequest
+    naming the field for a bad value (SamplingParams's own check)."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            min_p=body.min_p, stop=body.stop, stop_token_ids=list(body.stop_token_ids or []),
+            seed=body.seed, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+            ignore_eos=body.ignore_eos, logit_bias=body.logit_bias,
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output, logprobs=logprobs)
+    except ValueError as e:   # its message starts with the field's name
+        named = next((f for f in Sampling.model_fields if str(e).startswith(f)), None)
+        raise BadRequest(str(e), param=named) from None
+
+
+def samples(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n requests of one sample each: sample j seeded seed + j (LLM.generate's children)."""
+    if n < 1:
+        raise BadRequest(f"n must be at least 1, got {n}", param="n")
+    return [replace(params, seed=None if params.seed is None else params.seed + j) for j in range(n)]
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+class Metrics:
+    """The Prometheus metrics, vLLM's names where vLLM has one; the adaptive policy's
+    per-worker configuration (token budget, decode SMs: 0 for the whole GPU) as nanopd's."""
+
+    def __init__(self, loop: EngineLoop):
+        r, self.loop = CollectorRegistry(), loop
+        self.registry = r
+        self.running = Gauge("vllm:num_requests_running", "Requests running (a token came)", registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests without a token yet", registry=r)
+        self.kv = Gauge("vllm:gpu_cache_usage_perc", "Share of the KV blocks in use (0-1)", registry=r)
+        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", buckets=buckets,
+                              registry=r)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Time per output token after the first",
+                              buckets=(0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 1), registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end latency", buckets=buckets,
+                             registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of ended requests", registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", registry=r)
+        self.success = Counter("vllm:request_success", "Requests ended", ["finished_reason"], registry=r)
+        self.budget = Gauge("nanopd:worker_token_budget", "A worker's tokens per step (adaptive)", ["worker"],
+                            registry=r)
+        self.decode_sms = Gauge("nanopd:worker_decode_sms", "A worker's decode SMs, 0: the whole GPU",
+                                ["worker"], registry=r)
+        loop.on_end = self.ended
+
+    def ended(self, out: RequestOutput) -> None:   # on the engine thread
+        m, n = out.metrics, len(out.outputs[0].token_ids) if out.outputs else 0
+        self.success.labels(finished_reason=out.outputs[0].finish_reason if out.outputs else "error").inc()
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(n)
+        if m is not None and m.finish_time is not None:
+            self.e2e.observe(m.finish_time - m.arrival_time)
+            if m.first_token_time is not None:
+                self.ttft.observe(m.first_token_time - m.arrival_time)
+                if n > 1:
+                    self.tpot.observe((m.finish_time - m.first_token_time) / (n - 1))
+
+    def text(self) -> bytes:
+        loop = self.loop
+        self.running.set(loop.running)
+        self.waiting.set(max(0, loop.pending - loop.running))
+        self.kv.set(loop.kv_usage)
+        for w, c in getattr(getattr(loop.backend, "telemetry", None), "configured", {}).items():
+            self.budget.labels(worker=str(w)).set(c.token_budget)
+            self.decode_sms.labels(worker=str(w)).set(0 if c.sm_split is None else c.sm_split[1])
+        return generate_latest(self.registry)
+
+
+# ----------------------------------------------------------------------------- the app
+
+
+@dataclass
+class Served:
+    """What the handlers share: the LLM, its engine loop (started with the app), the model's
+    name, and the ids of responses."""
+    llm: object
+    name: str
+    max_pending: int
+    loop: EngineLoop | None = None
+    metrics: Metrics | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    ids: itertools.count = field(default_factory=itertools.count)
+
+    @property
+    def tokenizer(self):
+        return self.llm.get_tokenizer()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm.backend.cfg.max_model_len
+
+    def check_model(self, model: str) -> None:
+        if model != self.name:
+            raise BadRequest(f"the model `{model}` does not exist: this server serves `{self.name}`", "model")
+
+
+def make_app(llm, model_name: str | None = None, api_key: str | None = None,
+             max_pending: int = 4096) -> FastAPI:
+    """The OpenAI-compatible app on llm (a nanopd.LLM, which the caller closes): the engine
+    loop starts and stops with the app (its lifespan), every endpoint but /health wants
+    `Authorization: Bearer api_key` when one is given."""
+    served = Served(llm, model_name or llm.backend.cfg.model, max_pending)
+
+    async def lifespan(app: FastAPI):
+        served.loop = EngineLoop(llm.backend, max_pending)
+        served.metrics = Metrics(served.loop)
+        yield
+        await asyncio.to_thread(served.loop.stop)
+    app = FastAPI(title="nanoPD", lifespan=lifespan)
+    app.state.served = served
+    add_error_handlers(app, api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(served.metrics.text(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": served.created,
+                                            "owned_by": "nanopd", "max_model_len": served.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        served.check_model(body.model)
+        prompts = prompt_list(body.prompt)
+        params = sampling_params(body, body.max_tokens, body.logprobs)
+        return await respond(served, request, body, prompts, params, COMPLETION)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        served.check_model(body.model)
+        try:
+            text = llm.render_chat(body.messages, body.chat_template, body.add_generation_prompt)
+        except ValueError as e:
+            raise BadRequest(str(e), "messages") from None
+        ids = served.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, served.max_model_len - len(ids))
+        params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+        return await respond(served, request, body, [ids], params, CHAT)
+    return app
+
+
+def add_error_handlers(app: FastAPI, api_key: str | None) -> None:
+    """Every error as OpenAI's error body: a body that does not parse or validate is a 400
+    naming the field, BadRequest its own status; no key (when one is set) a 401."""
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        if first["type"] == "json_invalid":
+            return JSONResponse(error_body(400, f"the body is not JSON: {first['ctx']['error']}"),
+                                status_code=400)
+        where = ".".join(str(part) for part in first["loc"][1:]) or None
+        message = f"{where}: {first['msg']}" if where else first["msg"]
+        return JSONResponse(error_body(400, message, where), status_code=400)
+
+    @app.exception_handler(BadRequest)
+    async def refused(request: Request, exc: BadRequest) -> JSONResponse:
+        return JSONResponse(error_body(exc.status, str(exc), exc.param), status_code=exc.status)
+
+    @app.middleware("http")
+    async def key(request: Request, call_next):
+        if api_key and request.url.path != "/health" \
+                and request.headers.get("authorization") != f"Bearer {api_key}":
+            return JSONResponse(error_body(401, "a valid API key is needed: Authorization: Bearer KEY"),
+                                status_code=401)
+        return await call_next(request)
+
+
+def prompt_list(prompt) -> list[str | list[int]]:
+    """A completion's prompt as a list of prompts (a string, token ids, or a list of either)."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise BadRequest("prompt must not be empty", "prompt")
+    return list(prompt)
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How an endpoint words its answer: its objects' names, a choice whole, and a choice's
+    streamed piece (first: the choice's first piece; finish: its end, or None)."""
+    prefix: str
+    object: str
+    chunk_object: str
+    choice: Callable[[int, CompletionOutput, object, int | None], dict]
+    piece: Callable[[int, str, bool, CompletionOutput | None, object, int | None], dict]
+
+
+def completion_logprobs(c: CompletionOutput, tokenizer) -> dict:
+    """/v1/completions' logprobs: each token's text, logprob and top alternatives, and offset."""
+    def text(token: int, lp) -> str:
+        return lp.decoded_token or tokenizer.decode([token])
+    tokens, offsets, at = [], [], 0
+    for token, entry in zip(c.token_ids, c.logprobs):
+        tokens.append(text(token, entry[token]))
+        offsets.append(at)
+        at += len(tokens[-1])
+    return {"tokens": tokens, "text_offset": offsets,
+            "token_logprobs": [entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs)],
+            "top_logprobs": [{text(t, lp): lp.logprob for t, lp in entry.items()} for entry in c.logprobs]}
+
+
+def chat_logprobs(c: CompletionOutput, tokenizer, top: int) -> dict:
+    """/v1/chat/completions' logprobs: per token its text, logprob, bytes and top alternatives."""
+    def one(token: int, lp) -> dict:
+        text = lp.decoded_token or tokenizer.decode([token])
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
+    return {"content": [{**one(t, entry[t]), "top_logprobs": [one(a, lp) for a, lp in sorted(
+        entry.items(), key=lambda kv: -kv[1].logprob)[:top]]} for t, entry in zip(c.token_ids, c.logprobs)]}
+
+
+def completion_choice(index: int, c: CompletionOutput, tokenizer, logprobs: int | None) -> dict:
+    return {"index": index, "text": c.text, "finish_reason": c.finish_reason,
+            "logprobs": completion_logprobs(c, tokenizer) if logprobs is not None else None}
+
+
+def completion_piece(index: int, text: str, first: bool, end: CompletionOutput | None, tokenizer,
+                     logprobs: int | None) -> dict:
+    return {"index": index, "text": text, "finish_reason": end and end.finish_reason,
+            "logprobs": completion_logprobs(end, tokenizer) if end and logprobs is not None else None}
+
+
+def chat_choice(index: int, c: CompletionOutput, tokenizer, logprobs: int | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": c.text},
+            "finish_reason": c.finish_reason,
+            "logprobs": chat_logprobs(c, tokenizer, logprobs) if logprobs is not None else None}
+
+
+def chat_piece(index: int, text: str, first: bool, end: CompletionOutput | None, tokenizer,
+               logprobs: int | None) -> dict:
+    delta = {"role": "assistant"} if first else {}
+    return {"index": index, "delta": {**delta, **({"content": text} if text or first else {})},
+            "finish_reason": end and end.finish_reason,
+            "logprobs": chat_logprobs(end, tokenizer, logprobs) if end and logprobs is not None else None}
+
+
+COMPLETION = Shape("cmpl", "text_completion", "text_completion", completion_choice, completion_piece)
+CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", chat_choice, chat_piece)
+DISCONNECT_CHECK_S = 0.5   # a waiting handler looks this often whether its client is still there
+
+
+async def respond(served: Served, request: Request, body: Sampling, prompts: list, params: SamplingParams,
+                  shape: Shape) -> Response:
+    """Submit every prompt's n samples, then answer: whole, or as server-sent events."""
+    events: asyncio.Queue = asyncio.Queue()
+    streams = await start(served, prompts, samples(params, body.n), events)
+    head = {"id": f"{shape.prefix}-{next(served.ids)}", "created": int(time.time()), "model": served.name}
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(sse(served, streams, events, shape, head, usage),
+                                 media_type="text/event-stream")
+    outs = await wait_all(served, request, streams, events)
+    if outs is None:   # the client went: nobody to answer
+        return Response(status_code=499)
+    failed = next((o.error for o in outs if o.error is not None), None)
+    if failed is not None:
+        raise BadRequest(str(failed), status=400 if isinstance(failed, ValueError) else 500)
+    choices = [shape.choice(s.index, out.outputs[0], served.tokenizer, s.params.logprobs)
+               for s, out in zip(streams, outs)]
+    return JSONResponse({**head, "object": shape.object, "choices": choices, "usage": usage_of(outs, body.n)})
+
+
+async def start(served: Served, prompts: list, per_sample: list[SamplingParams],
+                events: asyncio.Queue) -> list[Stream]:
+    """Every prompt's samples submitted and accepted; if any is refused, all are aborted and
+    the refusal answered: 503 for a full server, 400 for a bad prompt, 500 for anything else."""
+    streams = []
+    try:
+        for i, prompt in enumerate(prompts):
+            for j, params in enumerate(per_sample):
+                streams.append(served.loop.submit(i * len(per_sample) + j, prompt, params, events))
+        results = await asyncio.gather(*(s.accepted for s in streams), return_exceptions=True)
+        error = next((r for r in results if isinstance(r, Exception)), None)
+        if error is not None:
+            raise error
+    except Exception as e:  # noqa: BLE001 (every refusal is answered, by its kind)
+        for s in streams:
+            served.loop.abort(s)
+        if isinstance(e, Full):
+            raise BadRequest(str(e), status=503) from None
+        if isinstance(e, ValueError):
+            raise BadRequest(str(e), "prompt") from None
+        raise BadRequest(f"{type(e).__name__}: {e}", status=500) from None
+    return streams
+
+
+async def wait_all(served: Served, request: Request, streams: list[Stream], events: asyncio.Queue
+                   ) -> list[RequestOutput] | None:
+    """Every stream's output, in order; None if the client went first (all are aborted)."""
+    outs = {}
+    try:
+        while len(outs) < len(streams):
+            try:
+                stream, kind, value = await asyncio.wait_for(events.get(), DISCONNECT_CHECK_S)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    return None
+                continue
+            if kind == "end":
+                stream.ended, outs[stream.index] = True, value
+        return [outs[s.index] for s in streams]
+    finally:
+        for s in streams:
+            if not s.ended:
+                served.loop.abort(s)
+
+
+async def sse(served: Served, streams: list[Stream], events: asyncio.Queue, shape: Shape, head: dict,
+              include_usage: bool) -> AsyncIterator[str]:
+    """The answer as server-sent events: each choice's text as it comes (TextStream), its end
+    with its finish reason (and its logprobs, all of them), the usage if asked, [DONE]. A
+    request that fails sends its error as an event; a client that goes aborts them all."""
+    texts = {s: TextStream(served.tokenizer, s.params) for s in streams}
+    started, outs = set(), []
+
+    def event(choices: list[dict], **extra) -> str:
+        return f"data: {json.dumps({**head, 'object': shape.chunk_object, 'choices': choices, **extra})}\n\n"
+    try:
+        while len(outs) < len(streams):
+            stream, kind, value = await events.get()
+            if kind == "tokens":
+                text = texts[stream].add(value)
+                if text or stream not in started:
+                    yield event([shape.piece(stream.index, text, stream not in started, None,
+                                             served.tokenizer, stream.params.logprobs)])
+                    started.add(stream)
+                continue
+            stream.ended = True
+            outs.append(value)
+            if value.error is not None:
+                yield f"data: {json.dumps(error_body(500, str(value.error)))}\n\n"
+                continue
+            c = value.outputs[0]
+            yield event([shape.piece(stream.index, texts[stream].finish(c.text), stream not in started, c,
+                                     served.tokenizer, stream.params.logprobs)])
+        if include_usage:
+            yield event([], usage=usage_of(outs, 1))
+        yield "data: [DONE]\n\n"
+    finally:
+        for s in streams:
+            if not s.ended:
+                served.loop.abort(s)
+
+
+def usage_of(outs: list[RequestOutput], n: int) -> dict:
+    """OpenAI's usage: each prompt's tokens once (not per sample), every completion's tokens."""
+    prompt = sum(len(o.prompt_token_ids) for o in outs[::max(1, n)])
+    done = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+
+def serve(llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          model_name: str | None = None, max_pending: int = 4096, drain_s: float = 30.0) -> None:
+    """Serve llm until SIGTERM or Ctrl-C: then no new connection is taken, the requests in
+    flight finish for up to drain_s seconds, and the engine loop stops (the caller closes llm)."""
+    app = make_app(llm, model_name, api_key, max_pending)
+    uvicorn.Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=drain_s,
+                                  log_level="info")).run()
