@@ -22,6 +22,7 @@ workload, model and devices), results.json with every request's timings, and PNG
 """
 
 import argparse
+import asyncio
 import json
 import math
 import random
@@ -152,6 +153,52 @@ def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec],
                     spec=(m.spec_draft_tokens, m.spec_accepted_tokens, m.spec_steps)))
                 bar.update()
     return results, time.perf_counter() - start
+
+
+HTTP_VOCAB = 256   # over HTTP the prompts are token ids below it: every tokenizer has them
+
+
+async def serve_over_http(run: "Run", workload: str, rate: float, specs: list[Spec],
+                          desc: str) -> tuple[list[Result], float]:
+    """serve's twin against an OpenAI-compatible server at run.url: each spec POSTed to
+    /completions at its arrival time as a stream (token ids, greedy, ignore_eos, its usage
+    asked for), timed from the client's side: the first event with a choice is its first
+    token, [DONE] its end, the usage its output tokens. A request the server refuses or
+    fails keeps its error."""
+    import httpx
+    start, results = time.perf_counter(), []
+    async with httpx.AsyncClient(base_url=run.url, timeout=None, limits=httpx.Limits(max_connections=None),
+                                 headers={"authorization": f"Bearer {run.api_key or 'none'}"}) as client:
+        async def one(spec: Spec) -> None:
+            await asyncio.sleep(max(0.0, start + spec.arrival - time.perf_counter()))
+            sent, first, n, error = time.perf_counter(), None, 0, None
+            body = {"model": run.model, "prompt": spec.prompt_ids, "max_tokens": spec.max_tokens,
+                    "temperature": 0.0, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            try:
+                async with client.stream("POST", "/completions", json=body) as r:
+                    if r.status_code != 200:
+                        error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}"
+                    else:
+                        async for line in r.aiter_lines():
+                            event = json.loads(line[6:]) if line.startswith("data: {") else {}
+                            first = first or (time.perf_counter() if event.get("choices") else None)
+                            n = (event.get("usage") or {}).get("completion_tokens", n)
+                            error = error or (event.get("error") or {}).get("message")
+            except httpx.HTTPError as e:
+                error = f"{type(e).__name__}: {e}"
+            end, arrival = time.perf_counter(), start + spec.arrival
+            tpot = (end - first) / max(1, n - 1) if first else 0.0
+            results.append(Result("server", workload, rate, len(spec.prompt_ids), n,
+                                  ttft=(first or end) - arrival, tpot=tpot, e2e=end - arrival, path=[],
+                                  error=error, phase=spec.phase, arrival=spec.arrival,
+                                  lag=max(0.0, sent - arrival)))
+        with tqdm(total=len(specs), desc=desc, leave=False, disable=None) as bar:
+            tasks = [asyncio.create_task(one(s)) for s in specs]
+            for done in asyncio.as_completed(tasks):
+                await done
+                bar.update()
+    return sorted(results, key=lambda r: r.arrival), time.perf_counter() - start
 
 
 def six_digits(x):
@@ -321,9 +368,10 @@ def plot(run: "Run", rows: list[dict], results: list[Result], goodput: dict,
 
 # the same in every plot and run. Where two policies' lines coincide the later one is drawn
 # over the earlier, thinner: the earlier shows as a wider band of its colour around it.
-POLICY_COLORS = {"collocated": "C0", "disaggregated": "C1", "adaptive": "C2"}
-POLICY_WIDTHS = {"collocated": 4.0, "disaggregated": 2.6, "adaptive": 1.3}
-POLICY_MARKERS = {"collocated": ("o", 10), "disaggregated": ("s", 7), "adaptive": ("^", 5)}   # (shape, size)
+POLICY_COLORS = {"collocated": "C0", "disaggregated": "C1", "adaptive": "C2", "server": "C4"}
+POLICY_WIDTHS = {"collocated": 4.0, "disaggregated": 2.6, "adaptive": 1.3, "server": 2.0}
+POLICY_MARKERS = {"collocated": ("o", 10), "disaggregated": ("s", 7), "adaptive": ("^", 5),   # (shape, size)
+                  "server": ("D", 6)}   # a server measured over HTTP (--url)
 LINE_STYLES = ["-", "--", ":", "-."]
 
 
@@ -619,6 +667,8 @@ class Run:
     device_name: str | None = None   # the GPUs' name (default: asked of CUDA; replot: results.json's)
     phases: tuple[tuple[str, float], ...] = PHASES   # the phased workload's (workload, rate factor)
     phase_s: float = PHASE_S    # and how long each lasts
+    url: str | None = None      # an OpenAI-compatible server's base URL: measure it, as a client
+    api_key: str | None = None  # ... and its key
 
 
 def parser() -> argparse.ArgumentParser:
@@ -652,6 +702,10 @@ def parser() -> argparse.ArgumentParser:
                    help="one worker per entry (default: every visible GPU, or cpu cpu without one)")
     p.add_argument("--join", default=None, help="HOST:PORT to listen at for workers torchrun starts on other "
                    "hosts (hosts.py), instead of --devices (default: none)")
+    p.add_argument("--url", default=None, help="an OpenAI-compatible server's base URL "
+                   "(http://HOST:PORT/v1): measure it over HTTP as its client, streaming, --model its "
+                   "model's name, instead of starting workers (policy 'server'; default: none)")
+    p.add_argument("--api-key", default=None, help="the --url server's key (default: none)")
     p.add_argument("--transport", default=None, choices=["p2p", "relay", "distributed"],
                    help="how KV moves between workers (default: p2p, or distributed with --join)")
     p.add_argument("--seed", type=int, default=0, help="draws the workload: the same seed, the same requests "
@@ -738,7 +792,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_run(args: argparse.Namespace) -> Run:
     """The run the flags ask for; SystemExit with one line if they ask for none."""
     from cluster import default_devices
-    devices = None if args.join else args.devices or default_devices()
+    devices = None if args.join or args.url else args.devices or default_devices()
     gpu = devices[0].startswith("cuda") if devices else torch.cuda.is_available()   # --join: as here
     if args.mode == "sweep":
         rates = args.rates or ([2, 4, 8, 16, 32] if gpu else [2, 4, 8])
@@ -747,7 +801,7 @@ def make_run(args: argparse.Namespace) -> Run:
     else:
         rates = [default(args.rate, 8.0 if gpu else 4.0)]
     budget = default(args.max_num_batched_tokens, 8192 if gpu else 256)
-    run = Run(mode=args.mode, policies=run_names(args.policy, devices, budget),
+    run = Run(mode=args.mode, policies=["server"] if args.url else run_names(args.policy, devices, budget),
               workloads=args.workload, rates=rates,
               duration=default(args.duration, 60.0 if gpu else 15.0),
               count=default(args.num_requests, 512 if gpu else 64),
@@ -764,7 +818,7 @@ def make_run(args: argparse.Namespace) -> Run:
               transport=args.transport or ("distributed" if args.join else "p2p"),
               slo=None if args.ttft_slo is None and args.tpot_slo is None else
               (default(args.ttft_slo, 2.0 if gpu else 0.5), default(args.tpot_slo, 0.1 if gpu else 0.05)),
-              phases=parse_phases(args.phases), phase_s=args.phase_s)
+              phases=parse_phases(args.phases), phase_s=args.phase_s, url=args.url, api_key=args.api_key)
     check_run(run)
     return run
 
@@ -888,14 +942,7 @@ def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
                 got, seconds = serve(llm, name, workload, rate, specs,
                                      f"{name} {workload} @ {'static' if rate <= 0 else rate}")
                 results += got
-                rows.append({"policy": name, "workload": workload, "rate": rate, **held, **startup,
-                             **summarize(got, seconds, run.ttft_slo, run.tpot_slo)})
-                phases = list(dict.fromkeys(mix for mix, _ in run.phases))
-                if workload == "phased":   # each phase apart, over its share of the run
-                    rows += [{"policy": name, "workload": f"phased:{mix}", "rate": rate, **held,
-                              **summarize([r for r in got if r.phase == mix],
-                                          seconds * sum(m == mix for m, _ in run.phases) / len(run.phases),
-                                          run.ttft_slo, run.tpot_slo)} for mix in phases]
+                rows += summary_rows(run, name, workload, rate, got, seconds, {**held, **startup})
                 run_id = {"policy": name, "workload": workload, "rate": rate,
                           **({"phases": run.phases, "phase_s": run.phase_s} if workload == "phased" else {})}
                 if llm.cluster.planner is not None:
@@ -905,6 +952,39 @@ def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
                                                                 start, seconds)})
                 steps.append({**run_id, "steps": timed_steps(llm.cluster, start, seconds)})
         return rows, results, calibration(router, profiled), timelines, configs, steps
+
+
+def summary_rows(run: Run, name: str, workload: str, rate: float, got: list[Result], seconds: float,
+                 held: dict) -> list[dict]:
+    """A run's summary row (held: what it ran under), and the phased workload's per phase,
+    each over its share of the run."""
+    rows = [{"policy": name, "workload": workload, "rate": rate, **held,
+             **summarize(got, seconds, run.ttft_slo, run.tpot_slo)}]
+    if workload == "phased":
+        held = {k: v for k, v in held.items() if k not in ("start_s", "warm_up_s")}
+        rows += [{"policy": name, "workload": f"phased:{mix}", "rate": rate, **held,
+                  **summarize([r for r in got if r.phase == mix],
+                              seconds * sum(m == mix for m, _ in run.phases) / len(run.phases),
+                              run.ttft_slo, run.tpot_slo)} for mix in dict.fromkeys(m for m, _ in run.phases)]
+    return rows
+
+
+def run_server(run: Run, name: str) -> tuple[list[dict], list[Result], dict, list, list, list]:
+    """run_policy's twin against the server at run.url, as its client (serve_over_http):
+    the same warm-up, then every workload at every rate; nothing of the server's inside
+    (no calibration, regimes, configurations or steps)."""
+    rows, results, held = [], [], {"budget": None, "sm_split": None}
+    warm = make_requests(run.workloads[0], 0, 0, 8, run.seed + 999, HTTP_VOCAB, run.scale)
+    asyncio.run(serve_over_http(run, "warm-up", 0.0, warm, "server warm-up"))
+    for workload in run.workloads:
+        for rate in run.rates:
+            specs = make_requests(workload, rate, run.duration, run.count, run.seed, HTTP_VOCAB, run.scale,
+                                  run.phases, run.phase_s)
+            desc = f"server {workload} @ {'static' if rate <= 0 else rate}"
+            got, seconds = asyncio.run(serve_over_http(run, workload, rate, specs, desc))
+            results += got
+            rows += summary_rows(run, name, workload, rate, got, seconds, held)
+    return rows, results, {}, [], [], []
 
 
 def config_timeline(cluster, log: list, held: dict, start: float, seconds: float) -> dict:
@@ -979,7 +1059,9 @@ def caption(run: Run) -> str:
     and arrivals; the model (a preset's weights are random) and the devices."""
     from model import PRESETS
     model = f"{run.model} (random weights)" if run.model in PRESETS else Path(run.model).name
-    if run.join:
+    if run.url:
+        devices = f"served at {run.url}"
+    elif run.join:
         devices = f"workers joined at {run.join}"
     else:
         gpu = run.devices[0].startswith("cuda")
@@ -1011,7 +1093,8 @@ def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timel
     run.out.mkdir(parents=True, exist_ok=True)
     files = plot(run, rows, results, goodput, timelines, configs)
     gpu = run.devices[0].startswith("cuda") if run.devices else torch.cuda.is_available()
-    meta = {"model": run.model, "devices": run.devices or [f"joined at {run.join}"],
+    where = f"served at {run.url}" if run.url else f"joined at {run.join}"
+    meta = {"model": run.model, "devices": run.devices or [where],
             "workloads": run.workloads, "transport": run.transport, "mode": run.mode, "seed": run.seed,
             "ttft_slo": run.ttft_slo, "tpot_slo": run.tpot_slo, "slo_given": run.slo is not None,
             "length_scale": run.scale, "duration": run.duration, "num_requests": run.count,
@@ -1034,9 +1117,11 @@ def print_notes(run: Run, rows: list[dict], goodput: dict, calib: dict, timeline
     for name, split in dict.fromkeys((r["policy"], tuple(r["sm_split"])) for r in rows if r.get("sm_split")):
         print(f"{name}: one split worker, {split[0]} SMs prefill / {split[1]} decode")
     print_frontier(front)
-    print("start-up (LLM(): workers, CUDA graphs, adaptive's profile unless cached; then the warm-up): "
-          + ", ".join(f"{r['policy']} {r['start_s']:.1f} + {r['warm_up_s']:.1f} s"
-                      for r in {r["policy"]: r for r in rows if "start_s" in r}.values()))
+    started = {r["policy"]: r for r in rows if "start_s" in r}
+    if started:
+        print("start-up (LLM(): workers, CUDA graphs, adaptive's profile unless cached; then the warm-up): "
+              + ", ".join(f"{r['policy']} {r['start_s']:.1f} + {r['warm_up_s']:.1f} s"
+                          for r in started.values()))
     behind = max(r["lag_max"] for r in rows)
     if behind > 0.05:
         print(f"note: the client fell behind its arrivals by up to {behind:.2f} s (latencies count from "
@@ -1101,16 +1186,17 @@ def replot(args: argparse.Namespace) -> None:
     duration = default(args.duration, meta.get("duration"))
     if duration is None:
         raise SystemExit(f"{args.results} does not hold the run's duration: give --duration")
-    joined = meta["devices"][0].startswith("joined at ")
+    first = meta["devices"][0]
+    joined, served = first.startswith("joined at "), first.startswith("served at ")
     run = Run(mode=meta["mode"], policies=list(dict.fromkeys(r["policy"] for r in rows)),
               workloads=meta["workloads"], rates=sorted({r["rate"] for r in rows}), duration=duration,
               count=meta.get("num_requests", len(data["requests"])), model=meta["model"],
-              devices=None if joined else meta["devices"], scale=meta["length_scale"],
+              devices=None if joined or served else meta["devices"], scale=meta["length_scale"],
               ttft_slo=meta["ttft_slo"], tpot_slo=meta["tpot_slo"], engine={}, seed=meta["seed"],
               out=args.results.parent, join=meta["devices"][0].removeprefix("joined at ") if joined else None,
               transport=meta.get("transport", "p2p"), device_name=meta["device_name"],
               phases=tuple(tuple(p) for p in meta.get("phases", PHASES)),
-              phase_s=meta.get("phase_s", PHASE_S))
+              phase_s=meta.get("phase_s", PHASE_S), url=first.removeprefix("served at ") if served else None)
     results = [Result(**r) for r in data["requests"]]
     front = frontier(rows, meta.get("slo_given", False))
     phase_switch(front, results)
@@ -1126,7 +1212,7 @@ def main() -> None:
     run = make_run(args)
     rows, results, calib, timelines, configs, steps = [], [], {}, [], [], []
     for name in run.policies:
-        got_rows, got, c, t, held, timed = run_policy(run, name)
+        got_rows, got, c, t, held, timed = (run_server if run.url else run_policy)(run, name)
         rows, results, calib = rows + got_rows, results + got, c or calib
         timelines, configs, steps = timelines + t, configs + held, steps + timed
     report(run, rows, results, calib, timelines, configs, steps)

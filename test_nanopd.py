@@ -6451,6 +6451,65 @@ def test_200_concurrent_streaming_clients_each_get_their_own_complete_stream(pai
     assert all(end == ["data: [DONE]", "length"] for _, end in got)
 
 
+@pytest.mark.usefixtures("worker_env")
+def test_on_workers_the_server_streams_their_tokens_and_a_killed_one_fails_none_but_its_own(hf):
+    """The server on two collocated CPU workers: 12 streams, greedy, each ends with [DONE]
+    and the text the cluster gave that prompt before; SIGKILL to worker 1 while they run:
+    its requests restart on worker 0 and stream on from where they had got, so every
+    stream still ends whole with that text, and the server then serves a new request."""
+    import signal
+
+    import httpx
+    llm = make_cluster(hf, "collocated", 2, max_model_len=512)
+    prompts = [[1 + (7 * i + j) % 60 for j in range(6 + i)] for i in range(12)]
+    want = [o.outputs[0].text for o in generate(llm, prompts, max_tokens=120)]
+    short = generate(llm, prompts[:1], max_tokens=4)[0].outputs[0].text
+    try:
+        with serving(llm, model_name="m") as url:
+            def stream(prompt: list[int]) -> tuple[str, list[str]]:
+                body = {"model": "m", "prompt": prompt, "max_tokens": 120, "temperature": 0, "stream": True}
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+                    lines = [line for line in r.iter_lines() if line]
+                events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+                return "".join(e["choices"][0]["text"] for e in events if "choices" in e), lines
+            with concurrent.futures.ThreadPoolExecutor(12) as pool:
+                futures = [pool.submit(stream, p) for p in prompts]
+                deadline = time.monotonic() + 120
+                while not any(t.tokens for t in list(llm.cluster.active.values()) if t.worker == 1):
+                    assert time.monotonic() < deadline, "worker 1 decoded nothing"
+                    time.sleep(0.01)
+                os.kill(llm.cluster.workers.procs[1].pid, signal.SIGKILL)
+                got = [f.result(timeout=300) for f in futures]
+            assert [text for text, _ in got] == want
+            assert all(lines[-1] == "data: [DONE]" for _, lines in got)
+            after = httpx.post(f"{url}/v1/completions", timeout=120, json={
+                "model": "m", "prompt": prompts[0], "max_tokens": 4, "temperature": 0})
+            assert after.status_code == 200 and after.json()["choices"][0]["text"] == short
+    finally:
+        llm.close()
+
+
+def test_bench_as_a_client_measures_a_server_over_http(pair_llm, tmp_path):
+    """`bench.py --url` against nanoPD's own server on the loopback: every request of the
+    workload (drawn again here, with bench's own seed) is served, none failed, each with
+    its max_tokens of output (ignore_eos; counted from the streams' usage), its first token
+    no later than its end; the table names the policy 'server'."""
+    import bench
+    with serving(pair_llm, model_name="pairs") as url:
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HOME": str(tmp_path)}
+        run = subprocess.run([sys.executable, "bench.py", "--url", f"{url}/v1", "--model", "pairs",
+                              "--rate", "8", "--duration", "2", "--out", str(tmp_path / "out")],
+                             cwd=HERE, env=env, capture_output=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    specs = bench.make_requests("sharegpt", 8.0, 2.0, 64, 0, bench.HTTP_VOCAB, 1 / 8)
+    got = sorted(results["requests"], key=lambda r: r["arrival"])
+    assert [(r["prompt_len"], r["output_len"]) for r in got] \
+        == [(len(s.prompt_ids), s.max_tokens) for s in specs]
+    assert all(r["error"] is None and 0 < r["ttft"] <= r["e2e"] for r in got)
+    assert b"| server | sharegpt | 8 |" in run.stdout
+
+
 def test_serve_drains_its_streams_on_sigterm_and_exits_cleanly(tmp_path):
     """`python nanopd.py serve tiny` (a flag for an LLM setting among its flags): a client
     streams 48 tokens; SIGTERM once the first came: the stream still ends whole ([DONE], 48
