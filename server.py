@@ -58,6 +58,12 @@ class Stream:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (self, kind, value))
 
 
+def deliver(events: list[tuple]) -> None:
+    """On the HTTP loop: each (stream, kind, value) onto its stream's queue."""
+    for stream, kind, value in events:
+        stream.events.put_nowait((stream, kind, value))
+
+
 class Full(Exception):
     """The server holds as many requests as it takes (max_pending): answered 503 at once."""
 
@@ -132,19 +138,22 @@ class EngineLoop:
         return True
 
     def serve_once(self) -> None:
-        """One poll of the backend: what came for each request."""
-        ended = self.backend.poll(0.002)
+        """One poll of the backend: what came for each request, handed over in one call to
+        the HTTP loop (one wake-up a step, not one per stream)."""
+        ended, events = self.backend.poll(0.002), []
         for request_id, ids in self.backend.new_tokens().items():
             if request_id in self.streams:
                 self.streams[request_id].first_token = True
-                self.streams[request_id].put("tokens", ids)
+                events.append((self.streams[request_id], "tokens", ids))
         for request_id in ended:
             stream = self.streams.pop(request_id, None)
             out = self.backend.output(request_id)
             if stream is not None:
                 self.ended()
                 self.on_end(out)
-                stream.put("end", out)
+                events.append((stream, "end", out))
+        if events:
+            events[0][0].loop.call_soon_threadsafe(deliver, events)
         self.running = sum(s.first_token for s in self.streams.values())
         self.kv_usage = kv_usage(self.backend)
 
