@@ -303,8 +303,9 @@ def samples(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 class Metrics:
-    """The Prometheus metrics, vLLM's names where vLLM has one; the adaptive policy's
-    per-worker configuration (token budget, decode SMs: 0 for the whole GPU) as nanopd's."""
+    """The Prometheus metrics, vLLM's names where vLLM has one; on workers, each one's role
+    and, under the adaptive policy, its configuration (token budget, decode SMs: 0 for the
+    whole GPU) as nanopd's."""
 
     def __init__(self, loop: EngineLoop):
         r, self.loop = CollectorRegistry(), loop
@@ -326,6 +327,8 @@ class Metrics:
                             registry=r)
         self.decode_sms = Gauge("nanopd:worker_decode_sms", "A worker's decode SMs, 0: the whole GPU",
                                 ["worker"], registry=r)
+        self.role = Gauge("nanopd:worker_role", "1 for each worker's role (the planner's regime)",
+                          ["worker", "role"], registry=r)
         loop.on_end = self.ended
 
     def ended(self, out: RequestOutput) -> None:   # on the engine thread
@@ -345,9 +348,13 @@ class Metrics:
         self.running.set(loop.running)
         self.waiting.set(max(0, loop.pending - loop.running))
         self.kv.set(loop.kv_usage)
-        for w, c in getattr(getattr(loop.backend, "telemetry", None), "configured", {}).items():
-            self.budget.labels(worker=str(w)).set(c.token_budget)
-            self.decode_sms.labels(worker=str(w)).set(0 if c.sm_split is None else c.sm_split[1])
+        if not isinstance(loop.backend, Engine):   # workers: their roles and configurations
+            self.role.clear()
+            for w, role in loop.backend.roles.names().items():
+                self.role.labels(worker=str(w), role=role).set(1)
+            for w, c in loop.backend.telemetry.configured.items():
+                self.budget.labels(worker=str(w)).set(c.token_budget)
+                self.decode_sms.labels(worker=str(w)).set(0 if c.sm_split is None else c.sm_split[1])
         return generate_latest(self.registry)
 
 

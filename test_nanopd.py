@@ -6485,6 +6485,9 @@ def test_on_workers_the_server_streams_their_tokens_and_a_killed_one_fails_none_
             after = httpx.post(f"{url}/v1/completions", timeout=120, json={
                 "model": "m", "prompt": prompts[0], "max_tokens": 4, "temperature": 0})
             assert after.status_code == 200 and after.json()["choices"][0]["text"] == short
+            metrics = httpx.get(f"{url}/metrics").text   # each worker's role, and all 13 requests ended
+            assert 'nanopd:worker_role{role="both",worker="0"} 1.0' in metrics
+            assert 'vllm:request_success_total{finished_reason="length"} 13.0' in metrics
     finally:
         llm.close()
 
