@@ -6513,6 +6513,36 @@ def test_bench_as_a_client_measures_a_server_over_http(pair_llm, tmp_path):
     assert b"| server | sharegpt | 8 |" in run.stdout
 
 
+@pytest.mark.usefixtures("worker_env")
+def test_a_request_whose_worker_died_is_a_500_naming_it_and_the_server_answers_on(hf):
+    """Disaggregated on two CPU workers, SIGKILL to the only prefill worker while requests
+    with long prompts wait for it: each of them answers 500 with OpenAI's error body naming
+    worker 0 (none can be served any more), a new one too, at once; /health still answers."""
+    import signal
+
+    import httpx
+    llm = make_cluster(hf, "disaggregated", 2, max_model_len=512)
+    try:
+        with serving(llm, model_name="m") as url:
+            body = {"model": "m", "max_tokens": 50, "temperature": 0}
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                futures = [pool.submit(httpx.post, f"{url}/v1/completions", timeout=300,
+                                       json={**body, "prompt": prompt(300, seed=i)}) for i in range(4)]
+                deadline = time.monotonic() + 60
+                while len(llm.cluster.active) < 4:
+                    assert time.monotonic() < deadline, "the requests never came"
+                    time.sleep(0.01)
+                os.kill(llm.cluster.workers.procs[0].pid, signal.SIGKILL)
+                answers = [f.result(timeout=300) for f in futures]
+            for r in answers:
+                assert r.status_code == 500 and "worker 0" in r.json()["error"]["message"], r.text
+            late = httpx.post(f"{url}/v1/completions", json={**body, "prompt": [1, 2, 3]}, timeout=60)
+            assert late.status_code == 500 and "worker 0" in late.json()["error"]["message"]
+            assert httpx.get(f"{url}/health").status_code == 200
+    finally:
+        llm.close()
+
+
 def test_serve_drains_its_streams_on_sigterm_and_exits_cleanly(tmp_path):
     """`python nanopd.py serve tiny` (a flag for an LLM setting among its flags): a client
     streams 48 tokens; SIGTERM once the first came: the stream still ends whole ([DONE], 48
