@@ -82,6 +82,7 @@ class EngineLoop:
         self.on_end = lambda out: None         # metrics (make_app)
         self.running = 0                       # of the streams, those with a token (read by /metrics)
         self.kv_usage = 0.0                    # the share of KV blocks in use, on average over workers
+        self.workers: tuple[dict, dict] = ({}, {})   # workers' roles and configurations (Configured)
         self.thread = threading.Thread(target=self.run, name="nanopd-engine", daemon=True)
         self.thread.start()
 
@@ -115,7 +116,7 @@ class EngineLoop:
                     command = self.commands.get_nowait()
             except queue.Empty:
                 pass
-            if self.streams:
+            if self.streams or not isinstance(self.backend, Engine):   # workers' reports are read even idle
                 self.serve_once()
 
     def obey(self, command: tuple) -> bool:
@@ -156,6 +157,8 @@ class EngineLoop:
             events[0][0].loop.call_soon_threadsafe(deliver, events)
         self.running = sum(s.first_token for s in self.streams.values())
         self.kv_usage = kv_usage(self.backend)
+        if not isinstance(self.backend, Engine):   # for /metrics, read on the HTTP thread
+            self.workers = (self.backend.roles.names(), dict(self.backend.telemetry.configured))
 
     def ended(self) -> None:
         with self.lock:
@@ -348,13 +351,13 @@ class Metrics:
         self.running.set(loop.running)
         self.waiting.set(max(0, loop.pending - loop.running))
         self.kv.set(loop.kv_usage)
-        if not isinstance(loop.backend, Engine):   # workers: their roles and configurations
-            self.role.clear()
-            for w, role in loop.backend.roles.names().items():
-                self.role.labels(worker=str(w), role=role).set(1)
-            for w, c in loop.backend.telemetry.configured.items():
-                self.budget.labels(worker=str(w)).set(c.token_budget)
-                self.decode_sms.labels(worker=str(w)).set(0 if c.sm_split is None else c.sm_split[1])
+        roles, configured = loop.workers
+        self.role.clear()
+        for w, role in roles.items():
+            self.role.labels(worker=str(w), role=role).set(1)
+        for w, c in configured.items():
+            self.budget.labels(worker=str(w)).set(c.token_budget)
+            self.decode_sms.labels(worker=str(w)).set(0 if c.sm_split is None else c.sm_split[1])
         return generate_latest(self.registry)
 
 
