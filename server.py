@@ -17,6 +17,7 @@ and is not served.
 """
 
 import asyncio
+import contextlib
 import itertools
 import json
 import queue
@@ -56,6 +57,16 @@ class Stream:
 
     def put(self, kind: str, value) -> None:   # from the engine thread
         self.loop.call_soon_threadsafe(self.events.put_nowait, (self, kind, value))
+
+
+def settle(future: asyncio.Future, outcome) -> None:
+    """On the HTTP loop: a submit's outcome (its request id, or the exception that refused
+    it), unless its handler has gone meanwhile (the future was cancelled)."""
+    if not future.done():
+        if isinstance(outcome, Exception):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
 
 
 def deliver(events: list[tuple]) -> None:
@@ -117,7 +128,10 @@ class EngineLoop:
             except queue.Empty:
                 pass
             if self.streams or not isinstance(self.backend, Engine):   # workers' reports are read even idle
-                self.serve_once()
+                try:
+                    self.serve_once()
+                except Exception as e:  # noqa: BLE001 (a broken backend fails its requests; nothing hangs)
+                    self.fail_all(e)
 
     def obey(self, command: tuple) -> bool:
         """Carry out one command; False for stop."""
@@ -126,10 +140,10 @@ class EngineLoop:
                 try:
                     stream.request_id = self.backend.submit(prompt, stream.params)
                     self.streams[stream.request_id] = stream
-                    stream.loop.call_soon_threadsafe(stream.accepted.set_result, stream.request_id)
+                    stream.loop.call_soon_threadsafe(settle, stream.accepted, stream.request_id)
                 except Exception as e:  # noqa: BLE001 (a refused request: its handler answers it)
                     self.ended()
-                    stream.loop.call_soon_threadsafe(stream.accepted.set_exception, e)
+                    stream.loop.call_soon_threadsafe(settle, stream.accepted, e)
             case ("abort", stream):
                 if self.streams.pop(stream.request_id, None) is not None:
                     self.backend.abort([stream.request_id])
@@ -165,9 +179,14 @@ class EngineLoop:
             self.pending -= 1
 
     def fail_all(self, error: Exception) -> None:
-        for stream in self.streams.values():
+        """Every running request ends with error (its handler answers 500), and the backend
+        is told to drop them, if it still can."""
+        streams, self.streams = list(self.streams.values()), {}
+        with contextlib.suppress(Exception):   # a backend that failed may fail again: nothing more to do
+            self.backend.abort([s.request_id for s in streams])
+        for stream in streams:
+            self.ended()
             stream.put("end", RequestOutput(stream.request_id, None, [], [], None, error=error))
-        self.streams.clear()
 
 
 def kv_usage(backend) -> float:

@@ -6406,6 +6406,28 @@ def test_the_server_wants_its_key_but_for_health_and_is_503_when_full(pair_llm):
         assert again.status_code == 200
 
 
+def test_a_backend_that_raises_fails_its_requests_and_the_server_serves_on(pair_llm, monkeypatch):
+    """The engine's poll raises once while a request runs: that request answers 500 with
+    the error, the engine is left holding nothing, and the next request is served."""
+    import httpx
+    engine, calls = pair_llm.engine, []
+    real = engine.poll
+
+    def poll(timeout: float = 0.0) -> list[int]:
+        calls.append(timeout)
+        if len(calls) == 3:
+            raise RuntimeError("the engine broke")
+        return real(timeout)
+    monkeypatch.setattr(engine, "poll", poll)
+    with serving(pair_llm, model_name="pairs") as url:
+        body = {"model": "pairs", "prompt": "abcd", "max_tokens": 50, "ignore_eos": True, "temperature": 0}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500 and "the engine broke" in r.json()["error"]["message"]
+        assert not engine.requests
+        ok = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 3}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
 def test_clients_that_go_mid_stream_leave_no_request_running_and_no_block_taken(pair_llm):
     """100 streaming clients that each read a few events and close: every request is aborted
     (the engine holds none and every KV block is free again), and the server serves on."""
