@@ -475,13 +475,25 @@ def add_error_handlers(app: FastAPI, api_key: str | None) -> None:
     async def refused(request: Request, exc: BadRequest) -> JSONResponse:
         return JSONResponse(error_body(exc.status, str(exc), exc.param), status_code=exc.status)
 
-    @app.middleware("http")
-    async def key(request: Request, call_next):
-        if api_key and request.url.path != "/health" \
-                and request.headers.get("authorization") != f"Bearer {api_key}":
-            return JSONResponse(error_body(401, "a valid API key is needed: Authorization: Bearer KEY"),
-                                status_code=401)
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(KeyCheck, api_key=api_key)
+
+
+class KeyCheck:
+    """Every path but /health wants `Authorization: Bearer KEY`, else a 401. A plain ASGI
+    middleware: it leaves the request's body and its disconnect to the app (Starlette's
+    BaseHTTPMiddleware would hide the disconnect from request.is_disconnected)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.want = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health" \
+                and dict(scope["headers"]).get(b"authorization") != self.want:
+            refused = JSONResponse(error_body(401, "a valid API key is needed: Authorization: Bearer KEY"),
+                                   status_code=401)
+            return await refused(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def prompt_list(prompt) -> list[str | list[int]]:
@@ -608,17 +620,17 @@ async def start(served: Served, prompts: list, per_sample: list[SamplingParams],
 async def wait_all(served: Served, request: Request, streams: list[Stream], events: asyncio.Queue
                    ) -> list[RequestOutput] | None:
     """Every stream's output, in order; None if the client went first (all are aborted)."""
-    outs = {}
+    outs, looked = {}, time.monotonic()
     try:
         while len(outs) < len(streams):
-            try:
+            with contextlib.suppress(TimeoutError):
                 stream, kind, value = await asyncio.wait_for(events.get(), DISCONNECT_CHECK_S)
-            except TimeoutError:
+                if kind == "end":
+                    stream.ended, outs[stream.index] = True, value
+            if time.monotonic() - looked >= DISCONNECT_CHECK_S:   # tokens keep coming: look by the clock
+                looked = time.monotonic()
                 if await request.is_disconnected():
                     return None
-                continue
-            if kind == "end":
-                stream.ended, outs[stream.index] = True, value
         return [outs[s.index] for s in streams]
     finally:
         for s in streams:

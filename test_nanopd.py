@@ -6369,7 +6369,7 @@ def test_the_openai_client_gets_generates_and_chats_tokens_from_the_server(pair_
 ])
 def test_a_bad_request_is_a_400_with_an_openai_error_naming_the_field(pair_llm, body, status, param):
     """Raw HTTP: an unknown model, bad JSON, a wrong type, a value out of range, a prompt
-    over max_model_len (4096 tokens), a missing field: each answers at once
+    over max_model_len (512 tokens: make_llm's), a missing field: each answers at once
     with OpenAI's error body, its param the field; the server then serves the next request."""
     import httpx
     with serving(pair_llm, model_name="pairs") as url:
@@ -6450,6 +6450,29 @@ def test_clients_that_go_mid_stream_leave_no_request_running_and_no_block_taken(
         assert not engine.requests and engine.bm.num_free_blocks == engine.runner.num_blocks
         ok = httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 3}, timeout=60)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_client_that_goes_while_it_waits_for_a_whole_answer_has_its_request_aborted(pair_llm, monkeypatch):
+    """A request without stream, 500 tokens at 5 ms a step or more, whose client gives up
+    after 0.5 s: the server sees the connection go and aborts it (the engine holds nothing
+    again, and /metrics counts no request ended: it was dropped, not finished)."""
+    import httpx
+    engine = pair_llm.engine
+    real = engine.poll
+
+    def slow(timeout: float = 0.0) -> list[int]:
+        time.sleep(0.005)
+        return real(timeout)
+    monkeypatch.setattr(engine, "poll", slow)
+    with serving(pair_llm, model_name="pairs") as url:
+        body = {"model": "pairs", "prompt": "abcd", "max_tokens": 500, "ignore_eos": True, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 60
+        while engine.requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.requests
+        assert "vllm:request_success_total{" not in httpx.get(f"{url}/metrics").text   # no sample
 
 
 def test_200_concurrent_streaming_clients_each_get_their_own_complete_stream(pair_llm):
