@@ -6382,6 +6382,32 @@ def test_a_bad_request_is_a_400_with_an_openai_error_naming_the_field(pair_llm, 
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
+def test_the_servers_metrics_count_what_it_served(pair_llm):
+    """/metrics after three requests of known lengths (raw HTTP; prometheus text parsed
+    here): the prompt and generation token counters are their sums, each latency histogram
+    counted three, three successes by finish reason, nothing running or waiting, the KV
+    usage a share."""
+    import httpx
+    with serving(pair_llm, model_name="pairs") as url:
+        lengths = [(4, 3), (6, 5), (10, 2)]   # (prompt characters: two per token, max_tokens)
+        for chars, n in lengths:
+            body = {"model": "pairs", "prompt": "ab" * (chars // 2), "max_tokens": n, "ignore_eos": True}
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        samples = {}
+        for line in httpx.get(f"{url}/metrics").text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+    assert samples["vllm:prompt_tokens_total"] == sum(c // 2 for c, _ in lengths)
+    assert samples["vllm:generation_tokens_total"] == sum(n for _, n in lengths)
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert samples[f"vllm:{histogram}_count"] == 3
+    assert samples["vllm:time_per_output_token_seconds_count"] == 3   # each had more than one token
+    assert samples['vllm:request_success_total{finished_reason="length"}'] == 3
+    assert samples["vllm:num_requests_running"] == samples["vllm:num_requests_waiting"] == 0
+    assert 0 <= samples["vllm:gpu_cache_usage_perc"] <= 1
+
+
 def test_the_server_wants_its_key_but_for_health_and_is_503_when_full(pair_llm):
     """With --api-key every endpoint but /health answers 401 without it; with max_pending 1,
     a second request while one streams is a 503 at once, and once that one ends the next is
