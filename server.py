@@ -452,7 +452,8 @@ def make_app(llm, model_name: str | None = None, api_key: str | None = None,
         except ValueError as e:
             raise BadRequest(str(e), "messages") from None
         ids = served.tokenizer.encode(text, add_special_tokens=False)
-        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, served.max_model_len - len(ids))
+        given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = given if given is not None else max(1, served.max_model_len - len(ids))
         params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         return await respond(served, request, body, [ids], params, CHAT)
     return app
