@@ -213,16 +213,21 @@ class CostModel:
         tokens = w.queued_prefill_tokens + prompt_len
         if w.token_budget is None:
             return self.p.alpha0 + self.p.alpha * tokens + self.p.alpha2 * self.squares(w, prompt_len)
-        room = max(1, w.token_budget - w.decode_batch)
-        step = self.decode_step_ms(w.decode_batch, w.context_tokens) + self.p.gamma * min(room, tokens)
+        chunk = min(self.room(w), tokens)
+        step = self.decode_step_ms(w.decode_batch, w.context_tokens) + self.p.gamma * chunk
         return self.prefill_steps(w, prompt_len) * step
+
+    @staticmethod
+    def room(w: WorkerLoad) -> int:
+        """Prompt tokens a step of w carries under its token budget: the budget less its decodes."""
+        return max(1, w.token_budget - w.decode_batch)
 
     @staticmethod
     def prefill_steps(w: WorkerLoad, prompt_len: int) -> int:
         """The steps of w that prefill its queue and then this prompt (prefill_on)."""
         if w.token_budget is None:
             return 1
-        return math.ceil((w.queued_prefill_tokens + prompt_len) / max(1, w.token_budget - w.decode_batch))
+        return math.ceil((w.queued_prefill_tokens + prompt_len) / CostModel.room(w))
 
     @staticmethod
     def squares(w: WorkerLoad, prompt_len: int) -> float:

@@ -435,7 +435,6 @@ def serve_main(argv: list[str]) -> None:
         setting_flag(p, f)
     args = p.parse_args(argv)
     settings = {f.name: getattr(args, f.name) for f in names if getattr(args, f.name) is not None}
-    settings = {k: tuple(v) if isinstance(v, list) and k != "devices" else v for k, v in settings.items()}
     import server
     try:
         llm = LLM(args.model, policy=args.policy, **settings)
@@ -444,6 +443,13 @@ def serve_main(argv: list[str]) -> None:
     with llm:
         server.serve(llm, args.host, args.port, args.api_key, args.served_model_name, args.max_pending,
                      args.drain_s)
+
+
+class AsTuple(argparse.Action):
+    """A flag of several values kept as a tuple, as the setting's type has it."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, tuple(values))
 
 
 def setting_flag(p: argparse.ArgumentParser, f: dataclasses.Field) -> None:
@@ -459,11 +465,12 @@ def setting_flag(p: argparse.ArgumentParser, f: dataclasses.Field) -> None:
     elif dict in kinds:
         p.add_argument(flag, type=json.loads, default=None, help="JSON")
     elif pairs and pairs[0][-1] is Ellipsis:   # splits: P/D each
-        p.add_argument(flag, nargs="+", default=None, metavar="P/D",
+        p.add_argument(flag, nargs="+", default=None, metavar="P/D", action=AsTuple,
                        type=lambda s: tuple(int(x) for x in s.split("/")))
-    elif pairs:   # a pair of numbers, or a list of strings
-        kind = pairs[0][0]
-        p.add_argument(flag, nargs=len(pairs[0]) if kind is not str else "+", type=kind, default=None)
+    elif pairs and pairs[0][0] is str:   # a list of strings
+        p.add_argument(flag, nargs="+", default=None)
+    elif pairs:   # a pair of numbers
+        p.add_argument(flag, nargs=len(pairs[0]), type=pairs[0][0], default=None, action=AsTuple)
     else:
         p.add_argument(flag, default=None)
 

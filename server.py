@@ -51,6 +51,7 @@ class Stream:
     events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     accepted: asyncio.Future
+    streamed: bool = True          # its handler shows tokens as they come (else: its output alone)
     request_id: int | None = None
     first_token: bool = False      # a token came (it is running, not waiting)
     ended: bool = False
@@ -75,6 +76,9 @@ def deliver(events: list[tuple]) -> None:
         stream.events.put_nowait((stream, kind, value))
 
 
+SNAPSHOT_S = 0.25   # /metrics' KV usage and workers' state are read this often, not every poll
+
+
 class Full(Exception):
     """The server holds as many requests as it takes (max_pending): answered 503 at once."""
 
@@ -94,11 +98,12 @@ class EngineLoop:
         self.running = 0                       # of the streams, those with a token (read by /metrics)
         self.kv_usage = 0.0                    # the share of KV blocks in use, on average over workers
         self.workers: tuple[dict, dict] = ({}, {})   # workers' roles and configurations (Configured)
+        self.looked = 0.0                      # when kv_usage and workers were last read
         self.thread = threading.Thread(target=self.run, name="nanopd-engine", daemon=True)
         self.thread.start()
 
-    def submit(self, index: int, prompt: str | list[int], params: SamplingParams, events: asyncio.Queue
-               ) -> Stream:
+    def submit(self, index: int, prompt: str | list[int], params: SamplingParams, events: asyncio.Queue,
+               streamed: bool) -> Stream:
         """A stream for a new request (its accepted future resolves on the engine thread);
         Full if the server holds max_pending requests already. Called on the HTTP loop."""
         with self.lock:
@@ -106,7 +111,7 @@ class EngineLoop:
                 raise Full(f"the server holds {self.pending} requests, its limit (--max-pending)")
             self.pending += 1
         loop = asyncio.get_running_loop()
-        stream = Stream(index, params, events, loop, loop.create_future())
+        stream = Stream(index, params, events, loop, loop.create_future(), streamed)
         self.commands.put(("submit", prompt, stream))
         return stream
 
@@ -142,12 +147,12 @@ class EngineLoop:
                     self.streams[stream.request_id] = stream
                     stream.loop.call_soon_threadsafe(settle, stream.accepted, stream.request_id)
                 except Exception as e:  # noqa: BLE001 (a refused request: its handler answers it)
-                    self.ended()
+                    self.ended(stream)
                     stream.loop.call_soon_threadsafe(settle, stream.accepted, e)
             case ("abort", stream):
                 if self.streams.pop(stream.request_id, None) is not None:
                     self.backend.abort([stream.request_id])
-                    self.ended()
+                    self.ended(stream)
             case ("stop",):
                 return False
         return True
@@ -157,24 +162,29 @@ class EngineLoop:
         the HTTP loop (one wake-up a step, not one per stream)."""
         ended, events = self.backend.poll(0.002), []
         for request_id, ids in self.backend.new_tokens().items():
-            if request_id in self.streams:
-                self.streams[request_id].first_token = True
-                events.append((self.streams[request_id], "tokens", ids))
+            stream = self.streams.get(request_id)
+            if stream is not None:
+                self.running += not stream.first_token
+                stream.first_token = True
+                if stream.streamed:
+                    events.append((stream, "tokens", ids))
         for request_id in ended:
             stream = self.streams.pop(request_id, None)
             out = self.backend.output(request_id)
             if stream is not None:
-                self.ended()
+                self.ended(stream)
                 self.on_end(out)
                 events.append((stream, "end", out))
         if events:
             events[0][0].loop.call_soon_threadsafe(deliver, events)
-        self.running = sum(s.first_token for s in self.streams.values())
-        self.kv_usage = kv_usage(self.backend)
-        if not isinstance(self.backend, Engine):   # for /metrics, read on the HTTP thread
-            self.workers = (self.backend.roles.names(), dict(self.backend.telemetry.configured))
+        if time.monotonic() - self.looked >= SNAPSHOT_S:   # for /metrics, read on the HTTP thread
+            self.looked, self.kv_usage = time.monotonic(), kv_usage(self.backend)
+            if not isinstance(self.backend, Engine):
+                self.workers = (self.backend.roles.names(), dict(self.backend.telemetry.configured))
 
-    def ended(self) -> None:
+    def ended(self, stream: Stream) -> None:
+        """stream's request is over (ended, refused or aborted): it is no longer counted."""
+        self.running -= stream.first_token
         with self.lock:
             self.pending -= 1
 
@@ -185,7 +195,7 @@ class EngineLoop:
         with contextlib.suppress(Exception):   # a backend that failed may fail again: nothing more to do
             self.backend.abort([s.request_id for s in streams])
         for stream in streams:
-            self.ended()
+            self.ended(stream)
             stream.put("end", RequestOutput(stream.request_id, None, [], [], None, error=error))
 
 
@@ -217,9 +227,10 @@ class TextStream:
         for token in ids:
             self.detok.add(token)
         text = self.detok.text
-        safe = len(text) - self.hold
+        # a stop string starting before sent - hold was whole in the text already, and found then
+        safe, start = len(text) - self.hold, max(0, self.sent - self.hold)
         for stop in self.stops:
-            at = text.find(stop)
+            at = text.find(stop, start)
             safe = min(safe, at) if at >= 0 else safe
         return self.take(text[:max(safe, self.sent)])
 
@@ -389,7 +400,6 @@ class Served:
     name, and the ids of responses."""
     llm: object
     name: str
-    max_pending: int
     loop: EngineLoop | None = None
     metrics: Metrics | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -413,7 +423,7 @@ def make_app(llm, model_name: str | None = None, api_key: str | None = None,
     """The OpenAI-compatible app on llm (a nanopd.LLM, which the caller closes): the engine
     loop starts and stops with the app (its lifespan), every endpoint but /health wants
     `Authorization: Bearer api_key` when one is given."""
-    served = Served(llm, model_name or llm.backend.cfg.model, max_pending)
+    served = Served(llm, model_name or llm.backend.cfg.model)
 
     async def lifespan(app: FastAPI):
         served.loop = EngineLoop(llm.backend, max_pending)
@@ -577,7 +587,7 @@ async def respond(served: Served, request: Request, body: Sampling, prompts: lis
                   shape: Shape) -> Response:
     """Submit every prompt's n samples, then answer: whole, or as server-sent events."""
     events: asyncio.Queue = asyncio.Queue()
-    streams = await start(served, prompts, samples(params, body.n), events)
+    streams = await start(served, prompts, samples(params, body.n), events, body.stream)
     head = {"id": f"{shape.prefix}-{next(served.ids)}", "created": int(time.time()), "model": served.name}
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
@@ -595,14 +605,15 @@ async def respond(served: Served, request: Request, body: Sampling, prompts: lis
 
 
 async def start(served: Served, prompts: list, per_sample: list[SamplingParams],
-                events: asyncio.Queue) -> list[Stream]:
+                events: asyncio.Queue, streamed: bool) -> list[Stream]:
     """Every prompt's samples submitted and accepted; if any is refused, all are aborted and
     the refusal answered: 503 for a full server, 400 for a bad prompt, 500 for anything else."""
     streams = []
     try:
         for i, prompt in enumerate(prompts):
             for j, params in enumerate(per_sample):
-                streams.append(served.loop.submit(i * len(per_sample) + j, prompt, params, events))
+                streams.append(served.loop.submit(i * len(per_sample) + j, prompt, params, events,
+                                                  streamed))
         results = await asyncio.gather(*(s.accepted for s in streams), return_exceptions=True)
         error = next((r for r in results if isinstance(r, Exception)), None)
         if error is not None:
