@@ -969,11 +969,29 @@ def summary_rows(run: Run, name: str, workload: str, rate: float, got: list[Resu
     return rows
 
 
+def check_server(run: Run) -> None:
+    """SystemExit with one line if the server at run.url cannot be reached, refuses the key, or
+    does not serve --model (its /models says which it does)."""
+    import httpx
+    try:
+        r = httpx.get(f"{run.url.rstrip('/')}/models", timeout=30,
+                      headers={"authorization": f"Bearer {run.api_key or 'none'}"})
+    except httpx.HTTPError as e:
+        raise SystemExit(f"error: --url {run.url}: cannot reach the server ({type(e).__name__}: {e})") \
+            from None
+    if r.status_code != 200:
+        raise SystemExit(f"error: --url {run.url}: GET /models answered {r.status_code} {r.text[:200]}")
+    served = [m["id"] for m in r.json().get("data", [])]
+    if run.model not in served:
+        raise SystemExit(f"error: --model {run.model}: the server at {run.url} serves {', '.join(served)}")
+
+
 def run_server(run: Run, name: str) -> tuple[list[dict], list[Result], dict, list, list, list]:
     """run_policy's twin against the server at run.url, as its client (serve_over_http):
     the same warm-up, then every workload at every rate; nothing of the server's inside
     (no calibration, regimes, configurations or steps)."""
     rows, results, held = [], [], {"budget": None, "sm_split": None}
+    check_server(run)
     warm = make_requests(run.workloads[0], 0, 0, 8, run.seed + 999, HTTP_VOCAB, run.scale)
     asyncio.run(serve_over_http(run, "warm-up", 0.0, warm, "server warm-up"))
     for workload in run.workloads:

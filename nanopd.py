@@ -445,6 +445,21 @@ def serve_main(argv: list[str]) -> None:
                      args.drain_s)
 
 
+def json_value(text: str) -> dict:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+
+
+def split_value(text: str) -> tuple[int, int]:
+    """An SM split written P/D (prefill SMs / decode SMs)."""
+    parts = text.split("/")
+    if len(parts) != 2 or not all(x.strip().isdigit() for x in parts):
+        raise argparse.ArgumentTypeError(f"a split is P/D, prefill SMs / decode SMs (84/48), got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 class AsTuple(argparse.Action):
     """A flag of several values kept as a tuple, as the setting's type has it."""
 
@@ -463,10 +478,9 @@ def setting_flag(p: argparse.ArgumentParser, f: dataclasses.Field) -> None:
     elif kinds & {int, float} and not pairs:
         p.add_argument(flag, type=float if float in kinds else int, default=None)
     elif dict in kinds:
-        p.add_argument(flag, type=json.loads, default=None, help="JSON")
+        p.add_argument(flag, type=json_value, default=None, help="JSON")
     elif pairs and pairs[0][-1] is Ellipsis:   # splits: P/D each
-        p.add_argument(flag, nargs="+", default=None, metavar="P/D", action=AsTuple,
-                       type=lambda s: tuple(int(x) for x in s.split("/")))
+        p.add_argument(flag, nargs="+", default=None, metavar="P/D", action=AsTuple, type=split_value)
     elif pairs and pairs[0][0] is str:   # a list of strings
         p.add_argument(flag, nargs="+", default=None)
     elif pairs:   # a pair of numbers

@@ -6567,10 +6567,17 @@ def test_bench_as_a_client_measures_a_server_over_http(pair_llm, tmp_path):
     """`bench.py --url` against nanoPD's own server on the loopback: every request of the
     workload (drawn again here, with bench's own seed) is served, none failed, each with
     its max_tokens of output (ignore_eos; counted from the streams' usage), its first token
-    no later than its end; the table names the policy 'server'."""
+    no later than its end; the table names the policy 'server'. A model the server does not
+    serve, or a server that is not there, is one line naming the flag."""
     import bench
     with serving(pair_llm, model_name="pairs") as url:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HOME": str(tmp_path)}
+        for where, model, flag in ((f"{url}/v1", "other", b"--model"),
+                                   ("http://127.0.0.1:1/v1", "pairs", b"--url")):
+            bad = subprocess.run([sys.executable, "bench.py", "--url", where, "--model", model,
+                                  "--duration", "1"], cwd=HERE, env=env, capture_output=True, timeout=120,
+                                 check=False)
+            assert bad.returncode != 0 and flag in bad.stderr and bad.stderr.count(b"\n") == 1, bad.stderr
         run = subprocess.run([sys.executable, "bench.py", "--url", f"{url}/v1", "--model", "pairs",
                               "--rate", "8", "--duration", "2", "--out", str(tmp_path / "out")],
                              cwd=HERE, env=env, capture_output=True, timeout=600, check=False)
