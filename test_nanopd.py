@@ -6595,7 +6595,9 @@ def test_bench_as_a_client_measures_a_server_over_http(pair_llm, tmp_path):
 def test_a_request_whose_worker_died_is_a_500_naming_it_and_the_server_answers_on(hf):
     """Disaggregated on two CPU workers, SIGKILL to the only prefill worker while requests
     with long prompts wait for it: each of them answers 500 with OpenAI's error body naming
-    worker 0 (none can be served any more), a new one too, at once; /health still answers."""
+    worker 0 (none can be served any more), a new one too, at once; /health still answers.
+    The worker is stopped (SIGSTOP) before the requests come, so that none is prefilled and
+    handed to the decode worker before the kill."""
     import signal
 
     import httpx
@@ -6603,6 +6605,7 @@ def test_a_request_whose_worker_died_is_a_500_naming_it_and_the_server_answers_o
     try:
         with serving(llm, model_name="m") as url:
             body = {"model": "m", "max_tokens": 50, "temperature": 0}
+            os.kill(llm.cluster.workers.procs[0].pid, signal.SIGSTOP)
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 futures = [pool.submit(httpx.post, f"{url}/v1/completions", timeout=300,
                                        json={**body, "prompt": prompt(300, seed=i)}) for i in range(4)]
