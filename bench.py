@@ -28,6 +28,8 @@ import math
 import random
 import statistics
 import time
+import urllib.parse
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -159,46 +161,84 @@ def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec],
 HTTP_VOCAB = 256   # over HTTP the prompts are token ids below it: every tokenizer has them
 
 
+def warm_up(run: "Run", vocab: int) -> list[Spec]:
+    """What every run serves first, not counted: a few of the workload's requests and one of
+    the longest prompt any workload draws (2048 tokens), whose steps run kernels shorter ones
+    do not (a server measured without it compiles them in its first long step)."""
+    warm = make_requests(run.workloads[0], 0, 0, 8, run.seed + 999, vocab, run.scale)
+    rng = random.Random(run.seed + 998)
+    return warm + [Spec(0.0, [rng.randrange(vocab) for _ in range(int(2048 * run.scale))], 8)]
+
+
+async def post_events(url: str, path: str, body: dict, api_key: str | None) -> AsyncIterator[dict]:
+    """POST body as JSON to url + path over a connection of its own (HTTP/1.1, plain http) and
+    yield each server-sent event's JSON as it comes; an answer other than 200 raises
+    ServerError with its body. The benchmark's client: it parses only what it times, since
+    httpx spent ~0.1 s opening 256 connections at once, which a TTFT would count."""
+    at = urllib.parse.urlsplit(url)
+    reader, writer = await asyncio.open_connection(at.hostname, at.port or 80)
+    try:
+        data = json.dumps(body).encode()
+        writer.write(f"POST {at.path.rstrip('/')}{path} HTTP/1.1\r\nhost: {at.netloc}\r\n"
+                     f"authorization: Bearer {api_key or 'none'}\r\ncontent-type: application/json\r\n"
+                     f"content-length: {len(data)}\r\n\r\n".encode() + data)
+        status = int((await reader.readline()).split()[1])
+        headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        if status != 200:
+            text = await reader.read(int(headers.get("content-length", 300)))
+            raise ServerError(f"HTTP {status}: {text[:300].decode(errors='replace')}")
+        pending = b""
+        while size := int((await reader.readline()).strip() or b"0", 16):   # chunked, as SSE comes
+            pending += await reader.readexactly(size)
+            await reader.readline()
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                if event.startswith(b"data: {"):
+                    yield json.loads(event[6:])
+    finally:
+        writer.close()
+
+
+class ServerError(Exception):
+    """The server answered a request with an error status."""
+
+
 async def serve_over_http(run: "Run", workload: str, rate: float, specs: list[Spec],
                           desc: str) -> tuple[list[Result], float]:
     """serve's twin against an OpenAI-compatible server at run.url: each spec POSTed to
     /completions at its arrival time as a stream (token ids, greedy, ignore_eos, its usage
     asked for), timed from the client's side: the first event with a choice is its first
-    token, [DONE] its end, the usage its output tokens. A request the server refuses or
-    fails keeps its error."""
-    import httpx
+    token, the stream's end its end, the usage its output tokens. A request the server
+    refuses or fails keeps its error."""
     start, results = time.perf_counter(), []
-    async with httpx.AsyncClient(base_url=run.url, timeout=None, limits=httpx.Limits(max_connections=None),
-                                 headers={"authorization": f"Bearer {run.api_key or 'none'}"}) as client:
-        async def one(spec: Spec) -> None:
-            await asyncio.sleep(max(0.0, start + spec.arrival - time.perf_counter()))
-            sent, first, n, error = time.perf_counter(), None, 0, None
-            body = {"model": run.model, "prompt": spec.prompt_ids, "max_tokens": spec.max_tokens,
-                    "temperature": 0.0, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}}
-            try:
-                async with client.stream("POST", "/completions", json=body) as r:
-                    if r.status_code != 200:
-                        error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}"
-                    else:
-                        async for line in r.aiter_lines():
-                            event = json.loads(line[6:]) if line.startswith("data: {") else {}
-                            first = first or (time.perf_counter() if event.get("choices") else None)
-                            n = (event.get("usage") or {}).get("completion_tokens", n)
-                            error = error or (event.get("error") or {}).get("message")
-            except httpx.HTTPError as e:
-                error = f"{type(e).__name__}: {e}"
-            end, arrival = time.perf_counter(), start + spec.arrival
-            tpot = (end - first) / max(1, n - 1) if first else 0.0
-            results.append(Result("server", workload, rate, len(spec.prompt_ids), n,
-                                  ttft=(first or end) - arrival, tpot=tpot, e2e=end - arrival, path=[],
-                                  error=error, phase=spec.phase, arrival=spec.arrival,
-                                  lag=max(0.0, sent - arrival)))
-        with tqdm(total=len(specs), desc=desc, leave=False, disable=None) as bar:
-            tasks = [asyncio.create_task(one(s)) for s in specs]
-            for done in asyncio.as_completed(tasks):
-                await done
-                bar.update()
+
+    async def one(spec: Spec) -> None:
+        await asyncio.sleep(max(0.0, start + spec.arrival - time.perf_counter()))
+        sent, first, n, error = time.perf_counter(), None, 0, None
+        body = {"model": run.model, "prompt": spec.prompt_ids, "max_tokens": spec.max_tokens,
+                "temperature": 0.0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        try:
+            async for event in post_events(run.url, "/completions", body, run.api_key):
+                first = first or (time.perf_counter() if event.get("choices") else None)
+                n = (event.get("usage") or {}).get("completion_tokens", n)
+                error = error or (event.get("error") or {}).get("message")
+        except (OSError, ValueError, asyncio.IncompleteReadError, ServerError) as e:
+            error = str(e) if isinstance(e, ServerError) else f"{type(e).__name__}: {e}"
+        end, arrival = time.perf_counter(), start + spec.arrival
+        tpot = (end - first) / max(1, n - 1) if first else 0.0
+        results.append(Result("server", workload, rate, len(spec.prompt_ids), n,
+                              ttft=(first or end) - arrival, tpot=tpot, e2e=end - arrival, path=[],
+                              error=error, phase=spec.phase, arrival=spec.arrival,
+                              lag=max(0.0, sent - arrival)))
+    with tqdm(total=len(specs), desc=desc, leave=False, disable=None) as bar:
+        tasks = [asyncio.create_task(one(s)) for s in specs]
+        for done in asyncio.as_completed(tasks):
+            await done
+            bar.update()
     return sorted(results, key=lambda r: r.arrival), time.perf_counter() - start
 
 
@@ -926,11 +966,7 @@ def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
         vocab = llm.cluster.vocab_size
         router = llm.cluster.router
         profiled = asdict(router.cost.p) if router is not None else None   # before the refits
-        # Not counted: a few of the workload's requests and one of the longest prompt any
-        # workload draws (2048 tokens), whose steps run kernels shorter ones do not.
-        warm = make_requests(run.workloads[0], 0, 0, 8, run.seed + 999, vocab, run.scale)
-        rng = random.Random(run.seed + 998)
-        warm.append(Spec(0.0, [rng.randrange(vocab) for _ in range(int(2048 * run.scale))], 8))
+        warm = warm_up(run, vocab)
         started = time.perf_counter()
         serve(llm, name, "warm-up", 0.0, warm, f"{name} warm-up")
         # LLM(): the workers, their CUDA graphs and, for adaptive, its profile unless one is cached
@@ -972,8 +1008,10 @@ def summary_rows(run: Run, name: str, workload: str, rate: float, got: list[Resu
 
 def check_server(run: Run) -> None:
     """SystemExit with one line if the server at run.url cannot be reached, refuses the key, or
-    does not serve --model (its /models says which it does)."""
+    does not serve --model (its /models says which it does), or is not plain http."""
     import httpx
+    if urllib.parse.urlsplit(run.url).scheme != "http":
+        raise SystemExit(f"error: --url {run.url}: bench.py times a server over plain HTTP (http://HOST:PORT/v1)")
     try:
         r = httpx.get(f"{run.url.rstrip('/')}/models", timeout=30,
                       headers={"authorization": f"Bearer {run.api_key or 'none'}"})
@@ -993,8 +1031,7 @@ def run_server(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
     (no calibration, regimes, configurations or steps)."""
     rows, results, held = [], [], {"budget": None, "sm_split": None}
     check_server(run)
-    warm = make_requests(run.workloads[0], 0, 0, 8, run.seed + 999, HTTP_VOCAB, run.scale)
-    asyncio.run(serve_over_http(run, "warm-up", 0.0, warm, "server warm-up"))
+    asyncio.run(serve_over_http(run, "warm-up", 0.0, warm_up(run, HTTP_VOCAB), "server warm-up"))
     for workload in run.workloads:
         for rate in run.rates:
             specs = make_requests(workload, rate, run.duration, run.count, run.seed, HTTP_VOCAB, run.scale,

@@ -35,6 +35,7 @@ Interpreter arithmetic on bf16 is wrong, so bf16 is tested on the GPU only.
 """
 
 import ast
+import asyncio
 import concurrent.futures
 import contextlib
 import copy
@@ -6571,16 +6572,25 @@ def test_bench_as_a_client_measures_a_server_over_http(pair_llm, tmp_path):
     workload (drawn again here, with bench's own seed) is served, none failed, each with
     its max_tokens of output (ignore_eos; counted from the streams' usage), its first token
     no later than its end; the table names the policy 'server'. A model the server does not
-    serve, or a server that is not there, is one line naming the flag."""
+    serve, a server that is not there or an https one, is one line naming the flag; bench's
+    client raises a refusal's status and body."""
     import bench
     with serving(pair_llm, model_name="pairs") as url:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HOME": str(tmp_path)}
         for where, model, flag in ((f"{url}/v1", "other", b"--model"),
-                                   ("http://127.0.0.1:1/v1", "pairs", b"--url")):
+                                   ("http://127.0.0.1:1/v1", "pairs", b"--url"),
+                                   (f"https{url[4:]}/v1", "pairs", b"--url")):
             bad = subprocess.run([sys.executable, "bench.py", "--url", where, "--model", model,
                                   "--duration", "1"], cwd=HERE, env=env, capture_output=True, timeout=120,
                                  check=False)
             assert bad.returncode != 0 and flag in bad.stderr and bad.stderr.count(b"\n") == 1, bad.stderr
+        async def refused() -> str:   # bench's own client, on an error status
+            with pytest.raises(bench.ServerError) as e:
+                body = {"model": "other", "prompt": [1]}
+                async for _ in bench.post_events(f"{url}/v1", "/completions", body, None):
+                    pass
+            return str(e.value)
+        assert asyncio.run(refused()).startswith("HTTP 400") and "`other`" in asyncio.run(refused())
         run = subprocess.run([sys.executable, "bench.py", "--url", f"{url}/v1", "--model", "pairs",
                               "--rate", "8", "--duration", "2", "--out", str(tmp_path / "out")],
                              cwd=HERE, env=env, capture_output=True, timeout=600, check=False)
