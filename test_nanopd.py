@@ -42,6 +42,7 @@ import copy
 import dataclasses
 import datetime
 import functools
+import gzip
 import io
 import itertools
 import json
@@ -6784,6 +6785,13 @@ def test_bench_sweep_smoke(tmp_path):
                            cwd=HERE, env=env, capture_output=True, timeout=600, check=False)
     assert again.returncode == 0, again.stderr.decode()[-3000:]
     assert sorted((tmp_path / "out").glob("*.png")) == pngs   # drawn again from the file alone
+    packed = tmp_path / "packed" / "results.json.gz"   # as results/ keeps them
+    packed.parent.mkdir()
+    packed.write_bytes(gzip.compress((tmp_path / "out" / "results.json").read_bytes()))
+    again = subprocess.run([sys.executable, "bench.py", "replot", str(packed)],
+                           cwd=HERE, env=env, capture_output=True, timeout=600, check=False)
+    assert again.returncode == 0, again.stderr.decode()[-3000:]
+    assert sorted(p.name for p in packed.parent.glob("*.png")) == [p.name for p in pngs]
 
 
 def check_bench_figures(results: dict) -> None:
