@@ -1236,7 +1236,7 @@ def config_spans(timeline: dict) -> list[tuple[dict, float]]:
 def replot(args: argparse.Namespace) -> None:
     """A run's PNGs drawn again, beside its results.json, and its frontier lines printed
     again, from what that file holds: nothing is measured. The run's caption is rebuilt from
-    the file's meta and summary. The file may be gzipped, as those under results/ are."""
+    the file's meta and summary. The file may be gzipped (results.json.gz)."""
     data = calibrate.read_results(args.results)
     meta, rows = data["meta"], data["summary"]
     duration = default(args.duration, meta.get("duration"))

@@ -6785,7 +6785,7 @@ def test_bench_sweep_smoke(tmp_path):
                            cwd=HERE, env=env, capture_output=True, timeout=600, check=False)
     assert again.returncode == 0, again.stderr.decode()[-3000:]
     assert sorted((tmp_path / "out").glob("*.png")) == pngs   # drawn again from the file alone
-    packed = tmp_path / "packed" / "results.json.gz"   # as results/ keeps them
+    packed = tmp_path / "packed" / "results.json.gz"   # gzipped
     packed.parent.mkdir()
     packed.write_bytes(gzip.compress((tmp_path / "out" / "results.json").read_bytes()))
     again = subprocess.run([sys.executable, "bench.py", "replot", str(packed)],
