@@ -195,17 +195,17 @@ class Router:
                                requests routed to a worker with no seat free, whose
                                wait says how soon a seat frees, not how fast prefill is)
                                transfer = transfer_rate * L    (disaggregated only)
-      every step a worker ran: step = beta + slope * excess + kv * context + gamma * prefill
+      every step a worker ran: step = k (beta + slope * excess + kv * context + gamma * prefill)
     where excess = max(0, decodes - batch_thresh), context the tokens of context its decodes
-    read and prefill the prompt tokens computed beside them: the profiler's own models,
-    refitted on live traffic. A request's decode time is not fitted as a whole: the load
-    it was routed under (a snapshot) only estimates the load it decodes under, and a fit
-    on a noisy estimate flattens the slopes, so the router learns the slopes from steps,
-    whose shapes are exact. batch_thresh and alpha2 stay as profiled. A split worker's
-    lanes learn from its steps alone: its prompt chunks rescale the prefill lane's model
-    (a request's wait there is mostly the chunk ahead of it, not its own prefill), its
-    decode steps on the lane the decode lane's (on the whole GPU, with no prompt beside,
-    they refit the whole GPU's)."""
+    read and prefill the prompt tokens computed beside them: the profiler's own models, their
+    level k refitted on live traffic, their shape as profiled (_level). A request's decode
+    time is not fitted as a whole: the load it was routed under (a snapshot) only estimates
+    the load it decodes under, so the router learns the steps' level from steps, whose
+    shapes are exact. batch_thresh and alpha2 stay as profiled. A split worker's lanes
+    learn from its steps alone: its prompt chunks rescale the prefill lane's model (a
+    request's wait there is mostly the chunk ahead of it, not its own prefill), its decode
+    steps on the lane the decode lane's (on the whole GPU, with no prompt beside, they
+    rescale the whole GPU's)."""
 
     def __init__(self, params: HardwareParams, predictor: OutputLengthPredictor | None = None,
                  slo: tuple[float, float] | None = None):
@@ -216,9 +216,9 @@ class Router:
         self.fit_prefill = RecursiveLeastSquares([p.alpha0, p.alpha], [1e-1, 1e-3])
         self.fit_transfer = RecursiveLeastSquares([p.transfer_rate], [1e-4])
         self.fit_links: dict[str, RecursiveLeastSquares] = {}
-        self.fit_step = RecursiveLeastSquares([p.beta, p.slope, p.kv, p.gamma], [1e-1, 1e-3, 1e-6, 1e-3])
-        self.fit_splits: dict[str, RecursiveLeastSquares] = {}   # "P/D prefill", "P/D decode": lane factors
-        self.profiled_splits = copy.deepcopy(params.splits)      # ... on these models of the lanes
+        self.levels: dict[str, RecursiveLeastSquares] = {}   # "whole GPU", "P/D prefill", "P/D decode"
+        self.profiled_step = (p.beta, p.slope, p.kv, p.gamma)     # ... factors on these models
+        self.profiled_splits = copy.deepcopy(params.splits)
         self.errors: list[float] = []         # |route()'s prediction - measured| / measured, per request
         self.model_errors: list[float] = []   # the same with the true output length (the cost model alone)
         self.split_changed: list[bool] = []   # per error: its worker changed SM split while it ran
@@ -322,26 +322,32 @@ class Router:
             return
         if decodes == 0:
             return
-        self.fit_step.update([1.0, max(0.0, decodes - p.batch_thresh), context_tokens, prefill_tokens], ms)
-        p.beta, p.slope, p.kv, p.gamma = self.fit_step.physical()
+        beta, slope, kv, gamma = self.profiled_step
+        k = self._level("whole GPU", beta + slope * max(0.0, decodes - p.batch_thresh) + kv * context_tokens
+                        + gamma * prefill_tokens, ms)
+        p.beta, p.slope, p.kv, p.gamma = k * beta, k * slope, k * kv, k * gamma
+
+    def _level(self, place: str, profiled_ms: float, ms: float) -> float:
+        """The factor a place's steps take against the profile's model of them (profiled_ms:
+        its prediction of this step), refitted with this one. One factor, not the terms one
+        by one: live traffic holds the batch and the context near where the load keeps them,
+        where the terms (beta, slope, kv, gamma) cannot be told apart, and a fit of each,
+        clamped to >= 0, drove them apart (on the whole GPU slope went to 0 and kv to 2.8x;
+        a split lane's steps were predicted many times too long). What live traffic changes
+        is the level (the host's pace, how hard the other lane presses on the memory
+        bandwidth); the shape in batch and context is what the profiler measured."""
+        fit = self.levels.setdefault(place, RecursiveLeastSquares([1.0], [0.0]))
+        fit.update([profiled_ms], ms)
+        return fit.physical()[0]
 
     def _rescale_lane(self, key: str, decodes: int, context_tokens: int, prefill_tokens: int,
                       ms: float) -> None:
-        """A lane's step refits one factor on the profile's model of that lane, not its terms
-        one by one: a split worker's decode batch sits near its seats for seconds, where the
-        step's terms (beta, slope, kv) cannot be told apart, and a fit of each, clamped to
-        be >= 0, predicted steps many times too long (every term grows the same way with
-        the batch). What live traffic changes is the level (how hard the other lane presses
-        on the memory bandwidth); the shape in batch and context is the profile's."""
+        """A lane's step rescales the profile's model of that lane (_level)."""
         s, shape = self.cost.p.splits[key], self.profiled_splits[key]
-        lane = "prefill" if decodes == 0 else "decode"
-        fit = self.fit_splits.setdefault(f"{key} {lane}", RecursiveLeastSquares([1.0], [0.0]))
-        if lane == "prefill":
-            fit.update([shape.alpha0 + shape.alpha * prefill_tokens], ms)
-            (k,) = fit.physical()
+        if decodes == 0:
+            k = self._level(f"{key} prefill", shape.alpha0 + shape.alpha * prefill_tokens, ms)
             s.alpha0, s.alpha = k * shape.alpha0, k * shape.alpha
         else:
-            fit.update([shape.beta + shape.slope * max(0.0, decodes - shape.batch_thresh)
-                        + shape.kv * context_tokens], ms)
-            (k,) = fit.physical()
+            k = self._level(f"{key} decode", shape.beta + shape.slope * max(0.0, decodes - shape.batch_thresh)
+                            + shape.kv * context_tokens, ms)
             s.beta, s.slope, s.kv = k * shape.beta, k * shape.slope, k * shape.kv

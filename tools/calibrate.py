@@ -3,7 +3,10 @@ run's adaptive requests, nothing measured. Each request is predicted again from 
 was routed under (as results.json keeps it), its true output length and the run's
 parameters, once as profiled at its start and once as refitted by its end; the online
 router refitted as it went, so neither set is the one it predicted with, and the two
-bracket it. The load's prefill rate is capped by the prompt tokens that arrived over the
+bracket it. A third set is the profile refitted again by this code's router on the run's
+recorded steps (router.py:Router.observe_step; the prefill and transfer rates as
+profiled): a change to how steps are refitted is weighed on a recorded run too. The
+load's prefill rate is capped by the prompt tokens that arrived over the
 last telemetry.py:ARRIVAL_WINDOW_S, as the central scheduler does (a no-op on a run
 recorded with the cap). Printed per run (policy adaptive, one workload and rate): the
 median |predicted - measured| / measured latency, overall and by tenth of the run in order
@@ -16,10 +19,11 @@ import argparse
 import gzip
 import json
 import statistics
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from costmodel import CostModel, HardwareParams, WorkerLoad, split_key
+from router import Router
 from telemetry import ARRIVAL_WINDOW_S, Window
 
 TENTHS = 10
@@ -77,6 +81,18 @@ def replay(requests: list[dict], params: dict) -> list[Replayed]:
     return out
 
 
+def refit_on_steps(data: dict, profiled: dict) -> dict | None:
+    """The profile refitted by the router on the adaptive policy's recorded steps, in their
+    order (None if the run kept none): what this code learns from the steps that run timed."""
+    steps = [s for run in data.get("steps") or [] if run.get("policy") == "adaptive" for s in run["steps"]]
+    if not steps:
+        return None
+    router = Router(HardwareParams(**profiled))
+    for _, _, decodes, context, prompt, ms, split in steps:
+        router.observe_step(decodes, context, prompt, ms, None if split is None else tuple(split))
+    return asdict(router.cost.p)
+
+
 def by_tenth(values: list[float]) -> list[float]:
     n = len(values)
     return [statistics.median(values[i * n // TENTHS:(i + 1) * n // TENTHS] or [float("nan")])
@@ -94,13 +110,16 @@ def calibrate(data: dict) -> dict[str, dict]:
     """Per run ("workload @ rate"): the online router's own median error (its predicted
     lengths, its parameters of the moment), and the replay's summary under each parameter set."""
     calib = data["router_calibration"]
+    sets = {name: calib[name] for name in ("profiled", "refitted") if calib.get(name)}
+    if "profiled" in sets and (again := refit_on_steps(data, sets["profiled"])) is not None:
+        sets["refitted on the steps"] = again
     out = {}
     for (workload, rate), requests in adaptive_runs(data).items():
         online = [abs(r["routed"]["predicted_ms"] / 1e3 / r["e2e"] - 1) for r in requests]
         out[f"{workload} @ {rate:g}"] = {"requests": len(requests), "online_median_rel_error":
                                          statistics.median(online),
-                                         **{name: summary(replay(requests, calib[name]))
-                                            for name in ("profiled", "refitted") if calib.get(name)}}
+                                         **{name: summary(replay(requests, params))
+                                            for name, params in sets.items()}}
     return out
 
 
@@ -115,7 +134,7 @@ def main(args: argparse.Namespace) -> None:
     for run, c in calibrate(data).items():
         print(f"adaptive, {run} req/s, {c['requests']} requests: the online router's median error "
               f"{c['online_median_rel_error']:.1%}")
-        for name in ("profiled", "refitted"):
+        for name in ("profiled", "refitted", "refitted on the steps"):
             if name in c:
                 s = c[name]
                 print(f"  replayed, parameters {name}: median error {s['median_rel_error']:.1%}; "
