@@ -217,8 +217,8 @@ class Router:
         self.fit_transfer = RecursiveLeastSquares([p.transfer_rate], [1e-4])
         self.fit_links: dict[str, RecursiveLeastSquares] = {}
         self.levels: dict[str, RecursiveLeastSquares] = {}   # "whole GPU", "P/D prefill", "P/D decode"
-        self.profiled_step = (p.beta, p.slope, p.kv, p.gamma)     # ... factors on these models
-        self.profiled_splits = copy.deepcopy(params.splits)
+        self.profiled_step = (p.beta, p.slope, p.kv, p.gamma)   # the models those levels scale:
+        self.profiled_splits = copy.deepcopy(params.splits)     # ... the whole GPU's and the lanes'
         self.errors: list[float] = []         # |route()'s prediction - measured| / measured, per request
         self.model_errors: list[float] = []   # the same with the true output length (the cost model alone)
         self.split_changed: list[bool] = []   # per error: its worker changed SM split while it ran
