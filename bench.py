@@ -1249,7 +1249,7 @@ def replot(args: argparse.Namespace) -> None:
               count=meta.get("num_requests", len(data["requests"])), model=meta["model"],
               devices=None if joined or served else meta["devices"], scale=meta["length_scale"],
               ttft_slo=meta["ttft_slo"], tpot_slo=meta["tpot_slo"], engine={}, seed=meta["seed"],
-              out=args.results.parent, join=meta["devices"][0].removeprefix("joined at ") if joined else None,
+              out=args.results.parent, join=first.removeprefix("joined at ") if joined else None,
               transport=meta.get("transport", "p2p"), device_name=meta["device_name"],
               phases=tuple(tuple(p) for p in meta.get("phases", PHASES)),
               phase_s=meta.get("phase_s", PHASE_S), url=first.removeprefix("served at ") if served else None)

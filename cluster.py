@@ -605,8 +605,7 @@ class CentralScheduler:
         self.router.observe(Observation(
             len(t.prompt_token_ids), len(t.output.outputs[0].token_ids), t.prefill_worker, w, load_p, load_d,
             (phases["queued"] + phases["prefill"]) * 1e3, phases["transfer"] * 1e3,
-            (phases["seat_wait"] + phases["decode"]) * 1e3, predicted, t.params.max_tokens,
-            any(split != load_p.sm_split for _, split, _ in ran), ran))
+            (phases["seat_wait"] + phases["decode"]) * 1e3, predicted, t.params.max_tokens, ran))
 
     # -- endings
 

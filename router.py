@@ -181,10 +181,14 @@ class Observation:
     decode_ms: float              # ... that wait, and decoding
     predicted_ms: float | None = None   # what route() predicted (with the predicted output length)
     max_tokens: int | None = None       # the request's cap (None: taken as its output length)
-    split_changed: bool = False         # its worker changed SM split (or took one) while it ran
     # The configurations (SM split, token budget) its worker held while it ran, each with its
     # share of the request's time; empty: the one it was routed under, throughout.
     ran_under: list[tuple[float, tuple[int, int] | None, int | None]] = field(default_factory=list)
+
+    @property
+    def split_changed(self) -> bool:
+        """Its worker held another SM split (or took one) for some of the time it ran."""
+        return any(split != self.load_prefill.sm_split for _, split, _ in self.ran_under)
 
 
 class Router:

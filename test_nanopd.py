@@ -4125,7 +4125,7 @@ def test_a_split_is_refit_on_its_own():
     # A request whose worker changed split while it ran is scored, but moves nothing.
     fitted, errors = copy.deepcopy(router.cost.p), len(router.errors)
     router.observe(Observation(500, 64, 0, 0, WorkerLoad(), WorkerLoad(), 1e5, 0.0, 1e5, 100.0,
-                               split_changed=True))
+                               ran_under=[(0.5, None, None), (0.5, (84, 48), None)]))
     assert router.cost.p == fitted and len(router.errors) == errors + 1
 
 
@@ -4139,7 +4139,7 @@ def test_the_calibration_scores_requests_whose_split_changed_apart():
     for predicted, measured, changed in [(100, 120, False), (100, 80, False), (100, 100, False),
                                          (100, 200, True), (100, 50, True)]:
         router.observe(Observation(64, 8, 0, 0, WorkerLoad(), WorkerLoad(), measured / 2, 0.0, measured / 2,
-                                   float(predicted), split_changed=changed))
+                                   float(predicted), ran_under=[(1.0, (84, 48), None)] if changed else []))
     calib = bench.calibration(router)
     assert calib["median_rel_error"] == pytest.approx(0.25)   # of 1/6, 1/4, 0, 1/2 and 1
     assert calib["split_kept"] == {"requests": 3, "median_rel_error": pytest.approx(1 / 6)}
