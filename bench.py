@@ -970,7 +970,8 @@ def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
         started = time.perf_counter()
         serve(llm, name, "warm-up", 0.0, warm, f"{name} warm-up")
         # LLM(): the workers, their CUDA graphs and, for adaptive, its profile unless one is cached
-        startup = {"start_s": started - begun, "warm_up_s": time.perf_counter() - started}
+        startup = {"start_s": started - begun, "profile_s": llm.profile_s,
+                   "warm_up_s": time.perf_counter() - started}
         for workload in run.workloads:
             for rate in run.rates:
                 specs = make_requests(workload, rate, run.duration, run.count, run.seed, vocab, run.scale,
@@ -998,7 +999,7 @@ def summary_rows(run: Run, name: str, workload: str, rate: float, got: list[Resu
     rows = [{"policy": name, "workload": workload, "rate": rate, **held,
              **summarize(got, seconds, run.ttft_slo, run.tpot_slo)}]
     if workload == "phased":
-        held = {k: v for k, v in held.items() if k not in ("start_s", "warm_up_s")}
+        held = {k: v for k, v in held.items() if k not in ("start_s", "profile_s", "warm_up_s")}
         rows += [{"policy": name, "workload": f"phased:{mix}", "rate": rate, **held,
                   **summarize([r for r in got if r.phase == mix],
                               seconds * sum(m == mix for m, _ in run.phases) / len(run.phases),
@@ -1176,8 +1177,9 @@ def print_notes(run: Run, rows: list[dict], goodput: dict, calib: dict, timeline
     started = {r["policy"]: r for r in rows if "start_s" in r}
     if started:
         print("start-up (LLM(): workers, CUDA graphs, adaptive's profile unless cached; then the warm-up): "
-              + ", ".join(f"{r['policy']} {r['start_s']:.1f} + {r['warm_up_s']:.1f} s"
-                          for r in started.values()))
+              + ", ".join(f"{r['policy']} {r['start_s']:.1f}"
+                          + (f" (the profile {r['profile_s']:.1f})" if r.get("profile_s") else "")
+                          + f" + {r['warm_up_s']:.1f} s" for r in started.values()))
     behind = max(r["lag_max"] for r in rows)
     if behind > 0.05:
         print(f"note: the client fell behind its arrivals by up to {behind:.2f} s (latencies count from "

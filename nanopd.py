@@ -86,6 +86,7 @@ class LLM:
         # the thread that holds it (an exit mid-call) does not wait on itself.
         self.lock = threading.RLock()
         self.ended: dict[int, RequestOutput] = {}   # outputs polled for another caller's requests
+        self.profile_s = 0.0   # the seconds adaptive's profile took at start-up (measured, or read back)
         engine_settings = {k: v for k, v in settings.items() if k not in CLUSTER_SETTINGS}
         cluster_settings = {k: v for k, v in settings.items() if k in CLUSTER_SETTINGS}
         if policy is None:
@@ -101,12 +102,14 @@ class LLM:
         cluster_cfg = ClusterConfig(policy, **cluster_settings).resolved()
         self.backend = CentralScheduler(EngineConfig(model=model, **engine_settings), cluster_cfg)
         if policy == "adaptive" and profile is not False:
+            begun = time.perf_counter()
             try:
                 params = (profile if isinstance(profile, HardwareParams)
                           else profile_cluster(self.backend).params)
             except BaseException:
                 self.backend.close()
                 raise
+            self.profile_s = time.perf_counter() - begun
             self.backend.router = Router(dataclasses.replace(params), slo=cluster_cfg.slo)
 
     @property

@@ -27,7 +27,7 @@ order of the README's file map (its three tables):
   bench.py                   the serving benchmark
   tools/                     bench.py's sub-commands: the micro-benchmarks and the figures
   the repository             the file map, short functions, the docs' citations, clean comments
-timing.py has no section: the profiler's and the micro-benchmarks' tests run it.
+timing.py has no section: the profiler's, the split worker's and the micro-benchmarks' tests run it.
 
 Without CUDA the Triton kernels run under the interpreter (TRITON_INTERPRET=1 is set
 below, before gpu_kernels.py decorates anything), so CI tests the kernels themselves.
@@ -108,6 +108,7 @@ import sampler
 import scheduler
 import smsplit
 import speculate
+import timing
 import transport
 import workers
 from config import EngineConfig, resolve_dtype
@@ -2906,6 +2907,23 @@ def test_green_context_lanes_run_on_disjoint_sms():
         torch.cuda.synchronize()
         P, D = set(p.tolist()), set(d.tolist())
         assert (len(P), len(D), len(P & D)) == (split.prefill_sms, split.decode_sms, 0)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a split's lanes are timed apart on a GPU only")
+def test_the_profile_times_every_lane_of_every_split_and_gives_back_every_block(hf):
+    """timing.measure_engine on a split engine: each split of the menu gets a prefill time
+    per length and a decode time per batch size (the decodes beside one busy prefill lane
+    across all batch sizes, timing.BusyLane), and every block the fake batches took is free
+    again once the chunks have ended."""
+    eng = split_engine(hf)
+    spec = {"lengths": [8, 16, 32], "batches": [1, 2, 4], "chunks": [4, 8], "context": 16, "gamma_batch": 2,
+            "long_context": 32, "kv_batches": [2], "reps": 2}
+    out = timing.measure_engine(eng, **spec)
+    assert set(out["splits"]) == {f"{s.prefill_sms}/{s.decode_sms}" for s in eng.runner.splits}
+    for lane in out["splits"].values():
+        assert len(lane["prefill_ms"]) == 3 and len(lane["decode_ms"]) == 3
+        assert all(ms > 0 for ms in lane["prefill_ms"] + lane["decode_ms"])
+    assert eng.bm.num_free_blocks == eng.bm.num_blocks
 
 
 # ==================== speculate.py: speculative decoding, in the engine's step
@@ -6774,7 +6792,8 @@ def test_bench_sweep_smoke(tmp_path):
     """`python bench.py --policy all --mode sweep` on two CPU workers, two workloads: every
     policy serves every request of each at every rate, and the table, results.json and the
     plots come out. Each policy's start-up and warm-up are on every row of it, and together
-    they fit in the call's own wall time (they are spans of it, one after another)."""
+    they fit in the call's own wall time (they are spans of it, one after another); adaptive's
+    start-up names the part its profile took."""
     env = {**os.environ, "HOME": str(tmp_path), "TRITON_INTERPRET": "0",
                "CUDA_VISIBLE_DEVICES": ""}
     called = time.perf_counter()
@@ -6790,6 +6809,10 @@ def test_bench_sweep_smoke(tmp_path):
     assert all(startup[r["policy"]] == (r["start_s"], r["warm_up_s"]) for r in results["summary"])
     assert all(a > 0 and b > 0 for a, b in startup.values()) and sum(map(sum, startup.values())) < wall
     assert b"start-up (LLM()" in run.stdout
+    # adaptive's profile (measured: HOME holds no cached one) is a span of its start-up
+    profiles = {r["policy"]: (r["profile_s"], r["start_s"]) for r in results["summary"]}
+    assert all(0 < p < s if name == "adaptive" else p == 0 for name, (p, s) in profiles.items())
+    assert b"adaptive" in run.stdout.split(b"(the profile ")[0].rsplit(b",", 1)[-1]
     assert {(r["policy"], r["workload"], r["rate"]) for r in results["summary"]} == {
         (p, w, r) for p in ("collocated", "disaggregated", "adaptive") for w in ("sharegpt", "fixed")
         for r in (2, 4)}

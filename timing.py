@@ -114,6 +114,7 @@ def measure_splits(engine, lengths: list[int], batches: list[int], context: int,
     out = {}
     for split, lanes in engine.runner.splits.items():
         beside, pre = fake_batch(engine, beside_batch, context, 1), fake_batch(engine, 1, 0, max(lengths))
+        busy = None
         try:
             prefill = []
             for n in lengths:
@@ -121,12 +122,14 @@ def measure_splits(engine, lengths: list[int], batches: list[int], context: int,
                 prefill.append(statistics.median(prefill_beside_decode_ms(engine, lanes, beside, chunk)
                                                  for _ in range(2)))
                 free_batch(engine, chunk)
-            decode = []
+            decode, busy = [], BusyLane(engine, lanes[0], pre)
             for b in batches:
                 dec = fake_batch(engine, b, context, 1)
-                decode.append(decode_beside_prefill_ms(engine, lanes, dec, pre, reps))
-                free_batch(engine, dec)
+                decode.append(decode_beside_prefill_ms(engine, lanes, dec, pre, reps, busy))
+                free_batch(engine, dec)   # its steps have ended (the decode lane was synchronised)
         finally:
+            if busy is not None:
+                busy.wait()   # its chunks write pre's blocks: they end before those are freed
             free_batch(engine, beside)
             free_batch(engine, pre)
         out[f"{split.prefill_sms}/{split.decode_sms}"] = {"prefill_ms": prefill, "decode_ms": decode}
@@ -136,27 +139,50 @@ def measure_splits(engine, lengths: list[int], batches: list[int], context: int,
 # -- a split worker's lanes (smsplit.py): each alone, and beside the other lane busy
 
 
-def decode_beside_prefill_ms(engine, lanes, dec: Batch, pre: Batch, reps: int) -> float:
-    """Median decode step of dec on the decode lane while the prefill lane runs chunks of
-    pre: two queued at first, and another whenever the last has ended."""
-    prefill_lane, decode_lane = lanes
+class BusyLane:
+    """A split's prefill lane kept running chunks of pre while the decode lane is timed
+    beside it: two queued at first, another whenever the last has ended (top_up); wait()
+    once the timing is done. One BusyLane spans every batch a profile times beside it: a
+    long prompt's chunk on part of the GPU lasts many decode steps, and waiting for the
+    chunks after each batch size took most of a profile's time."""
 
-    def queue_chunk() -> torch.cuda.Event:
-        run_step(engine, pre, lane=prefill_lane)
+    def __init__(self, engine, prefill_lane, pre: Batch):
+        self.engine, self.lane, self.pre = engine, prefill_lane, pre
+        self._queue()
+        self.end = self._queue()
+
+    def _queue(self) -> torch.cuda.Event:
+        run_step(self.engine, self.pre, lane=self.lane)
         event = torch.cuda.Event()
-        event.record(prefill_lane.stream)
+        event.record(self.lane.stream)
         return event
-    queue_chunk()
-    end = queue_chunk()
+
+    def top_up(self) -> None:
+        if self.end.query():   # the prefill lane ran dry: keep it busy
+            self.end = self._queue()
+
+    def wait(self) -> None:
+        torch.cuda.synchronize()
+
+
+def decode_beside_prefill_ms(engine, lanes, dec: Batch, pre: Batch, reps: int,
+                             busy: BusyLane | None = None) -> float:
+    """Median decode step of dec on the decode lane while the prefill lane runs chunks of
+    pre (busy's, if given: the caller waits for them; else a BusyLane of its own, waited for)."""
+    prefill_lane, decode_lane = lanes
+    own = busy is None
+    busy = busy or BusyLane(engine, prefill_lane, pre)
     sync, times = lane_sync(engine, decode_lane), []
-    for _ in range(reps):
-        if end.query():   # the prefill lane ran dry: keep it busy
-            end = queue_chunk()
-        t = time.perf_counter()
-        run_step(engine, dec, lane=decode_lane)
-        sync()
-        times.append((time.perf_counter() - t) * 1e3)
-    torch.cuda.synchronize()
+    try:
+        for _ in range(reps):
+            busy.top_up()
+            t = time.perf_counter()
+            run_step(engine, dec, lane=decode_lane)
+            sync()
+            times.append((time.perf_counter() - t) * 1e3)
+    finally:
+        if own:
+            busy.wait()
     return statistics.median(times)
 
 
