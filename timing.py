@@ -5,13 +5,14 @@ is "already in the cache" (its contents do not matter for timing), so any shape 
 can be run without serving real requests.
 """
 
+import itertools
 import statistics
 import time
 
 import torch
 
 from request import Request, RequestMetrics, SamplingParams, Sequence
-from runner import Draw
+from runner import Draw, StepOutput
 from scheduler import Batch
 
 GREEDY = SamplingParams(temperature=0.0)   # greedy, whatever SamplingParams' defaults are
@@ -40,11 +41,13 @@ def free_batch(engine, batch: Batch) -> None:
         engine.scheduler.free(seq.block_table)
 
 
-def run_step(engine, batch: Batch, params: SamplingParams = GREEDY, lane=None) -> None:
+def run_step(engine, batch: Batch, params: SamplingParams = GREEDY, lane=None) -> StepOutput:
     """One model step on the batch, a token sampled with params for every sequence (its
     penalties, if any, reading the sequence's own token counts); on lane (runner.Lane: a
-    split's prefill or decode lane; None: the whole GPU)."""
-    engine.runner.run(batch, [Draw(i, params, None, seq) for i, seq in enumerate(batch.seqs)], lane=lane)
+    split's prefill or decode lane; None: the whole GPU). Its output: on a GPU, its ready
+    event ends the step on the lane's stream."""
+    return engine.runner.run(batch, [Draw(i, params, None, seq) for i, seq in enumerate(batch.seqs)],
+                             lane=lane)
 
 
 def lane_sync(engine, lane=None):
@@ -70,9 +73,31 @@ def time_step_ms(engine, batch: Batch, reps: int = 10, params: SamplingParams = 
     return statistics.median(times)
 
 
+def paced_step_ms(engine, batch: Batch, reps: int = 10, lane=None, between=lambda: None) -> float:
+    """Median time of one model step as the engine paces them: back to back, each launched
+    while the one before runs (Engine.step), timed on the GPU between the events that end
+    consecutive steps, as a serving worker times its steps (workers.py:Worker._time_step);
+    the first two are warm-ups. Synchronised, a step also counts the host's launch and the
+    wait for its end, which a serving engine hides behind the step before: a profile timed
+    so had a batch-1 decode step 13% longer than a serving worker measured. between() runs
+    before each launch (BusyLane.top_up). On a CPU, whose steps run as they are called,
+    the wall time of each."""
+    if engine.model.device.type != "cuda":
+        return time_step_ms(engine, batch, reps, lane=lane)
+    sync = lane_sync(engine, lane)
+    sync()
+    ends = []
+    for _ in range(reps + 2):
+        between()
+        ends.append(run_step(engine, batch, lane=lane).ready)
+    sync()
+    return statistics.median(a.elapsed_time(b) for a, b in itertools.pairwise(ends[1:]))
+
+
 def measure_engine(engine, lengths: list[int], batches: list[int], chunks: list[int], context: int,
                    gamma_batch: int, long_context: int, kv_batches: list[int], reps: int = 5) -> dict:
-    """Raw timings on an idle engine: prefill per length, decode step per batch size (at
+    """Raw timings on an idle engine, each step paced as the engine runs them (paced_step_ms):
+    prefill per length, decode step per batch size (at
     context and, for kv_batches, at long_context), and a decode batch of gamma_batch alone
     and with each chunk of prefill. Sizes beyond the engine's token budget or seat limit
     are left out (it sized its memory for those)."""
@@ -84,7 +109,7 @@ def measure_engine(engine, lengths: list[int], batches: list[int], chunks: list[
     def timed(make) -> float:
         batch = make()
         try:
-            return time_step_ms(engine, batch, reps)
+            return paced_step_ms(engine, batch, reps)
         finally:
             free_batch(engine, batch)
 
@@ -141,25 +166,20 @@ def measure_splits(engine, lengths: list[int], batches: list[int], context: int,
 
 class BusyLane:
     """A split's prefill lane kept running chunks of pre while the decode lane is timed
-    beside it: two queued at first, another whenever the last has ended (top_up); wait()
-    once the timing is done. One BusyLane spans every batch a profile times beside it: a
-    long prompt's chunk on part of the GPU lasts many decode steps, and waiting for the
-    chunks after each batch size took most of a profile's time."""
+    beside it: one chunk always queued behind the one running (top_up, called more often
+    than a chunk lasts); wait() once the timing is done. One BusyLane spans every batch a
+    profile times beside it: a long prompt's chunk on part of the GPU lasts many decode
+    steps, and waiting for the chunks after each batch size took most of a profile's time."""
 
     def __init__(self, engine, prefill_lane, pre: Batch):
         self.engine, self.lane, self.pre = engine, prefill_lane, pre
-        self._queue()
-        self.end = self._queue()
-
-    def _queue(self) -> torch.cuda.Event:
-        run_step(self.engine, self.pre, lane=self.lane)
-        event = torch.cuda.Event()
-        event.record(self.lane.stream)
-        return event
+        self.ends: list[torch.cuda.Event] = []   # the chunks queued, in order
+        self.top_up()
 
     def top_up(self) -> None:
-        if self.end.query():   # the prefill lane ran dry: keep it busy
-            self.end = self._queue()
+        self.ends = [e for e in self.ends if not e.query()]
+        while len(self.ends) < 2:
+            self.ends.append(run_step(self.engine, self.pre, lane=self.lane).ready)
 
     def wait(self) -> None:
         torch.cuda.synchronize()
@@ -167,23 +187,17 @@ class BusyLane:
 
 def decode_beside_prefill_ms(engine, lanes, dec: Batch, pre: Batch, reps: int,
                              busy: BusyLane | None = None) -> float:
-    """Median decode step of dec on the decode lane while the prefill lane runs chunks of
-    pre (busy's, if given: the caller waits for them; else a BusyLane of its own, waited for)."""
+    """Median decode step of dec on the decode lane, paced as the engine runs them
+    (paced_step_ms), while the prefill lane runs chunks of pre (busy's, if given: the
+    caller waits for them; else a BusyLane of its own, waited for)."""
     prefill_lane, decode_lane = lanes
     own = busy is None
     busy = busy or BusyLane(engine, prefill_lane, pre)
-    sync, times = lane_sync(engine, decode_lane), []
     try:
-        for _ in range(reps):
-            busy.top_up()
-            t = time.perf_counter()
-            run_step(engine, dec, lane=decode_lane)
-            sync()
-            times.append((time.perf_counter() - t) * 1e3)
+        return paced_step_ms(engine, dec, reps, lane=decode_lane, between=busy.top_up)
     finally:
         if own:
             busy.wait()
-    return statistics.median(times)
 
 
 def prefill_beside_decode_ms(engine, lanes, dec: Batch, pre: Batch) -> float:

@@ -2,7 +2,8 @@
 (smsplit.py), measured on Qwen3-8B (random weights), each beside the whole GPU in the same run:
 
   decode     a decode step (CUDA graph, context 1024) at batch 1, 64 and 256 against the
-             decode lane's SMs: alone, and while the prefill lane runs 8192-token chunks
+             decode lane's SMs: alone, and while the prefill lane runs 8192-token chunks;
+             steps back to back, as the engine runs them (timing.py:paced_step_ms)
   prefill    an 8192-token chunk's tokens/s against the prefill lane's SMs: alone, and
              while the decode lane runs batch-64 steps
   switch     what changing the split costs: a serving step right after set_split, less
@@ -33,7 +34,14 @@ from config import EngineConfig
 from lanes import SplitEngine
 from request import SamplingParams
 from smsplit import Split, default_menu, load_kernels_at_start, num_sms
-from timing import decode_beside_prefill_ms, fake_batch, free_batch, prefill_beside_decode_ms, time_step_ms
+from timing import (
+    decode_beside_prefill_ms,
+    fake_batch,
+    free_batch,
+    paced_step_ms,
+    prefill_beside_decode_ms,
+    time_step_ms,
+)
 
 
 @dataclasses.dataclass
@@ -82,13 +90,13 @@ def split_rows(eng: SplitEngine, sizes: SplitSizes) -> list[dict]:
     whole = {"split": "whole", "prefill_sms": num_sms(eng.model.device),
              "decode_sms": num_sms(eng.model.device)}
     for b, dec in decs.items():
-        whole[f"decode_b{b}_ms"] = time_step_ms(eng, dec, sizes.reps)
+        whole[f"decode_b{b}_ms"] = paced_step_ms(eng, dec, sizes.reps)
     whole["prefill_ms"] = time_step_ms(eng, pre, 3)
     rows.append(whole)
     for split, lanes in eng.runner.splits.items():
         row = {"split": str(split), "prefill_sms": split.prefill_sms, "decode_sms": split.decode_sms}
         for b, dec in decs.items():
-            row[f"decode_b{b}_ms"] = time_step_ms(eng, dec, sizes.reps, lane=lanes[1])
+            row[f"decode_b{b}_ms"] = paced_step_ms(eng, dec, sizes.reps, lane=lanes[1])
             row[f"decode_b{b}_beside_ms"] = decode_beside_prefill_ms(eng, lanes, dec, pre, sizes.reps)
         row["prefill_ms"] = time_step_ms(eng, pre, 3, lane=lanes[0])
         row["prefill_beside_ms"] = prefill_beside_decode_ms(eng, lanes, beside, pre)
