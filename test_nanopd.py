@@ -7084,6 +7084,30 @@ def test_calibrate_refits_the_profile_on_the_adaptive_runs_steps_alone():
     assert calibrate.refit_on_steps({"steps": []}, profiled) is None
 
 
+def test_calibrate_sets_the_profiles_step_model_against_each_runs_steps_by_shape():
+    """tools/calibrate.py:step_ratios on steps made at known multiples of the profile's model:
+    decodes alone at 0.9x below 17 decodes and 1.25x from 33 up, steps with prompt tokens at
+    1.1x; steps on a split's lane and prefill-only ones left out. Each bin's median is its
+    multiple's inverse, and a bin with no steps is not shown."""
+    from tools import calibrate
+    profiled = {"alpha": 0.02, "beta": 5.0, "batch_thresh": 16, "slope": 0.02, "gamma": 0.02,
+                "transfer_rate": 0.001, "alpha0": 2.0, "kv": 1e-4, "links": {}, "splits": {}}
+    rng, steps = random.Random(4), []
+    for i in range(400):
+        decodes, context = rng.choice([*range(1, 17), *range(33, 129)]), rng.randint(100, 60000)
+        prompt = rng.choice([0, 0, 100, 700])
+        model = 5.0 + 0.02 * max(0, decodes - 16) + 1e-4 * context + 0.02 * prompt
+        level = 1.1 if prompt else 0.9 if decodes <= 16 else 1.25
+        steps.append([i / 100, 0, decodes, context, prompt, level * model, None])
+    steps += [[5.0, 0, 8, 800, 0, 1.0, [100, 32]], [5.1, 0, 0, 0, 512, 1.0, None]]   # not the whole GPU's
+    got = calibrate.step_ratios({"steps": [{"policy": "adaptive", "workload": "w", "rate": 8,
+                                            "steps": steps}]}, profiled)["adaptive w @ 8"]
+    assert set(got["decode_by_batch"]) == {16, 64, 128} and set(got["mixed_by_prompt"]) == {255, 1023}
+    for top, (ratio, _) in got["decode_by_batch"].items():
+        assert ratio == pytest.approx(1 / 0.9 if top == 16 else 1 / 1.25)
+    assert all(ratio == pytest.approx(1 / 1.1) for ratio, _ in got["mixed_by_prompt"].values())
+
+
 def test_bench_calibrate_replays_the_cost_model_on_a_runs_requests(tmp_path, capsys):
     """`bench.py calibrate` on a synthetic results.json (gzipped, requests shuffled, another
     policy's among them): requests alone on an idle worker, whose predicted time to the

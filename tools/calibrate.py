@@ -11,8 +11,10 @@ last telemetry.py:ARRIVAL_WINDOW_S, as the central scheduler does (a no-op on a 
 recorded with the cap). Printed per run (policy adaptive, one workload and rate): the
 median |predicted - measured| / measured latency, overall and by tenth of the run in order
 of arrival, and the time to the first token and the rest of each request apart, predicted
-over measured, by tenth. A change to the cost model is then weighed on recorded GPU runs,
-on any machine, before a GPU measures it again.
+over measured, by tenth. Then the profile's whole-GPU step model against the steps every
+policy's worker timed, by decode batch and by prompt tokens (step_ratios): its shape, apart
+from its level. A change to the cost model is then weighed on recorded GPU runs, on any
+machine, before a GPU measures it again.
 """
 
 import argparse
@@ -93,6 +95,44 @@ def refit_on_steps(data: dict, profiled: dict) -> dict | None:
     return asdict(router.cost.p)
 
 
+DECODE_BINS = (16, 32, 64, 128, 1 << 30)   # decodes in a step, up to each (the decode graphs' sizes)
+PROMPT_BINS = (255, 1023, 1 << 30)          # prompt tokens beside the decodes, up to each
+
+
+def binned(pairs: list[tuple[int, float]], bins: tuple[int, ...]) -> dict[int, tuple[float, int]]:
+    """The median of each bin's ratios and its count, by the bin's upper end (empty bins left out)."""
+    out = {}
+    for top in bins:
+        low = max((b for b in bins if b < top), default=0)
+        ratios = [r for x, r in pairs if low < x <= top]
+        if ratios:
+            out[top] = (statistics.median(ratios), len(ratios))
+    return out
+
+
+def step_ratios(data: dict, params: dict) -> dict[str, dict]:
+    """Per recorded run of any policy ("policy workload @ rate"), the profile's whole-GPU step
+    model (HardwareParams: beta, slope past batch_thresh, kv, gamma) over the whole-GPU steps
+    its worker timed: the median ratio of the steps of decodes alone by decode batch
+    (DECODE_BINS), and of those with prompt tokens beside them by prompt tokens (PROMPT_BINS).
+    Where the ratio moves from bin to bin the model's shape is off, which the router's one
+    level factor cannot take back."""
+    p = HardwareParams(**params)
+    out = {}
+    for run in data.get("steps") or []:
+        decode, mixed = [], []
+        for _, _, decodes, context, prompt, ms, split in run["steps"]:
+            if split is not None or decodes == 0 or ms <= 0:
+                continue
+            model = (p.beta + p.slope * max(0.0, decodes - p.batch_thresh) + p.kv * context
+                     + p.gamma * prompt)
+            (mixed if prompt else decode).append((prompt or decodes, model / ms))
+        name = f"{run['policy']} {run['workload']} @ {run.get('rate', 0):g}"
+        out[name] = {"decode_by_batch": binned(decode, DECODE_BINS),
+                     "mixed_by_prompt": binned(mixed, PROMPT_BINS)}
+    return out
+
+
 def by_tenth(values: list[float]) -> list[float]:
     n = len(values)
     return [statistics.median(values[i * n // TENTHS:(i + 1) * n // TENTHS] or [float("nan")])
@@ -141,6 +181,21 @@ def main(args: argparse.Namespace) -> None:
                       f"by tenth of the run {tenths(s['by_tenth'])}")
                 print(f"    predicted / measured: TTFT {tenths(s['ttft_ratio_by_tenth'])}; "
                       f"the rest {tenths(s['rest_ratio_by_tenth'])}")
+    print_step_ratios(data)
+
+
+def print_step_ratios(data: dict) -> None:
+    profiled = data["router_calibration"].get("profiled")
+    if not profiled or not data.get("steps"):
+        return
+    print("the profile's whole-GPU step model / the steps each run timed, median by decodes in the step "
+          "(decodes alone) and by prompt tokens beside them:")
+    def show(bins: dict) -> str:
+        shown = (f"<={k if k < 1 << 30 else 'more'} {v:.2f} ({n})" for k, (v, n) in bins.items())
+        return " ".join(shown) or "none"
+    for name, r in step_ratios(data, profiled).items():
+        print(f"  {name}: decodes {show(r['decode_by_batch'])}; "
+              f"with prompt tokens {show(r['mixed_by_prompt'])}")
 
 
 def tenths(values: list[float]) -> str:
