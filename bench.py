@@ -118,6 +118,15 @@ class Result:
     # speculative decoding: drafts checked, kept, in how many steps
     spec: tuple[int, int, int] = (0, 0, 0)
 
+    @classmethod
+    def timed(cls, policy: str, workload: str, rate: float, drawn: "Spec", output_len: int, arrived: float,
+              first: float | None, end: float, **fields) -> "Result":
+        """The result of the request drawn as `drawn` from when it arrived, its first token came
+        (None: never) and it ended, on one clock: every latency counts from its arrival."""
+        tpot = (end - first) / max(1, output_len - 1) if first else 0.0
+        return cls(policy, workload, rate, len(drawn.prompt_ids), output_len, ttft=(first or end) - arrived,
+                   tpot=tpot, e2e=end - arrived, phase=drawn.phase, arrival=drawn.arrival, **fields)
+
 
 def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec],
           desc: str) -> tuple[list[Result], float]:
@@ -146,13 +155,10 @@ def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec],
                     predicted_ms, load, _ = m.routed
                     # the whole load it was routed under
                     routed = {"predicted_ms": predicted_ms, **asdict(load)}
-                results.append(Result(
-                    policy, workload, rate, len(spec.prompt_ids), n,
-                    ttft=(m.first_token_time or m.finish_time) - sent,
-                    tpot=(m.finish_time - m.first_token_time) / max(1, n - 1) if m.first_token_time else 0.0,
-                    e2e=m.finish_time - sent, path=list(m.path),
-                    error=None if out.error is None else str(out.error), routed=routed, phase=spec.phase,
-                    arrival=spec.arrival, lag=max(0.0, m.arrival_time - sent),
+                results.append(Result.timed(
+                    policy, workload, rate, spec, n, sent, m.first_token_time, m.finish_time,
+                    path=list(m.path), error=None if out.error is None else str(out.error), routed=routed,
+                    lag=max(0.0, m.arrival_time - sent),
                     spec=(m.spec_draft_tokens, m.spec_accepted_tokens, m.spec_steps)))
                 bar.update()
     return results, time.perf_counter() - start
@@ -228,12 +234,9 @@ async def serve_over_http(run: "Run", workload: str, rate: float, specs: list[Sp
                 error = error or (event.get("error") or {}).get("message")
         except (OSError, ValueError, asyncio.IncompleteReadError, ServerError) as e:
             error = str(e) if isinstance(e, ServerError) else f"{type(e).__name__}: {e}"
-        end, arrival = time.perf_counter(), start + spec.arrival
-        tpot = (end - first) / max(1, n - 1) if first else 0.0
-        results.append(Result("server", workload, rate, len(spec.prompt_ids), n,
-                              ttft=(first or end) - arrival, tpot=tpot, e2e=end - arrival, path=[],
-                              error=error, phase=spec.phase, arrival=spec.arrival,
-                              lag=max(0.0, sent - arrival)))
+        arrived = start + spec.arrival
+        results.append(Result.timed("server", workload, rate, spec, n, arrived, first, time.perf_counter(),
+                                    path=[], error=error, lag=max(0.0, sent - arrived)))
     with tqdm(total=len(specs), desc=desc, leave=False, disable=None) as bar:
         tasks = [asyncio.create_task(one(s)) for s in specs]
         for done in asyncio.as_completed(tasks):
