@@ -2920,8 +2920,9 @@ def test_the_profile_times_every_lane_of_every_split_and_gives_back_every_block(
             "long_context": 32, "kv_batches": [2], "reps": 2}
     out = timing.measure_engine(eng, **spec)
     assert set(out["splits"]) == {f"{s.prefill_sms}/{s.decode_sms}" for s in eng.runner.splits}
+    assert out["lengths"] == [8, 16] and out["batches"] == [1, 2, 4]   # within the budget of 24 and 16 seats
     for lane in out["splits"].values():
-        assert len(lane["prefill_ms"]) == 3 and len(lane["decode_ms"]) == 3
+        assert len(lane["prefill_ms"]) == 2 and len(lane["decode_ms"]) == 3
         assert all(ms > 0 for ms in lane["prefill_ms"] + lane["decode_ms"])
     assert eng.bm.num_free_blocks == eng.bm.num_blocks
 
