@@ -77,11 +77,11 @@ def paced_step_ms(engine, batch: Batch, reps: int = 10, lane=None, between=lambd
     """Median time of one model step as the engine paces them: back to back, each launched
     while the one before runs (Engine.step), timed on the GPU between the events that end
     consecutive steps, as a serving worker times its steps (workers.py:Worker._time_step);
-    the first two are warm-ups. Synchronised, a step also counts the host's launch and the
-    wait for its end, which a serving engine hides behind the step before: a profile timed
-    so had a batch-1 decode step 13% longer than a serving worker measured. between() runs
-    before each launch (BusyLane.top_up). On a CPU, whose steps run as they are called,
-    the wall time of each."""
+    the first two are warm-ups. Synchronised (time_step_ms), a step also counts the host's
+    launch and the wait for its end, which a serving engine hides behind the step before: a
+    larger share of a short step than of a long one, so a profile timed so had the wrong
+    shape, not only the wrong level. between() runs before each launch (BusyLane.top_up).
+    On a CPU, whose steps run as they are called, the wall time of each."""
     if engine.model.device.type != "cuda":
         return time_step_ms(engine, batch, reps, lane=lane)
     sync = lane_sync(engine, lane)
