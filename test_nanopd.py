@@ -7085,6 +7085,19 @@ def test_calibrate_refits_the_profile_on_the_adaptive_runs_steps_alone():
     assert calibrate.refit_on_steps({"steps": []}, profiled) is None
 
 
+def test_calibrate_parts_the_routers_error_by_whether_a_request_ended_before_the_last_arrival():
+    """tools/calibrate.py:by_end: 99 requests arriving over 9.8 s and each ending 50 ms later,
+    their errors evenly from 0.1 to 0.3 (median 0.2); three more, the last arriving at 9.9 s,
+    each ending after it, with 0.5: the two medians and counts are those."""
+    from tools import calibrate
+    requests = [{"arrival": a / 10, "e2e": 0.05} for a in range(99)]
+    errors = [0.1 + 0.2 * a / 98 for a in range(99)]
+    requests += [{"arrival": 9.0, "e2e": 2.0}, {"arrival": 9.5, "e2e": 0.6}, {"arrival": 9.9, "e2e": 0.01}]
+    errors += [0.5, 0.5, 0.5]
+    got = calibrate.by_end(requests, errors)
+    assert got["while arriving"] == (pytest.approx(0.2), 99) and got["after the last arrival"] == (0.5, 3)
+
+
 def test_calibrate_sets_the_profiles_step_model_against_each_runs_steps_by_shape():
     """tools/calibrate.py:step_ratios on steps made at known multiples of the profile's model:
     decodes alone at 0.9x below 17 decodes and 1.25x from 33 up, steps with prompt tokens at

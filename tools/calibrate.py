@@ -157,10 +157,22 @@ def calibrate(data: dict) -> dict[str, dict]:
     for (workload, rate), requests in adaptive_runs(data).items():
         online = [abs(r["routed"]["predicted_ms"] / 1e3 / r["e2e"] - 1) for r in requests]
         out[f"{workload} @ {rate:g}"] = {"requests": len(requests), "online_median_rel_error":
-                                         statistics.median(online),
+                                         statistics.median(online), "online_by_end": by_end(requests, online),
                                          **{name: summary(replay(requests, params))
                                             for name, params in sets.items()}}
     return out
+
+
+def by_end(requests: list[dict], errors: list[float]) -> dict[str, tuple[float, int]]:
+    """The median error (and count) of the requests that ended while requests still arrived
+    and of those that ended after the run's last arrival, while its backlog drained: the
+    load every prediction is made from goes on as it is, and after the last arrival it does
+    not (no more prompts come to share the steps, the batch only shrinks)."""
+    last = max(r["arrival"] for r in requests)
+    groups: dict[str, list[float]] = {"while arriving": [], "after the last arrival": []}
+    for r, e in zip(requests, errors):
+        groups["after the last arrival" if r["arrival"] + r["e2e"] > last else "while arriving"].append(e)
+    return {name: (statistics.median(v), len(v)) for name, v in groups.items() if v}
 
 
 def main(args: argparse.Namespace) -> None:
@@ -173,7 +185,8 @@ def main(args: argparse.Namespace) -> None:
                          "routed under and the router's parameters")
     for run, c in calibrate(data).items():
         print(f"adaptive, {run} req/s, {c['requests']} requests: the online router's median error "
-              f"{c['online_median_rel_error']:.1%}")
+              f"{c['online_median_rel_error']:.1%}; of those that ended "
+              + ", ".join(f"{name} {e:.1%} ({n})" for name, (e, n) in c["online_by_end"].items()))
         for name in ("profiled", "refitted", "refitted on the steps"):
             if name in c:
                 s = c[name]
