@@ -62,6 +62,7 @@ import threading
 import time
 import tokenize
 import tomllib
+import types
 import warnings
 import weakref
 from collections import Counter
@@ -5652,6 +5653,55 @@ def test_the_cluster_plans_roles_only_where_the_workers_have_a_choice(monkeypatc
 # =================================================== profiler.py: the profiler
 # Its fits recover known parameters and stay physical; its CLI measures the workers and
 # caches; a damaged cache is measured again.
+
+
+class FakeEvent:
+    """A GPU event on a made-up clock: recorded at `at` ms, done once `done` says so."""
+    def __init__(self, at: float, done=lambda: True):
+        self.at, self.done = at, done
+
+    def elapsed_time(self, later: "FakeEvent") -> float:
+        return later.at - self.at
+
+    def query(self) -> bool:
+        return self.done()
+
+
+def test_paced_steps_are_timed_between_consecutive_ends_after_two_warm_ups(monkeypatch):
+    """timing.paced_step_ms on a (pretend) GPU whose steps end at made-up times: the first
+    two steps take 50 ms (warm-ups), then three of 4 ms, three of 6, one of 40 and one of 2;
+    the result is the median of the intervals between the ends of steps 2.. (5 ms: the
+    warm-ups left out, or it would be 6), and between() ran before every launch."""
+    durations = iter([50.0, 50.0] + [4.0, 6.0] * 3 + [40.0, 2.0])
+    clock, calls = [0.0], []
+
+    def fake_step(engine, batch, params=None, lane=None):
+        clock[0] += next(durations)
+        return types.SimpleNamespace(ready=FakeEvent(clock[0]))
+    monkeypatch.setattr(timing, "run_step", fake_step)
+    monkeypatch.setattr(timing, "lane_sync", lambda engine, lane=None: lambda: None)
+    engine = types.SimpleNamespace(model=types.SimpleNamespace(device=torch.device("cuda")))
+    ms = timing.paced_step_ms(engine, None, reps=8, between=lambda: calls.append(clock[0]))
+    assert ms == 5.0 and len(calls) == 10
+
+
+def test_a_busy_lane_keeps_one_chunk_queued_behind_the_one_running(monkeypatch):
+    """timing.BusyLane on chunks that end in launch order, several at once or none between
+    two top_ups, the lane sometimes run dry: after every top_up two chunks are in flight,
+    and it has launched one more for each that ended (none while both still run)."""
+    ended, launched = [0], []
+
+    def fake_step(engine, batch, params=None, lane=None):
+        k = len(launched)
+        launched.append(k)
+        return types.SimpleNamespace(ready=FakeEvent(k, done=lambda: k < ended[0]))
+    monkeypatch.setattr(timing, "run_step", fake_step)
+    busy = timing.BusyLane(None, None, None)
+    assert len(launched) == 2
+    for step in [0, 1, 1, 3, 3, 4, 6]:   # chunks ended so far, of those launched
+        ended[0] = step
+        busy.top_up()
+        assert sum(not e.query() for e in busy.ends) == 2 and len(launched) == step + 2
 
 
 def test_profiler_fits_recover_known_parameters():
