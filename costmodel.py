@@ -134,6 +134,10 @@ class CostModel:
         """A decode step of batch sequences holding context tokens in all."""
         return self.p.beta + self.p.slope * max(0.0, batch - self.p.batch_thresh) + self.p.kv * context
 
+    def step_ms(self, decodes: float, context: float, prompt: float) -> float:
+        """A whole-GPU step of decodes holding context tokens, with prompt tokens beside them."""
+        return self.decode_step_ms(decodes, context) + self.p.gamma * prompt
+
     def steps_ms(self, prompt_len: int, out_len: float, w: WorkerLoad, waited: int = 0) -> float:
         """out_len steps on w, after `waited` steps of w, whose batch gains this request (its
         context L to L + out_len), beside the prompts w keeps prefilling meanwhile: over a
@@ -214,7 +218,7 @@ class CostModel:
         if w.token_budget is None:
             return self.p.alpha0 + self.p.alpha * tokens + self.p.alpha2 * self.squares(w, prompt_len)
         chunk = min(self.room(w), tokens)
-        step = self.decode_step_ms(w.decode_batch, w.context_tokens) + self.p.gamma * chunk
+        step = self.step_ms(w.decode_batch, w.context_tokens, chunk)
         return self.prefill_steps(w, prompt_len) * step
 
     @staticmethod

@@ -221,8 +221,7 @@ class Router:
         self.fit_transfer = RecursiveLeastSquares([p.transfer_rate], [1e-4])
         self.fit_links: dict[str, RecursiveLeastSquares] = {}
         self.levels: dict[str, RecursiveLeastSquares] = {}   # "whole GPU", "P/D prefill", "P/D decode"
-        self.profiled_step = (p.beta, p.slope, p.kv, p.gamma)   # the models those levels scale:
-        self.profiled_splits = copy.deepcopy(params.splits)     # ... the whole GPU's and the lanes'
+        self.profiled = CostModel(copy.deepcopy(params))   # the models those levels scale
         self.errors: list[float] = []         # |route()'s prediction - measured| / measured, per request
         self.model_errors: list[float] = []   # the same with the true output length (the cost model alone)
         self.split_changed: list[bool] = []   # per error: its worker changed SM split while it ran
@@ -326,10 +325,9 @@ class Router:
             return
         if decodes == 0:
             return
-        beta, slope, kv, gamma = self.profiled_step
-        k = self._level("whole GPU", beta + slope * max(0.0, decodes - p.batch_thresh) + kv * context_tokens
-                        + gamma * prefill_tokens, ms)
-        p.beta, p.slope, p.kv, p.gamma = k * beta, k * slope, k * kv, k * gamma
+        shape = self.profiled.p
+        k = self._level("whole GPU", self.profiled.step_ms(decodes, context_tokens, prefill_tokens), ms)
+        p.beta, p.slope, p.kv, p.gamma = k * shape.beta, k * shape.slope, k * shape.kv, k * shape.gamma
 
     def _level(self, place: str, profiled_ms: float, ms: float) -> float:
         """The factor a place's steps take against the profile's model of them (profiled_ms:
@@ -347,7 +345,7 @@ class Router:
     def _rescale_lane(self, key: str, decodes: int, context_tokens: int, prefill_tokens: int,
                       ms: float) -> None:
         """A lane's step rescales the profile's model of that lane (_level)."""
-        s, shape = self.cost.p.splits[key], self.profiled_splits[key]
+        s, shape = self.cost.p.splits[key], self.profiled.p.splits[key]
         if decodes == 0:
             k = self._level(f"{key} prefill", shape.alpha0 + shape.alpha * prefill_tokens, ms)
             s.alpha0, s.alpha = k * shape.alpha0, k * shape.alpha

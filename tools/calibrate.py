@@ -117,16 +117,15 @@ def step_ratios(data: dict, params: dict) -> dict[str, dict]:
     (DECODE_BINS), and of those with prompt tokens beside them by prompt tokens (PROMPT_BINS).
     Where the ratio moves from bin to bin the model's shape is off, which the router's one
     level factor cannot take back."""
-    p = HardwareParams(**params)
+    model = CostModel(HardwareParams(**params))
     out = {}
     for run in data.get("steps") or []:
         decode, mixed = [], []
         for _, _, decodes, context, prompt, ms, split in run["steps"]:
             if split is not None or decodes == 0 or ms <= 0:
                 continue
-            model = (p.beta + p.slope * max(0.0, decodes - p.batch_thresh) + p.kv * context
-                     + p.gamma * prompt)
-            (mixed if prompt else decode).append((prompt or decodes, model / ms))
+            ratio = model.step_ms(decodes, context, prompt) / ms
+            (mixed if prompt else decode).append((prompt or decodes, ratio))
         name = f"{run['policy']} {run['workload']} @ {run.get('rate', 0):g}"
         out[name] = {"decode_by_batch": binned(decode, DECODE_BINS),
                      "mixed_by_prompt": binned(mixed, PROMPT_BINS)}
