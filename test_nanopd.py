@@ -5688,7 +5688,8 @@ def test_paced_steps_are_timed_between_consecutive_ends_after_two_warm_ups(monke
 def test_a_busy_lane_keeps_one_chunk_queued_behind_the_one_running(monkeypatch):
     """timing.BusyLane on chunks that end in launch order, several at once or none between
     two top_ups, the lane sometimes run dry: after every top_up two chunks are in flight,
-    and it has launched one more for each that ended (none while both still run)."""
+    it has launched one more for each that ended (none while both still run), and leaving
+    it waits for them all."""
     ended, launched = [0], []
 
     def fake_step(engine, batch, params=None, lane=None):
@@ -5696,12 +5697,14 @@ def test_a_busy_lane_keeps_one_chunk_queued_behind_the_one_running(monkeypatch):
         launched.append(k)
         return types.SimpleNamespace(ready=FakeEvent(k, done=lambda: k < ended[0]))
     monkeypatch.setattr(timing, "run_step", fake_step)
-    busy = timing.BusyLane(None, None, None)
-    assert len(launched) == 2
-    for step in [0, 1, 1, 3, 3, 4, 6]:   # chunks ended so far, of those launched
-        ended[0] = step
-        busy.top_up()
-        assert sum(not e.query() for e in busy.ends) == 2 and len(launched) == step + 2
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: ended.__setitem__(0, len(launched)))
+    with timing.BusyLane(None, None, None) as busy:
+        assert len(launched) == 2
+        for step in [0, 1, 1, 3, 3, 4, 6]:   # chunks ended so far, of those launched
+            ended[0] = step
+            busy.top_up()
+            assert sum(not e.query() for e in busy.ends) == 2 and len(launched) == step + 2
+    assert not any(not e.query() for e in busy.ends)   # leaving it waited for every chunk
 
 
 def test_profiler_fits_recover_known_parameters():

@@ -8,6 +8,7 @@ can be run without serving real requests.
 import itertools
 import statistics
 import time
+from typing import Self
 
 import torch
 
@@ -139,7 +140,6 @@ def measure_splits(engine, lengths: list[int], batches: list[int], context: int,
     out = {}
     for split, lanes in engine.runner.splits.items():
         beside, pre = fake_batch(engine, beside_batch, context, 1), fake_batch(engine, 1, 0, max(lengths))
-        busy = None
         try:
             prefill = []
             for n in lengths:
@@ -147,14 +147,13 @@ def measure_splits(engine, lengths: list[int], batches: list[int], context: int,
                 prefill.append(statistics.median(prefill_beside_decode_ms(engine, lanes, beside, chunk)
                                                  for _ in range(2)))
                 free_batch(engine, chunk)
-            decode, busy = [], BusyLane(engine, lanes[0], pre)
-            for b in batches:
-                dec = fake_batch(engine, b, context, 1)
-                decode.append(decode_beside_prefill_ms(engine, lanes, dec, pre, reps, busy))
-                free_batch(engine, dec)   # its steps have ended (the decode lane was synchronised)
+            decode = []
+            with BusyLane(engine, lanes[0], pre) as busy:   # its chunks end before pre's blocks are freed
+                for b in batches:
+                    dec = fake_batch(engine, b, context, 1)
+                    decode.append(decode_beside_prefill_ms(engine, lanes[1], dec, busy, reps))
+                    free_batch(engine, dec)   # its steps have ended (the decode lane was synchronised)
         finally:
-            if busy is not None:
-                busy.wait()   # its chunks write pre's blocks: they end before those are freed
             free_batch(engine, beside)
             free_batch(engine, pre)
         out[f"{split.prefill_sms}/{split.decode_sms}"] = {"prefill_ms": prefill, "decode_ms": decode}
@@ -167,37 +166,31 @@ def measure_splits(engine, lengths: list[int], batches: list[int], context: int,
 class BusyLane:
     """A split's prefill lane kept running chunks of pre while the decode lane is timed
     beside it: one chunk always queued behind the one running (top_up, called more often
-    than a chunk lasts); wait() once the timing is done. One BusyLane spans every batch a
+    than a chunk lasts); as a context, leaving it waits for them. One BusyLane spans every batch a
     profile times beside it: a long prompt's chunk on part of the GPU lasts many decode
     steps, and waiting for the chunks after each batch size took most of a profile's time."""
 
     def __init__(self, engine, prefill_lane, pre: Batch):
         self.engine, self.lane, self.pre = engine, prefill_lane, pre
         self.ends: list[torch.cuda.Event] = []   # the chunks queued, in order
+
+    def __enter__(self) -> Self:
         self.top_up()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.synchronize()   # every chunk queued has ended
 
     def top_up(self) -> None:
         self.ends = [e for e in self.ends if not e.query()]
         while len(self.ends) < 2:
             self.ends.append(run_step(self.engine, self.pre, lane=self.lane).ready)
 
-    def wait(self) -> None:
-        torch.cuda.synchronize()
 
-
-def decode_beside_prefill_ms(engine, lanes, dec: Batch, pre: Batch, reps: int,
-                             busy: BusyLane | None = None) -> float:
+def decode_beside_prefill_ms(engine, decode_lane, dec: Batch, busy: BusyLane, reps: int) -> float:
     """Median decode step of dec on the decode lane, paced as the engine runs them
-    (paced_step_ms), while the prefill lane runs chunks of pre (busy's, if given: the
-    caller waits for them; else a BusyLane of its own, waited for)."""
-    prefill_lane, decode_lane = lanes
-    own = busy is None
-    busy = busy or BusyLane(engine, prefill_lane, pre)
-    try:
-        return paced_step_ms(engine, dec, reps, lane=decode_lane, between=busy.top_up)
-    finally:
-        if own:
-            busy.wait()
+    (paced_step_ms), while busy keeps the prefill lane running chunks."""
+    return paced_step_ms(engine, dec, reps, lane=decode_lane, between=busy.top_up)
 
 
 def prefill_beside_decode_ms(engine, lanes, dec: Batch, pre: Batch) -> float:
