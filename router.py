@@ -321,7 +321,7 @@ class Router:
         p = self.cost.p
         if sm_split is not None:
             if split_key(sm_split) in p.splits and (decodes or prefill_tokens):
-                self._rescale_lane(split_key(sm_split), decodes, context_tokens, prefill_tokens, ms)
+                self._rescale_lane(sm_split, decodes, context_tokens, prefill_tokens, ms)
             return
         if decodes == 0:
             return
@@ -342,14 +342,15 @@ class Router:
         fit.update([profiled_ms], ms)
         return fit.physical()[0]
 
-    def _rescale_lane(self, key: str, decodes: int, context_tokens: int, prefill_tokens: int,
+    def _rescale_lane(self, split: tuple[int, int], decodes: int, context_tokens: int, prefill_tokens: int,
                       ms: float) -> None:
         """A lane's step rescales the profile's model of that lane (_level)."""
+        key = split_key(split)
         s, shape = self.cost.p.splits[key], self.profiled.p.splits[key]
         if decodes == 0:
             k = self._level(f"{key} prefill", shape.alpha0 + shape.alpha * prefill_tokens, ms)
             s.alpha0, s.alpha = k * shape.alpha0, k * shape.alpha
         else:
-            k = self._level(f"{key} decode", shape.beta + shape.slope * max(0.0, decodes - shape.batch_thresh)
-                            + shape.kv * context_tokens, ms)
+            lane = self.profiled.on_split(split)
+            k = self._level(f"{key} decode", lane.decode_step_ms(decodes, context_tokens), ms)
             s.beta, s.slope, s.kv = k * shape.beta, k * shape.slope, k * shape.kv
