@@ -64,7 +64,7 @@ from messages import (
 )
 from model import load_config, load_tokenizer
 from planner import PLAN_INTERVAL_S, Planner, regimes
-from request import RequestMetrics, RequestOutput, SamplingParams, check_request, tokenize
+from request import NewTokens, RequestMetrics, RequestOutput, SamplingParams, check_request, tokenize
 from roles import ROLES, RoleMap
 from router import Observation, Router
 from smsplit import default_menu, num_sms
@@ -538,10 +538,11 @@ class CentralScheduler:
                 self.config_log.append(ConfigChange(time.perf_counter() - self.started, w, msg.sm_split,
                                                     msg.token_budget))
             case Tokens():
-                for request_id, ids in msg.new.items():
+                for request_id, new in msg.new.items():
                     t = current(w, request_id)
                     if t is not None:
-                        t.tokens += ids
+                        t.tokens += new.ids
+                        t.logprobs += new.logprobs or []
                         t.metrics.first_token_time = t.metrics.first_token_time or msg.time
             case Handoff():
                 self._on_handoff(w, msg)
@@ -577,7 +578,7 @@ class CentralScheduler:
         imp = msg.imp
         t.metrics.first_scheduled_time, t.metrics.first_token_time = (msg.first_scheduled_time,
                                                                       msg.first_token_time)
-        t.tokens = imp.token_ids[imp.num_prompt_tokens:]
+        t.tokens, t.logprobs = imp.token_ids[imp.num_prompt_tokens:], list(imp.logprobs)
         decoders = self.roles.decoders(self.liveness.live())
         if not decoders:
             self.workers.send(w, Release(t.request_id))
@@ -636,14 +637,16 @@ class CentralScheduler:
         else:
             self.requests.fail(t, RuntimeError(why))
 
-    def new_tokens(self) -> dict[int, list[int]]:
-        """Output tokens of the running single-completion requests since the last call, as
-        Engine.new_tokens gives them (n > 1 and beams report their completions when done): what
-        a stream shows. A request restarted elsewhere shows tokens again past those it showed."""
+    def new_tokens(self) -> dict[int, NewTokens]:
+        """Output tokens of the running single-completion requests since the last call, with
+        their logprobs if asked, as Engine.new_tokens gives them (n > 1 and beams report their
+        completions when done): what a stream shows. A request restarted elsewhere shows
+        tokens again past those it showed."""
         new = {}
         for t in self.requests.active.values():
             if not (t.beam_width or t.params.n > 1 or t.samples) and len(t.tokens) > t.shown:
-                new[t.request_id], t.shown = t.tokens[t.shown:], len(t.tokens)
+                logprobs = None if t.params.logprobs is None else t.logprobs[t.shown:]
+                new[t.request_id], t.shown = NewTokens(t.tokens[t.shown:], logprobs), len(t.tokens)
         return new
 
     def output(self, request_id: int) -> RequestOutput:

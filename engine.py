@@ -35,6 +35,7 @@ from request import (
     PENDING,
     CompletionOutput,
     Logprob,
+    NewTokens,
     Request,
     RequestMetrics,
     RequestOutput,
@@ -545,18 +546,21 @@ class Engine:
 
     # -- outputs
 
-    def new_tokens(self) -> dict[int, list[int]]:
-        """Output tokens of the running single-completion requests since the last call:
-        what a stream shows (n > 1 and beams report their completions when done)."""
+    def new_tokens(self) -> dict[int, NewTokens]:
+        """Output tokens of the running single-completion requests since the last call, with
+        their logprobs if asked: what a stream shows (n > 1 and beams report their
+        completions when done)."""
         new = {}
         for req in self.requests.values():
             if req.beam_width or req.params.n > 1 or req.parked:
                 continue
             seq = req.seqs[0]
-            known = len(seq.token_ids) - (seq.pending_row is not None)   # the last may be PENDING
-            if known - seq.num_prompt_tokens > req.num_streamed:
-                new[req.request_id] = seq.token_ids[seq.num_prompt_tokens + req.num_streamed:known]
-                req.num_streamed = known - seq.num_prompt_tokens
+            # output tokens known (the last may be PENDING)
+            known = len(seq.token_ids) - (seq.pending_row is not None) - seq.num_prompt_tokens
+            if known > req.num_streamed:
+                ids = seq.token_ids[seq.num_prompt_tokens + req.num_streamed:seq.num_prompt_tokens + known]
+                logprobs = None if req.params.logprobs is None else seq.logprobs[req.num_streamed:known]
+                new[req.request_id], req.num_streamed = NewTokens(ids, logprobs), known
         return new
 
     def _text(self, seq: Sequence) -> str:

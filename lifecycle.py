@@ -14,7 +14,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from request import RequestMetrics, RequestOutput, SamplingParams
+from request import Logprob, RequestMetrics, RequestOutput, SamplingParams
 
 
 @dataclass(eq=False)
@@ -32,6 +32,7 @@ class RequestRecord:
     decode_worker: int | None = None   # where it goes after its prefill (None: the least loaded then)
     phase: str = "queued"              # prefill, transfer, decode, done
     tokens: list[int] = field(default_factory=list)   # streamed so far
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)   # theirs, if it asked for logprobs
     shown: int = 0                     # of them, handed out by CentralScheduler.new_tokens
     output: RequestOutput | None = None
     retried: bool = False
@@ -126,7 +127,7 @@ class RequestLedger:
         if it has (its path broke twice)."""
         if t.retried:
             return False
-        t.retried, t.tokens, t.worker, t.prefill_worker = True, [], None, None
+        t.retried, t.tokens, t.logprobs, t.worker, t.prefill_worker = True, [], [], None, None
         t.metrics = RequestMetrics(t.metrics.arrival_time)
         return True
 

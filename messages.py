@@ -13,7 +13,7 @@ block ids only.
 
 from dataclasses import dataclass, field
 
-from request import Logprob, RequestOutput, SamplingParams
+from request import Logprob, NewTokens, RequestOutput, SamplingParams
 
 # ----------------------------------------------------------------------------- to a worker
 
@@ -159,7 +159,7 @@ class Measured:
 @dataclass
 class Tokens:
     """New output tokens of the requests running here, since the last report."""
-    new: dict[int, list[int]]
+    new: dict[int, NewTokens]
     time: float
 
 

@@ -47,6 +47,7 @@ from request import (
     BeamSearchOutput,
     BeamSearchParams,
     BeamSearchSequence,
+    NewTokens,
     RequestMetrics,
     RequestOutput,
     SamplingParams,
@@ -528,7 +529,7 @@ def main() -> None:
     ids, text, start = [], Detokenizer(engine.tokenizer), time.perf_counter()
     while engine.has_unfinished():
         engine.step()
-        for token in engine.new_tokens().get(request_id, []):
+        for token in engine.new_tokens().get(request_id, NewTokens([])).ids:
             ids.append(token)
             print(text.add(token), end="", flush=True)
     # what the detokenizer still held back: a last character left incomplete

@@ -248,6 +248,14 @@ class CompletionOutput:
 
 
 @dataclass
+class NewTokens:
+    """A running request's output tokens since they were last handed out (Engine.new_tokens):
+    what a stream shows, with their logprobs entries if the request asked for logprobs."""
+    ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None = None
+
+
+@dataclass
 class RequestOutput:
     request_id: int | str              # LLM's: "0", "1", ... in submission order (vLLM's); an engine's int
     prompt: str | None

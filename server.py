@@ -43,7 +43,7 @@ from request import CompletionOutput, RequestOutput, SamplingParams
 @dataclass(eq=False)
 class Stream:
     """One request's events, from the engine thread to its handler, on the queue it shares
-    with the other requests of the same HTTP call: (stream, "tokens", ids) as they come,
+    with the other requests of the same HTTP call: (stream, "tokens", NewTokens) as they come,
     then (stream, "end", RequestOutput). accepted resolves once the backend took it (or
     refused it: its exception)."""
     index: int                     # its choice in the response
@@ -161,13 +161,13 @@ class EngineLoop:
         """One poll of the backend: what came for each request, handed over in one call to
         the HTTP loop (one wake-up a step, not one per stream)."""
         ended, events = self.backend.poll(0.002), []
-        for request_id, ids in self.backend.new_tokens().items():
+        for request_id, new in self.backend.new_tokens().items():
             stream = self.streams.get(request_id)
             if stream is not None:
                 self.running += not stream.first_token
                 stream.first_token = True
                 if stream.streamed:
-                    events.append((stream, "tokens", ids))
+                    events.append((stream, "tokens", new))
         for request_id in ended:
             stream = self.streams.pop(request_id, None)
             out = self.backend.output(request_id)
@@ -521,65 +521,67 @@ def prompt_list(prompt) -> list[str | list[int]]:
 
 @dataclass(frozen=True)
 class Shape:
-    """How an endpoint words its answer: its objects' names, a choice whole, and a choice's
-    streamed piece (first: the choice's first piece; finish: its end, or None)."""
+    """How an endpoint words its answer: its objects' names, a choice whole, a choice's
+    streamed piece (first: the choice's first piece; finish: its finish reason, or None
+    before its end) and a run of tokens' logprobs (at: the text offset of the first)."""
     prefix: str
     object: str
     chunk_object: str
-    choice: Callable[[int, CompletionOutput, object, int | None], dict]
-    piece: Callable[[int, str, bool, CompletionOutput | None, object, int | None], dict]
+    choice: Callable[[int, CompletionOutput, dict | None], dict]
+    piece: Callable[[int, str, bool, str | None, dict | None], dict]
+    logprobs: Callable[[list[int], list, object, int, int], dict]
 
 
-def completion_logprobs(c: CompletionOutput, tokenizer) -> dict:
-    """/v1/completions' logprobs: each token's text, logprob and top alternatives, and offset."""
-    def text(token: int, lp) -> str:
-        return lp.decoded_token or tokenizer.decode([token])
-    tokens, offsets, at = [], [], 0
-    for token, entry in zip(c.token_ids, c.logprobs):
-        tokens.append(text(token, entry[token]))
+def token_text(token: int, lp, tokenizer) -> str:
+    return lp.decoded_token or tokenizer.decode([token])
+
+
+def completion_logprobs(ids: list[int], entries: list, tokenizer, top: int, at: int = 0) -> dict:
+    """/v1/completions' logprobs of a run of tokens: each one's text, logprob, top
+    alternatives, and offset in the completion's text (the run's first at at)."""
+    tokens, offsets = [], []
+    for token, entry in zip(ids, entries):
+        tokens.append(token_text(token, entry[token], tokenizer))
         offsets.append(at)
         at += len(tokens[-1])
     return {"tokens": tokens, "text_offset": offsets,
-            "token_logprobs": [entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs)],
-            "top_logprobs": [{text(t, lp): lp.logprob for t, lp in entry.items()} for entry in c.logprobs]}
+            "token_logprobs": [entry[t].logprob for t, entry in zip(ids, entries)],
+            "top_logprobs": [{token_text(t, lp, tokenizer): lp.logprob for t, lp in entry.items()}
+                             for entry in entries]}
 
 
-def chat_logprobs(c: CompletionOutput, tokenizer, top: int) -> dict:
-    """/v1/chat/completions' logprobs: per token its text, logprob, bytes and top alternatives."""
+def chat_logprobs(ids: list[int], entries: list, tokenizer, top: int, at: int = 0) -> dict:
+    """/v1/chat/completions' logprobs of a run of tokens: per token its text, logprob, bytes
+    and top alternatives."""
     def one(token: int, lp) -> dict:
-        text = lp.decoded_token or tokenizer.decode([token])
+        text = token_text(token, lp, tokenizer)
         return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode())}
     return {"content": [{**one(t, entry[t]), "top_logprobs": [one(a, lp) for a, lp in sorted(
-        entry.items(), key=lambda kv: -kv[1].logprob)[:top]]} for t, entry in zip(c.token_ids, c.logprobs)]}
+        entry.items(), key=lambda kv: -kv[1].logprob)[:top]]} for t, entry in zip(ids, entries)]}
 
 
-def completion_choice(index: int, c: CompletionOutput, tokenizer, logprobs: int | None) -> dict:
-    return {"index": index, "text": c.text, "finish_reason": c.finish_reason,
-            "logprobs": completion_logprobs(c, tokenizer) if logprobs is not None else None}
+def completion_choice(index: int, c: CompletionOutput, logprobs: dict | None) -> dict:
+    return {"index": index, "text": c.text, "finish_reason": c.finish_reason, "logprobs": logprobs}
 
 
-def completion_piece(index: int, text: str, first: bool, end: CompletionOutput | None, tokenizer,
-                     logprobs: int | None) -> dict:
-    return {"index": index, "text": text, "finish_reason": end and end.finish_reason,
-            "logprobs": completion_logprobs(end, tokenizer) if end and logprobs is not None else None}
+def completion_piece(index: int, text: str, first: bool, finish: str | None, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
 
-def chat_choice(index: int, c: CompletionOutput, tokenizer, logprobs: int | None) -> dict:
+def chat_choice(index: int, c: CompletionOutput, logprobs: dict | None) -> dict:
     return {"index": index, "message": {"role": "assistant", "content": c.text},
-            "finish_reason": c.finish_reason,
-            "logprobs": chat_logprobs(c, tokenizer, logprobs) if logprobs is not None else None}
+            "finish_reason": c.finish_reason, "logprobs": logprobs}
 
 
-def chat_piece(index: int, text: str, first: bool, end: CompletionOutput | None, tokenizer,
-               logprobs: int | None) -> dict:
+def chat_piece(index: int, text: str, first: bool, finish: str | None, logprobs: dict | None) -> dict:
     delta = {"role": "assistant"} if first else {}
     return {"index": index, "delta": {**delta, **({"content": text} if text or first else {})},
-            "finish_reason": end and end.finish_reason,
-            "logprobs": chat_logprobs(end, tokenizer, logprobs) if end and logprobs is not None else None}
+            "finish_reason": finish, "logprobs": logprobs}
 
 
-COMPLETION = Shape("cmpl", "text_completion", "text_completion", completion_choice, completion_piece)
-CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", chat_choice, chat_piece)
+COMPLETION = Shape("cmpl", "text_completion", "text_completion", completion_choice, completion_piece,
+                   completion_logprobs)
+CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", chat_choice, chat_piece, chat_logprobs)
 DISCONNECT_CHECK_S = 0.5   # a waiting handler looks this often whether its client is still there
 
 
@@ -599,7 +601,11 @@ async def respond(served: Served, request: Request, body: Sampling, prompts: lis
     failed = next((o.error for o in outs if o.error is not None), None)
     if failed is not None:
         raise BadRequest(str(failed), status=400 if isinstance(failed, ValueError) else 500)
-    choices = [shape.choice(s.index, out.outputs[0], served.tokenizer, s.params.logprobs)
+    def logprobs(params: SamplingParams, c: CompletionOutput) -> dict | None:
+        if params.logprobs is None:
+            return None
+        return shape.logprobs(c.token_ids, c.logprobs, served.tokenizer, params.logprobs)
+    choices = [shape.choice(s.index, out.outputs[0], logprobs(s.params, out.outputs[0]))
                for s, out in zip(streams, outs)]
     return JSONResponse({**head, "object": shape.object, "choices": choices, "usage": usage_of(outs, body.n)})
 
@@ -650,34 +656,53 @@ async def wait_all(served: Served, request: Request, streams: list[Stream], even
                 served.loop.abort(s)
 
 
+@dataclass
+class StreamedChoice:
+    """What a streamed choice has shown so far: its text (TextStream), whether a piece went
+    out, and how many of its tokens' logprobs, whose text spans `at` characters."""
+    text: TextStream
+    started: bool = False
+    entries: int = 0
+    at: int = 0
+
+
 async def sse(served: Served, streams: list[Stream], events: asyncio.Queue, shape: Shape, head: dict,
               include_usage: bool) -> AsyncIterator[str]:
-    """The answer as server-sent events: each choice's text as it comes (TextStream), its end
-    with its finish reason (and its logprobs, all of them), the usage if asked, [DONE]. A
-    request that fails sends its error as an event; a client that goes aborts them all."""
-    texts = {s: TextStream(served.tokenizer, s.params) for s in streams}
-    started, outs = set(), []
+    """The answer as server-sent events: each choice's text as it comes (TextStream) with
+    its tokens' logprobs, its end with its finish reason (and the logprobs not shown yet),
+    the usage if asked, [DONE]. A request that fails sends its error as an event; a client
+    that goes aborts them all."""
+    choices = {s: StreamedChoice(TextStream(served.tokenizer, s.params)) for s in streams}
+    outs = []
 
-    def event(choices: list[dict], **extra) -> str:
-        return f"data: {json.dumps({**head, 'object': shape.chunk_object, 'choices': choices, **extra})}\n\n"
+    def event(pieces: list[dict], **extra) -> str:
+        return f"data: {json.dumps({**head, 'object': shape.chunk_object, 'choices': pieces, **extra})}\n\n"
+
+    def piece(stream: Stream, text: str, ids: list[int], entries: list | None, finish: str | None) -> dict:
+        """A choice's next piece: its text, and the logprobs of ids (its tokens not shown yet)."""
+        shown, lp = choices[stream], None
+        if stream.params.logprobs is not None:
+            lp = shape.logprobs(ids, entries, served.tokenizer, stream.params.logprobs, shown.at)
+            shown.entries += len(entries)
+            shown.at += sum(len(token_text(t, e[t], served.tokenizer)) for t, e in zip(ids, entries))
+        first, shown.started = not shown.started, True
+        return shape.piece(stream.index, text, first, finish, lp)
     try:
         while len(outs) < len(streams):
             stream, kind, value = await events.get()
             if kind == "tokens":
-                text = texts[stream].add(value)
-                if text or stream not in started:
-                    yield event([shape.piece(stream.index, text, stream not in started, None,
-                                             served.tokenizer, stream.params.logprobs)])
-                    started.add(stream)
+                text = choices[stream].text.add(value.ids)
+                if text or not choices[stream].started or value.logprobs:
+                    yield event([piece(stream, text, value.ids, value.logprobs, None)])
                 continue
             stream.ended = True
             outs.append(value)
             if value.error is not None:
                 yield f"data: {json.dumps(error_body(500, str(value.error)))}\n\n"
                 continue
-            c = value.outputs[0]
-            yield event([shape.piece(stream.index, texts[stream].finish(c.text), stream not in started, c,
-                                     served.tokenizer, stream.params.logprobs)])
+            c, shown = value.outputs[0], choices[stream]
+            yield event([piece(stream, shown.text.finish(c.text), c.token_ids[shown.entries:],
+                               (c.logprobs or [])[shown.entries:], c.finish_reason)])
         if include_usage:
             yield event([], usage=usage_of(outs, 1))
         yield "data: [DONE]\n\n"

@@ -6462,6 +6462,38 @@ def test_the_openai_client_gets_generates_and_chats_tokens_from_the_server(pair_
         assert deltas[-1].usage.completion_tokens == len(chat_ref.outputs[0].token_ids)
 
 
+def test_streamed_logprobs_come_with_their_tokens_and_add_up_to_the_whole_answers(pair_llm):
+    """stream=true with logprobs, through the openai client: every event's logprobs are those
+    of the tokens whose text it carries (no stop string holds text back: their texts add up
+    to the event's), more than one event has some, and together, per choice, they are the
+    answer's without streaming, whose tokens are LLM.generate's; the same for chat."""
+    import openai
+    ref = generate(pair_llm, SERVED_PROMPTS, max_tokens=8, temperature=0.0, logprobs=2)
+    with serving(pair_llm, model_name="pairs") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        args = {"model": "pairs", "prompt": SERVED_PROMPTS, "max_tokens": 8, "temperature": 0, "logprobs": 2}
+        whole = client.completions.create(**args)
+        parts = {}
+        for chunk in client.completions.create(stream=True, **args):
+            for c in chunk.choices:
+                lp = c.logprobs
+                assert "".join(lp.tokens if lp else []) == c.text
+                parts.setdefault(c.index, []).append(lp)
+        for c, out in zip(sorted(whole.choices, key=lambda c: c.index), ref):
+            assert c.logprobs.tokens == [PAIR_TEXT[t] for t in out.outputs[0].token_ids]
+            got = [lp for lp in parts[c.index] if lp is not None and lp.tokens]
+            assert len(got) > 1
+            for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                assert [x for lp in got for x in getattr(lp, field)] == getattr(c.logprobs, field)
+        conv = [{"role": "user", "content": "abcdef"}]
+        chat = {"model": "pairs", "messages": conv, "max_tokens": 6, "temperature": 0, "logprobs": True,
+                "top_logprobs": 2}
+        whole = client.chat.completions.create(**chat).choices[0].logprobs.content
+        streamed = [t for d in client.chat.completions.create(stream=True, **chat) for c in d.choices
+                    for t in (c.logprobs.content if c.logprobs else [])]
+        assert [t.model_dump() for t in streamed] == [t.model_dump() for t in whole] and len(whole) == 6
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "nope", "prompt": "ab"}, 400, "model"),
     ({"model": "pairs", "prompt": "ab", "temperature": "hot"}, 400, "temperature"),
@@ -6630,25 +6662,29 @@ def test_200_concurrent_streaming_clients_each_get_their_own_complete_stream(pai
 
 @pytest.mark.usefixtures("worker_env")
 def test_on_workers_the_server_streams_their_tokens_and_a_killed_one_fails_none_but_its_own(hf):
-    """The server on two collocated CPU workers: 12 streams, greedy, each ends with [DONE]
-    and the text the cluster gave that prompt before; SIGKILL to worker 1 while they run:
-    its requests restart on worker 0 and stream on from where they had got, so every
-    stream still ends whole with that text, and the server then serves a new request."""
+    """The server on two collocated CPU workers: 12 streams, greedy, with logprobs, each ends
+    with [DONE] and the text and token logprobs the cluster gave that prompt before; SIGKILL
+    to worker 1 while they run: its requests restart on worker 0 and stream on from where
+    they had got, so every stream still ends whole with that text and those logprobs, and
+    the server then serves a new request."""
     import signal
 
     import httpx
     llm = make_cluster(hf, "collocated", 2, max_model_len=512)
     prompts = [[1 + (7 * i + j) % 60 for j in range(6 + i)] for i in range(12)]
-    want = [o.outputs[0].text for o in generate(llm, prompts, max_tokens=120)]
+    refs = [o.outputs[0] for o in generate(llm, prompts, max_tokens=120, logprobs=1)]
+    want = [c.text for c in refs]
     short = generate(llm, prompts[:1], max_tokens=4)[0].outputs[0].text
     try:
         with serving(llm, model_name="m") as url:
-            def stream(prompt: list[int]) -> tuple[str, list[str]]:
-                body = {"model": "m", "prompt": prompt, "max_tokens": 120, "temperature": 0, "stream": True}
+            def stream(prompt: list[int]) -> tuple[str, list[str], list[float]]:
+                body = {"model": "m", "prompt": prompt, "max_tokens": 120, "temperature": 0, "stream": True,
+                        "logprobs": 1}
                 with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
                     lines = [line for line in r.iter_lines() if line]
-                events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
-                return "".join(e["choices"][0]["text"] for e in events if "choices" in e), lines
+                events = [json.loads(line.removeprefix("data: "))["choices"][0] for line in lines[:-1]]
+                return ("".join(e["text"] for e in events), lines,
+                        [x for e in events if e["logprobs"] for x in e["logprobs"]["token_logprobs"]])
             with concurrent.futures.ThreadPoolExecutor(12) as pool:
                 futures = [pool.submit(stream, p) for p in prompts]
                 deadline = time.monotonic() + 120
@@ -6657,8 +6693,10 @@ def test_on_workers_the_server_streams_their_tokens_and_a_killed_one_fails_none_
                     time.sleep(0.01)
                 os.kill(llm.cluster.workers.procs[1].pid, signal.SIGKILL)
                 got = [f.result(timeout=300) for f in futures]
-            assert [text for text, _ in got] == want
-            assert all(lines[-1] == "data: [DONE]" for _, lines in got)
+            assert [text for text, _, _ in got] == want
+            assert all(lines[-1] == "data: [DONE]" for _, lines, _ in got)
+            for (_, _, lps), c in zip(got, refs):
+                assert lps == pytest.approx([e[t].logprob for t, e in zip(c.token_ids, c.logprobs)], abs=1e-4)
             after = httpx.post(f"{url}/v1/completions", timeout=120, json={
                 "model": "m", "prompt": prompts[0], "max_tokens": 4, "temperature": 0})
             assert after.status_code == 200 and after.json()["choices"][0]["text"] == short
