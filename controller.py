@@ -33,7 +33,10 @@ HORIZON_MS = 1000.0        # what a forecast simulates: the next second of steps
 # twice max_num_seqs left out: they would leave a full decode batch little room for prompts).
 # A split's prefill lane runs prompts only: it is weighed at the largest, its most efficient.
 BUDGETS = (512, 1024, 2048, 4096, 8192)
-MARGIN = 0.05              # another configuration must be forecast this much better to replace the current
+MARGIN = 0.05              # another split must be forecast this much better to replace the current
+BUDGET_MARGIN = 0.01       # ... another budget on the same split: a change that costs nothing, so the margin
+                           # need only keep forecasts' noise from flapping it (MARGIN would keep a budget that
+                           # another beats by less: long prompts at light load, 512 against 8192)
 SWITCH_MS = 2.25           # a split change drains the steps in flight: every request present waits this
 MIN_DWELL_S = 0.5          # a split taken is kept this long (a budget change costs nothing)
 MAX_LOAD = 0.9             # a split whose prefill lane prefills the arrivals' prompt tokens at less than
@@ -433,8 +436,12 @@ def finish(sim: Sim, config: Config, decode_ms: float, chunk_ms: float,
     those left at its end what they still need: a queued prompt waits ceil(Q / c) chunks
     (Q: the tokens queued up to and with its own, c: a step's prompt tokens, the budget
     less the decodes beside it on the whole GPU), then decodes its output at decode_ms a
-    step; a decode's remaining steps take decode_ms each, on the whole GPU the first
-    ceil(Q / c) of them a chunk's more (chunk_ms). Under an SLO a request meets
+    step; a decode's remaining steps take decode_ms each. On the whole GPU a step beside a
+    chunk takes a chunk's ms (chunk_ms): the first ceil(Q / c) of a decode's steps (Q: all
+    the tokens queued), and of a queued prompt's those beside the chunks of the prompts
+    queued behind it (left out, a backlog of long prompts was forecast short, and a larger
+    budget, whose chunks stretch every decode step while a long queue lasts, looked better
+    than it was). Under an SLO a request meets
     it if its first token came (or is forecast) within ttft_s and its steps average at most
     tpot_s."""
     slo, tail, met, q = sim.slo, 0.0, sim.met, 0
@@ -444,13 +451,15 @@ def finish(sim: Sim, config: Config, decode_ms: float, chunk_ms: float,
     for p, done_at in pending:   # a chunk in flight completes them
         tail += done_at - sim.now + (p[2] - 1) * decode_ms
         met += done_at - p[1] <= ttft and decode_ms <= tpot
+    extra = max(0.0, chunk_ms - decode_ms) if config.sm_split is None else 0.0
+    queued = sum(p[0] for p in sim.queue)
     for p in sim.queue:
         q += p[0]
         wait = math.ceil(q / room) * chunk_ms
-        tail += wait + (p[2] - 1) * decode_ms
+        behind = math.ceil((queued - q) / room)   # the chunks of those behind it, beside its steps
+        tail += wait + (p[2] - 1) * decode_ms + min(p[2] - 1, behind) * extra
         met += sim.now + wait - p[1] <= ttft and decode_ms <= tpot
     chunks = math.ceil(q / room)
-    extra = max(0.0, chunk_ms - decode_ms) if config.sm_split is None else 0.0
     for last, _, first in sim.heap:
         left = last - max(sim.counter, abs(first) - 1)   # one that joined beside a step in flight: not in it
         tail += left * decode_ms + min(left, chunks) * extra
@@ -493,13 +502,14 @@ def menu(step_tokens: int, seats: int, splits: list[tuple[int, int]]) -> list[Co
 
 class Controller:
     """Chooses a worker's configuration (choose) from its engine's state, by forecast, with
-    hysteresis: another configuration must be forecast better by MARGIN (an SLO share higher
-    by MARGIN, or as high and a latency lower by MARGIN) to replace the current one; a split
-    change also pays SWITCH_MS for each request present, and a split is kept MIN_DWELL_S.
+    hysteresis: another configuration must be forecast better by a margin (an SLO share higher
+    by it, or as high and a latency lower by it) to replace the current one, MARGIN for another
+    split, BUDGET_MARGIN for another budget on the same one; a split change also pays
+    SWITCH_MS for each request present, and a split is kept MIN_DWELL_S.
     A configuration is weighed as the model is sure of it: its forecast is made worse by the
     uncertainty of the step models it reads that the current one does not (StepModel.
     uncertainty: a split's lanes before they have run, or once they have run badly), so a
-    budget change on the same place needs only the margin, and a move to a split lane the
+    budget change on the same place needs only its margin, and a move to a split lane the
     model knows little of needs a gain larger than the model's error there.
     Under an SLO, only configurations whose full step (full_step_ms) stays within the TPOT
     target are weighed, while any does. splits: the engine's split menu that the profile
@@ -507,9 +517,9 @@ class Controller:
 
     def __init__(self, params: HardwareParams, step_tokens: int, splits: list[tuple[int, int]] = (),
                  slo: tuple[float, float] | None = None, margin: float = MARGIN,
-                 prior_weight: float = PRIOR_WEIGHT):
+                 budget_margin: float = BUDGET_MARGIN, prior_weight: float = PRIOR_WEIGHT):
         self.model = StepModel(params, prior_weight=prior_weight)
-        self.slo, self.margin = slo, margin
+        self.slo, self.margin, self.budget_margin = slo, margin, budget_margin
         self.splits = [tuple(s) for s in splits]
         self.step_tokens = step_tokens
         self.default = Config(None, min(max(BUDGETS), step_tokens))
@@ -556,6 +566,7 @@ class Controller:
         return self.current
 
     def clearly_better(self, new: Forecast, old: Forecast) -> bool:
-        if self.slo is not None and abs(new.met - old.met) > self.margin:
+        margin = self.margin if new.config.sm_split != old.config.sm_split else self.budget_margin
+        if self.slo is not None and abs(new.met - old.met) > margin:
             return new.met > old.met
-        return new.latency_ms < old.latency_ms * (1 - self.margin)
+        return new.latency_ms < old.latency_ms * (1 - margin)
