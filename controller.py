@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from costmodel import HardwareParams, split_key
+from request import Status
 
 CONTROL_INTERVAL_S = 0.25  # how often a worker with prompt work chooses its configuration
 REACT_S = 0.025            # ... and, on work arriving at an idle one, how soon after its last choice
@@ -241,6 +242,26 @@ class Snapshot:
     rate: float = 0.0          # arrivals per ms
     mean_prompt: float = 0.0
     mean_output: float = 1.0
+
+
+def snapshot(scheduler, recent: Recent, now: float) -> Snapshot:
+    """A scheduler's state (scheduler.py) as the controller forecasts from it, at time now (s,
+    the clock of its requests' arrival times): each sequence still to prefill (waiting, or
+    running with prompt tokens left) and each running decode, with the output it is expected
+    still to make (Recent.remaining)."""
+    prompts, decodes = [], []
+    for seq in [*scheduler.waiting, *scheduler.running]:
+        req = seq.request
+        max_tokens = 1 if req.prefill_only else req.params.max_tokens
+        left = recent.remaining(max_tokens, seq.num_outputs)
+        if seq.status != Status.RUNNING or seq.num_pending > 1:
+            prompts.append(Prompt(seq.num_pending, (now - req.metrics.arrival_time) * 1e3, left,
+                                  seq.status == Status.RUNNING, len(seq.token_ids)))
+        elif seq.num_outputs < max_tokens:
+            decodes.append(Decode(left, seq.num_computed))
+    rate, mean_prompt, mean_output = recent.rates(now)
+    return Snapshot(now, prompts, decodes, scheduler.max_num_seqs, scheduler.max_num_batched_tokens, rate,
+                    mean_prompt, mean_output)
 
 
 @dataclass

@@ -69,6 +69,17 @@ class StepShape:
     prefill_tokens: int = 0   # prompt tokens computed beside them
 
 
+def step_shape(batch: Batch) -> StepShape:
+    """A step's decodes, their context and its prompt tokens (prefix hits excluded)."""
+    shape = StepShape()
+    for seq, n in zip(batch.seqs, batch.num_new):
+        if seq.num_computed < seq.num_prompt_tokens:
+            shape.prefill_tokens += min(n, seq.num_prompt_tokens - seq.num_computed)
+        else:
+            shape.decodes, shape.context_tokens = shape.decodes + 1, shape.context_tokens + seq.num_computed
+    return shape
+
+
 @dataclass
 class LaunchedStep:
     """A step whose sampled tokens are still on their way to the host (see Engine.step)."""
@@ -261,7 +272,7 @@ class Engine:
         done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new))
                 if n == s.num_pending + len(s.drafts)]
         seqs = [batch.seqs[i] for i in done]
-        step = LaunchedStep(batch, seqs, [s for s in seqs if s.request.beam_width], self._shape(batch), lane)
+        step = LaunchedStep(batch, seqs, [s for s in seqs if s.request.beam_width], step_shape(batch), lane)
         beam_rows = [i for i in done if batch.seqs[i].request.beam_width]
         plan, draws = self._plan_draws(batch, done)
         checks = []
@@ -323,17 +334,6 @@ class Engine:
                                           req.params.prompt_logprobs))
                 req.num_prompt_scored = end
         return scores
-
-    def _shape(self, batch: Batch) -> StepShape:
-        """The step's decodes, their context and its prompt tokens (prefix hits excluded)."""
-        shape = StepShape()
-        for seq, n in zip(batch.seqs, batch.num_new):
-            if seq.num_computed < seq.num_prompt_tokens:
-                shape.prefill_tokens += min(n, seq.num_prompt_tokens - seq.num_computed)
-            else:
-                shape.decodes, shape.context_tokens = (shape.decodes + 1,
-                                                       shape.context_tokens + seq.num_computed)
-        return shape
 
     def _finish(self, step: LaunchedStep) -> list[Request]:
         """Fill a launched step's PENDING tokens, record logprobs, stop sequences, advance

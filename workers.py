@@ -48,10 +48,8 @@ from controller import (
     REACT_S,
     Config,
     Controller,
-    Decode,
-    Prompt,
     Recent,
-    Snapshot,
+    snapshot,
 )
 from engine import Engine, LaunchedStep
 from kv_cache import cdiv
@@ -82,7 +80,7 @@ from messages import (
     Tokens,
     ToWorker,
 )
-from request import Request, RequestMetrics, Sequence, Status, arrival_order, seeded_generator
+from request import Request, RequestMetrics, Sequence, arrival_order, seeded_generator
 from smsplit import load_kernels_at_start
 from timing import measure_engine
 from transport import RECEIVE_TIMEOUT_S, TRANSPORTS, DistributedTransport, Pull
@@ -272,7 +270,7 @@ class Worker:
             self.burst |= waiting > max(2 * self.waiting_seen, c.current.budget - len(sched.running))
         if now - self.controlled_at < (REACT_S if self.burst else CONTROL_INTERVAL_S):
             return
-        snap = self._snapshot(now)
+        snap = snapshot(self.engine.scheduler, self.recent, now)
         self.controlled_at, self.burst, before = now, False, c.current
         self.waiting_seen = sum(p.tokens_left for p in snap.prompts if not p.admitted)
         if not snap.prompts and not snap.rate and c.current == c.default:
@@ -282,25 +280,6 @@ class Worker:
             self.engine.scheduler.token_budget = config.budget
             self._set_split(config.sm_split)
             self.reports.append(Configured(config.sm_split, config.budget, c.model.error))
-
-    def _snapshot(self, now: float) -> Snapshot:
-        """The engine's state as the controller forecasts from it: each sequence still to
-        prefill (waiting, or running with prompt tokens left) and each running decode, with
-        the output it is expected still to make (Recent.remaining)."""
-        sched, prompts, decodes = self.engine.scheduler, [], []
-        for seq in [*sched.waiting, *sched.running]:
-            req = seq.request
-            max_tokens = 1 if req.prefill_only else req.params.max_tokens
-            left = self.recent.remaining(max_tokens, seq.num_outputs)
-            if seq.status != Status.RUNNING or seq.num_pending > 1:
-                prompts.append(Prompt(seq.num_pending, (now - req.metrics.arrival_time) * 1e3, left,
-                                      seq.status == Status.RUNNING, len(seq.token_ids)))
-            elif seq.num_outputs < max_tokens:
-                decodes.append(Decode(left, seq.num_computed))
-        rate, mean_prompt, mean_output = self.recent.rates(now)
-        cfg = self.engine.cfg
-        return Snapshot(now, prompts, decodes, cfg.max_num_seqs, cfg.max_num_batched_tokens, rate,
-                        mean_prompt, mean_output)
 
     def _request_failed(self, msg, error: Exception) -> None:
         """Handling msg raised: the request it is about ends here, with the error (an
