@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from tools import calibrate, figures, microbench, specbench, splitbench
+from tools import calibrate, figures, microbench, simulate, specbench, splitbench
 
 # ----------------------------------------------------------------------------- workloads
 
@@ -822,6 +822,22 @@ def add_tool_commands(p: argparse.ArgumentParser) -> None:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     recal.set_defaults(main=calibrate.main)
     recal.add_argument("results", type=Path, help="a results.json (or .json.gz) that bench.py wrote")
+    sim = sub.add_parser("simulate", help="one whole-GPU worker simulated on a run's step times, at "
+                         "fixed budgets and under the controller", description=simulate.__doc__,
+                         prog="bench.py simulate", formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim.set_defaults(main=simulate.main, make_requests=lambda workload, rate, a: make_requests(
+        workload, rate, a.duration, 0, a.seed, HTTP_VOCAB, 1.0, parse_phases(a.phases), a.phase_s))
+    sim.add_argument("results", type=Path, help="a results.json (or .json.gz) of a run with adaptive in it")
+    sim.add_argument("--workload", nargs="+", default=["phased"], choices=list(WORKLOADS),
+                     help="as bench.py's (default: phased)")
+    sim.add_argument("--rate", nargs="+", type=float, default=[20.0], help="req/s (default: 20)")
+    sim.add_argument("--duration", type=float, default=12.0, help="seconds of arrivals (default: 12)")
+    sim.add_argument("--phases", nargs="+", default=None, metavar="WORKLOAD:FACTOR",
+                     help="the phased workload's phases, as bench.py's")
+    sim.add_argument("--phase-s", type=float, default=3.0, help="seconds per phase (default: 3)")
+    sim.add_argument("--seed", type=int, default=0, help="the requests' seed, as bench.py's (default: 0)")
+    sim.add_argument("--seats", type=int, default=256, help="max_num_seqs (default: 256)")
+    sim.add_argument("--max-num-batched-tokens", type=int, default=8192, help="(default: 8192)")
     figs = sub.add_parser("figures", help="draw the docs' figures", description=figures.__doc__,
                           prog="bench.py figures", formatter_class=argparse.RawDescriptionHelpFormatter)
     figs.set_defaults(main=figures.main)

@@ -7251,6 +7251,74 @@ def test_calibrate_sets_the_profiles_step_model_against_each_runs_steps_by_shape
     assert all(ratio == pytest.approx(1 / 1.1) for ratio, _ in got["mixed_by_prompt"].values())
 
 
+def test_simulate_fits_step_times_that_recover_known_coefficients():
+    """StepTimes.fit on noisy steps timed by a known model (a decode step's base, a mixed
+    step's, per decode past the knee, per context token, per prompt token), split-lane steps
+    and steps without decodes among them (left out): the known coefficients."""
+    from tools.simulate import StepTimes
+    rng, truth, steps = random.Random(3), [5.0, 3.5, 0.016, 4e-5, 0.024], []
+    for _ in range(600):
+        d, p = rng.randint(1, 256), rng.choice([0, 0, rng.randint(1, 8000)])
+        c = d * rng.randint(100, 3000)
+        ms = (truth[0] * (p == 0) + truth[1] * (p > 0) + truth[2] * max(0, d - 32) + truth[3] * c
+              + truth[4] * p) * (1 + rng.gauss(0, 0.01))
+        steps.append([0.0, 0, d, c, p, ms, None])
+    steps += [[0.0, 0, 8, 800, 0, 99.0, [84, 48]], [0.0, 0, 0, 0, 4096, 99.0, None]]
+    fitted = StepTimes.fit(steps, 32)
+    for got, want in zip(fitted.theta, truth):
+        assert got == pytest.approx(want, rel=0.05)
+
+
+@pytest.mark.parametrize("budget", [64, 256])
+def test_simulate_serves_through_the_schedulers_steps_what_the_forecasts_rules_give(budget):
+    """Requests all at time 0 served by tools/simulate.py (the engine's own Scheduler, a step
+    timed by StepTimes) at a fixed budget: the sum of their latencies is the brute-force
+    simulation's of the forecast's rules (brute_forecast, its horizon past their end, on the
+    same step model), each request its prompt and max_tokens."""
+    from bench import Spec
+    from tools.simulate import StepTimes, serve
+    rng, model = random.Random(budget), controller.StepModel(H200_LIKE)
+    specs = [Spec(0.0, [rng.randrange(1 << 20) for _ in range(rng.randint(20, 700))], rng.randint(1, 40))
+             for _ in range(24)]
+    times = StepTimes(model.fits[("whole", None)].theta, H200_LIKE.batch_thresh)
+    served = serve(specs, times, seats=8, step_tokens=1024, budget=budget)
+    assert sorted(s.output_len for s in served) == sorted(s.max_tokens for s in specs)
+    snap = controller.Snapshot(0.0, [controller.Prompt(len(s.prompt_ids), 0.0, s.max_tokens) for s in specs],
+                               [], 8, 1024)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(controller, "HORIZON_MS", 1e12)
+        total, _ = brute_forecast(model, controller.Config(None, budget), snap, None)
+    assert sum(s.e2e for s in served) * 1e3 == pytest.approx(total, rel=1e-9)
+
+
+def test_bench_simulate_prints_every_budget_and_the_controller_or_one_line_for_a_file_without_steps(
+        tmp_path, capsys):
+    """`bench.py simulate` on a results.json with a profile and steps: a line per budget of
+    the menu and for the controller, and the controller's ratio to the best; on a file
+    without steps, one line naming it."""
+    import gzip
+
+    import bench
+    params = {"alpha": 0.02, "beta": 5.0, "batch_thresh": 32, "slope": 0.016, "gamma": 0.024,
+              "transfer_rate": 0.0, "alpha0": 2.0, "kv": 4e-5, "links": {}, "splits": {}}
+    rng = random.Random(1)
+    steps = [[0.0, 0, d, d * 500, p, 5.0 + 0.016 * max(0, d - 32) + 0.02 * d + 0.024 * p, None]
+             for d, p in ((rng.randint(1, 256), rng.choice([0, rng.randint(1, 4000)])) for _ in range(100))]
+    path = tmp_path / "results.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"router_calibration": {"profiled": params},
+                                               "steps": [{"policy": "adaptive", "steps": steps}]}).encode()))
+    args = bench.parse_args(["simulate", str(path), "--workload", "sharegpt", "--rate", "4",
+                             "--duration", "2"])
+    args.main(args)
+    out = capsys.readouterr().out
+    for name in ("budget 512", "budget 1024", "budget 2048", "budget 4096", "budget 8192", "controller"):
+        assert f"{name}: E2E p50" in out
+    assert "controller / the best fixed budget" in out
+    path.write_bytes(gzip.compress(json.dumps({"router_calibration": {"profiled": params}}).encode()))
+    with pytest.raises(SystemExit, match="too few to fit"):
+        args.main(args)
+
+
 def test_bench_calibrate_replays_the_cost_model_on_a_runs_requests(tmp_path, capsys):
     """`bench.py calibrate` on a synthetic results.json (gzipped, requests shuffled, another
     policy's among them): requests alone on an idle worker, whose predicted time to the

@@ -1,0 +1,174 @@
+"""`python bench.py simulate RUN/results.json`: one whole-GPU worker served in simulation, on
+the step times of a recorded run, nothing measured. bench.py's requests (the same workloads,
+arrivals and seed) go through the engine's own Scheduler and BlockManager (scheduler.py,
+kv_cache.py) one step at a time, each step taking the ms that StepTimes, fitted by least
+squares on every whole-GPU step the run's workers timed, gives its shape; under each budget
+of the controller's menu held fixed, and under the controller (controller.py), which chooses
+every CONTROL_INTERVAL_S from the scheduler's state as an adaptive worker's does, its step
+model seeded from the run's profile and refitted on the simulated steps. Printed per load:
+each configuration's E2E p50 / p99, TTFT and TPOT p50 / p99 (s, ms), and the controller's
+E2E against the best fixed budget's. A change to the controller is then weighed on a
+recorded run's step times, on any machine, before a GPU measures it.
+
+Left out: the host (a step starts when the one before ends; the engine overlaps them), the
+SM splits (their lanes run beside each other), and what the fit misses of a step (its
+residuals, host stalls).
+"""
+
+import argparse
+import itertools
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from controller import BUDGETS, CONTROL_INTERVAL_S, Controller, Recent, snapshot
+from costmodel import HardwareParams
+from engine import StepShape, step_shape
+from kv_cache import BlockManager, cdiv
+from request import Request, RequestMetrics, SamplingParams, Sequence
+from scheduler import Scheduler
+from tools.calibrate import read_results
+
+BLOCK_SIZE = 16
+
+
+@dataclass
+class StepTimes:
+    """A whole-GPU step's ms by its shape: theta . (1 if no prompt token, 1 if any, decodes
+    past knee, context tokens, prompt tokens), the whole-GPU step model's terms
+    (controller.py:StepModel), each its own base for a decode step and a mixed one."""
+    theta: list[float]
+    knee: float
+
+    def features(self, decodes: int, context: int, prompt: int) -> list[float]:
+        return [float(prompt == 0), float(prompt > 0), max(0.0, decodes - self.knee), float(context),
+                float(prompt)]
+
+    def ms(self, shape: StepShape) -> float:
+        x = self.features(shape.decodes, shape.context_tokens, shape.prefill_tokens)
+        return max(1e-3, sum(t * v for t, v in zip(self.theta, x)))
+
+    @staticmethod
+    def fit(steps: list[list], knee: float) -> "StepTimes":
+        """Least squares on recorded steps ([t, worker, decodes, context, prompt, ms, split]),
+        those on the whole GPU with decodes in them."""
+        rows = [(d, c, p, ms) for _, _, d, c, p, ms, split in steps if split is None and d and ms > 0]
+        if len(rows) < 5:
+            raise ValueError(f"{len(rows)} whole-GPU steps with decodes recorded: too few to fit")
+        times = StepTimes([], knee)
+        x = torch.tensor([times.features(d, c, p) for d, c, p, _ in rows], dtype=torch.float64)
+        y = torch.tensor([ms for *_, ms in rows], dtype=torch.float64)
+        times.theta = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist()
+        return times
+
+
+@dataclass
+class Served:
+    """One request served in simulation (s)."""
+    arrival: float
+    ttft: float
+    e2e: float
+    output_len: int
+
+
+def make_scheduler(specs: list, seats: int, step_tokens: int) -> Scheduler:
+    """A scheduler with blocks enough for every seat to hold the longest request."""
+    longest = max(len(s.prompt_ids) + s.max_tokens for s in specs)
+    return Scheduler(BlockManager(seats * cdiv(longest, BLOCK_SIZE) + 64, BLOCK_SIZE), seats, step_tokens)
+
+
+def serve(specs: list, times: StepTimes, seats: int, step_tokens: int, budget: int | None = None,
+          controller: Controller | None = None) -> list[Served]:
+    """specs (bench.py's Spec: arrival s, prompt ids, max_tokens) served to their end, one
+    step at a time: at the fixed budget, or at the controller's choice of the moment."""
+    sched = make_scheduler(specs, seats, step_tokens)
+    sched.token_budget = budget
+    arrivals, recent, served = deque(sorted(specs, key=lambda s: s.arrival)), Recent(), []
+    clock, chosen_at, first, ids = 0.0, -math.inf, {}, itertools.count()
+    while arrivals or sched.has_work():
+        while arrivals and arrivals[0].arrival <= clock:
+            spec = arrivals.popleft()
+            params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True, temperature=0.0)
+            req = Request(next(ids), None, spec.prompt_ids, params, RequestMetrics(spec.arrival))
+            sched.add(Sequence(req, 0, list(spec.prompt_ids), len(spec.prompt_ids), arrival=req.arrival))
+            recent.arrived(spec.arrival, len(spec.prompt_ids), spec.max_tokens)
+        if not sched.has_work():
+            clock = arrivals[0].arrival
+            continue
+        if controller is not None and clock - chosen_at >= CONTROL_INTERVAL_S:
+            chosen_at, sched.token_budget = clock, controller.choose(snapshot(sched, recent, clock)).budget
+        batch = sched.schedule()
+        shape = step_shape(batch)
+        ms = times.ms(shape)
+        sched.computed(batch)
+        clock += ms / 1e3
+        if controller is not None and shape.decodes:
+            controller.model.observe(shape.decodes, shape.context_tokens, shape.prefill_tokens, ms)
+        for seq in batch.seqs:
+            if seq.num_pending == 0:   # its next token is chosen
+                served += token_chosen(sched, seq, clock, first, recent)
+    return sorted(served, key=lambda s: s.arrival)
+
+
+def token_chosen(sched: Scheduler, seq: Sequence, clock: float, first: dict, recent: Recent) -> list[Served]:
+    """seq's next token at clock: its first is its TTFT; its last ends it."""
+    seq.token_ids.append(0)
+    arrival = seq.request.metrics.arrival_time
+    first.setdefault(seq, clock)
+    if seq.num_outputs < seq.request.params.max_tokens:
+        return []
+    sched.finish(seq)
+    recent.ended(seq.num_outputs, seq.request.params.max_tokens)
+    return [Served(arrival, first.pop(seq) - arrival, clock - arrival, seq.num_outputs)]
+
+
+def percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def summary(served: list[Served]) -> dict[str, float]:
+    e2e, ttft = [s.e2e for s in served], [s.ttft for s in served]
+    tpot = [(s.e2e - s.ttft) / (s.output_len - 1) * 1e3 for s in served if s.output_len > 1]
+    return {"e2e_p50": statistics.median(e2e), "e2e_p99": percentile(e2e, 0.99),
+            "ttft_p50": statistics.median(ttft), "ttft_p99": percentile(ttft, 0.99),
+            "tpot_p50": statistics.median(tpot), "tpot_p99": percentile(tpot, 0.99)}
+
+
+def compare(specs: list, times: StepTimes, profiled: HardwareParams, seats: int,
+            step_tokens: int) -> dict[str, dict[str, float]]:
+    """Every fixed budget of the controller's menu, then the controller: their summaries."""
+    budgets = sorted({min(b, step_tokens) for b in BUDGETS if b >= 2 * seats} | {step_tokens})
+    out = {f"budget {b}": summary(serve(specs, times, seats, step_tokens, budget=b)) for b in budgets}
+    controller = Controller(profiled, step_tokens)
+    out["controller"] = summary(serve(specs, times, seats, step_tokens, controller=controller))
+    return out
+
+
+def main(args: argparse.Namespace) -> None:
+    try:
+        data = read_results(args.results)
+        profiled = HardwareParams(**data["router_calibration"]["profiled"])
+        steps = [s for run in data.get("steps") or [] for s in run["steps"]]
+        times = StepTimes.fit(steps, profiled.batch_thresh)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"error: {args.results}: {e} (it needs the steps and the profile an adaptive "
+                         "run keeps)") from None
+    print(f"step times fitted on {args.results}'s whole-GPU steps: ms = " + " + ".join(
+        f"{t:.4g} {name}" for t, name in zip(times.theta, ("(no prompt)", "(prompt)", "excess decodes",
+                                                            "context", "prompt tokens"))))
+    for workload in args.workload:
+        for rate in args.rate:
+            specs = args.make_requests(workload, rate, args)
+            rows = compare(specs, times, profiled, args.seats, args.max_num_batched_tokens)
+            print(f"\n{workload} @ {rate:g} req/s, {len(specs)} requests (simulated):")
+            for name, r in rows.items():
+                print(f"  {name:>12}: E2E p50 / p99 {r['e2e_p50']:.2f} / {r['e2e_p99']:.2f} s, TTFT "
+                      f"{r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} s, TPOT {r['tpot_p50']:.1f} / "
+                      f"{r['tpot_p99']:.1f} ms")
+            fixed = [r for name, r in rows.items() if name != "controller"]
+            print("  controller / the best fixed budget: E2E p50 {:.3f}, p99 {:.3f}".format(
+                *(rows["controller"][k] / min(r[k] for r in fixed) for k in ("e2e_p50", "e2e_p99"))))
