@@ -7281,7 +7281,8 @@ def test_simulate_serves_through_the_schedulers_steps_what_the_forecasts_rules_g
     specs = [Spec(0.0, [rng.randrange(1 << 20) for _ in range(rng.randint(20, 700))], rng.randint(1, 40))
              for _ in range(24)]
     times = StepTimes(model.fits[("whole", None)].theta, H200_LIKE.batch_thresh)
-    served = serve(specs, times, seats=8, step_tokens=1024, budget=budget)
+    served, held = serve(specs, times, seats=8, step_tokens=1024, budget=budget)
+    assert list(held) == [budget]
     assert sorted(s.output_len for s in served) == sorted(s.max_tokens for s in specs)
     snap = controller.Snapshot(0.0, [controller.Prompt(len(s.prompt_ids), 0.0, s.max_tokens) for s in specs],
                                [], 8, 1024)
@@ -7313,7 +7314,7 @@ def test_bench_simulate_prints_every_budget_and_the_controller_or_one_line_for_a
     out = capsys.readouterr().out
     for name in ("budget 512", "budget 1024", "budget 2048", "budget 4096", "budget 8192", "controller"):
         assert f"{name}: E2E p50" in out
-    assert "controller / the best fixed budget" in out
+    assert "controller / the best fixed budget" in out and "the controller's steps by budget: " in out
     path.write_bytes(gzip.compress(json.dumps({"router_calibration": {"profiled": params}}).encode()))
     with pytest.raises(SystemExit, match="too few to fit"):
         args.main(args)

@@ -19,7 +19,7 @@ import argparse
 import itertools
 import math
 import statistics
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import torch
@@ -81,13 +81,14 @@ def make_scheduler(specs: list, seats: int, step_tokens: int) -> Scheduler:
 
 
 def serve(specs: list, times: StepTimes, seats: int, step_tokens: int, budget: int | None = None,
-          controller: Controller | None = None) -> list[Served]:
+          controller: Controller | None = None) -> tuple[list[Served], Counter]:
     """specs (bench.py's Spec: arrival s, prompt ids, max_tokens) served to their end, one
-    step at a time: at the fixed budget, or at the controller's choice of the moment."""
+    step at a time: at the fixed budget, or at the controller's choice of the moment; with
+    the steps run at each budget."""
     sched = make_scheduler(specs, seats, step_tokens)
     sched.token_budget = budget
     arrivals, recent, served = deque(sorted(specs, key=lambda s: s.arrival)), Recent(), []
-    clock, chosen_at, first, ids = 0.0, -math.inf, {}, itertools.count()
+    clock, chosen_at, first, ids, held = 0.0, -math.inf, {}, itertools.count(), Counter()
     while arrivals or sched.has_work():
         while arrivals and arrivals[0].arrival <= clock:
             spec = arrivals.popleft()
@@ -101,6 +102,7 @@ def serve(specs: list, times: StepTimes, seats: int, step_tokens: int, budget: i
         if controller is not None and clock - chosen_at >= CONTROL_INTERVAL_S:
             chosen_at, sched.token_budget = clock, controller.choose(snapshot(sched, recent, clock)).budget
         batch = sched.schedule()
+        held[sched.token_budget] += 1
         shape = step_shape(batch)
         ms = times.ms(shape)
         sched.computed(batch)
@@ -110,7 +112,7 @@ def serve(specs: list, times: StepTimes, seats: int, step_tokens: int, budget: i
         for seq in batch.seqs:
             if seq.num_pending == 0:   # its next token is chosen
                 served += token_chosen(sched, seq, clock, first, recent)
-    return sorted(served, key=lambda s: s.arrival)
+    return sorted(served, key=lambda s: s.arrival), held
 
 
 def token_chosen(sched: Scheduler, seq: Sequence, clock: float, first: dict, recent: Recent) -> list[Served]:
@@ -139,13 +141,14 @@ def summary(served: list[Served]) -> dict[str, float]:
 
 
 def compare(specs: list, times: StepTimes, profiled: HardwareParams, seats: int,
-            step_tokens: int) -> dict[str, dict[str, float]]:
-    """Every fixed budget of the controller's menu, then the controller: their summaries."""
+            step_tokens: int) -> tuple[dict[str, dict[str, float]], Counter]:
+    """Every fixed budget of the controller's menu, then the controller: their summaries, and
+    the steps the controller ran at each budget."""
     budgets = sorted({min(b, step_tokens) for b in BUDGETS if b >= 2 * seats} | {step_tokens})
-    out = {f"budget {b}": summary(serve(specs, times, seats, step_tokens, budget=b)) for b in budgets}
-    controller = Controller(profiled, step_tokens)
-    out["controller"] = summary(serve(specs, times, seats, step_tokens, controller=controller))
-    return out
+    out = {f"budget {b}": summary(serve(specs, times, seats, step_tokens, budget=b)[0]) for b in budgets}
+    served, held = serve(specs, times, seats, step_tokens, controller=Controller(profiled, step_tokens))
+    out["controller"] = summary(served)
+    return out, held
 
 
 def main(args: argparse.Namespace) -> None:
@@ -163,7 +166,7 @@ def main(args: argparse.Namespace) -> None:
     for workload in args.workload:
         for rate in args.rate:
             specs = args.make_requests(workload, rate, args)
-            rows = compare(specs, times, profiled, args.seats, args.max_num_batched_tokens)
+            rows, held = compare(specs, times, profiled, args.seats, args.max_num_batched_tokens)
             print(f"\n{workload} @ {rate:g} req/s, {len(specs)} requests (simulated):")
             for name, r in rows.items():
                 print(f"  {name:>12}: E2E p50 / p99 {r['e2e_p50']:.2f} / {r['e2e_p99']:.2f} s, TTFT "
@@ -172,3 +175,6 @@ def main(args: argparse.Namespace) -> None:
             fixed = [r for name, r in rows.items() if name != "controller"]
             print("  controller / the best fixed budget: E2E p50 {:.3f}, p99 {:.3f}".format(
                 *(rows["controller"][k] / min(r[k] for r in fixed) for k in ("e2e_p50", "e2e_p99"))))
+            steps = sum(held.values())
+            print("  the controller's steps by budget: " + ", ".join(
+                f"{b} {n / steps:.0%}" for b, n in sorted(held.items())))
