@@ -7295,8 +7295,8 @@ def test_simulate_serves_through_the_schedulers_steps_what_the_forecasts_rules_g
 def test_bench_simulate_prints_every_budget_and_the_controller_or_one_line_for_a_file_without_steps(
         tmp_path, capsys):
     """`bench.py simulate` on a results.json with a profile and steps: a line per budget of
-    the menu and for the controller, and the controller's ratio to the best; on a file
-    without steps, one line naming it."""
+    the menu and for the controller, and the controller's ratio to the best; a bad flag or
+    a file without steps: one line naming it."""
     import gzip
 
     import bench
@@ -7315,6 +7315,11 @@ def test_bench_simulate_prints_every_budget_and_the_controller_or_one_line_for_a
     for name in ("budget 512", "budget 1024", "budget 2048", "budget 4096", "budget 8192", "controller"):
         assert f"{name}: E2E p50" in out
     assert "controller / the best fixed budget" in out and "the controller's steps by budget: " in out
+    for flags, named in ((["--rate", "0"], "--rate"), (["--duration", "nan"], "--duration"),
+                         (["--seats", "0"], "--seats")):
+        bad = bench.parse_args(["simulate", str(path), *flags])
+        with pytest.raises(SystemExit, match=f"error: {named} must be"):
+            bad.main(bad)
     path.write_bytes(gzip.compress(json.dumps({"router_calibration": {"profiled": params}}).encode()))
     with pytest.raises(SystemExit, match="too few to fit"):
         args.main(args)

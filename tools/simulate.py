@@ -12,7 +12,8 @@ recorded run's step times, on any machine, before a GPU measures it.
 
 Left out: the host (a step starts when the one before ends; the engine overlaps them), the
 SM splits (their lanes run beside each other), and what the fit misses of a step (its
-residuals, host stalls).
+residuals, host stalls). A fit holds for the batches its run held (printed): past them it
+extrapolates.
 """
 
 import argparse
@@ -42,6 +43,7 @@ class StepTimes:
     (controller.py:StepModel), each its own base for a decode step and a mixed one."""
     theta: list[float]
     knee: float
+    batches: tuple[int, int] = (0, 0)   # the fewest and most decodes of the steps it was fitted on
 
     def features(self, decodes: int, context: int, prompt: int) -> list[float]:
         return [float(prompt == 0), float(prompt > 0), max(0.0, decodes - self.knee), float(context),
@@ -58,7 +60,7 @@ class StepTimes:
         rows = [(d, c, p, ms) for _, _, d, c, p, ms, split in steps if split is None and d and ms > 0]
         if len(rows) < 5:
             raise ValueError(f"{len(rows)} whole-GPU steps with decodes recorded: too few to fit")
-        times = StepTimes([], knee)
+        times = StepTimes([], knee, (min(r[0] for r in rows), max(r[0] for r in rows)))
         x = torch.tensor([times.features(d, c, p) for d, c, p, _ in rows], dtype=torch.float64)
         y = torch.tensor([ms for *_, ms in rows], dtype=torch.float64)
         times.theta = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist()
@@ -152,6 +154,13 @@ def compare(specs: list, times: StepTimes, profiled: HardwareParams, seats: int,
 
 
 def main(args: argparse.Namespace) -> None:
+    for flag, value in (("--rate", min(args.rate)), ("--duration", args.duration),
+                        ("--phase-s", args.phase_s)):
+        if not (math.isfinite(value) and value > 0):
+            raise SystemExit(f"error: {flag} must be above 0 and finite, got {value:g}")
+    if not 1 <= args.seats <= args.max_num_batched_tokens:
+        raise SystemExit(f"error: --seats must be at least 1 and at most --max-num-batched-tokens, got "
+                         f"{args.seats} and {args.max_num_batched_tokens}")
     try:
         data = read_results(args.results)
         profiled = HardwareParams(**data["router_calibration"]["profiled"])
@@ -160,7 +169,8 @@ def main(args: argparse.Namespace) -> None:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"error: {args.results}: {e} (it needs the steps and the profile an adaptive "
                          "run keeps)") from None
-    print(f"step times fitted on {args.results}'s whole-GPU steps: ms = " + " + ".join(
+    print(f"step times fitted on {args.results}'s whole-GPU steps of {times.batches[0]}-{times.batches[1]} "
+          "decodes: ms = " + " + ".join(
         f"{t:.4g} {name}" for t, name in zip(times.theta, ("(no prompt)", "(prompt)", "excess decodes",
                                                             "context", "prompt tokens"))))
     for workload in args.workload:
