@@ -822,6 +822,16 @@ def add_tool_commands(p: argparse.ArgumentParser) -> None:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     recal.set_defaults(main=calibrate.main)
     recal.add_argument("results", type=Path, help="a results.json (or .json.gz) that bench.py wrote")
+    add_simulate(sub)
+    figs = sub.add_parser("figures", help="draw the docs' figures", description=figures.__doc__,
+                          prog="bench.py figures", formatter_class=argparse.RawDescriptionHelpFormatter)
+    figs.set_defaults(main=figures.main)
+    figs.add_argument("--out", type=Path, default=figures.FIGURES,
+                      help="folder for the PNGs (default: docs/figures)")
+
+
+def add_simulate(sub) -> None:
+    """`bench.py simulate`: its requests are this file's (make_requests), handed to the tool."""
     sim = sub.add_parser("simulate", help="one whole-GPU worker simulated on a run's step times, at "
                          "fixed budgets and under the controller", description=simulate.__doc__,
                          prog="bench.py simulate", formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -838,11 +848,6 @@ def add_tool_commands(p: argparse.ArgumentParser) -> None:
     sim.add_argument("--seed", type=int, default=0, help="the requests' seed, as bench.py's (default: 0)")
     sim.add_argument("--seats", type=int, default=256, help="max_num_seqs (default: 256)")
     sim.add_argument("--max-num-batched-tokens", type=int, default=8192, help="(default: 8192)")
-    figs = sub.add_parser("figures", help="draw the docs' figures", description=figures.__doc__,
-                          prog="bench.py figures", formatter_class=argparse.RawDescriptionHelpFormatter)
-    figs.set_defaults(main=figures.main)
-    figs.add_argument("--out", type=Path, default=figures.FIGURES,
-                      help="folder for the PNGs (default: docs/figures)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
