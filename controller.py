@@ -128,6 +128,8 @@ class StepModel:
                 self.fits[place] = LeastSquares(theta0, floor, self.forget, self.prior_weight)
             else:
                 fit.theta0 = theta0
+                if math.isinf(fit.prior_weight):   # the prior alone, from now on
+                    fit.theta = list(theta0)
 
     def features(self, place: tuple[str, str | None], decodes: int, context: int, prompt: int) -> list[float]:
         lane, key = place
@@ -546,8 +548,13 @@ class Controller:
         self.default = Config(None, min(max(BUDGETS), step_tokens))
         self.current, self.split_since = self.default, -math.inf
 
-    def configure(self, params: HardwareParams, slo: tuple[float, float] | None) -> None:
-        """A new prior (the router refitted the profile) and SLO."""
+    def configure(self, params: HardwareParams, slo: tuple[float, float] | None,
+                  prior_weight: float | None = None) -> None:
+        """A new prior (the router refitted the profile), SLO and, if given, the prior's weight."""
+        if prior_weight is not None:
+            self.model.prior_weight = prior_weight
+            for fit in self.model.fits.values():
+                fit.prior_weight = prior_weight
         self.model.seed(params)
         self.slo = slo
 

@@ -5018,6 +5018,23 @@ def test_the_controller_keeps_its_configuration_while_forecasts_differ_by_less_t
     assert kept and changes   # both cases came up
 
 
+def test_a_later_control_with_an_infinite_prior_weight_holds_the_step_model_to_its_params():
+    """A controller whose step model has learned steps far from its prior, then configured
+    with other params at an infinite prior weight (a worker's second Control): it predicts
+    those params' steps exactly (beta + slope x decodes past the knee + gamma x prompt, by
+    hand), and more steps do not move it; its SLO is the new one."""
+    learned = HardwareParams(alpha=0.1, beta=1.0, batch_thresh=0, slope=0.1, gamma=0.001, transfer_rate=0.0)
+    fixed = HardwareParams(alpha=0.1, beta=5.0, batch_thresh=0, slope=3.0, gamma=0.05, transfer_rate=0.0)
+    ctl = controller.Controller(learned, 1024)
+    for _ in range(50):
+        ctl.model.observe(6, 1200, 500, 3.0)
+    ctl.configure(fixed, (100.0, 0.06), math.inf)
+    for _ in range(2):
+        assert ctl.model.predict(("whole", None), 6, 1200, 500) == pytest.approx(5.0 + 3.0 * 6 + 0.05 * 500)
+        ctl.model.observe(6, 1200, 500, 3.0)
+    assert ctl.slo == (100.0, 0.06)
+
+
 def test_recent_expects_outputs_capped_by_those_that_ended_early_and_measures_arrivals():
     """Recent.remaining: max_tokens less those made, until requests end early; then capped by
     their mean (past it, half of it), never below 1; rates over the last RECENT_S."""
@@ -5055,6 +5072,9 @@ def test_the_adaptive_workers_controller_cuts_its_budget_when_long_prompts_come_
                       num_kv_blocks=512) as llm:
         cluster = llm.cluster
         cluster.workers.send(0, messages.Control(params, slo, prior_weight=math.inf))
+        # the router's parameters, sent every PLAN_INTERVAL_S (and its SLO, none), would replace
+        # this model and SLO: held off for the test
+        cluster.controlled_at = math.inf
         # long enough that they still decode when the burst comes, on a GPU too
         params_g = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
         ids = [cluster.submit(p, params_g) for p in short]

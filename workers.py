@@ -241,7 +241,7 @@ class Worker:
                 self.controller = Controller(msg.params, self.engine.cfg.max_num_batched_tokens, splits,
                                              msg.slo, prior_weight=weight)
             case Control():
-                self.controller.configure(msg.params, msg.slo)
+                self.controller.configure(msg.params, msg.slo, msg.prior_weight)
             case SendKV():
                 self.transport.send(msg.dst, self.engine.runner.kv_cache, msg.runs)
             case Measure():
