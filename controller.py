@@ -20,6 +20,7 @@ with an SLO (ttft_s, tpot_s) the share predicted to meet both first, that sum se
 import collections
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -150,7 +151,23 @@ class StepModel:
         return ("prefill" if decodes == 0 else "decode", split_key(sm_split))
 
     def predict(self, place: tuple[str, str | None], decodes: int, context: int, prompt: int) -> float:
-        return self.fits[place].predict(self.features(place, decodes, context, prompt))
+        return self.timer(place)(decodes, context, prompt)
+
+    def timer(self, place: tuple[str, str | None]) -> Callable[[int, float, int], float]:
+        """predict at place as a function of (decodes, context, prompt), the fit's terms read
+        out once: a forecast calls it at every step it simulates. The fit's theta . features
+        (a test checks), at least 1 µs (time moves on)."""
+        theta, (lane, key) = self.fits[place].theta, place
+        if lane == "prefill":
+            a0, a1, a2 = theta
+            return lambda d, c, p: max(1e-3, a0 + a1 * p + a2 * p * p)
+        thresh = self.p.batch_thresh if key is None else self.p.splits[key].batch_thresh
+        if lane == "whole":
+            decode_beta, mixed_beta, slope, kv, gamma = theta
+            return lambda d, c, p: max(1e-3, ((mixed_beta + gamma * p) if p else decode_beta)
+                                       + slope * max(0.0, d - thresh) + kv * c)
+        beta, slope, kv = theta
+        return lambda d, c, p: max(1e-3, beta + slope * max(0.0, d - thresh) + kv * c)
 
     def observe(self, decodes: int, context: int, prompt: int, ms: float,
                 sm_split: tuple[int, int] | None = None) -> None:
@@ -315,6 +332,25 @@ class Sim:
             self.queue.append([n, a, max(1, round(self.snap.mean_output)), False, n])
         self.now = to
 
+    def decode_steps(self, ms_of: Callable[[int, float, int], float], stop_at: float) -> None:
+        """Decode steps alone, back to back from now, while the batch stays the same: each
+        ms_of(decodes, context, 0) long, starting before the horizon, ending before stop_at
+        (an arrival, a chunk's end) and not at a decode's last step. Per step what advance
+        and decode_step do, with nothing arriving and nobody leaving: the forecast's hot
+        loop, most of its steps at light load."""
+        if not self.heap:
+            return
+        d, present, steps = len(self.heap), len(self.heap) + len(self.queue) + self.prefilled, 0
+        now, ctx, sums = self.now, self.ctx, self.sums
+        for _ in range(self.heap[0][0] - self.counter - 1):
+            ms = ms_of(d, ctx, 0)
+            if now >= HORIZON_MS or now + ms >= stop_at:
+                break
+            now, ctx, steps = now + ms, ctx + d, steps + 1
+            sums.append(sums[-1] + ms)
+        self.area += present * (now - self.now)
+        self.now, self.ctx, self.counter = now, ctx, self.counter + steps
+
     def take(self, budget: int, decodes: int) -> tuple[int, list[list]]:
         """A chunk of the step's budget less its decodes (capped by the step's tokens),
         first come first served, admitting prompts while seats are free; (its tokens, the
@@ -384,35 +420,34 @@ def lane_load(model: StepModel, config: Config, snap: Snapshot) -> float:
     its queue grows for as long as the arrivals last, past any horizon (the whole GPU's
     room for prompts grows instead as its decodes end)."""
     chunk = max(1, min(config.budget, snap.step_tokens))
-    ms = step_ms(model, ("prefill", split_key(config.sm_split)), 0, 0, chunk)
+    ms = model.timer(("prefill", split_key(config.sm_split)))(0, 0, chunk)
     return snap.rate * snap.mean_prompt * ms / chunk
-
-
-def step_ms(model: StepModel, place: tuple[str, str | None], decodes: int, context: int,
-            prompt: int) -> float:
-    return max(1e-3, model.predict(place, decodes, context, prompt))   # time moves on
 
 
 def run_whole(model: StepModel, config: Config, sim: Sim) -> tuple[float, float]:
     """Steps on the whole GPU, each taking every decode and a chunk of the queue; (a decode
     step's ms at the end, and a step's with a chunk of what is still queued)."""
-    place = ("whole", None)
+    ms_of = model.timer(("whole", None))
     while sim.now < HORIZON_MS:
+        tokens, done = sim.take(config.budget, len(sim.heap))
+        if not tokens:   # decodes alone until an arrival or a decode's end changes the step
+            sim.decode_steps(ms_of, sim.next_arrival())
+            if sim.now >= HORIZON_MS:
+                break
         decodes, ctx = len(sim.heap), sim.ctx
-        tokens, done = sim.take(config.budget, decodes)
         if decodes == 0 and tokens == 0:   # nothing to run until the next arrival
             if sim.next_arrival() == math.inf:
                 break
             sim.advance(sim.next_arrival())
             continue
-        ms = step_ms(model, place, decodes, ctx, tokens)
+        ms = ms_of(decodes, ctx, tokens)
         sim.advance(sim.now + ms)
         if decodes:
             sim.decode_step(ms, decodes)
         sim.first_tokens(done, in_flight=False)
     queued = min(sum(p[0] for p in sim.queue), min(config.budget, sim.snap.step_tokens) - len(sim.heap))
     decodes = len(sim.heap)
-    return step_ms(model, place, decodes, sim.ctx, 0), step_ms(model, place, decodes, sim.ctx, queued)
+    return ms_of(decodes, sim.ctx, 0), ms_of(decodes, sim.ctx, queued)
 
 
 def run_split(model: StepModel, config: Config, sim: Sim) -> tuple[float, float, list[tuple[list, float]]]:
@@ -422,7 +457,7 @@ def run_split(model: StepModel, config: Config, sim: Sim) -> tuple[float, float,
     a tie. (A decode step's ms at the end, a chunk's of what is queued, the prompts a chunk in
     flight at the end completes with when it ends.)"""
     key = split_key(config.sm_split)
-    whole, lane_d, lane_p = ("whole", None), ("decode", key), ("prefill", key)
+    whole, lane_d, lane_p = (model.timer(p) for p in (("whole", None), ("decode", key), ("prefill", key)))
     t_p, t_d, chunk, step = 0.0, math.inf, None, None   # chunk: the prompts it completes; step: (ms, d)
     while min(t_p, t_d) < HORIZON_MS:
         if t_p <= t_d:   # the prefill lane is free: the chunk in flight ends, the next starts
@@ -431,7 +466,7 @@ def run_split(model: StepModel, config: Config, sim: Sim) -> tuple[float, float,
                 sim.first_tokens(chunk, in_flight=step is not None)
             tokens, chunk = sim.take(config.budget, 0)
             if tokens:
-                t_p = sim.now + step_ms(model, lane_p if sim.heap or step else whole, 0, 0, tokens)
+                t_p = sim.now + (lane_p if sim.heap or step else whole)(0, 0, tokens)
             else:   # nothing to prefill until a prompt arrives or a decode step frees a seat
                 chunk, t_p = None, sim.next_arrival()
             if step is None and sim.heap:
@@ -440,16 +475,17 @@ def run_split(model: StepModel, config: Config, sim: Sim) -> tuple[float, float,
         sim.advance(t_d)   # the decode lane's step ends, the next starts
         if step is not None:
             sim.decode_step(*step)
+        if chunk is None and not sim.queue:   # nothing to prefill before an arrival: decodes alone
+            sim.decode_steps(whole, min(sim.next_arrival(), HORIZON_MS))
         step, t_d = None, math.inf
         if sim.heap:
-            ms = step_ms(model, lane_d if chunk is not None else whole, len(sim.heap), sim.ctx, 0)
+            ms = (lane_d if chunk is not None else whole)(len(sim.heap), sim.ctx, 0)
             step, t_d = (ms, len(sim.heap)), sim.now + ms
         if chunk is None:
             t_p = sim.now
     queued = min(config.budget, sum(p[0] for p in sim.queue))
     lane = lane_d if queued or chunk is not None else whole
-    return (step_ms(model, lane, len(sim.heap), sim.ctx, 0),
-            step_ms(model, lane_p, 0, 0, queued) if queued else 0.0,
+    return (lane(len(sim.heap), sim.ctx, 0), lane_p(0, 0, queued) if queued else 0.0,
             [(p, t_p) for p in chunk or []])
 
 

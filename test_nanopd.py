@@ -4889,6 +4889,26 @@ def brute_keeps_up(model: "controller.StepModel", config: "controller.Config",
     return snap.rate * snap.mean_prompt * (a0 + a1 * chunk + a2 * chunk * chunk) / chunk < controller.MAX_LOAD
 
 
+def test_the_step_models_timer_is_its_fits_sum_over_the_features():
+    """At every place (the whole GPU, a split's decode and prefill lanes), after random steps
+    learned there, the timer the forecast calls per step gives the fit's own theta .
+    features (LeastSquares.predict), at least 1 µs, for decodes below and past the knee,
+    with and without prompt tokens."""
+    rng = random.Random(3)
+    model = controller.StepModel(CTL_PARAMS)
+    for _ in range(40):
+        d, c, p = rng.randint(0, 64), rng.randint(0, 40000), rng.choice([0, rng.randint(1, 4096)])
+        model.observe(d, c, p, rng.uniform(2, 40), rng.choice([None, (84, 48)]))
+    for place in model.fits:
+        timer = model.timer(place)
+        for _ in range(50):
+            d, c, p = rng.randint(0, 64), rng.randint(0, 40000), rng.choice([0, rng.randint(1, 4096)])
+            if place[0] == "prefill":
+                d, c = 0, 0
+            reference = max(1e-3, model.fits[place].predict(model.features(place, d, c, p)))
+            assert timer(d, c, p) == pytest.approx(reference, rel=1e-12), (place, d, c, p)
+
+
 def test_the_step_models_uncertainty_is_its_error_shrunk_toward_the_untried_one():
     """On a fixed model (prior_weight inf: predictions stay the profile's) steps timed 25%
     slower than predicted on the whole GPU: its uncertainty there is UNTRIED_ERROR before any
