@@ -836,7 +836,8 @@ def add_simulate(sub) -> None:
                          "fixed budgets and under the controller", description=simulate.__doc__,
                          prog="bench.py simulate", formatter_class=argparse.RawDescriptionHelpFormatter)
     sim.set_defaults(main=simulate.main, make_requests=lambda workload, rate, a: make_requests(
-        workload, rate, a.duration, 0, a.seed, HTTP_VOCAB, 1.0, parse_phases(a.phases), a.phase_s))
+        workload, rate, a.duration, 0, a.seed, HTTP_VOCAB, 1.0, parse_phases(a.phases), a.phase_s),
+        phases_of=lambda a: parse_phases(a.phases))
     sim.add_argument("results", type=Path, help="a results.json (or .json.gz) of a run with adaptive in it")
     sim.add_argument("--workload", nargs="+", default=["phased"], choices=list(WORKLOADS),
                      help="as bench.py's (default: phased)")
@@ -848,6 +849,9 @@ def add_simulate(sub) -> None:
     sim.add_argument("--seed", type=int, default=0, help="the requests' seed, as bench.py's (default: 0)")
     sim.add_argument("--seats", type=int, default=256, help="max_num_seqs (default: 256)")
     sim.add_argument("--max-num-batched-tokens", type=int, default=8192, help="(default: 8192)")
+    sim.add_argument("--phase-oracle", action="store_true",
+                     help="phased: also every assignment of a budget to each phase, the best of them "
+                     "(what choosing budgets gains at most, knowing the phases to come)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

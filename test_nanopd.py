@@ -7332,6 +7332,24 @@ def test_simulate_serves_through_the_schedulers_steps_what_the_forecasts_rules_g
     assert sum(s.e2e for s in served) * 1e3 == pytest.approx(total, rel=1e-9)
 
 
+def test_simulate_serves_a_schedule_of_one_budget_as_that_budget_held_fixed():
+    """tools/simulate.py's schedule (the phase oracle's: a budget set by the clock before
+    every step) giving one budget throughout serves every request as that budget held fixed
+    does, step for step; a schedule changing budget at 50 ms runs steps at both."""
+    from bench import Spec
+    from tools.simulate import StepTimes, serve
+    rng, model = random.Random(9), controller.StepModel(H200_LIKE)
+    specs = [Spec(rng.uniform(0, 0.2), [rng.randrange(1 << 20) for _ in range(rng.randint(20, 700))],
+                  rng.randint(1, 40)) for _ in range(24)]
+    times = StepTimes(model.fits[("whole", None)].theta, H200_LIKE.batch_thresh)
+    for budget in (64, 256):
+        fixed = serve(specs, times, seats=8, step_tokens=1024, budget=budget)
+        assert serve(specs, times, seats=8, step_tokens=1024, schedule=lambda clock, b=budget: b) == fixed
+    _, held = serve(specs, times, seats=8, step_tokens=1024,
+                    schedule=lambda clock: 64 if clock < 0.05 else 256)
+    assert set(held) == {64, 256}
+
+
 def test_bench_simulate_prints_every_budget_and_the_controller_or_one_line_for_a_file_without_steps(
         tmp_path, capsys):
     """`bench.py simulate` on a results.json with a profile and steps: a line per budget of
@@ -7355,6 +7373,13 @@ def test_bench_simulate_prints_every_budget_and_the_controller_or_one_line_for_a
     for name in ("budget 512", "budget 1024", "budget 2048", "budget 4096", "budget 8192", "controller"):
         assert f"{name}: E2E p50" in out
     assert "controller / the best fixed budget" in out and "the controller's steps by budget: " in out
+    # the phase oracle's assignments include each budget held fixed: it is never behind the best
+    oracle = bench.parse_args(["simulate", str(path), "--phases", "short:1", "long:1", "--phase-s", "0.5",
+                               "--rate", "4", "--duration", "2", "--phase-oracle"])
+    oracle.main(oracle)
+    line = next(x for x in capsys.readouterr().out.splitlines() if "the phase oracle" in x)
+    p50 = float(re.findall(r"E2E p50 ([0-9.]+), p99 [0-9.]+$", line)[0])
+    assert p50 <= 1.0 and " then " in line
     for flags, named in ((["--rate", "0"], "--rate"), (["--duration", "nan"], "--duration"),
                          (["--seats", "0"], "--seats")):
         bad = bench.parse_args(["simulate", str(path), *flags])

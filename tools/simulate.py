@@ -7,8 +7,10 @@ of the controller's menu held fixed, and under the controller (controller.py), w
 every CONTROL_INTERVAL_S from the scheduler's state as an adaptive worker's does, its step
 model seeded from the run's profile and refitted on the simulated steps. Printed per load:
 each configuration's E2E p50 / p99, TTFT and TPOT p50 / p99 (s, ms), and the controller's
-E2E against the best fixed budget's. A change to the controller is then weighed on a
-recorded run's step times, on any machine, before a GPU measures it.
+E2E against the best fixed budget's; with --phase-oracle on the phased workload, the best
+assignment of a budget to each phase (phase_oracle: what choosing budgets could gain there,
+knowing the phases to come). A change to the controller is then weighed on a recorded run's
+step times, on any machine, before a GPU measures it.
 
 Left out: the host (a step starts when the one before ends; the engine overlaps them), the
 SM splits (their lanes run beside each other), and what the fit misses of a step (its
@@ -21,6 +23,7 @@ import itertools
 import math
 import statistics
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -83,10 +86,12 @@ def make_scheduler(specs: list, seats: int, step_tokens: int) -> Scheduler:
 
 
 def serve(specs: list, times: StepTimes, seats: int, step_tokens: int, budget: int | None = None,
-          controller: Controller | None = None) -> tuple[list[Served], Counter]:
+          controller: Controller | None = None,
+          schedule: Callable[[float], int] | None = None) -> tuple[list[Served], Counter]:
     """specs (bench.py's Spec: arrival s, prompt ids, max_tokens) served to their end, one
-    step at a time: at the fixed budget, or at the controller's choice of the moment; with
-    the steps run at each budget."""
+    step at a time: at the fixed budget, at the controller's choice of the moment, or at
+    schedule(clock s) set before every step (phase_oracle's); with the steps run at each
+    budget."""
     sched = make_scheduler(specs, seats, step_tokens)
     sched.token_budget = budget
     arrivals, recent, served = deque(sorted(specs, key=lambda s: s.arrival)), Recent(), []
@@ -103,6 +108,8 @@ def serve(specs: list, times: StepTimes, seats: int, step_tokens: int, budget: i
             continue
         if controller is not None and clock - chosen_at >= CONTROL_INTERVAL_S:
             chosen_at, sched.token_budget = clock, controller.choose(snapshot(sched, recent, clock)).budget
+        if schedule is not None:
+            sched.token_budget = schedule(clock)
         batch = sched.schedule()
         held[sched.token_budget] += 1
         shape = step_shape(batch)
@@ -142,15 +149,35 @@ def summary(served: list[Served]) -> dict[str, float]:
             "tpot_p50": statistics.median(tpot), "tpot_p99": percentile(tpot, 0.99)}
 
 
+def menu_budgets(seats: int, step_tokens: int) -> list[int]:
+    """The whole GPU's budgets of the controller's menu (controller.py:menu)."""
+    return sorted({min(b, step_tokens) for b in BUDGETS if b >= 2 * seats} | {step_tokens})
+
+
 def compare(specs: list, times: StepTimes, profiled: HardwareParams, seats: int,
             step_tokens: int) -> tuple[dict[str, dict[str, float]], Counter]:
     """Every fixed budget of the controller's menu, then the controller: their summaries, and
     the steps the controller ran at each budget."""
-    budgets = sorted({min(b, step_tokens) for b in BUDGETS if b >= 2 * seats} | {step_tokens})
-    out = {f"budget {b}": summary(serve(specs, times, seats, step_tokens, budget=b)[0]) for b in budgets}
+    out = {f"budget {b}": summary(serve(specs, times, seats, step_tokens, budget=b)[0])
+           for b in menu_budgets(seats, step_tokens)}
     served, held = serve(specs, times, seats, step_tokens, controller=Controller(profiled, step_tokens))
     out["controller"] = summary(served)
     return out, held
+
+
+def phase_oracle(specs: list, times: StepTimes, seats: int, step_tokens: int, phases: int,
+                 phase_s: float) -> tuple[tuple[int, ...], dict[str, float]]:
+    """What choosing budgets can gain on a phased load at most, if knowing the phases to come
+    (which no controller does): every assignment of a budget of the menu to each phase, the
+    budget changing when the clock enters the phase; the one with the lowest E2E p50 and its
+    summary (an assignment of one budget to every phase is that budget held fixed)."""
+    results = {}
+    for budgets in itertools.product(menu_budgets(seats, step_tokens), repeat=phases):
+        def schedule(clock: float, budgets: tuple[int, ...] = budgets) -> int:
+            return budgets[int(clock // phase_s) % phases]
+        results[budgets] = summary(serve(specs, times, seats, step_tokens, schedule=schedule)[0])
+    best = min(results, key=lambda b: results[b]["e2e_p50"])
+    return best, results[best]
 
 
 def main(args: argparse.Namespace) -> None:
@@ -176,15 +203,28 @@ def main(args: argparse.Namespace) -> None:
     for workload in args.workload:
         for rate in args.rate:
             specs = args.make_requests(workload, rate, args)
-            rows, held = compare(specs, times, profiled, args.seats, args.max_num_batched_tokens)
             print(f"\n{workload} @ {rate:g} req/s, {len(specs)} requests (simulated):")
-            for name, r in rows.items():
-                print(f"  {name:>12}: E2E p50 / p99 {r['e2e_p50']:.2f} / {r['e2e_p99']:.2f} s, TTFT "
-                      f"{r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} s, TPOT {r['tpot_p50']:.1f} / "
-                      f"{r['tpot_p99']:.1f} ms")
-            fixed = [r for name, r in rows.items() if name != "controller"]
-            print("  controller / the best fixed budget: E2E p50 {:.3f}, p99 {:.3f}".format(
-                *(rows["controller"][k] / min(r[k] for r in fixed) for k in ("e2e_p50", "e2e_p99"))))
-            steps = sum(held.values())
-            print("  the controller's steps by budget: " + ", ".join(
-                f"{b} {n / steps:.0%}" for b, n in sorted(held.items())))
+            fixed = print_load(*compare(specs, times, profiled, args.seats, args.max_num_batched_tokens))
+            if args.phase_oracle and workload == "phased":
+                budgets, r = phase_oracle(specs, times, args.seats, args.max_num_batched_tokens,
+                                          len(args.phases_of(args)), args.phase_s)
+                print(f"  the phase oracle (a budget per phase, knowing the phases to come): "
+                      f"{' then '.join(map(str, budgets))}, E2E p50 / p99 {r['e2e_p50']:.2f} / "
+                      f"{r['e2e_p99']:.2f} s; over the best fixed budget: E2E p50 "
+                      + "{:.3f}, p99 {:.3f}".format(*(r[k] / fixed[k] for k in ("e2e_p50", "e2e_p99"))))
+
+
+def print_load(rows: dict[str, dict[str, float]], held: Counter) -> dict[str, float]:
+    """One load's lines: each configuration, the controller over the best fixed budget, the
+    controller's steps by budget. The best fixed budget's E2E p50 and p99 (each its own best)."""
+    for name, r in rows.items():
+        print(f"  {name:>12}: E2E p50 / p99 {r['e2e_p50']:.2f} / {r['e2e_p99']:.2f} s, TTFT "
+              f"{r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} s, TPOT {r['tpot_p50']:.1f} / "
+              f"{r['tpot_p99']:.1f} ms")
+    best = {k: min(r[k] for name, r in rows.items() if name != "controller") for k in ("e2e_p50", "e2e_p99")}
+    print("  controller / the best fixed budget: E2E p50 {:.3f}, p99 {:.3f}".format(
+        *(rows["controller"][k] / best[k] for k in ("e2e_p50", "e2e_p99"))))
+    steps = sum(held.values())
+    print("  the controller's steps by budget: " + ", ".join(
+        f"{b} {n / steps:.0%}" for b, n in sorted(held.items())))
+    return best
