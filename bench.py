@@ -851,7 +851,7 @@ def add_simulate(sub) -> None:
     sim.add_argument("--max-num-batched-tokens", type=int, default=8192, help="(default: 8192)")
     sim.add_argument("--phase-oracle", action="store_true",
                      help="phased: also every assignment of a budget to each phase, the best of them "
-                     "(what choosing budgets gains at most, knowing the phases to come)")
+                     "(what a budget chosen per phase gains, knowing the phases to come)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -8,8 +8,8 @@ every CONTROL_INTERVAL_S from the scheduler's state as an adaptive worker's does
 model seeded from the run's profile and refitted on the simulated steps. Printed per load:
 each configuration's E2E p50 / p99, TTFT and TPOT p50 / p99 (s, ms), and the controller's
 E2E against the best fixed budget's; with --phase-oracle on the phased workload, the best
-assignment of a budget to each phase (phase_oracle: what choosing budgets could gain there,
-knowing the phases to come). A change to the controller is then weighed on a recorded run's
+assignment of a budget to each phase (phase_oracle: what a budget chosen per phase gains
+there, knowing the phases to come). A change to the controller is then weighed on a recorded run's
 step times, on any machine, before a GPU measures it.
 
 Left out: the host (a step starts when the one before ends; the engine overlaps them), the
@@ -167,7 +167,7 @@ def compare(specs: list, times: StepTimes, profiled: HardwareParams, seats: int,
 
 def phase_oracle(specs: list, times: StepTimes, seats: int, step_tokens: int, phases: int,
                  phase_s: float) -> tuple[tuple[int, ...], dict[str, float]]:
-    """What choosing budgets can gain on a phased load at most, if knowing the phases to come
+    """What a budget chosen per phase gains on a phased load, knowing the phases to come
     (which no controller does): every assignment of a budget of the menu to each phase, the
     budget changing when the clock enters the phase; the one with the lowest E2E p50 and its
     summary (an assignment of one budget to every phase is that budget held fixed)."""
