@@ -849,6 +849,10 @@ def add_simulate(sub) -> None:
     sim.add_argument("--seed", type=int, default=0, help="the requests' seed, as bench.py's (default: 0)")
     sim.add_argument("--seats", type=int, default=256, help="max_num_seqs (default: 256)")
     sim.add_argument("--max-num-batched-tokens", type=int, default=8192, help="(default: 8192)")
+    sim.add_argument("--ttft-slo", type=float, default=None, help="s: with --tpot-slo (either), each "
+                     "configuration's share within the SLO, the controller's objective, and goodput over "
+                     "the rates (default: none)")
+    sim.add_argument("--tpot-slo", type=float, default=None, help="s a decode step (default: none)")
     sim.add_argument("--phase-oracle", action="store_true",
                      help="phased: also every assignment of a budget to each phase, the best of them "
                      "(what a budget chosen per phase gains, knowing the phases to come)")

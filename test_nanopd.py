@@ -7332,6 +7332,20 @@ def test_simulate_serves_through_the_schedulers_steps_what_the_forecasts_rules_g
     assert sum(s.e2e for s in served) * 1e3 == pytest.approx(total, rel=1e-9)
 
 
+def test_simulates_slo_share_is_the_requests_within_both_targets_counted_by_hand():
+    """tools/simulate.py:summary under an SLO (TTFT 1 s, TPOT 62.5 ms): the share of requests
+    whose first token came within 1 s and whose later tokens took 62.5 ms each at most on
+    average, counted here request by request; a one-token request has no TPOT to miss."""
+    from tools.simulate import Served, summary
+    served = [Served(0.0, 0.5, 0.5 + 0.04 * 9, 10),    # within both
+              Served(0.0, 1.5, 1.6, 3),               # its first token late
+              Served(0.0, 0.2, 0.2 + 0.08 * 4, 5),    # its tokens slow
+              Served(0.0, 0.75, 0.75, 1),             # one token, in time
+              Served(0.0, 1.0, 1.125, 3)]             # both exactly at the targets (in binary, exactly)
+    assert summary(served, (1.0, 0.0625))["slo"] == pytest.approx(3 / 5)
+    assert "slo" not in summary(served)
+
+
 def test_simulate_serves_a_schedule_of_one_budget_as_that_budget_held_fixed():
     """tools/simulate.py's schedule (the phase oracle's: a budget set by the clock before
     every step) giving one budget throughout serves every request as that budget held fixed
@@ -7380,8 +7394,14 @@ def test_bench_simulate_prints_every_budget_and_the_controller_or_one_line_for_a
     line = next(x for x in capsys.readouterr().out.splitlines() if "the phase oracle" in x)
     p50 = float(re.findall(r"E2E p50 ([0-9.]+), p99 [0-9.]+$", line)[0])
     assert p50 <= 1.0 and " then " in line
+    slo = bench.parse_args(["simulate", str(path), "--workload", "sharegpt", "--rate", "2", "4",
+                            "--duration", "2", "--ttft-slo", "2", "--tpot-slo", "0.05"])
+    slo.main(slo)
+    out = capsys.readouterr().out
+    assert out.count("SLO met") == 2 * 6
+    assert "sharegpt: goodput (the highest rate with 90% of its requests" in out
     for flags, named in ((["--rate", "0"], "--rate"), (["--duration", "nan"], "--duration"),
-                         (["--seats", "0"], "--seats")):
+                         (["--seats", "0"], "--seats"), (["--tpot-slo", "0"], "--tpot-slo")):
         bad = bench.parse_args(["simulate", str(path), *flags])
         with pytest.raises(SystemExit, match=f"error: {named} must be"):
             bad.main(bad)

@@ -7,7 +7,8 @@ of the controller's menu held fixed, and under the controller (controller.py), w
 every CONTROL_INTERVAL_S from the scheduler's state as an adaptive worker's does, its step
 model seeded from the run's profile and refitted on the simulated steps. Printed per load:
 each configuration's E2E p50 / p99, TTFT and TPOT p50 / p99 (s, ms), and the controller's
-E2E against the best fixed budget's; with --phase-oracle on the phased workload, the best
+E2E against the best fixed budget's; under an SLO (--ttft-slo, --tpot-slo) each one's share
+within it and, over the rates, goodput; with --phase-oracle on the phased workload, the best
 assignment of a budget to each phase (phase_oracle: what a budget chosen per phase gains
 there, knowing the phases to come). A change to the controller is then weighed on a recorded run's
 step times, on any machine, before a GPU measures it.
@@ -37,6 +38,7 @@ from scheduler import Scheduler
 from tools.calibrate import read_results
 
 BLOCK_SIZE = 16
+GOODPUT_SHARE = 0.9   # a rate's requests within the SLO for it to count toward goodput (bench.py's)
 
 
 @dataclass
@@ -141,12 +143,18 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def summary(served: list[Served]) -> dict[str, float]:
+def summary(served: list[Served], slo: tuple[float, float] | None = None) -> dict[str, float]:
+    """E2E, TTFT (s) and TPOT (ms) p50 and p99; under an SLO (ttft s, tpot s) also the share
+    of requests within both (bench.py's SLO attainment)."""
     e2e, ttft = [s.e2e for s in served], [s.ttft for s in served]
     tpot = [(s.e2e - s.ttft) / (s.output_len - 1) * 1e3 for s in served if s.output_len > 1]
-    return {"e2e_p50": statistics.median(e2e), "e2e_p99": percentile(e2e, 0.99),
-            "ttft_p50": statistics.median(ttft), "ttft_p99": percentile(ttft, 0.99),
-            "tpot_p50": statistics.median(tpot), "tpot_p99": percentile(tpot, 0.99)}
+    out = {"e2e_p50": statistics.median(e2e), "e2e_p99": percentile(e2e, 0.99),
+           "ttft_p50": statistics.median(ttft), "ttft_p99": percentile(ttft, 0.99),
+           "tpot_p50": statistics.median(tpot), "tpot_p99": percentile(tpot, 0.99)}
+    if slo is not None:
+        out["slo"] = sum(s.ttft <= slo[0] and (s.e2e - s.ttft) / max(1, s.output_len - 1) <= slo[1]
+                         for s in served) / len(served)
+    return out
 
 
 def menu_budgets(seats: int, step_tokens: int) -> list[int]:
@@ -154,14 +162,15 @@ def menu_budgets(seats: int, step_tokens: int) -> list[int]:
     return sorted({min(b, step_tokens) for b in BUDGETS if b >= 2 * seats} | {step_tokens})
 
 
-def compare(specs: list, times: StepTimes, profiled: HardwareParams, seats: int,
-            step_tokens: int) -> tuple[dict[str, dict[str, float]], Counter]:
-    """Every fixed budget of the controller's menu, then the controller: their summaries, and
-    the steps the controller ran at each budget."""
-    out = {f"budget {b}": summary(serve(specs, times, seats, step_tokens, budget=b)[0])
+def compare(specs: list, times: StepTimes, profiled: HardwareParams, seats: int, step_tokens: int,
+            slo: tuple[float, float] | None = None) -> tuple[dict[str, dict[str, float]], Counter]:
+    """Every fixed budget of the controller's menu, then the controller (under the SLO, if
+    one: its objective then): their summaries, and the steps the controller ran at each budget."""
+    out = {f"budget {b}": summary(serve(specs, times, seats, step_tokens, budget=b)[0], slo)
            for b in menu_budgets(seats, step_tokens)}
-    served, held = serve(specs, times, seats, step_tokens, controller=Controller(profiled, step_tokens))
-    out["controller"] = summary(served)
+    controller = Controller(profiled, step_tokens, slo=slo)
+    served, held = serve(specs, times, seats, step_tokens, controller=controller)
+    out["controller"] = summary(served, slo)
     return out, held
 
 
@@ -181,8 +190,10 @@ def phase_oracle(specs: list, times: StepTimes, seats: int, step_tokens: int, ph
 
 
 def main(args: argparse.Namespace) -> None:
+    slos = [(flag, value) for flag, value in (("--ttft-slo", args.ttft_slo), ("--tpot-slo", args.tpot_slo))
+            if value is not None]
     for flag, value in (("--rate", min(args.rate)), ("--duration", args.duration),
-                        ("--phase-s", args.phase_s)):
+                        ("--phase-s", args.phase_s), *slos):
         if not (math.isfinite(value) and value > 0):
             raise SystemExit(f"error: {flag} must be above 0 and finite, got {value:g}")
     if not 1 <= args.seats <= args.max_num_batched_tokens:
@@ -200,11 +211,17 @@ def main(args: argparse.Namespace) -> None:
           "decodes: ms = " + " + ".join(
         f"{t:.4g} {name}" for t, name in zip(times.theta, ("(no prompt)", "(prompt)", "excess decodes",
                                                             "context", "prompt tokens"))))
+    slo = None if args.ttft_slo is None and args.tpot_slo is None else \
+        (args.ttft_slo or math.inf, args.tpot_slo or math.inf)
     for workload in args.workload:
+        met: dict[str, list[tuple[float, float]]] = {}   # configuration -> (rate, SLO share) of each run
         for rate in args.rate:
             specs = args.make_requests(workload, rate, args)
             print(f"\n{workload} @ {rate:g} req/s, {len(specs)} requests (simulated):")
-            fixed = print_load(*compare(specs, times, profiled, args.seats, args.max_num_batched_tokens))
+            rows, held = compare(specs, times, profiled, args.seats, args.max_num_batched_tokens, slo)
+            fixed = print_load(rows, held)
+            for name, r in rows.items():
+                met.setdefault(name, []).append((rate, r.get("slo", 0.0)))
             if args.phase_oracle and workload == "phased":
                 budgets, r = phase_oracle(specs, times, args.seats, args.max_num_batched_tokens,
                                           len(args.phases_of(args)), args.phase_s)
@@ -212,15 +229,30 @@ def main(args: argparse.Namespace) -> None:
                       f"{' then '.join(map(str, budgets))}, E2E p50 / p99 {r['e2e_p50']:.2f} / "
                       f"{r['e2e_p99']:.2f} s; over the best fixed budget: E2E p50 "
                       + "{:.3f}, p99 {:.3f}".format(*(r[k] / fixed[k] for k in ("e2e_p50", "e2e_p99"))))
+        if slo is not None:
+            print_goodput(workload, met)
+
+
+def print_goodput(workload: str, met: dict[str, list[tuple[float, float]]]) -> None:
+    """Each configuration's goodput over the rates run: the highest with GOODPUT_SHARE of its
+    requests within the SLO (bench.py's), and the controller's over the best fixed budget's."""
+    goodput = {name: max([rate for rate, share in runs if share >= GOODPUT_SHARE], default=0.0)
+               for name, runs in met.items()}
+    best = max(g for name, g in goodput.items() if name != "controller")
+    ratio = f"; the controller over the best fixed budget: {goodput['controller'] / best:.2f}x" \
+        if best else ""
+    print(f"\n{workload}: goodput (the highest rate with {GOODPUT_SHARE:.0%} of its requests within the "
+          "SLO): " + ", ".join(f"{name} {g:g}" for name, g in goodput.items()) + ratio)
 
 
 def print_load(rows: dict[str, dict[str, float]], held: Counter) -> dict[str, float]:
-    """One load's lines: each configuration, the controller over the best fixed budget, the
-    controller's steps by budget. The best fixed budget's E2E p50 and p99 (each its own best)."""
+    """One load's lines: each configuration (its SLO share, under an SLO), the controller over
+    the best fixed budget, the controller's steps by budget. The best fixed budget's E2E p50
+    and p99 (each its own best)."""
     for name, r in rows.items():
         print(f"  {name:>12}: E2E p50 / p99 {r['e2e_p50']:.2f} / {r['e2e_p99']:.2f} s, TTFT "
               f"{r['ttft_p50']:.3f} / {r['ttft_p99']:.3f} s, TPOT {r['tpot_p50']:.1f} / "
-              f"{r['tpot_p99']:.1f} ms")
+              f"{r['tpot_p99']:.1f} ms" + (f", SLO met {r['slo']:.0%}" if "slo" in r else ""))
     best = {k: min(r[k] for name, r in rows.items() if name != "controller") for k in ("e2e_p50", "e2e_p99")}
     print("  controller / the best fixed budget: E2E p50 {:.3f}, p99 {:.3f}".format(
         *(rows["controller"][k] / best[k] for k in ("e2e_p50", "e2e_p99"))))
