@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from controller import BUDGETS, CONTROL_INTERVAL_S, Controller, Recent, snapshot
+from controller import CONTROL_INTERVAL_S, Controller, Recent, menu, snapshot
 from costmodel import HardwareParams
 from engine import StepShape, step_shape
 from kv_cache import BlockManager, cdiv
@@ -158,8 +158,8 @@ def summary(served: list[Served], slo: tuple[float, float] | None = None) -> dic
 
 
 def menu_budgets(seats: int, step_tokens: int) -> list[int]:
-    """The whole GPU's budgets of the controller's menu (controller.py:menu)."""
-    return sorted({min(b, step_tokens) for b in BUDGETS if b >= 2 * seats} | {step_tokens})
+    """The whole GPU's budgets of the controller's menu (controller.py:menu, no splits)."""
+    return [c.budget for c in menu(step_tokens, seats, [])]
 
 
 def compare(specs: list, times: StepTimes, profiled: HardwareParams, seats: int, step_tokens: int,
@@ -175,13 +175,19 @@ def compare(specs: list, times: StepTimes, profiled: HardwareParams, seats: int,
 
 
 def phase_oracle(specs: list, times: StepTimes, seats: int, step_tokens: int, phases: int,
-                 phase_s: float) -> tuple[tuple[int, ...], dict[str, float]]:
+                 phase_s: float, rows: dict[str, dict[str, float]]
+                 ) -> tuple[tuple[int, ...], dict[str, float]]:
     """What a budget chosen per phase gains on a phased load, knowing the phases to come
     (which no controller does): every assignment of a budget of the menu to each phase, the
     budget changing when the clock enters the phase; the one with the lowest E2E p50 and its
-    summary (an assignment of one budget to every phase is that budget held fixed)."""
+    summary. An assignment of one budget to every phase is that budget held fixed: its
+    summary is compare's (rows), not served again."""
     results = {}
     for budgets in itertools.product(menu_budgets(seats, step_tokens), repeat=phases):
+        if len(set(budgets)) == 1:
+            results[budgets] = rows[f"budget {budgets[0]}"]
+            continue
+
         def schedule(clock: float, budgets: tuple[int, ...] = budgets) -> int:
             return budgets[int(clock // phase_s) % phases]
         results[budgets] = summary(serve(specs, times, seats, step_tokens, schedule=schedule)[0])
@@ -224,7 +230,7 @@ def main(args: argparse.Namespace) -> None:
                 met.setdefault(name, []).append((rate, r.get("slo", 0.0)))
             if args.phase_oracle and workload == "phased":
                 budgets, r = phase_oracle(specs, times, args.seats, args.max_num_batched_tokens,
-                                          len(args.phases_of(args)), args.phase_s)
+                                          len(args.phases_of(args)), args.phase_s, rows)
                 print(f"  the phase oracle (a budget per phase, knowing the phases to come): "
                       f"{' then '.join(map(str, budgets))}, E2E p50 / p99 {r['e2e_p50']:.2f} / "
                       f"{r['e2e_p99']:.2f} s; over the best fixed budget: E2E p50 "
