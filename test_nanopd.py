@@ -7405,6 +7405,9 @@ def test_bench_simulate_prints_every_budget_and_the_controller_or_one_line_for_a
         bad = bench.parse_args(["simulate", str(path), *flags])
         with pytest.raises(SystemExit, match=f"error: {named} must be"):
             bad.main(bad)
+    bad = bench.parse_args(["simulate", str(path), "--workload", "sharegpt", "--phase-oracle"])
+    with pytest.raises(SystemExit, match="error: --phase-oracle .* needs --workload phased"):
+        bad.main(bad)
     path.write_bytes(gzip.compress(json.dumps({"router_calibration": {"profiled": params}}).encode()))
     with pytest.raises(SystemExit, match="too few to fit"):
         args.main(args)

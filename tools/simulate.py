@@ -202,6 +202,8 @@ def main(args: argparse.Namespace) -> None:
                         ("--phase-s", args.phase_s), *slos):
         if not (math.isfinite(value) and value > 0):
             raise SystemExit(f"error: {flag} must be above 0 and finite, got {value:g}")
+    if args.phase_oracle and "phased" not in args.workload:
+        raise SystemExit("error: --phase-oracle assigns a budget to each phase: it needs --workload phased")
     if not 1 <= args.seats <= args.max_num_batched_tokens:
         raise SystemExit(f"error: --seats must be at least 1 and at most --max-num-batched-tokens, got "
                          f"{args.seats} and {args.max_num_batched_tokens}")
