@@ -23,6 +23,7 @@ workload, model and devices), results.json with every request's timings, and PNG
 
 import argparse
 import asyncio
+import collections
 import json
 import math
 import random
@@ -128,28 +129,31 @@ class Result:
                    tpot=tpot, e2e=end - arrived, phase=drawn.phase, arrival=drawn.arrival, **fields)
 
 
-def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec],
-          desc: str) -> tuple[list[Result], float]:
-    """Submit specs at their arrival times, wait for all; the results and the run's length.
-    Latencies count from a request's arrival time, not from when this loop got to submit
-    it: a user's request waits from when it is sent, and a loop that falls behind (its
-    polls take longer than the gaps between arrivals) must not hide that wait. Each
-    request's lag says how far behind the loop was."""
+def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec], desc: str,
+          concurrency: int | None = None) -> tuple[list[Result], float]:
+    """Submit specs at their arrival times, at most `concurrency` in flight (None: no cap),
+    wait for all; the results and the run's length. Latencies count from a request's
+    arrival time, not from when this loop got to submit it: a user's request waits from
+    when it is sent, and a loop that falls behind (its polls take longer than the gaps
+    between arrivals) must not hide that wait. Each request's lag says how far behind the
+    loop was. Under a cap, a request is sent when a seat frees, and counts from then (as
+    vLLM's benchmark with --max-concurrency)."""
     from nanopd import SamplingParams
-    cluster, pending, results = llm.cluster, {}, []
+    cluster, pending, results, seats = llm.cluster, {}, [], concurrency or len(specs)
     start, i = time.perf_counter(), 0
     with tqdm(total=len(specs), desc=desc, leave=False, disable=None) as bar:   # only on a terminal
         while i < len(specs) or pending:
             now = time.perf_counter() - start
-            while i < len(specs) and specs[i].arrival <= now:
+            while i < len(specs) and specs[i].arrival <= now and len(pending) < seats:
+                # perf_counter's clock, as the metrics' times
+                sent = start + specs[i].arrival if concurrency is None else time.perf_counter()
                 rid = cluster.submit(specs[i].prompt_ids, SamplingParams(
                     temperature=0.0, max_tokens=specs[i].max_tokens, ignore_eos=True))
-                pending[rid] = specs[i]
+                pending[rid] = specs[i], sent
                 i += 1
             for rid in cluster.poll(0.002):
-                spec, out = pending.pop(rid), cluster.output(rid)
+                (spec, sent), out = pending.pop(rid), cluster.output(rid)
                 m, n = out.metrics, len(out.outputs[0].token_ids) if out.outputs else 0
-                sent = start + spec.arrival   # perf_counter's clock, as the metrics' times
                 routed = {}
                 if m.routed is not None:
                     predicted_ms, load, _ = m.routed
@@ -176,36 +180,56 @@ def warm_up(run: "Run", vocab: int) -> list[Spec]:
     return warm + [Spec(0.0, [rng.randrange(vocab) for _ in range(int(2048 * run.scale))], 8)]
 
 
-async def post_events(url: str, path: str, body: dict, api_key: str | None) -> AsyncIterator[dict]:
-    """POST body as JSON to url + path over a connection of its own (HTTP/1.1, plain http) and
-    yield each server-sent event's JSON as it comes; an answer other than 200 raises
-    ServerError with its body. The benchmark's client: it parses only what it times, since
-    httpx spent ~0.1 s opening 256 connections at once, which a TTFT would count."""
-    at = urllib.parse.urlsplit(url)
-    reader, writer = await asyncio.open_connection(at.hostname, at.port or 80)
-    try:
-        data = json.dumps(body).encode()
-        writer.write(f"POST {at.path.rstrip('/')}{path} HTTP/1.1\r\nhost: {at.netloc}\r\n"
-                     f"authorization: Bearer {api_key or 'none'}\r\ncontent-type: application/json\r\n"
-                     f"content-length: {len(data)}\r\n\r\n".encode() + data)
-        status = int((await reader.readline()).split()[1])
-        headers = {}
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            name, _, value = line.decode("latin-1").partition(":")
-            headers[name.strip().lower()] = value.strip()
-        if status != 200:
-            text = await reader.read(int(headers.get("content-length", 300)))
-            raise ServerError(f"HTTP {status}: {text[:300].decode(errors='replace')}")
-        pending = b""
-        while size := int((await reader.readline()).strip() or b"0", 16):   # chunked, as SSE comes
-            pending += await reader.readexactly(size)
-            await reader.readline()
-            *events, pending = pending.split(b"\n\n")
-            for event in events:
-                if event.startswith(b"data: {"):
-                    yield json.loads(event[6:])
-    finally:
-        writer.close()
+class Connection:
+    """One HTTP/1.1 connection to the server (plain http), opened at its first request and
+    kept for the next (keep-alive), as a client's pool keeps it. The benchmark's own client:
+    it parses only what it times, since httpx spent ~0.1 s opening 256 connections at once,
+    which a TTFT would count."""
+
+    def __init__(self, url: str, api_key: str | None):
+        self.at, self.api_key = urllib.parse.urlsplit(url), api_key
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post_events(self, path: str, body: dict) -> AsyncIterator[dict]:
+        """POST body as JSON to path and yield each server-sent event's JSON as it comes; an
+        answer other than 200 raises ServerError with its body. A stream not read to its end
+        closes the connection (the next request opens another)."""
+        at, whole = self.at, False
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(at.hostname, at.port or 80)
+        reader = self.reader
+        try:
+            data = json.dumps(body).encode()
+            self.writer.write(f"POST {at.path.rstrip('/')}{path} HTTP/1.1\r\nhost: {at.netloc}\r\n"
+                              f"authorization: Bearer {self.api_key or 'none'}\r\n"
+                              f"content-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n"
+                              .encode() + data)
+            status = int((await reader.readline()).split()[1])
+            headers = {}
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                name, _, value = line.decode("latin-1").partition(":")
+                headers[name.strip().lower()] = value.strip()
+            if status != 200:
+                text = await reader.read(int(headers.get("content-length", 300)))
+                raise ServerError(f"HTTP {status}: {text[:300].decode(errors='replace')}")
+            pending = b""
+            while size := int((await reader.readline()).strip() or b"0", 16):   # chunked, as SSE comes
+                pending += await reader.readexactly(size)
+                await reader.readline()
+                *events, pending = pending.split(b"\n\n")
+                for event in events:
+                    if event.startswith(b"data: {"):
+                        yield json.loads(event[6:])
+            whole = await reader.readline() == b"\r\n" and headers.get("connection") != "close"
+        finally:
+            if not whole:
+                self.close()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
 
 
 class ServerError(Exception):
@@ -218,30 +242,40 @@ async def serve_over_http(run: "Run", workload: str, rate: float, specs: list[Sp
     /completions at its arrival time as a stream (token ids, greedy, ignore_eos, its usage
     asked for), timed from the client's side: the first event with a choice is its first
     token, the stream's end its end, the usage its output tokens. A request the server
-    refuses or fails keeps its error."""
-    start, results = time.perf_counter(), []
+    refuses or fails keeps its error. Under run.concurrency, that many clients each send
+    the next request when their last one ended, over the connection they keep, and each
+    request counts from when it was sent (as serve's); else each request has a client and
+    a connection of its own."""
+    start, results, queue = time.perf_counter(), [], collections.deque(specs)
 
-    async def one(spec: Spec) -> None:
-        await asyncio.sleep(max(0.0, start + spec.arrival - time.perf_counter()))
+    async def one(conn: Connection, spec: Spec) -> Result:
         sent, first, n, error = time.perf_counter(), None, 0, None
         body = {"model": run.model, "prompt": spec.prompt_ids, "max_tokens": spec.max_tokens,
                 "temperature": 0.0, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         try:
-            async for event in post_events(run.url, "/completions", body, run.api_key):
+            async for event in conn.post_events("/completions", body):
                 first = first or (time.perf_counter() if event.get("choices") else None)
                 n = (event.get("usage") or {}).get("completion_tokens", n)
                 error = error or (event.get("error") or {}).get("message")
         except (OSError, ValueError, asyncio.IncompleteReadError, ServerError) as e:
             error = str(e) if isinstance(e, ServerError) else f"{type(e).__name__}: {e}"
-        arrived = start + spec.arrival
-        results.append(Result.timed("server", workload, rate, spec, n, arrived, first, time.perf_counter(),
-                                    path=[], error=error, lag=max(0.0, sent - arrived)))
+        arrived = start + spec.arrival if run.concurrency is None else sent
+        return Result.timed("server", workload, rate, spec, n, arrived, first, time.perf_counter(),
+                            path=[], error=error, lag=max(0.0, sent - arrived))
+
+    async def client(bar: tqdm) -> None:
+        conn = Connection(run.url, run.api_key)
+        try:
+            while queue:
+                spec = queue.popleft()
+                await asyncio.sleep(max(0.0, start + spec.arrival - time.perf_counter()))
+                results.append(await one(conn, spec))
+                bar.update()
+        finally:
+            conn.close()
     with tqdm(total=len(specs), desc=desc, leave=False, disable=None) as bar:
-        tasks = [asyncio.create_task(one(s)) for s in specs]
-        for done in asyncio.as_completed(tasks):
-            await done
-            bar.update()
+        await asyncio.gather(*(client(bar) for _ in range(min(run.concurrency or len(specs), len(specs)))))
     return sorted(results, key=lambda r: r.arrival), time.perf_counter() - start
 
 
@@ -713,6 +747,7 @@ class Run:
     phase_s: float = PHASE_S    # and how long each lasts
     url: str | None = None      # an OpenAI-compatible server's base URL: measure it, as a client
     api_key: str | None = None  # ... and its key
+    concurrency: int | None = None   # at most this many requests in flight (None: no cap)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -739,6 +774,10 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds of arrivals per run (default: 60 on GPUs, 15 on CPUs)")
     p.add_argument("--num-requests", type=int, default=None,
                    help="static mode (default: 512 on GPUs, 64 on CPUs)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="at most this many requests in flight, as that many clients that each send "
+                   "their next request when their last ended; each counts from when it was sent, as "
+                   "vLLM's benchmark (default: no cap)")
     p.add_argument("--model", default=None, help=f"a preset ({', '.join(PRESETS)}: the architecture with "
                    "seeded random weights, no download) or a Hugging Face checkpoint folder (default: "
                    "qwen3-8b on GPUs, tiny on CPUs)")
@@ -891,7 +930,8 @@ def make_run(args: argparse.Namespace) -> Run:
               transport=args.transport or ("distributed" if args.join else "p2p"),
               slo=None if args.ttft_slo is None and args.tpot_slo is None else
               (default(args.ttft_slo, 2.0 if gpu else 0.5), default(args.tpot_slo, 0.1 if gpu else 0.05)),
-              phases=parse_phases(args.phases), phase_s=args.phase_s, url=args.url, api_key=args.api_key)
+              phases=parse_phases(args.phases), phase_s=args.phase_s, url=args.url, api_key=args.api_key,
+              concurrency=args.max_concurrency)
     check_run(run)
     return run
 
@@ -962,6 +1002,8 @@ def check_run(run: Run) -> None:
             raise SystemExit(f"error: {flag} must be above 0 and finite, got {bad[0]:g}")
     if run.count < 1:
         raise SystemExit(f"error: --num-requests must be at least 1, got {run.count}")
+    if run.concurrency is not None and run.concurrency < 1:
+        raise SystemExit(f"error: --max-concurrency must be at least 1, got {run.concurrency}")
     spec = run.engine.get("speculative_config")
     if spec is not None and spec["num_speculative_tokens"] < 0:
         raise SystemExit(f"error: --speculative must be at least 0, got {spec['num_speculative_tokens']}")
@@ -1009,8 +1051,8 @@ def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
                 specs = make_requests(workload, rate, run.duration, run.count, run.seed, vocab, run.scale,
                                       run.phases, run.phase_s)
                 start = time.perf_counter()
-                got, seconds = serve(llm, name, workload, rate, specs,
-                                     f"{name} {workload} @ {'static' if rate <= 0 else rate}")
+                desc = f"{name} {workload} @ {'static' if rate <= 0 else rate}"
+                got, seconds = serve(llm, name, workload, rate, specs, desc, run.concurrency)
                 results += got
                 rows += summary_rows(run, name, workload, rate, got, seconds, {**held, **startup})
                 run_id = {"policy": name, "workload": workload, "rate": rate,
@@ -1160,6 +1202,8 @@ def caption(run: Run) -> str:
     arrivals = {"static": f"{run.count} requests at once",
                 "poisson": f"Poisson arrivals at {rates} req/s for {run.duration:g} s",
                 "sweep": f"Poisson arrivals at {rates} req/s, {run.duration:g} s each"}[run.mode]
+    if run.concurrency:
+        arrivals += f", at most {run.concurrency} in flight"
     return (f"{'policy' if len(run.policies) == 1 else 'policies'} {', '.join(run.policies)} | "
             f"{'workload' if len(run.workloads) == 1 else 'workloads'} {', '.join(run.workloads)}, "
             f"{arrivals}\n"
@@ -1187,6 +1231,7 @@ def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timel
             "workloads": run.workloads, "transport": run.transport, "mode": run.mode, "seed": run.seed,
             "ttft_slo": run.ttft_slo, "tpot_slo": run.tpot_slo, "slo_given": run.slo is not None,
             "length_scale": run.scale, "duration": run.duration, "num_requests": run.count,
+            "max_concurrency": run.concurrency,
             "phases": run.phases, "phase_s": run.phase_s,
             "device_name": torch.cuda.get_device_name() if gpu else "cpu"}
     # One line, six significant digits: a sweep holds some 15,000 requests' timings.
@@ -1286,7 +1331,8 @@ def replot(args: argparse.Namespace) -> None:
               out=args.results.parent, join=first.removeprefix("joined at ") if joined else None,
               transport=meta.get("transport", "p2p"), device_name=meta["device_name"],
               phases=tuple(tuple(p) for p in meta.get("phases", PHASES)),
-              phase_s=meta.get("phase_s", PHASE_S), url=first.removeprefix("served at ") if served else None)
+              phase_s=meta.get("phase_s", PHASE_S), url=first.removeprefix("served at ") if served else None,
+              concurrency=meta.get("max_concurrency"))
     results = [Result(**r) for r in data["requests"]]
     front = frontier(rows, meta.get("slo_given", False))
     phase_switch(front, results)

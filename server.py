@@ -159,15 +159,18 @@ class EngineLoop:
 
     def serve_once(self) -> None:
         """One poll of the backend: what came for each request, handed over in one call to
-        the HTTP loop (one wake-up a step, not one per stream)."""
-        ended, events = self.backend.poll(0.002), []
+        the HTTP loop (one wake-up a step, not one per stream). First tokens go first: the
+        handlers run in this order, and a first token is its request's TTFT, where the
+        others add a little to a TPOT."""
+        ended, firsts, events = self.backend.poll(0.002), [], []
         for request_id, new in self.backend.new_tokens().items():
             stream = self.streams.get(request_id)
             if stream is not None:
                 self.running += not stream.first_token
-                stream.first_token = True
                 if stream.streamed:
-                    events.append((stream, "tokens", new))
+                    (events if stream.first_token else firsts).append((stream, "tokens", new))
+                stream.first_token = True
+        events = firsts + events
         for request_id in ended:
             stream = self.streams.pop(request_id, None)
             out = self.backend.output(request_id)

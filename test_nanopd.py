@@ -6738,6 +6738,49 @@ def test_200_concurrent_streaming_clients_each_get_their_own_complete_stream(pai
     assert all(end == ["data: [DONE]", "length"] for _, end in got)
 
 
+class ScriptedBackend:
+    """A backend (not an Engine: the engine loop polls it even idle) whose new tokens come
+    from a script, one entry per poll once `go` is set: {submit order: ids}."""
+    def __init__(self, script: list[dict[int, list[int]]]):
+        self.script, self.ids, self.go = script, [], threading.Event()
+        self.telemetry = types.SimpleNamespace(status={}, configured={})   # what /metrics reads
+        self.roles = types.SimpleNamespace(names=dict)
+
+    def submit(self, prompt, params) -> int:
+        self.ids.append(len(self.ids))
+        return self.ids[-1]
+
+    def poll(self, timeout: float) -> list[int]:
+        time.sleep(timeout)
+        return []
+
+    def new_tokens(self) -> dict:
+        if not self.go.is_set() or not self.script:
+            return {}
+        return {self.ids[k]: request.NewTokens(ids) for k, ids in self.script.pop(0).items()}
+
+
+def test_the_server_hands_out_a_steps_first_tokens_before_its_other_tokens():
+    """Two streams on one queue; the backend gives the first a token, then in one poll the
+    first its second token and the second its first, in that order: the second's first
+    token reaches the handlers before the first's second token."""
+    import server
+    backend = ScriptedBackend([{0: [5]}, {0: [6], 1: [7]}])
+
+    async def main() -> list:
+        loop, events = server.EngineLoop(backend, 8), asyncio.Queue()
+        try:
+            params = request.SamplingParams(max_tokens=4)
+            streams = [loop.submit(i, [1], params, events, True) for i in range(2)]
+            await asyncio.gather(*(s.accepted for s in streams))
+            backend.go.set()
+            got = [await asyncio.wait_for(events.get(), 30) for _ in range(3)]
+            return [(streams.index(s), kind, value.ids) for s, kind, value in got]
+        finally:
+            await asyncio.to_thread(loop.stop)
+    assert asyncio.run(main()) == [(0, "tokens", [5]), (1, "tokens", [7]), (0, "tokens", [6])]
+
+
 @pytest.mark.usefixtures("worker_env")
 def test_on_workers_the_server_streams_their_tokens_and_a_killed_one_fails_none_but_its_own(hf):
     """The server on two collocated CPU workers: 12 streams, greedy, with logprobs, each ends
@@ -6805,7 +6848,7 @@ def test_bench_as_a_client_measures_a_server_over_http(pair_llm, tmp_path):
         async def refused() -> str:   # bench's own client, on an error status
             with pytest.raises(bench.ServerError) as e:
                 body = {"model": "other", "prompt": [1]}
-                async for _ in bench.post_events(f"{url}/v1", "/completions", body, None):
+                async for _ in bench.Connection(f"{url}/v1", None).post_events("/completions", body):
                     pass
             return str(e.value)
         assert asyncio.run(refused()).startswith("HTTP 400") and "`other`" in asyncio.run(refused())
@@ -6909,7 +6952,7 @@ def test_serve_drains_its_streams_on_sigterm_and_exits_cleanly(tmp_path):
 @pytest.mark.usefixtures("worker_env")
 @pytest.mark.parametrize("args", [["--rate", "0"], ["--mode", "sweep", "--rates", "4", "-2"],
                                   ["--duration", "-1"], ["--mode", "static", "--num-requests", "0"],
-                                  ["--speculative", "-1"]])
+                                  ["--speculative", "-1"], ["--max-concurrency", "0"]])
 def test_bench_bad_arguments_are_a_one_line_error(args):
     """A rate, duration, request count or draft count that could give no run is refused, naming the flags."""
     run = subprocess.run([sys.executable, "bench.py", *args, "--devices", "cpu", "cpu"], cwd=HERE,
@@ -6956,6 +6999,97 @@ def test_bench_counts_latency_from_the_arrival_when_the_client_falls_behind():
     for k, r in enumerate(results):   # in submit order: each ended at once
         assert r.ttft >= 0.05 * (k + 1) and r.e2e >= 0.05 * (k + 1) and r.lag >= 0.05 * k
     assert bench.summarize(results, 1.0, 1.0, 1.0)["lag_max"] >= 0.25
+
+
+class HeldFrontEnd:
+    """A cluster that holds each request HOLD_S seconds from its submit, by its clock
+    (its metrics say it ended then, and poll hands it back no sooner), and counts how many
+    it held at once."""
+    HOLD_S = 0.2
+
+    def __init__(self):
+        self.held, self.outputs, self.most = {}, {}, 0
+
+    def submit(self, ids: list[int], params) -> int:
+        rid, now = len(self.outputs), time.perf_counter()
+        end = now + self.HOLD_S
+        metrics = request.RequestMetrics(now, first_token_time=end, finish_time=end)
+        self.outputs[rid] = request.RequestOutput(rid, None, ids,
+                                                  [request.CompletionOutput(0, [1], "", "length")], metrics)
+        self.held[rid] = end
+        self.most = max(self.most, len(self.held))
+        return rid
+
+    def poll(self, timeout: float) -> list[int]:
+        time.sleep(timeout)
+        ended = [rid for rid, end in self.held.items() if end <= time.perf_counter()]
+        for rid in ended:
+            del self.held[rid]
+        return ended
+
+    def output(self, rid: int):
+        return self.outputs[rid]
+
+
+def test_bench_under_a_concurrency_cap_holds_that_many_and_counts_from_each_send():
+    """Six requests at once under --max-concurrency 2, each held 0.2 s: never more than
+    two are held, and each one's latency is its 0.2 s plus the time its submit took (its
+    lag), counted from when its seat freed: the last two waited 0.4 s for theirs, which
+    their latencies do not count."""
+    import bench
+    front = HeldFrontEnd()
+    specs = [bench.Spec(0.0, [1, 2], 1) for _ in range(6)]
+    results, seconds = bench.serve(type("LLM", (), {"cluster": front}), "collocated", "fixed", 0.0, specs, "",
+                                   concurrency=2)
+    assert len(results) == 6 and front.most == 2 and seconds >= 3 * front.HOLD_S
+    for r in results:
+        assert r.e2e == pytest.approx(front.HOLD_S + r.lag, abs=1e-9) and r.lag < front.HOLD_S
+
+
+def test_bench_over_http_under_a_cap_keeps_that_many_connections_and_requests():
+    """bench's HTTP client against a stand-in server (plain asyncio) that streams each
+    request's two tokens as server-sent events after 50 ms: under --max-concurrency 3, seven
+    requests come over three connections, each kept alive for the next request, never more
+    than three at once, and each gets its tokens and usage."""
+    import bench
+    seen = {"connections": 0, "now": 0, "most": 0, "requests": 0}
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen["connections"] += 1
+        while line := await reader.readline():
+            length = 0
+            while (line := await reader.readline()) != b"\r\n":
+                name, _, value = line.decode().partition(":")
+                length = int(value) if name.lower() == "content-length" else length
+            body = json.loads(await reader.readexactly(length))
+            seen["requests"] += 1
+            seen["now"] += 1
+            seen["most"] = max(seen["most"], seen["now"])
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n")
+            await asyncio.sleep(0.05)
+            events = [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
+                      {"choices": [], "usage": {"completion_tokens": body["max_tokens"]}}]
+            for data in [f"data: {json.dumps(e)}\n\n".encode() for e in events] + [b"data: [DONE]\n\n"]:
+                writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            seen["now"] -= 1
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    async def main() -> list:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        run = type("Run", (), {"url": f"http://127.0.0.1:{port}/v1", "model": "m", "api_key": None,
+                               "concurrency": 3})
+        specs = [bench.Spec(0.0, [1, 2, 3], 2) for _ in range(7)]
+        async with server:
+            results, _ = await bench.serve_over_http(run, "fixed", 0.0, specs, "")
+        return results
+    results = asyncio.run(main())
+    assert seen == {"connections": 3, "now": 0, "most": 3, "requests": 7}
+    assert len(results) == 7 and all(r.error is None and r.output_len == 2 and 0 < r.ttft <= r.e2e
+                                     for r in results)
 
 
 def test_bench_sweep_smoke(tmp_path):
