@@ -774,10 +774,6 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds of arrivals per run (default: 60 on GPUs, 15 on CPUs)")
     p.add_argument("--num-requests", type=int, default=None,
                    help="static mode (default: 512 on GPUs, 64 on CPUs)")
-    p.add_argument("--max-concurrency", type=int, default=None,
-                   help="at most this many requests in flight, as that many clients that each send "
-                   "their next request when their last ended; each counts from when it was sent, as "
-                   "vLLM's benchmark (default: no cap)")
     p.add_argument("--model", default=None, help=f"a preset ({', '.join(PRESETS)}: the architecture with "
                    "seeded random weights, no download) or a Hugging Face checkpoint folder (default: "
                    "qwen3-8b on GPUs, tiny on CPUs)")
@@ -802,18 +798,28 @@ def parser() -> argparse.ArgumentParser:
                    help="seats per worker, every policy (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step (default: 8192 on GPUs, 256 on CPUs)")
-    p.add_argument("--phases", nargs="+", default=None, metavar="WORKLOAD:FACTOR",
-                   help="the phased workload's phases, in turn, each a workload arriving at FACTOR times "
-                   "--rate (default: " + " ".join(f"{w}:{f:g}" for w, f in PHASES) + ")")
-    p.add_argument("--phase-s", type=float, default=PHASE_S,
-                   help="seconds each phase of the phased workload lasts (default: %(default)g)")
     p.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="speculative decoding, K ngram drafts a step (docs/speculative.md); 0: none "
                    "(default)")
     p.add_argument("--out", default="runs/bench", help="folder for results.json and the plots (runs/ is not "
                    "tracked; results/ holds the measurements the docs quote) (default: %(default)s)")
+    add_arrival_flags(p)
     add_tool_commands(p)
     return p
+
+
+def add_arrival_flags(p: argparse.ArgumentParser) -> None:
+    """How requests come beyond --mode and --rate: the phased workload's phases, and a cap
+    on those in flight."""
+    p.add_argument("--phases", nargs="+", default=None, metavar="WORKLOAD:FACTOR",
+                   help="the phased workload's phases, in turn, each a workload arriving at FACTOR times "
+                   "--rate (default: " + " ".join(f"{w}:{f:g}" for w, f in PHASES) + ")")
+    p.add_argument("--phase-s", type=float, default=PHASE_S,
+                   help="seconds each phase of the phased workload lasts (default: %(default)g)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="at most this many requests in flight, as that many clients that each send "
+                   "their next request when their last ended; each counts from when it was sent, as "
+                   "vLLM's benchmark (default: no cap)")
 
 
 def add_tool_commands(p: argparse.ArgumentParser) -> None:
