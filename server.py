@@ -21,7 +21,6 @@ import contextlib
 import itertools
 import json
 import queue
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -78,10 +77,6 @@ def deliver(events: list[tuple]) -> None:
 
 
 SNAPSHOT_S = 0.25   # /metrics' KV usage and workers' state are read this often, not every poll
-# The HTTP loop and the engine thread share the GIL: a thread that wakes (a report came, a
-# submit is queued) waits until the one running yields it, by default up to 5 ms. Each first
-# token crosses twice (engine thread, then HTTP loop), so serve() asks for 0.5 ms turns.
-GIL_SWITCH_S = 0.0005
 
 
 class Full(Exception):
@@ -732,6 +727,5 @@ def serve(llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = 
     """Serve llm until SIGTERM or Ctrl-C: then no new connection is taken, the requests in
     flight finish for up to drain_s seconds, and the engine loop stops (the caller closes llm)."""
     app = make_app(llm, model_name, api_key, max_pending)
-    sys.setswitchinterval(GIL_SWITCH_S)
     uvicorn.Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=drain_s,
                                   log_level="info")).run()
