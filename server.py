@@ -3,17 +3,17 @@ and SGLang speak, so that OpenAI's client, a chat UI or a load tester can use it
 
   python nanopd.py serve MODEL [--policy ...] [--host] [--port] [--api-key] [any LLM setting]
 
-  EngineLoop   the LLM's backend (an Engine or a CentralScheduler) on a thread of its own:
-               it takes submits and aborts from the HTTP side, polls the backend, and hands
-               each request its new tokens and then its output (Stream, an asyncio queue)
+  EngineLoop   the LLM's backend beside the HTTP loop (an Engine on a thread of its own, a
+               CentralScheduler polled on the HTTP loop): it takes submits and aborts, polls
+               the backend, and hands each request its new tokens and then its output
+               (Stream, an asyncio queue)
   TextStream   a stream's text as its tokens come, held back where a stop string may start
   make_app     FastAPI: /v1/completions and /v1/chat/completions (server-sent events with
                stream=true), /v1/models, /health and /metrics (Prometheus, vLLM's names)
 
-The HTTP loop never waits on the engine: a handler puts a command on the loop's queue and
-awaits its request's events; the engine thread never waits on a client. n > 1 is n requests
-of one sample each, sample j seeded seed + j, as in LLM.generate. docs/server.md says what is
-and is not served.
+The HTTP loop never waits on a step: a handler submits and awaits its request's events; an
+engine's thread never waits on a client. n > 1 is n requests of one sample each, sample j
+seeded seed + j, as in LLM.generate. docs/server.md says what is and is not served.
 """
 
 import asyncio
@@ -83,10 +83,16 @@ class Full(Exception):
     """The server holds as many requests as it takes (max_pending): answered 503 at once."""
 
 
+TICK_S = 0.001   # a cluster is polled this often on the HTTP loop
+
+
 class EngineLoop:
-    """The backend on a thread of its own. Commands come on a queue (submit, abort, stop);
-    between them it polls the backend (an Engine steps, a cluster reads its workers' reports)
-    and hands out what came: each running request's new tokens, each ended one's output."""
+    """The backend beside the HTTP loop. An Engine steps on the GPU, so it runs on a thread
+    of its own, taking commands (submit, abort, stop) from a queue between its polls. A
+    cluster (CentralScheduler) only reads its workers' reports, so it is polled on the HTTP
+    loop itself every TICK_S, and commands are carried out at once: no thread, no hand-over
+    of the GIL between two threads on a request's way in and its tokens' way out. Each poll
+    hands out what came: each running request's new tokens, each ended one's output."""
 
     def __init__(self, backend, max_pending: int):
         self.backend, self.max_pending = backend, max_pending
@@ -99,12 +105,16 @@ class EngineLoop:
         self.kv_usage = 0.0                    # the share of KV blocks in use, on average over workers
         self.workers: tuple[dict, dict] = ({}, {})   # workers' roles and configurations (Configured)
         self.looked = 0.0                      # when kv_usage and workers were last read
-        self.thread = threading.Thread(target=self.run, name="nanopd-engine", daemon=True)
-        self.thread.start()
+        self.threaded = isinstance(backend, Engine)
+        if self.threaded:
+            self.thread = threading.Thread(target=self.run, name="nanopd-engine", daemon=True)
+            self.thread.start()
+        else:   # made on the HTTP loop (the app's lifespan)
+            self.timer = asyncio.get_running_loop().call_soon(self.tick)
 
     def submit(self, index: int, prompt: str | list[int], params: SamplingParams, events: asyncio.Queue,
                streamed: bool) -> Stream:
-        """A stream for a new request (its accepted future resolves on the engine thread);
+        """A stream for a new request (its accepted future resolves once the backend took it);
         Full if the server holds max_pending requests already. Called on the HTTP loop."""
         with self.lock:
             if self.pending >= self.max_pending:
@@ -112,17 +122,38 @@ class EngineLoop:
             self.pending += 1
         loop = asyncio.get_running_loop()
         stream = Stream(index, params, events, loop, loop.create_future(), streamed)
-        self.commands.put(("submit", prompt, stream))
+        self.command(("submit", prompt, stream))
         return stream
 
     def abort(self, stream: Stream) -> None:
-        self.commands.put(("abort", stream))
+        self.command(("abort", stream))
 
-    def stop(self) -> None:
-        self.commands.put(("stop",))
-        self.thread.join()
+    def command(self, command: tuple) -> None:
+        """Carry out command now (a cluster, on the HTTP loop), or queue it for the engine's thread."""
+        if self.threaded:
+            self.commands.put(command)
+        else:
+            self.obey(command)
+
+    async def close(self) -> None:
+        """Stop polling; requests still running end with an error."""
+        if self.threaded:
+            self.commands.put(("stop",))
+            await asyncio.to_thread(self.thread.join)
+        else:
+            self.timer.cancel()
+            self.fail_all(RuntimeError("the server is shutting down"))
+
+    def tick(self) -> None:
+        """One poll of a cluster, on the HTTP loop; the next one TICK_S later."""
+        try:
+            self.serve_once(timeout=0.0)
+        except Exception as e:  # noqa: BLE001 (a broken backend fails its requests; nothing hangs)
+            self.fail_all(e)
+        self.timer = asyncio.get_running_loop().call_later(TICK_S, self.tick)
 
     def run(self) -> None:
+        """The engine's thread: commands, then a step (or a short wait while idle)."""
         while True:
             try:   # wait for a command only while idle
                 command = self.commands.get(timeout=0.0 if self.streams else 0.05)
@@ -132,9 +163,9 @@ class EngineLoop:
                     command = self.commands.get_nowait()
             except queue.Empty:
                 pass
-            if self.streams or not isinstance(self.backend, Engine):   # workers' reports are read even idle
+            if self.streams:
                 try:
-                    self.serve_once()
+                    self.serve_once(timeout=0.002)
                 except Exception as e:  # noqa: BLE001 (a broken backend fails its requests; nothing hangs)
                     self.fail_all(e)
 
@@ -157,12 +188,12 @@ class EngineLoop:
                 return False
         return True
 
-    def serve_once(self) -> None:
+    def serve_once(self, timeout: float) -> None:
         """One poll of the backend: what came for each request, handed over in one call to
         the HTTP loop (one wake-up a step, not one per stream). First tokens go first: the
         handlers run in this order, and a first token is its request's TTFT, where the
         others add a little to a TPOT."""
-        ended, firsts, events = self.backend.poll(0.002), [], []
+        ended, firsts, events = self.backend.poll(timeout), [], []
         for request_id, new in self.backend.new_tokens().items():
             stream = self.streams.get(request_id)
             if stream is not None:
@@ -432,7 +463,7 @@ def make_app(llm, model_name: str | None = None, api_key: str | None = None,
         served.loop = EngineLoop(llm.backend, max_pending)
         served.metrics = Metrics(served.loop)
         yield
-        await asyncio.to_thread(served.loop.stop)
+        await served.loop.close()
     app = FastAPI(title="nanoPD", lifespan=lifespan)
     app.state.served = served
     add_error_handlers(app, api_key)

@@ -6777,7 +6777,7 @@ def test_the_server_hands_out_a_steps_first_tokens_before_its_other_tokens():
             got = [await asyncio.wait_for(events.get(), 30) for _ in range(3)]
             return [(streams.index(s), kind, value.ids) for s, kind, value in got]
         finally:
-            await asyncio.to_thread(loop.stop)
+            await loop.close()
     assert asyncio.run(main()) == [(0, "tokens", [5]), (1, "tokens", [7]), (0, "tokens", [6])]
 
 
