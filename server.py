@@ -83,16 +83,18 @@ class Full(Exception):
     """The server holds as many requests as it takes (max_pending): answered 503 at once."""
 
 
-TICK_S = 0.001   # a cluster is polled this often on the HTTP loop
+TICK_S = 0.001       # a cluster is polled this often on the HTTP loop while it runs requests,
+IDLE_TICK_S = 0.05   # and this often while it runs none (a submit brings the next poll forward)
 
 
 class EngineLoop:
     """The backend beside the HTTP loop. An Engine steps on the GPU, so it runs on a thread
     of its own, taking commands (submit, abort, stop) from a queue between its polls. A
     cluster (CentralScheduler) only reads its workers' reports, so it is polled on the HTTP
-    loop itself every TICK_S, and commands are carried out at once: no thread, no hand-over
-    of the GIL between two threads on a request's way in and its tokens' way out. Each poll
-    hands out what came: each running request's new tokens, each ended one's output."""
+    loop itself every TICK_S (IDLE_TICK_S with nothing to run), and commands are carried
+    out at once: no thread, no hand-over of the GIL between two threads on a request's way
+    in and its tokens' way out. Each poll hands out what came: each running request's new
+    tokens, each ended one's output."""
 
     def __init__(self, backend, max_pending: int):
         self.backend, self.max_pending = backend, max_pending
@@ -110,7 +112,7 @@ class EngineLoop:
             self.thread = threading.Thread(target=self.run, name="nanopd-engine", daemon=True)
             self.thread.start()
         else:   # made on the HTTP loop (the app's lifespan)
-            self.timer = asyncio.get_running_loop().call_soon(self.tick)
+            self.timer, self.idle = asyncio.get_running_loop().call_soon(self.tick), False
 
     def submit(self, index: int, prompt: str | list[int], params: SamplingParams, events: asyncio.Queue,
                streamed: bool) -> Stream:
@@ -132,8 +134,11 @@ class EngineLoop:
         """Carry out command now (a cluster, on the HTTP loop), or queue it for the engine's thread."""
         if self.threaded:
             self.commands.put(command)
-        else:
-            self.obey(command)
+            return
+        self.obey(command)
+        if self.idle and self.streams:
+            self.timer.cancel()
+            self.timer, self.idle = asyncio.get_running_loop().call_later(TICK_S, self.tick), False
 
     async def close(self) -> None:
         """Stop polling; requests still running end with an error."""
@@ -150,7 +155,8 @@ class EngineLoop:
             self.serve_once(timeout=0.0)
         except Exception as e:  # noqa: BLE001 (a broken backend fails its requests; nothing hangs)
             self.fail_all(e)
-        self.timer = asyncio.get_running_loop().call_later(TICK_S, self.tick)
+        self.idle = not self.streams
+        self.timer = asyncio.get_running_loop().call_later(IDLE_TICK_S if self.idle else TICK_S, self.tick)
 
     def run(self) -> None:
         """The engine's thread: commands, then a step (or a short wait while idle)."""

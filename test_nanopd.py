@@ -6781,6 +6781,27 @@ def test_the_server_hands_out_a_steps_first_tokens_before_its_other_tokens():
     assert asyncio.run(main()) == [(0, "tokens", [5]), (1, "tokens", [7]), (0, "tokens", [6])]
 
 
+def test_an_idle_cluster_is_polled_seldom_and_a_submit_brings_the_next_poll_forward():
+    """A cluster backend with nothing to run is polled every IDLE_TICK_S; a submit then
+    moves the next poll to within TICK_S."""
+    import server
+
+    async def main() -> tuple[float, float]:
+        loop = server.EngineLoop(ScriptedBackend([]), 8)
+        try:
+            while not loop.idle:
+                await asyncio.sleep(0.01)
+            before = loop.timer.when() - asyncio.get_running_loop().time()
+            stream = loop.submit(0, [1], request.SamplingParams(max_tokens=4), asyncio.Queue(), True)
+            after = loop.timer.when() - asyncio.get_running_loop().time()
+            await stream.accepted
+            return before, after
+        finally:
+            await loop.close()
+    before, after = asyncio.run(main())
+    assert before > server.TICK_S and after <= server.TICK_S
+
+
 @pytest.mark.usefixtures("worker_env")
 def test_on_workers_the_server_streams_their_tokens_and_a_killed_one_fails_none_but_its_own(hf):
     """The server on two collocated CPU workers: 12 streams, greedy, with logprobs, each ends
