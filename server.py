@@ -42,7 +42,7 @@ from request import CompletionOutput, RequestOutput, SamplingParams
 
 @dataclass(eq=False)
 class Stream:
-    """One request's events, from the engine thread to its handler, on the queue it shares
+    """One request's events, from the engine loop to its handler, on the queue it shares
     with the other requests of the same HTTP call: (stream, "tokens", NewTokens) as they come,
     then (stream, "end", RequestOutput). accepted resolves once the backend took it (or
     refused it: its exception)."""
@@ -56,7 +56,7 @@ class Stream:
     first_token: bool = False      # a token came (it is running, not waiting)
     ended: bool = False
 
-    def put(self, kind: str, value) -> None:   # from the engine thread
+    def put(self, kind: str, value) -> None:   # from the engine loop (either thread)
         self.loop.call_soon_threadsafe(self.events.put_nowait, (self, kind, value))
 
 
@@ -138,7 +138,7 @@ class EngineLoop:
         self.obey(command)
         if self.idle and self.streams:
             self.timer.cancel()
-            self.timer, self.idle = asyncio.get_running_loop().call_later(TICK_S, self.tick), False
+            self.poll_in(TICK_S)
 
     async def close(self) -> None:
         """Stop polling; requests still running end with an error."""
@@ -150,13 +150,16 @@ class EngineLoop:
             self.fail_all(RuntimeError("the server is shutting down"))
 
     def tick(self) -> None:
-        """One poll of a cluster, on the HTTP loop; the next one TICK_S later."""
+        """One poll of a cluster, on the HTTP loop; the next one TICK_S later, or
+        IDLE_TICK_S with nothing running."""
         try:
             self.serve_once(timeout=0.0)
         except Exception as e:  # noqa: BLE001 (a broken backend fails its requests; nothing hangs)
             self.fail_all(e)
-        self.idle = not self.streams
-        self.timer = asyncio.get_running_loop().call_later(IDLE_TICK_S if self.idle else TICK_S, self.tick)
+        self.poll_in(TICK_S if self.streams else IDLE_TICK_S)
+
+    def poll_in(self, seconds: float) -> None:
+        self.timer, self.idle = asyncio.get_running_loop().call_later(seconds, self.tick), not self.streams
 
     def run(self) -> None:
         """The engine's thread: commands, then a step (or a short wait while idle)."""
@@ -404,7 +407,7 @@ class Metrics:
                           ["worker", "role"], registry=r)
         loop.on_end = self.ended
 
-    def ended(self, out: RequestOutput) -> None:   # on the engine thread
+    def ended(self, out: RequestOutput) -> None:   # where the engine loop polls
         m, n = out.metrics, len(out.outputs[0].token_ids) if out.outputs else 0
         self.success.labels(finished_reason=out.outputs[0].finish_reason if out.outputs else "error").inc()
         self.prompt_tokens.inc(len(out.prompt_token_ids))
