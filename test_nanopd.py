@@ -5081,13 +5081,14 @@ def test_the_adaptive_workers_controller_cuts_its_budget_when_long_prompts_come_
     decodes and a 1024-token budget's chunk outlasts the TPOT target and one of 512 tokens
     does not: short prompts, then decodes alone keep the idle default (1024, the step's
     tokens); six long prompts arriving among the decodes, four of them waiting for a seat
-    while the short ones decode (so that a choice sees them queued however fast the device
-    steps), make it take 512 (Configured, in config_log). Every request gives HF's greedy
-    tokens."""
+    while the short ones and the first two long ones decode (100 tokens each: a GPU's fast
+    steps would otherwise cycle all six through the two free seats before the controller's
+    first choice, REACT_S later), make it take 512 (Configured, in config_log). Every
+    request gives HF's greedy tokens."""
     params = HardwareParams(alpha=0.1, beta=5.0, batch_thresh=0, slope=3.0, gamma=0.05, transfer_rate=0.0)
     slo = (100.0, 0.06)
     short = [prompt(3 + i, 200 + i) for i in range(6)]
-    long = [prompt(480 + 5 * i, 300 + i) for i in range(6)]
+    long = [prompt(400 + 2 * i, 300 + i) for i in range(6)]   # room for 100 tokens in max_model_len 512
     with make_cluster(hf, "adaptive", 1, profile=False, max_num_batched_tokens=1024, max_num_seqs=8,
                       num_kv_blocks=512) as llm:
         cluster = llm.cluster
@@ -5102,14 +5103,14 @@ def test_the_adaptive_workers_controller_cuts_its_budget_when_long_prompts_come_
         while not all(len(cluster.active[i].tokens) >= 2 for i in ids) and time.monotonic() < deadline:
             cluster.poll(0.02)
         assert cluster.config_log == []   # short prompts, then decodes alone: the idle default
-        burst = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        burst = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
         ids += [cluster.submit(p, burst) for p in long]
         ended: set[int] = set()
         while len(ended) < len(ids) and time.monotonic() < deadline:
             ended |= set(cluster.poll(0.02))
         outs = [cluster.output(i) for i in ids]
     assert [o.outputs[0].token_ids for o in outs] == [hf.greedy(p, 400) for p in short] + \
-        [hf.greedy(p, 4) for p in long]
+        [hf.greedy(p, 100) for p in long]
     changes = cluster.config_log
     assert changes and changes[0].worker == 0 and changes[0].budget == 512 and changes[0].sm_split is None
     assert all(c.time_s >= 0 for c in changes)
