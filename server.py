@@ -17,6 +17,7 @@ seeded seed + j, as in LLM.generate. docs/server.md says what is and is not serv
 """
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import json
@@ -70,12 +71,6 @@ def settle(future: asyncio.Future, outcome) -> None:
             future.set_result(outcome)
 
 
-def deliver(events: list[tuple]) -> None:
-    """On the HTTP loop: each (stream, kind, value) onto its stream's queue."""
-    for stream, kind, value in events:
-        stream.events.put_nowait((stream, kind, value))
-
-
 SNAPSHOT_S = 0.25   # /metrics' KV usage and workers' state are read this often, not every poll
 
 
@@ -85,6 +80,7 @@ class Full(Exception):
 
 TICK_S = 0.001       # a cluster is polled this often on the HTTP loop while it runs requests,
 IDLE_TICK_S = 0.05   # and this often while it runs none (a submit brings the next poll forward)
+HAND_OUT_SLICE = 32  # events handed to their handlers per turn of the HTTP loop (EngineLoop.hand_out)
 
 
 class EngineLoop:
@@ -107,12 +103,15 @@ class EngineLoop:
         self.kv_usage = 0.0                    # the share of KV blocks in use, on average over workers
         self.workers: tuple[dict, dict] = ({}, {})   # workers' roles and configurations (Configured)
         self.looked = 0.0                      # when kv_usage and workers were last read
+        self.loop = asyncio.get_running_loop()   # the HTTP loop (made in the app's lifespan)
+        self.outbox: collections.deque = collections.deque()   # (stream, kind, value) not handed out yet
+        self.handing_out = False
         self.threaded = isinstance(backend, Engine)
         if self.threaded:
             self.thread = threading.Thread(target=self.run, name="nanopd-engine", daemon=True)
             self.thread.start()
-        else:   # made on the HTTP loop (the app's lifespan)
-            self.timer, self.idle = asyncio.get_running_loop().call_soon(self.tick), False
+        else:
+            self.timer, self.idle = self.loop.call_soon(self.tick), False
 
     def submit(self, index: int, prompt: str | list[int], params: SamplingParams, events: asyncio.Queue,
                streamed: bool) -> Stream:
@@ -199,9 +198,8 @@ class EngineLoop:
 
     def serve_once(self, timeout: float) -> None:
         """One poll of the backend: what came for each request, handed over in one call to
-        the HTTP loop (one wake-up a step, not one per stream). First tokens go first: the
-        handlers run in this order, and a first token is its request's TTFT, where the
-        others add a little to a TPOT."""
+        the HTTP loop (one wake-up a step, not one per stream). First tokens go first: a
+        first token is its request's TTFT, where the others add a little to a TPOT."""
         ended, firsts, events = self.backend.poll(timeout), [], []
         for request_id, new in self.backend.new_tokens().items():
             stream = self.streams.get(request_id)
@@ -210,7 +208,6 @@ class EngineLoop:
                 if stream.streamed:
                     (events if stream.first_token else firsts).append((stream, "tokens", new))
                 stream.first_token = True
-        events = firsts + events
         for request_id in ended:
             stream = self.streams.pop(request_id, None)
             out = self.backend.output(request_id)
@@ -218,12 +215,34 @@ class EngineLoop:
                 self.ended(stream)
                 self.on_end(out)
                 events.append((stream, "end", out))
-        if events:
-            events[0][0].loop.call_soon_threadsafe(deliver, events)
+        if firsts or events:
+            if self.threaded:
+                self.loop.call_soon_threadsafe(self.hand_out, firsts, events)
+            else:
+                self.hand_out(firsts, events)
         if time.monotonic() - self.looked >= SNAPSHOT_S:   # for /metrics, read on the HTTP thread
             self.looked, self.kv_usage = time.monotonic(), kv_usage(self.backend)
             if not isinstance(self.backend, Engine):
                 self.workers = (self.backend.roles.names(), dict(self.backend.telemetry.configured))
+
+    def hand_out(self, firsts: list[tuple], events: list[tuple]) -> None:
+        """On the HTTP loop: first tokens ahead of every event waiting, the others behind
+        them; then each (stream, kind, value) onto its stream's queue, HAND_OUT_SLICE per turn
+        of the loop. Between slices the loop reads its sockets: a request arriving waits for
+        a slice of a step's tokens to be written out, not for all 256 streams' of them."""
+        self.outbox.extendleft(reversed(firsts))
+        self.outbox.extend(events)
+        if not self.handing_out:
+            self.handing_out = True
+            self.hand_out_slice()
+
+    def hand_out_slice(self) -> None:
+        for _ in range(min(HAND_OUT_SLICE, len(self.outbox))):
+            stream, kind, value = self.outbox.popleft()
+            stream.events.put_nowait((stream, kind, value))
+        self.handing_out = bool(self.outbox)
+        if self.handing_out:   # the rest on the loop's next turn, after its sockets
+            self.loop.call_soon(self.hand_out_slice)
 
     def ended(self, stream: Stream) -> None:
         """stream's request is over (ended, refused or aborted): it is no longer counted."""

@@ -6782,6 +6782,37 @@ def test_the_server_hands_out_a_steps_first_tokens_before_its_other_tokens():
     assert asyncio.run(main()) == [(0, "tokens", [5]), (1, "tokens", [7]), (0, "tokens", [6])]
 
 
+def test_the_server_hands_out_a_polls_events_a_slice_per_turn_of_its_loop_in_order():
+    """A poll's tokens for 100 streams, then the next poll's (a new stream's first token and
+    100 more) while the first are still being handed out: a callback the loop was given
+    after the first poll runs before they are all out (the loop turns, and reads its
+    sockets, between slices), the new first token goes ahead of every token waiting, and
+    each stream gets its tokens in order."""
+    import server
+
+    async def main() -> tuple[int, list]:
+        el, aloop = server.EngineLoop(ScriptedBackend([]), 8), asyncio.get_running_loop()
+        queue_: asyncio.Queue = asyncio.Queue()
+        try:
+            params = request.SamplingParams(max_tokens=4)
+            streams = [server.Stream(i, params, queue_, aloop, aloop.create_future()) for i in range(101)]
+            el.hand_out([], [(streams[i], "tokens", request.NewTokens([i])) for i in range(100)])
+            seen = []
+            aloop.call_soon(lambda: seen.append(queue_.qsize()))
+            el.hand_out([(streams[100], "tokens", request.NewTokens([100]))],
+                        [(streams[i], "tokens", request.NewTokens([1000 + i])) for i in range(100)])
+            got = [await asyncio.wait_for(queue_.get(), 30) for _ in range(201)]
+            return seen[0], [value.ids[0] for _, _, value in got]
+        finally:
+            await el.close()
+    seen, got = asyncio.run(main())
+    assert seen < 201
+    first_late = got.index(1000)
+    assert got.index(100) < first_late and sorted(got[:first_late]) == list(range(101))
+    assert all(got.index(i) < got.index(1000 + i) for i in range(100))
+    assert got == [i for i in got if i <= 100] + list(range(1000, 1100))
+
+
 def test_an_idle_cluster_is_polled_seldom_and_a_submit_brings_the_next_poll_forward():
     """A cluster backend with nothing to run is polled every IDLE_TICK_S; a submit then
     moves the next poll to within TICK_S."""
