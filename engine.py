@@ -21,6 +21,8 @@ handoff's import (workers.py, through the scheduler).
 """
 
 import dataclasses
+import functools
+import gc
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -59,6 +61,23 @@ def logprob_entry(token: int, token_logprob: float, rank: int, top_values: list[
     entry = {t: Logprob(v, r) for r, (t, v) in enumerate(zip(top_ids[:k], top_values[:k]), 1)}
     entry[token] = Logprob(token_logprob, rank)
     return entry
+
+
+def banned_tokens(eos_ids: set[int], seq: Sequence, before: list[int] = ()
+                  ) -> tuple[list[int], list[tuple[int, int]]]:
+    """The tokens seq's next token (after the drafts `before`) may not be: before
+    min_tokens, EOS and the stop ids; a bad word's last token where the output ends in the
+    rest of it. And the bad words' bans that wait for a PENDING last token
+    (sampler.bad_word_bans)."""
+    params = seq.request.params
+    banned = []
+    if seq.num_outputs + len(before) < params.min_tokens:
+        banned = list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(eos_ids))
+    if not params.bad_words_token_ids:
+        return banned, []
+    words, if_pending = bad_word_bans(params.bad_words_token_ids,
+                                      seq.token_ids[seq.num_prompt_tokens:] + list(before))
+    return banned + words, if_pending
 
 
 @dataclass
@@ -130,13 +149,21 @@ class Engine:
         self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, cfg.block_size,
                                                 enable_prefix_caching=cfg.enable_prefix_caching),
                                    cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.speculator = (Speculator(spec, self.runner, self.scheduler, self._banned)
-                           if spec is not None else None)
+        # (a function of the EOS ids, not a method: a speculator holding the engine would make
+        # a cycle, which the frozen heap below would keep from the collector)
+        banned = functools.partial(banned_tokens, self.eos_ids)
+        self.speculator = Speculator(spec, self.runner, self.scheduler, banned) if spec is not None else None
         self.requests: dict[int, Request] = {}      # submitted, output not yet taken
         self.in_flight: LaunchedStep | None = None   # launched, its tokens not yet taken
         self._request_ids = itertools.count()
         if self.model.device.type == "cuda":
             self._warm_up()
+        # What is built so far (the model, its graphs, the tokenizer) lives as long as the
+        # engine. Frozen, it is out of the way of Python's full collections, which a step's
+        # allocations set off every so often and which walked all of it: at a batch of 1,024
+        # that was a quarter of the host's time per step (vLLM freezes its start-up heap too).
+        gc.collect()
+        gc.freeze()
 
     def _warm_up(self) -> None:
         """Serve two short requests, one greedy with logprobs and one sampled with top-k,
@@ -308,12 +335,16 @@ class Engine:
             # a branch's draws are checks (Speculator.plan_checks)
             if req.beam_width or seq.trunk is not None:
                 continue
+            if not req.adjusts and (req.params.n == 1 or seq.num_outputs):   # most draws: one, plain
+                plan.append((i, 0))
+                draws.append(Draw(i, req.params, seq.generator))
+                continue
             for j in range(req.params.n if seq.num_outputs == 0 else 1):
                 g = seq.generator if j == 0 else seeded_generator(req.params, j, self.model.device)
                 plan.append((i, j))
                 before = list(seq.drafts) if seq.drafts else None   # drafted: after its last draft
-                draws.append(Draw(i, req.params, g, seq, j > 0, *self._banned(seq, seq.drafts), before=before)
-                             if req.adjusts else Draw(i, req.params, g))
+                draws.append(Draw(i, req.params, g, seq, j > 0, *banned_tokens(self.eos_ids, seq, seq.drafts),
+                                  before=before) if req.adjusts else Draw(i, req.params, g))
         return plan, draws
 
     def _plan_prompt_scores(self, batch: Batch) -> list[PromptScore]:
@@ -388,21 +419,6 @@ class Engine:
         return finished
 
     # -- stops, logprobs
-
-    def _banned(self, seq: Sequence, before: list[int] = ()) -> tuple[list[int], list[tuple[int, int]]]:
-        """The tokens seq's next token (after the drafts `before`) may not be: before
-        min_tokens, EOS and the stop ids; a bad word's last token where the output ends in the
-        rest of it. And the bad words' bans that wait for a PENDING last token
-        (sampler.bad_word_bans)."""
-        params = seq.request.params
-        banned = []
-        if seq.num_outputs + len(before) < params.min_tokens:
-            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else sorted(self.eos_ids))
-        if not params.bad_words_token_ids:
-            return banned, []
-        words, if_pending = bad_word_bans(params.bad_words_token_ids,
-                                          seq.token_ids[seq.num_prompt_tokens:] + list(before))
-        return banned + words, if_pending
 
     def _record_logprobs(self, seq: Sequence, token: int, token_logprob: float, rank: int,
                          top_values: list[float], top_ids: list[int]) -> None:

@@ -19,7 +19,7 @@ import contextlib
 import gc
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -88,7 +88,7 @@ class PinnedRing:
         return pinned
 
 
-@dataclass
+@dataclass(slots=True)   # one per sequence per step: slots make it cheap to build
 class Draw:
     """One token to sample in a step: after which of the batch's sequences, and how."""
     row: int                            # index into Batch.seqs
@@ -96,9 +96,9 @@ class Draw:
     generator: torch.Generator | None = None
     seq: Sequence | None = None         # that sequence, if its request adjusts its logits (Request.adjusts)
     child: bool = False                 # the token starts a child forked from seq (n > 1), not seq's own
-    banned: list[int] = field(default_factory=list)   # tokens it may not be (min_tokens, bad_words)
+    banned: Iterable[int] = ()          # tokens it may not be (min_tokens, bad_words)
     # (token, t): banned if seq's last token, PENDING on the host, is t (a bad word's rest ends there)
-    banned_if_pending: list[tuple[int, int]] = field(default_factory=list)
+    banned_if_pending: Iterable[tuple[int, int]] = ()
     # after which of the row's new tokens (-1: the last; drafts: each, speculate.py)
     position: int = -1
     noise_of: int = -1                  # a speculative branch's: the draw whose sampling noise it reuses
@@ -296,6 +296,16 @@ class ModelRunner:
         bs = self.cfg.block_size
         for seq, n in zip(batch.seqs, batch.num_new):
             start = seq.num_computed
+            if n == 1 and not seq.drafts:   # a decode: most rows of most steps
+                if seq.pending_row is not None and start == len(seq.token_ids) - 1:
+                    fills += (len(ids), seq.pending_row)
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(seq.block_table[start // bs] * bs + start % bs)
+                tables.append(seq.block_table)
+                q_lens.append(1)
+                ctx.append(start)
+                continue
             if seq.pending_row is not None and start <= len(seq.token_ids) - 1 < start + n:
                 fills += (len(ids) + len(seq.token_ids) - 1 - start, seq.pending_row)
             ids += (seq.token_ids[start:] + seq.drafts)[:n] if seq.drafts else seq.token_ids[start:start + n]
@@ -310,8 +320,11 @@ class ModelRunner:
                 tables.append(seq.block_table)
                 q_lens.append(n)
                 ctx.append(start)
-        width = max(len(t) for t in tables)
-        flat_tables = [b for t in tables for b in itertools.chain(t, itertools.repeat(0, width - len(t)))]
+        width = max(map(len, tables))
+        flat_tables, zeros = [], [0] * width
+        for t in tables:
+            flat_tables += t
+            flat_tables += zeros[len(t):]
         cu = list(itertools.accumulate(q_lens, initial=0))
         ids, positions, slots, cu, ctx, flat_tables, fills = self._upload_many(
             ids, positions, slots, cu, ctx, flat_tables, fills)

@@ -83,9 +83,15 @@ class Scheduler:
         batch = Batch()
         # Running decodes first (each waits on one token), then unfinished prompt chunks. A
         # sequence whose token in flight is its last (max_tokens) only waits to finish.
-        todo = [s for s in self.running if s.num_pending == 1 and s.num_outputs < s.request.params.max_tokens
-                and not (s.request.prefill_only and s.num_outputs)] if decodes else []
-        todo += [s for s in self.running if s.num_pending > 1] if prompts else []
+        todo, chunks = [], []
+        for s in self.running:   # one pass: this runs for every sequence of every step
+            pending = len(s.token_ids) - s.num_computed
+            if pending > 1:
+                chunks.append(s)
+            elif pending == 1 and s.num_outputs < s.request.params.max_tokens \
+                    and not (s.request.prefill_only and s.num_outputs):
+                todo.append(s)
+        todo = (todo if decodes else []) + (chunks if prompts else [])
         for seq in todo:
             if budget == 0:
                 break
