@@ -42,6 +42,7 @@ import copy
 import dataclasses
 import datetime
 import functools
+import gc
 import gzip
 import io
 import itertools
@@ -3106,6 +3107,25 @@ def test_speculative_logprobs_match_hf(hf, temperature):
     assert temperature > 0 or sum(o.metrics.spec_accepted_tokens for o in outs) > 0
     assert_top3_logprobs_match_hf(hf, prompts, outs, 16)
     assert all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("method", [None, "ngram", "draft_model"])
+def test_a_dropped_engine_frees_its_kv_cache_by_reference_counting(hf, method):
+    """An engine freezes its start-up heap (gc.freeze), where a reference cycle would never be
+    collected: an engine, plain or speculating (n-gram, or the model as its own draft), that
+    has served and is dropped frees its KV cache at once, by reference counting alone (the
+    collector off)."""
+    draft = {"method": "draft_model", "model": str(hf.path), "num_speculative_tokens": 2}
+    spec = {None: None, "ngram": NGRAM, "draft_model": draft}[method]
+    llm = make_llm(hf.path, speculative_config=spec)
+    generate(llm, [prompt(8, 1)], max_tokens=6)
+    cache, engine = weakref.ref(llm.engine.runner.kv_cache), weakref.ref(llm.engine)
+    gc.disable()
+    try:
+        del llm
+        assert cache() is None and engine() is None
+    finally:
+        gc.enable()
 
 
 @ENGINE
