@@ -381,27 +381,41 @@ class Engine:
         for k, ((seq, index), token) in enumerate(zip(step.targets, tokens)):
             if seq.status == Status.FINISHED:   # it stopped one step earlier: this token is void
                 continue
-            drafted, draw = step.drafted.get(seq), step.num_checks + k
-            kept, draws = (self.speculator.keep(seq, drafted, checked, token, draw) if drafted
-                           else ([token], [draw]))
-            if drafted and seq.request.params.penalized:   # its draws were not counted: what it kept is
-                counted.append((seq, kept))
-            seq.token_ids[index:index + 1] = kept
-            if index + len(kept) == len(seq.token_ids):   # no later step has sampled after it yet
+            drafted, draw = step.drafted.get(seq) if step.drafted else None, step.num_checks + k
+            if drafted is not None:
+                self._take_drafted(seq, index, drafted, checked, token, draw, logprobs, counted)
+                continue
+            seq.token_ids[index] = token   # most tokens: one, in its place
+            if index == len(seq.token_ids) - 1:   # no later step has sampled after it yet
                 seq.pending_row = None
-            if drafted:
-                self.scheduler.drafts_checked(seq)
-            for at, draw in zip(range(index, index + len(kept)), draws):
-                if draw in logprobs:
-                    self._record_logprobs(seq, seq.token_ids[at], *logprobs[draw])
-                self._check_stop(seq, at)
-                if seq.status == Status.FINISHED:
-                    break
+            self._take_token(seq, index, draw, logprobs)
         self.runner.token_counts.count_kept(counted, self.runner.upload)
         for seq, candidates in zip(step.beams, step.output.beams):
             k = 2 * seq.request.beam_width
             seq.beam_candidates = list(zip(candidates[0][:k], candidates[1][:k]))
         return self._finished(step, now)
+
+    def _take_token(self, seq: Sequence, index: int, draw: int, logprobs: dict) -> None:
+        """seq's token at index, sampled by draw, is known: its logprobs, then its stop check."""
+        if draw in logprobs:
+            self._record_logprobs(seq, seq.token_ids[index], *logprobs[draw])
+        self._check_stop(seq, index)
+
+    def _take_drafted(self, seq: Sequence, index: int, drafted: Drafted, checked: list[int], token: int,
+                      draw: int, logprobs: dict, counted: list[tuple[Sequence, list[int]]]) -> None:
+        """A drafted sequence's step ended: the drafts it kept and the token after them
+        (Speculator.keep) take the PENDING token's place, each taken in turn until one stops it."""
+        kept, draws = self.speculator.keep(seq, drafted, checked, token, draw)   # draws: each kept token's
+        if seq.request.params.penalized:   # its draws were not counted: what it kept is
+            counted.append((seq, kept))
+        seq.token_ids[index:index + 1] = kept
+        if index + len(kept) == len(seq.token_ids):   # no later step has sampled after it yet
+            seq.pending_row = None
+        self.scheduler.drafts_checked(seq)
+        for at, sampled_by in zip(range(index, index + len(kept)), draws):
+            self._take_token(seq, at, sampled_by, logprobs)
+            if seq.status == Status.FINISHED:
+                break
 
     def _finished(self, step: LaunchedStep, now: float) -> list[Request]:
         """The requests that finished with step: a sequence of theirs stopped, or a beam
