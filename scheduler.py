@@ -99,12 +99,16 @@ class Scheduler:
             if seq.status != Status.RUNNING or seq in busy:
                 continue
             # A decode's drafts (speculate.py) are checked in its step, as many as the budget holds.
-            n = min(seq.num_pending + len(seq.drafts), budget)
-            del seq.drafts[max(0, n - seq.num_pending):]
+            pending = seq.num_pending
+            n = min(pending + len(seq.drafts), budget)
+            if seq.drafts:
+                del seq.drafts[max(0, n - pending):]
             n = self._append_slots(seq, n, batch, busy) if n else 0
             if n == 0:
                 continue
-            budget -= n + self._schedule_branches(seq, n, batch, budget - n)
+            budget -= n
+            if seq.branches:
+                budget -= self._schedule_branches(seq, n, batch, budget)
         # Then new (or preempted) sequences, first come first served, while budget and seats remain.
         while prompts and self.waiting and budget > 0:
             seq = self.waiting[0]
