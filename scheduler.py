@@ -85,7 +85,7 @@ class Scheduler:
         # sequence whose token in flight is its last (max_tokens) only waits to finish.
         todo, chunks = [], []
         for s in self.running:   # one pass: this runs for every sequence of every step
-            pending = len(s.token_ids) - s.num_computed
+            pending = s.num_pending
             if pending > 1:
                 chunks.append(s)
             elif pending == 1 and s.num_outputs < s.request.params.max_tokens \

@@ -50,15 +50,11 @@ class Stream:
     index: int                     # its choice in the response
     params: SamplingParams
     events: asyncio.Queue
-    loop: asyncio.AbstractEventLoop
     accepted: asyncio.Future
     streamed: bool = True          # its handler shows tokens as they come (else: its output alone)
     request_id: int | None = None
     first_token: bool = False      # a token came (it is running, not waiting)
     ended: bool = False
-
-    def put(self, kind: str, value) -> None:   # from the engine loop (either thread)
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (self, kind, value))
 
 
 def settle(future: asyncio.Future, outcome) -> None:
@@ -121,8 +117,7 @@ class EngineLoop:
             if self.pending >= self.max_pending:
                 raise Full(f"the server holds {self.pending} requests, its limit (--max-pending)")
             self.pending += 1
-        loop = asyncio.get_running_loop()
-        stream = Stream(index, params, events, loop, loop.create_future(), streamed)
+        stream = Stream(index, params, events, self.loop.create_future(), streamed)
         self.command(("submit", prompt, stream))
         return stream
 
@@ -184,10 +179,10 @@ class EngineLoop:
                 try:
                     stream.request_id = self.backend.submit(prompt, stream.params)
                     self.streams[stream.request_id] = stream
-                    stream.loop.call_soon_threadsafe(settle, stream.accepted, stream.request_id)
+                    self.on_loop(settle, stream.accepted, stream.request_id)
                 except Exception as e:  # noqa: BLE001 (a refused request: its handler answers it)
                     self.ended(stream)
-                    stream.loop.call_soon_threadsafe(settle, stream.accepted, e)
+                    self.on_loop(settle, stream.accepted, e)
             case ("abort", stream):
                 if self.streams.pop(stream.request_id, None) is not None:
                     self.backend.abort([stream.request_id])
@@ -216,14 +211,19 @@ class EngineLoop:
                 self.on_end(out)
                 events.append((stream, "end", out))
         if firsts or events:
-            if self.threaded:
-                self.loop.call_soon_threadsafe(self.hand_out, firsts, events)
-            else:
-                self.hand_out(firsts, events)
+            self.on_loop(self.hand_out, firsts, events)
         if time.monotonic() - self.looked >= SNAPSHOT_S:   # for /metrics, read on the HTTP thread
             self.looked, self.kv_usage = time.monotonic(), kv_usage(self.backend)
             if not isinstance(self.backend, Engine):
                 self.workers = (self.backend.roles.names(), dict(self.backend.telemetry.configured))
+
+    def on_loop(self, fn: Callable, *args) -> None:
+        """fn(*args) on the HTTP loop: now on a cluster's poll (it runs there), handed over
+        from an engine's thread."""
+        if self.threaded:
+            self.loop.call_soon_threadsafe(fn, *args)
+        else:
+            fn(*args)
 
     def hand_out(self, firsts: list[tuple], events: list[tuple]) -> None:
         """On the HTTP loop: first tokens ahead of every event waiting, the others behind
@@ -258,7 +258,8 @@ class EngineLoop:
             self.backend.abort([s.request_id for s in streams])
         for stream in streams:
             self.ended(stream)
-            stream.put("end", RequestOutput(stream.request_id, None, [], [], None, error=error))
+        ends = [(s, "end", RequestOutput(s.request_id, None, [], [], None, error=error)) for s in streams]
+        self.on_loop(self.hand_out, [], ends)
 
 
 def kv_usage(backend) -> float:

@@ -6815,7 +6815,7 @@ def test_the_server_hands_out_a_polls_events_a_slice_per_turn_of_its_loop_in_ord
         queue_: asyncio.Queue = asyncio.Queue()
         try:
             params = request.SamplingParams(max_tokens=4)
-            streams = [server.Stream(i, params, queue_, aloop, aloop.create_future()) for i in range(101)]
+            streams = [server.Stream(i, params, queue_, aloop.create_future()) for i in range(101)]
             el.hand_out([], [(streams[i], "tokens", request.NewTokens([i])) for i in range(100)])
             seen = []
             aloop.call_soon(lambda: seen.append(queue_.qsize()))
