@@ -15,6 +15,7 @@ A token the host has not received yet (PENDING, see engine.py) is read on the de
 the previous step's sampled tokens.
 """
 
+import array
 import contextlib
 import gc
 import itertools
@@ -43,6 +44,19 @@ SPLIT_GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 38
 PIECE_TOKENS = [8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024]
 
 # ----------------------------------------------------------------------------- model runner
+
+# The array.array codes of the dtypes uploaded from flat lists (host_tensor).
+ARRAY_CODES = {torch.int32: "i", torch.int64: "q", torch.float32: "f"}
+
+
+def host_tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
+    """A host list as a CPU tensor. A flat list of numbers goes through array.array, whose C
+    loop converts it ~3x faster than torch.tensor: a decode step's block tables are tens of
+    thousands of ints, and converting them was most of its host work before the graph."""
+    code = ARRAY_CODES.get(dtype)
+    if code is None or not data or isinstance(data[0], (list, tuple)):
+        return torch.tensor(data, dtype=dtype)
+    return torch.frombuffer(array.array(code, data), dtype=dtype)
 
 
 class PinnedRing:
@@ -280,7 +294,7 @@ class ModelRunner:
 
     def upload(self, data: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """A host list as a tensor on the device, without waiting for the device (see PinnedRing)."""
-        t = torch.tensor(data, dtype=dtype)
+        t = host_tensor(data, dtype)
         return self.lane.uploads.to_device(t, self.device) if self.device.type == "cuda" else t
 
     def _upload_many(self, *lists: list[int]) -> list[torch.Tensor]:
@@ -355,12 +369,13 @@ class ModelRunner:
 
     def _run(self, batch: Batch, draws: list[Draw], beam_rows: list[int], beam_k: int,
              prev_tokens: torch.Tensor | None, lane: Lane, scores: list[PromptScore]) -> StepOutput:
+        hidden = self._forward(batch, prev_tokens, lane)   # launched: the host's work below overlaps it
         # (row, position): the logits computed are those of the tokens sampled after and of
         # the prompt positions scored, only (a prompt chunk's others are never needed)
         scored = [(s.row, s.first + i) for s in scores for i in range(len(s.targets))]
         wanted = sorted({(d.row, d.position) for d in draws} | {(r, -1) for r in beam_rows} | set(scored))
         # [len(wanted), vocab]
-        logits = self.model.compute_logits(self._forward(batch, wanted, prev_tokens, lane))
+        logits = self.model.compute_logits(self._hidden_of(batch, hidden, wanted))
         at = {w: i for i, w in enumerate(wanted)}
         out = StepOutput()
         if scores:
@@ -443,40 +458,42 @@ class ModelRunner:
                        rows[self.upload(own, torch.int64)])
         return x, counted
 
-    def _forward(self, batch: Batch, wanted: list[tuple[int, int]], prev_tokens: torch.Tensor | None,
-                 lane: Lane) -> torch.Tensor:
-        """Hidden states [len(wanted), hidden] after the new tokens wanted: (row, position),
-        the position-th new token of batch.seqs[row] (-1: its last)."""
-        starts = list(itertools.accumulate(batch.num_new, initial=0))
-        tokens = [starts[r] + (batch.num_new[r] - 1 if p < 0 else p) for r, p in wanted]
-        pairs, rows = self._upload_many([b for pair in batch.copies for b in pair], tokens)
-        if batch.copies:
-            self._copy_blocks(pairs.view(-1, 2))
+    def _forward(self, batch: Batch, prev_tokens: torch.Tensor | None, lane: Lane) -> torch.Tensor:
+        """Hidden states [tokens, hidden] after the batch's new tokens (a decode graph's: after
+        each row's, drafts included)."""
+        self.copy_blocks(batch.copies)
         num_tokens = sum(batch.num_new)
         one_token_rows = max(batch.num_new) == 1 or all(n == 1 or s.drafts
                                                         for s, n in zip(batch.seqs, batch.num_new))
         graph_bs = next((b for b in lane.sizes if b >= num_tokens), None)
         # decodes, and their drafts (attention_rows): a token a row
         if graph_bs is not None and one_token_rows:
-            return self._replay(batch, lane.graphs[graph_bs], prev_tokens)[rows]
+            return self._replay(batch, lane.graphs[graph_bs], prev_tokens)
         ids, positions, meta = self.prepare(batch, prev_tokens)
         padded = next((t for t in self.piece_sizes if t >= num_tokens), None) if lane.pieces else None
         if padded is None:
-            hidden = self.model(ids, positions, self.kv_cache, meta)
-        else:
-            hidden = self._replay_pieces(ids, positions, meta, padded)
-        return hidden[rows]
+            return self.model(ids, positions, self.kv_cache, meta)
+        return self._replay_pieces(ids, positions, meta, padded)
 
-    def _copy_blocks(self, pairs: torch.Tensor) -> None:
-        """Copy-on-write: block src to dst [P, 2], in every cache (the draft model's too)."""
+    def _hidden_of(self, batch: Batch, hidden: torch.Tensor, wanted: list[tuple[int, int]]) -> torch.Tensor:
+        """The rows of hidden [tokens, hidden] after the new tokens wanted: (row, position),
+        the position-th new token of batch.seqs[row] (-1: its last). A decode step wants
+        every row: hidden itself, no gather."""
+        starts = list(itertools.accumulate(batch.num_new, initial=0))
+        tokens = [starts[r] + (batch.num_new[r] - 1 if p < 0 else p) for r, p in wanted]
+        if tokens == list(range(len(hidden))):
+            return hidden
+        return hidden[self.upload(tokens)]
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src to dst for each pair (src, dst), in every cache (the draft
+        model's too); a step's before its model runs, a draft model's slots outside a step."""
+        if not copies:
+            return
+        pairs = self.upload([b for pair in copies for b in pair]).view(-1, 2)
         for cache in (self.kv_cache, self.draft_cache):
             if cache is not None:
                 kernels.copy_blocks(cache, pairs)
-
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write pairs (src, dst) now, outside a step (a draft model's slots)."""
-        if copies:
-            self._copy_blocks(self.upload([b for pair in copies for b in pair]).view(-1, 2))
 
     @torch.inference_mode()
     def draft_next(self, tokens: list[list[int]], starts: list[int], tables: list[list[int]]) -> list[int]:
