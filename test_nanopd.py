@@ -7757,13 +7757,14 @@ def test_microbench_small_kernels_runs_every_case_and_matches_its_reference(tmp_
 @MICROBENCH_GPU
 def test_microbench_small_engine_gives_every_row_and_generates_every_token(tmp_path):
     """The engine benchmark on the tiny preset: a row per decode batch, the mixed step both
-    ways, prefill and decode inside generate, each with finite, positive times and
-    ceilings; generate produced requests x output tokens (EOS ignored)."""
+    ways, prefill, decode inside generate and one prompt's TTFT, each with finite, positive
+    times and ceilings; generate produced requests x output tokens (EOS ignored)."""
     from tools import microbench
     sizes = microbench.SMALL_ENGINE
     res = run_microbench(tmp_path, "engine")
     assert finite_positive(res["hbm_copy_GBps"], res["bf16_matmul_TFLOPs"], res["startup_s"])
-    assert len(res["rows"]) == len(sizes.batches) + 4
+    assert len(res["rows"]) == len(sizes.batches) + 5
+    assert any(r["case"] == f"TTFT, one {sizes.ttft_prompt}-token prompt" for r in res["rows"])
     for r in res["rows"]:
         assert finite_positive(r["ms"], r["ceiling_ms"]), r
         assert r["gpu_ms"] is None or finite_positive(r["gpu_ms"])
@@ -7776,6 +7777,7 @@ def test_microbench_small_engine_gives_every_row_and_generates_every_token(tmp_p
     assert g["requests"] == count and g["output_tokens"] == count * n_out
     assert finite_positive(*(g[k] for k in ("seconds", "output_tokens_per_s", "total_tokens_per_s",
                                             "matmul_s", "kv_read_s", "roofline_s")))
+    assert 0 <= g["gpu_idle_s"] < g["seconds"] and 0 <= g["steps_after_idle"] < g["steps"]
 
 
 @MICROBENCH_GPU

@@ -8,8 +8,9 @@ hardware ceiling measured in the same run (bench.py runs them: `python bench.py 
   python bench.py engine    the single-GPU engine on Qwen3-8B (random weights): decode
                             step times, a mixed step on the piecewise graphs and
                             eagerly, prefill ms/token, batch-1 decode inside
-                            generate and LLM.generate throughput, beside the hardware
-                            ceilings measured in the same run
+                            generate, one 8192-token prompt's TTFT and
+                            LLM.generate throughput, beside the hardware ceilings
+                            measured in the same run
   python bench.py profile   where a decode step's GPU time goes, kernel by kernel (the
                             step run eagerly under torch.profiler); --batch, --context
 
@@ -29,7 +30,9 @@ runs, as the GPU tests do; its numbers mean nothing.
 """
 
 import argparse
+import contextlib
 import dataclasses
+import itertools
 import json
 import statistics
 import time
@@ -96,7 +99,8 @@ def bench_attention(batch: int, seq_len: int, decode: bool, hq=32, hkv=8, d=128,
         work, unit = 2 * batch * seq_len * hkv * d * k.element_size() / 1e9, "GB/s"
     else:        # compute bound: causal QK^T and PV
         work, unit = 2 * 2 * batch * seq_len * seq_len * hq * d / 2 / 1e12, "TFLOP/s"
-    name = f"decode B={batch} T={seq_len} (splits {splits})" if decode else f"prefill T={seq_len} causal"
+    name = (f"decode B={batch} T={seq_len} (splits {splits})" if decode
+            else f"prefill {f'B={batch} ' if batch > 1 else ''}T={seq_len} causal")
     return {"case": name, "ours_ms": t_ours, "ref_ms": t_sdpa, "unit": unit,
             "ours_rate": work / t_ours * 1e3, "ref_rate": work / t_sdpa * 1e3, "ratio": t_sdpa / t_ours,
             "rel_err": err.item(), "ref": "SDPA"}
@@ -180,7 +184,8 @@ def kernel_cases(small: bool = False) -> list:
                 lambda: bench_small_m_linear("gate_up", 24576, 4096, copies=2)]  # enough tiles: no split
     return [lambda: bench_attention(1, 4096, True), lambda: bench_attention(64, 4096, True),
             lambda: bench_attention(256, 2048, True), lambda: bench_attention(1, 2048, False),
-            lambda: bench_attention(1, 8192, False), bench_rope_store_kv, bench_copy_blocks,
+            lambda: bench_attention(1, 8192, False), lambda: bench_attention(16, 1024, False),
+            lambda: bench_attention(128, 128, False), bench_rope_store_kv, bench_copy_blocks,
             lambda: bench_small_m_linear("qkv", 6144, 4096),
             lambda: bench_small_m_linear("o_proj", 4096, 4096),
             lambda: bench_small_m_linear("gate_up", 24576, 4096),
@@ -244,6 +249,13 @@ class ModelFacts:
                           2 * (params - cfg.vocab_size * cfg.hidden_size))
 
 
+def prefill_flops(eng, facts: ModelFacts, n: int) -> float:
+    """One n-token prompt's FLOPs: its matmuls and its causal attention (QK^T and PV)."""
+    m = eng.model
+    attention = 4 * n * n / 2 * m.config.num_attention_heads * m.head_dim * m.num_layers
+    return n * facts.flops_per_token + attention
+
+
 def ceiling_ms(res: dict, nbytes: float, flops: float) -> float:
     """The larger of the bytes at the copy bandwidth and the FLOPs at the matmul rate."""
     return max(nbytes / res["hbm_copy_GBps"] / 1e6, flops / res["bf16_matmul_TFLOPs"] / 1e9)
@@ -273,6 +285,7 @@ class EngineSizes:
     mixed: tuple[int, int] = (32, 128)        # a mixed step: decodes, and one prompt chunk's tokens
     prefill: int = 2048                       # one prompt's tokens in one step
     generate: tuple[int, int, int] = (1024, 128, 128)   # LLM.generate: requests, tokens in, tokens out
+    ttft_prompt: int = 8192                   # one prompt's time to first token in LLM.generate
     reps: int = 30                            # timed decode steps a row (mixed 2/3 of it, prefill 1/3)
     max_num_seqs: int = 1024
     max_num_batched_tokens: int = 16384
@@ -280,8 +293,8 @@ class EngineSizes:
 
 
 SMALL_ENGINE = EngineSizes(model="tiny", batches=(1, 4), context=64, mixed=(4, 16), prefill=256,
-                           generate=(16, 32, 16), reps=6, max_num_seqs=64, max_num_batched_tokens=512,
-                           num_kv_blocks=1024)
+                           generate=(16, 32, 16), ttft_prompt=256, reps=6, max_num_seqs=64,
+                           max_num_batched_tokens=512, num_kv_blocks=1024)
 
 
 def step_rows(eng, res: dict, facts: ModelFacts, rows: list[dict], sizes: EngineSizes) -> None:
@@ -316,11 +329,10 @@ def step_rows(eng, res: dict, facts: ModelFacts, rows: list[dict], sizes: Engine
     record(rows, f"mixed step, {decodes} decodes + {chunk_len}-token chunk",
            lambda: timed(mixed, reps * 2 // 3), ceiling)
     record(rows, "  the same step eagerly", lambda: timed(mixed, reps * 2 // 3, eager=True), ceiling)
-    cfg, n = eng.model.config, sizes.prefill
-    attn_flops = 4 * n * n / 2 * cfg.num_attention_heads * eng.model.head_dim * eng.model.num_layers
+    n = sizes.prefill
     record(rows, f"prefill {n} tokens (ms per token)",
            lambda: timed(lambda: fake_batch(eng, 1, 0, n), reps // 3),
-           ceiling_ms(res, 0, n * facts.flops_per_token + attn_flops), unit_div=n)
+           ceiling_ms(res, 0, prefill_flops(eng, facts, n)), unit_div=n)
 
 
 PENALISED = SamplingParams(temperature=0.0, repetition_penalty=1.1, presence_penalty=0.5,
@@ -375,6 +387,51 @@ def decode_in_generate_row(llm, res: dict, facts: ModelFacts, rows: list[dict], 
            ceiling_ms(res, facts.weight_bytes + mid * facts.kv_per_token, facts.flops_per_token))
 
 
+def ttft_row(llm, res: dict, facts: ModelFacts, rows: list[dict], g: torch.Generator, length: int,
+             runs: int = 3) -> None:
+    """One `length`-token prompt's time to first token in LLM.generate (max_tokens 2), as a
+    user sees it: the median of `runs` prompts after one warm-up, beside its prefill's
+    FLOPs at the matmul rate."""
+    vocab = llm.engine.model.config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+    def one() -> float:
+        out = llm.generate(random_prompts(vocab, 1, length, g), params, use_tqdm=False)[0]
+        return (out.metrics.first_token_time - out.metrics.arrival_time) * 1e3
+    one()
+    record(rows, f"TTFT, one {length}-token prompt",
+           lambda: (statistics.median(one() for _ in range(runs)), None),
+           ceiling_ms(res, 0, prefill_flops(llm.engine, facts, length)))
+
+
+@contextlib.contextmanager
+def step_timeline(runner):
+    """Inside: per step of runner, (start, end) CUDA events, the start recorded as the host
+    begins the step, and whether the step before had already ended once this one was
+    launched (the GPU then ran dry: the host set the pace)."""
+    steps, run = [], runner.run
+
+    def timed(*args, **kwargs):
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = run(*args, **kwargs)
+        steps.append((start, out.ready, bool(steps) and steps[-1][1].query()))
+        return out
+    runner.run = timed
+    try:
+        yield steps
+    finally:
+        del runner.run   # the class's method again
+
+
+def gpu_idle(steps: list) -> dict:
+    """The GPU's idle time between steps (one step's end to the next one's start) and how
+    many steps it ran dry before (step_timeline)."""
+    torch.cuda.synchronize()
+    idle = sum(end.elapsed_time(start) for (_, end, _), (start, _, _) in itertools.pairwise(steps)) / 1e3
+    return {"steps": len(steps), "gpu_idle_s": idle, "steps_after_idle": sum(dry for *_, dry in steps)}
+
+
 def generate_throughput(llm, res: dict, facts: ModelFacts, g: torch.Generator,
                         shape: tuple[int, int, int] = (1024, 128, 128)) -> dict:
     """LLM.generate over `shape` (requests, tokens in, tokens out; the default is vLLM's
@@ -391,8 +448,10 @@ def generate_throughput(llm, res: dict, facts: ModelFacts, g: torch.Generator,
                  SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     torch.cuda.synchronize()
     t = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True))
+    with step_timeline(llm.engine.runner) as steps:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True))
     elapsed = time.perf_counter() - t
+    idle = gpu_idle(steps)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     head = 2 * cfg.vocab_size * cfg.hidden_size
     n_in, requests = n_prompt * count, len(outs)
@@ -403,10 +462,12 @@ def generate_throughput(llm, res: dict, facts: ModelFacts, g: torch.Generator,
     roof_s = matmul_s + kv_read_s
     print(f"LLM.generate {count} x ({n_prompt} in, {n_out} out): {elapsed:.2f} s, {tokens / elapsed:.0f} "
           f"output tokens/s, {(tokens + n_in) / elapsed:.0f} total tokens/s; roofline {roof_s:.2f} s = "
-          f"matmuls {matmul_s:.2f} + K/V reads {kv_read_s:.2f} ({tokens / roof_s:.0f} output tokens/s)")
+          f"matmuls {matmul_s:.2f} + K/V reads {kv_read_s:.2f} ({tokens / roof_s:.0f} output tokens/s); "
+          f"the GPU idle between steps {idle['gpu_idle_s']:.3f} s, before {idle['steps_after_idle']} of its "
+          f"{idle['steps']} steps")
     return {"requests": requests, "output_tokens": tokens, "seconds": elapsed,
             "output_tokens_per_s": tokens / elapsed, "total_tokens_per_s": (tokens + n_in) / elapsed,
-            "matmul_s": matmul_s, "kv_read_s": kv_read_s, "roofline_s": roof_s}
+            "matmul_s": matmul_s, "kv_read_s": kv_read_s, "roofline_s": roof_s, **idle}
 
 
 def run_engine(out: str | None, sizes: EngineSizes = EngineSizes()) -> dict:
@@ -418,7 +479,7 @@ def run_engine(out: str | None, sizes: EngineSizes = EngineSizes()) -> dict:
     t = time.perf_counter()
     llm = LLM(sizes.model, max_num_seqs=sizes.max_num_seqs,
               max_num_batched_tokens=sizes.max_num_batched_tokens,
-              max_model_len=4096, num_kv_blocks=sizes.num_kv_blocks)
+              max_model_len=max(4096, sizes.ttft_prompt + 16), num_kv_blocks=sizes.num_kv_blocks)
     eng, res["startup_s"] = llm.engine, time.perf_counter() - t
     facts = ModelFacts.of(eng)
     print(f"{sizes.model}: {sum(p.numel() for p in eng.model.parameters()) / 1e9:.2f}B parameters, "
@@ -428,6 +489,7 @@ def run_engine(out: str | None, sizes: EngineSizes = EngineSizes()) -> dict:
     step_rows(eng, res, facts, rows, sizes)
     res["penalties"] = penalty_cost(eng, sizes)
     decode_in_generate_row(llm, res, facts, rows, g, sizes.context, sizes.generate[2])
+    ttft_row(llm, res, facts, rows, g, sizes.ttft_prompt)
     try:
         res["generate"] = generate_throughput(llm, res, facts, g, sizes.generate)
     except Exception:  # noqa: BLE001 (print it and still write what was measured)
