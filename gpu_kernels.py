@@ -215,17 +215,18 @@ class AttentionConfig:
 
 
 def attention_config(max_q_len: int, head_dim: int, on_gpu: bool, elem_bytes: int = 2) -> AttentionConfig:
-    """Tile shapes (bench.py kernels, on an H100): decode needs only the 16 rows tl.dot
-    wants and is memory bound; prefill chunks of any length take 128-row tiles over short
-    key tiles, which in fp32 (tests only) or past head_dim 128 would overflow shared memory.
-    Small tiles under the interpreter."""
+    """Tile shapes (tuned on an H200 with bench.py kernels): decode needs only the 16 rows
+    tl.dot wants and is memory bound; prefill is compute bound and wants big tiles, which
+    in fp32 (tests only) would overflow shared memory. Small tiles under the interpreter."""
     if not on_gpu:
         return AttentionConfig(16, 16, 4, 1)
     if max_q_len == 1:
         return AttentionConfig(16, 64, 4, 2)
-    if elem_bytes > 2 or head_dim > 128:
+    if elem_bytes > 2 or head_dim > 128 or max_q_len <= 512:
+        # Also short chunks: with 128-row tiles and 3 stages one program fills an SM and
+        # short sequences leave it waiting on memory: these smaller tiles run them faster.
         return AttentionConfig(64, 32, 4, 2)
-    return AttentionConfig(128, 32, 8, 2)
+    return AttentionConfig(128, 128, 8, 3)
 
 
 @functools.cache
