@@ -250,10 +250,12 @@ class ModelFacts:
 
 
 def prefill_flops(eng, facts: ModelFacts, n: int) -> float:
-    """One n-token prompt's FLOPs: its matmuls and its causal attention (QK^T and PV)."""
+    """One n-token prompt's FLOPs: its matmuls, the LM head for its last token only (the
+    logits a prompt computes), and its causal attention (QK^T and PV)."""
     m = eng.model
+    head = 2 * m.config.vocab_size * m.config.hidden_size
     attention = 4 * n * n / 2 * m.config.num_attention_heads * m.head_dim * m.num_layers
-    return n * facts.flops_per_token + attention
+    return n * (facts.flops_per_token - head) + head + attention
 
 
 def ceiling_ms(res: dict, nbytes: float, flops: float) -> float:
