@@ -1913,6 +1913,22 @@ def test_piecewise_graphs_match_hf(hf, monkeypatch):
     assert any(n < padded for n, padded in steps)   # padding tokens took part
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32, torch.bool])
+def test_host_tensor_is_torch_tensor_of_the_list(dtype):
+    """runner.host_tensor (the upload's list -> tensor, through array.array for a flat list)
+    gives torch.tensor's values, dtype and shape: flat lists at the edges of int32, nested
+    lists, an empty one."""
+    from runner import host_tensor
+    big = 2 ** 31 - 1
+    cases = [[0, 1, -1, big, -big - 1], [[3, 4], [5, 6]], [], [True, False, True], list(range(40_000))]
+    if dtype == torch.float32:
+        cases.append([0.5, -2.25, 1e30])
+    for data in cases:
+        want = torch.tensor(data, dtype=dtype)
+        got = host_tensor(data, dtype)
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), data
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="pinned buffers are CUDA's")
 def test_no_lane_grows_its_pinned_buffers_while_it_serves(hf):
     """Allocating pinned memory waits for every stream (a split's decode step would wait for
