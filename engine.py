@@ -335,16 +335,15 @@ class Engine:
             # a branch's draws are checks (Speculator.plan_checks)
             if req.beam_width or seq.trunk is not None:
                 continue
-            if not req.adjusts and (req.params.n == 1 or seq.num_outputs):   # most draws: one, plain
-                plan.append((i, 0))
-                draws.append(Draw(i, req.params, seq.generator))
-                continue
             for j in range(req.params.n if seq.num_outputs == 0 else 1):
                 g = seq.generator if j == 0 else seeded_generator(req.params, j, self.model.device)
                 plan.append((i, j))
+                if not req.adjusts:   # most draws: plain
+                    draws.append(Draw(i, req.params, g))
+                    continue
                 before = list(seq.drafts) if seq.drafts else None   # drafted: after its last draft
                 draws.append(Draw(i, req.params, g, seq, j > 0, *banned_tokens(self.eos_ids, seq, seq.drafts),
-                                  before=before) if req.adjusts else Draw(i, req.params, g))
+                                  before=before))
         return plan, draws
 
     def _plan_prompt_scores(self, batch: Batch) -> list[PromptScore]:

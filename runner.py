@@ -309,23 +309,19 @@ class ModelRunner:
         ids, positions, slots, tables, q_lens, ctx, fills = [], [], [], [], [], [], []
         bs = self.cfg.block_size
         for seq, n in zip(batch.seqs, batch.num_new):
-            start = seq.num_computed
-            if n == 1 and not seq.drafts:   # a decode: most rows of most steps
-                if seq.pending_row is not None and start == len(seq.token_ids) - 1:
-                    fills += (len(ids), seq.pending_row)
+            start, last = seq.num_computed, len(seq.token_ids) - 1
+            if seq.pending_row is not None and start <= last < start + n:
+                fills += (len(ids) + last - start, seq.pending_row)
+            if n == 1:   # a decode, most rows of most steps: no slices to build
                 ids.append(seq.token_ids[start])
                 positions.append(start)
                 slots.append(seq.block_table[start // bs] * bs + start % bs)
-                tables.append(seq.block_table)
-                q_lens.append(1)
-                ctx.append(start)
-                continue
-            if seq.pending_row is not None and start <= len(seq.token_ids) - 1 < start + n:
-                fills += (len(ids) + len(seq.token_ids) - 1 - start, seq.pending_row)
-            ids += (seq.token_ids[start:] + seq.drafts)[:n] if seq.drafts else seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            if seq.drafts:   # rows of their own (most steps have none: the plain path stays lean)
+            else:
+                ids += (seq.token_ids[start:] + seq.drafts)[:n] if seq.drafts else \
+                    seq.token_ids[start:start + n]
+                positions += range(start, start + n)
+                slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            if seq.drafts:   # rows of their own (most steps have none)
                 for q_start, q_len in attention_rows(seq, n):
                     tables.append(seq.block_table)
                     q_lens.append(q_len)
