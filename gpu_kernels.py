@@ -385,23 +385,13 @@ def _small_m_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, stride_w, s
 
 
 def small_m_linear_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel takes these shapes (any number of rows; K in whole tiles)."""
-    return x.shape[1] % SMALL_M_BLOCK_K == 0 and weight.shape[1] == x.shape[1]
-
-
-def small_m_split(x: torch.Tensor, weight: torch.Tensor, partial_sums: bool) -> int:
-    """The split along K: 2 where the weight has too few row tiles for every SM and the
-    caller adds partial sums (rms_norm), else 1."""
-    few_tiles = triton.cdiv(weight.shape[0], SMALL_M_BLOCK_N) < _num_sm(x.device)
-    return 2 if partial_sums and few_tiles and (x.shape[1] // SMALL_M_BLOCK_K) % 2 == 0 else 1
+    return x.shape[0] <= SMALL_M and x.shape[1] % SMALL_M_BLOCK_K == 0 and weight.shape[1] == x.shape[1]
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, split_k: int = 1) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T through the Triton kernel (also on CPU under the
-    interpreter). split_k 1: [M, N] in x's dtype; split_k > 1: [split_k, M, N] fp32
-    partial sums over consecutive parts of K. linear sends it batches of up to SMALL_M
-    rows; more rows (the batch padded to a power of two, at least 16, as the MMA's N side)
-    run too, for bench.py kernels to set beside cuBLAS."""
+    """x [M, K] (M <= 16) @ weight [N, K]^T through the Triton kernel (also on CPU under
+    the interpreter). split_k 1: [M, N] in x's dtype; split_k > 1: [split_k, M, N] fp32
+    partial sums over consecutive parts of K."""
     assert small_m_linear_fits(x, weight) and (x.shape[1] // SMALL_M_BLOCK_K) % split_k == 0
     m, k = x.shape
     n = weight.shape[0]
@@ -414,13 +404,12 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, split_k: int = 1) -> t
     tiles = triton.cdiv(n, SMALL_M_BLOCK_N)
     # Tile shapes from a sweep on an H200: deeper pipelines where fewer programs share an SM.
     stages = 3 if tiles >= 2 * _num_sm(x.device) else 5
-    block_m = max(SMALL_M, triton.next_power_of_2(m))
     if m:
         _small_m_linear_kernel[(tiles, split_k)](
             x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0) if split_k > 1 else 0,
-            out.stride(-2), BLOCK_M=block_m, BLOCK_N=SMALL_M_BLOCK_N, BLOCK_K=SMALL_M_BLOCK_K,
-            SPLIT_K=split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            num_warps=4 if block_m <= 64 else 8, num_stages=stages if block_m <= 64 else 2,
+            out.stride(-2), BLOCK_M=SMALL_M, BLOCK_N=SMALL_M_BLOCK_N, BLOCK_K=SMALL_M_BLOCK_K,
+            SPLIT_K=split_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+            num_stages=stages,
             **_pdl(x.device))
     return out
 
@@ -432,9 +421,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     [2, M, N] fp32 partial sums, for rms_norm to add. On CPU this is F.linear (the
     interpreter would only be slower; tests call small_m_linear directly)."""
     if not (x.is_cuda and bias is None and x.dtype in (torch.bfloat16, torch.float16)
-            and x.shape[0] <= SMALL_M and small_m_linear_fits(x, weight)):
+            and small_m_linear_fits(x, weight)):
         return F.linear(x, weight, bias)
-    return small_m_linear(x, weight, small_m_split(x, weight, partial_sums))
+    few_tiles = triton.cdiv(weight.shape[0], SMALL_M_BLOCK_N) < _num_sm(x.device)
+    split = 2 if partial_sums and few_tiles and (x.shape[1] // SMALL_M_BLOCK_K) % 2 == 0 else 1
+    return small_m_linear(x, weight, split)
 
 
 # ----------------------------------------------------------------------------- block copies

@@ -154,29 +154,22 @@ def bench_copy_blocks(num_blocks=128, cache_blocks=2048, layers=36, hkv=8, d=128
 
 
 def bench_small_m_linear(name: str, n: int, k: int, m: int = 1, copies: int = 8):
-    """A projection of Qwen3-8B at m rows: the small-batch kernel (split along K as
-    kernels.linear splits it, the partial sums left for the RMSNorm) beside cuBLAS
-    (F.linear). kernels.linear takes it up to SMALL_M rows; past that (a mixed step's
-    rows) it is measured here, not yet used. Graph replays over `copies` weight matrices,
-    so that the L2 cache cannot serve the weights."""
+    """A decode projection of Qwen3-8B at batch m: kernels.linear (the small-batch kernel,
+    split-K partial sums left unadded where it splits) beside cuBLAS (F.linear). Graph
+    replays over `copies` weight matrices, so that the L2 cache cannot serve the weights."""
     dev, dt = "cuda", torch.bfloat16
     ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(copies)]
     x = torch.randn(m, k, device=dev, dtype=dt)
-    split = kernels.small_m_split(x, ws[0], partial_sums=True)
-    out = kernels.small_m_linear(x, ws[0], split)
+    out = kernels.linear(x, ws[0], partial_sums=True)
     ours = out.float().sum(0) if out.dim() == 3 else out.float()
     ref = F.linear(x, ws[0]).float()
     err = ((ours - ref).norm() / ref.norm()).item()
-    t_ours = time_ms(lambda: [kernels.small_m_linear(x, w, split) for w in ws], graph=True) / copies
+    t_ours = time_ms(lambda: [kernels.linear(x, w, partial_sums=True) for w in ws], graph=True) / copies
     t_ref = time_ms(lambda: [F.linear(x, w) for w in ws], graph=True) / copies
     gb = n * k * 2 / 1e9
     return {"case": f"linear {name} M={m} ({gb * 1e3:.0f} MB)", "ours_ms": t_ours, "ref_ms": t_ref,
             "unit": "GB/s", "ours_rate": gb / t_ours * 1e3, "ref_rate": gb / t_ref * 1e3,
             "ratio": t_ref / t_ours, "rel_err": err, "ref": "cuBLAS"}
-
-
-# Qwen3-8B's projections: name, outputs, inputs
-LINEAR_SHAPES = [("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]
 
 
 def kernel_cases(small: bool = False) -> list:
@@ -188,16 +181,15 @@ def kernel_cases(small: bool = False) -> list:
                 lambda: bench_attention(1, 256, False), lambda: bench_rope_store_kv(1024),
                 lambda: bench_copy_blocks(16, 256, 4),
                 lambda: bench_small_m_linear("qkv", 6144, 4096, copies=2),       # split-K
-                lambda: bench_small_m_linear("gate_up", 24576, 4096, copies=2),  # enough tiles: no split
-                lambda: bench_small_m_linear("qkv", 6144, 4096, m=40, copies=2)]  # past SMALL_M
+                lambda: bench_small_m_linear("gate_up", 24576, 4096, copies=2)]  # enough tiles: no split
     return [lambda: bench_attention(1, 4096, True), lambda: bench_attention(64, 4096, True),
             lambda: bench_attention(256, 2048, True), lambda: bench_attention(1, 2048, False),
             lambda: bench_attention(1, 8192, False), lambda: bench_attention(16, 1024, False),
             lambda: bench_attention(128, 128, False), bench_rope_store_kv, bench_copy_blocks,
-            *(lambda p=p: bench_small_m_linear(*p) for p in LINEAR_SHAPES),
-            # a mixed step's 160 rows (32 decodes + a 128-token chunk): would the kernel
-            # beat cuBLAS past SMALL_M too?
-            *(lambda p=p: bench_small_m_linear(*p, m=160) for p in LINEAR_SHAPES)]
+            lambda: bench_small_m_linear("qkv", 6144, 4096),
+            lambda: bench_small_m_linear("o_proj", 4096, 4096),
+            lambda: bench_small_m_linear("gate_up", 24576, 4096),
+            lambda: bench_small_m_linear("down", 4096, 12288)]
 
 
 def run_kernels(out: str | None, small: bool = False) -> list[dict]:
