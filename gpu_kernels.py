@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -51,11 +52,14 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 @functools.cache
+def _hopper(device: torch.device) -> bool:
+    """Hopper or later: PDL launches and the copy engine's tensor descriptors."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _pdl(device: torch.device) -> dict:
     """Launch options: PDL where the GPU has it; the kernels take the PDL flag."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9:
-        return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if _hopper(device) else {"PDL": False}
 
 
 @triton.jit
@@ -81,11 +85,23 @@ def _wait_for_previous_kernel(PDL: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(s, v, acc, m, l, qk_scale, DOT_PRECISION: tl.constexpr):
+    # One key tile of the online softmax, in base 2 (qk_scale folds in log2 e); scaled
+    # inside the exponent (one fused multiply-add) rather than scaling s first.
+    m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l
+
+
+@triton.jit
 def _attn_tile(q, acc, m, l, k_base, v_base, table_ptr, tile_lo, tile_hi, q_pos, kv_len,
                stride_cb, stride_cs, qk_scale,
                MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # Online softmax over key tiles [tile_lo, tile_hi), in base 2 (qk_scale folds in log2 e).
+    # Key tiles [tile_lo, tile_hi) gathered from the paged cache through the block table.
     n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, HEAD_DIM)
     for tile in range(tile_lo, tile_hi):
@@ -103,13 +119,25 @@ def _attn_tile(q, acc, m, l, k_base, v_base, table_ptr, tile_lo, tile_hi, q_pos,
             k = tl.load(k_base + offs)
             v = tl.load(v_base + offs)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        # Scale inside the exponent (one fused multiply-add) rather than scaling s first.
-        m_new = tl.maximum(m, tl.max(s, 1) * qk_scale)
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s * qk_scale - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        acc, m, l = _softmax_step(s, v, acc, m, l, qk_scale, DOT_PRECISION)
+    return acc, m, l
+
+
+@triton.jit
+def _own_tile(q, acc, m, l, k_desc, v_desc, first_row, col, tile_lo, tile_hi, tok, qk_scale,
+              MASKED: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # Key tiles [tile_lo, tile_hi) of the chunk's own keys, rows first_row + key of the
+    # step's contiguous K/V, loaded whole by the copy engine (tensor descriptors). Rows past
+    # the chunk are the next sequence's (or zeros past the step's): the causal mask (key <=
+    # tok, the query's index in the chunk) hides them.
+    n = tl.arange(0, BLOCK_N)
+    for tile in range(tile_lo, tile_hi):
+        k = k_desc.load([first_row + tile * BLOCK_N, col])
+        v = v_desc.load([first_row + tile * BLOCK_N, col])
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if MASKED:
+            s = tl.where((tile * BLOCK_N + n)[None, :] <= tok[:, None], s, float("-inf"))
+        acc, m, l = _softmax_step(s, v, acc, m, l, qk_scale, DOT_PRECISION)
     return acc, m, l
 
 
@@ -119,14 +147,14 @@ def _attn_tile(q, acc, m, l, k_base, v_base, table_ptr, tile_lo, tile_hi, q_pos,
 @triton.jit(do_not_specialize=["stride_table"],
             do_not_specialize_on_alignment=["table_ptr", "cu_q_ptr", "ctx_ptr"])
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, k_own, v_own,
     table_ptr, cu_q_ptr, ctx_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_ch, stride_cs, stride_table,
     qk_scale, num_q_heads,
     G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    OWN_KV: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     _wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
@@ -150,27 +178,44 @@ def _paged_attention_kernel(
     q_offs = (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_ok[:, None], other=0.0)
 
-    # Key tiles this program covers: this split's share of the tiles up to the last
-    # query's position. Tiles wholly before the first query's position need no mask.
-    last_pos = ctx_len + tl.minimum(q_tile * BLOCK_Q + BLOCK_Q, q_len) - 1
-    num_tiles = tl.cdiv(last_pos + 1, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    lo = split * tiles_per_split
-    hi = tl.minimum(lo + tiles_per_split, num_tiles)
-    first_masked = tl.minimum((ctx_len + q_tile * BLOCK_Q + 1) // BLOCK_N, hi)
-
     m = tl.full([BLOCK_M], -1.0e30, tl.float32)   # finite: a row may see no key in a split
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table = table_ptr + seq * stride_table
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
-    acc, m, l = _attn_tile(q, acc, m, l, k_base, v_base, table, lo, first_masked, q_pos, kv_len,
-                           stride_cb, stride_cs, qk_scale, False, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
-                           DOT_PRECISION)
-    acc, m, l = _attn_tile(q, acc, m, l, k_base, v_base, table, tl.maximum(lo, first_masked), hi,
-                           q_pos, kv_len, stride_cb, stride_cs, qk_scale, True, BLOCK_N, BLOCK_SIZE,
-                           HEAD_DIM, DOT_PRECISION)
+    # Tiles wholly before the first query of this tile need no causal mask.
+    first_tok = q_tile * BLOCK_Q
+    last_tok = tl.minimum(first_tok + BLOCK_Q, q_len) - 1
+    if OWN_KV:
+        # The context's keys from the cache (none masked but a last partial tile), then the
+        # chunk's own from the step's K/V.
+        ctx_tiles = ctx_len // BLOCK_N
+        acc, m, l = _attn_tile(q, acc, m, l, k_base, v_base, table, 0, ctx_tiles, q_pos, ctx_len,
+                               stride_cb, stride_cs, qk_scale, False, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
+                               DOT_PRECISION)
+        acc, m, l = _attn_tile(q, acc, m, l, k_base, v_base, table, ctx_tiles, tl.cdiv(ctx_len, BLOCK_N),
+                               q_pos, ctx_len, stride_cb, stride_cs, qk_scale, True, BLOCK_N, BLOCK_SIZE,
+                               HEAD_DIM, DOT_PRECISION)
+        own_tiles = tl.cdiv(last_tok + 1, BLOCK_N)
+        unmasked = tl.minimum((first_tok + 1) // BLOCK_N, own_tiles)
+        acc, m, l = _own_tile(q, acc, m, l, k_own, v_own, q_start, kv_head * HEAD_DIM, 0, unmasked, tok,
+                              qk_scale, False, BLOCK_N, DOT_PRECISION)
+        acc, m, l = _own_tile(q, acc, m, l, k_own, v_own, q_start, kv_head * HEAD_DIM, unmasked, own_tiles,
+                              tok, qk_scale, True, BLOCK_N, DOT_PRECISION)
+    else:
+        # Every key from the cache: this split's share of the tiles up to the last query.
+        num_tiles = tl.cdiv(ctx_len + last_tok + 1, BLOCK_N)
+        tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+        lo = split * tiles_per_split
+        hi = tl.minimum(lo + tiles_per_split, num_tiles)
+        first_masked = tl.minimum((ctx_len + first_tok + 1) // BLOCK_N, hi)
+        acc, m, l = _attn_tile(q, acc, m, l, k_base, v_base, table, lo, first_masked, q_pos, kv_len,
+                               stride_cb, stride_cs, qk_scale, False, BLOCK_N, BLOCK_SIZE, HEAD_DIM,
+                               DOT_PRECISION)
+        acc, m, l = _attn_tile(q, acc, m, l, k_base, v_base, table, tl.maximum(lo, first_masked), hi,
+                               q_pos, kv_len, stride_cb, stride_cs, qk_scale, True, BLOCK_N, BLOCK_SIZE,
+                               HEAD_DIM, DOT_PRECISION)
 
     out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
     token = q_start + tok
@@ -212,21 +257,40 @@ class AttentionConfig:
     block_n: int      # keys per inner-loop tile
     num_warps: int
     num_stages: int
+    own_kv: bool = False   # chunks read their own keys from the step's K/V (where given; Hopper)
 
 
 def attention_config(max_q_len: int, head_dim: int, on_gpu: bool, elem_bytes: int = 2) -> AttentionConfig:
     """Tile shapes (tuned on an H200 with bench.py kernels): decode needs only the 16 rows
     tl.dot wants and is memory bound; prefill is compute bound and wants big tiles, which
-    in fp32 (tests only) would overflow shared memory. Small tiles under the interpreter."""
+    in fp32 (tests only) would overflow shared memory. Small tiles under the interpreter.
+    Long chunks read their own keys whole (tensor descriptors): 1.3 to 1.9x faster from 1024
+    tokens up on an H100. Short ones gain nothing, and the two descriptors cost the host
+    tens of microseconds a launch."""
     if not on_gpu:
-        return AttentionConfig(16, 16, 4, 1)
+        return AttentionConfig(16, 16, 4, 1, own_kv=True)
     if max_q_len == 1:
         return AttentionConfig(16, 64, 4, 2)
     if elem_bytes > 2 or head_dim > 128 or max_q_len <= 512:
         # Also short chunks: with 128-row tiles and 3 stages one program fills an SM and
         # short sequences leave it waiting on memory: these smaller tiles run them faster.
         return AttentionConfig(64, 32, 4, 2)
-    return AttentionConfig(128, 128, 8, 3)
+    if max_q_len <= 1024:   # 128-key tiles leave too few programs for the SMs
+        return AttentionConfig(128, 64, 4, 2, own_kv=True)
+    return AttentionConfig(128, 128, 8, 3, own_kv=True)
+
+
+def _has_tma(device: torch.device) -> bool:
+    """Whether tensor descriptors load through the copy engine: Hopper and later (and the
+    interpreter, which runs them as plain loads)."""
+    return INTERPRET or _hopper(device)
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A tensor descriptor of K or V [T, Hkv, D] as a matrix [T, Hkv * D], loaded in tiles
+    of `rows` tokens of one head [rows, D]."""
+    flat = t.flatten(1)
+    return TensorDescriptor.from_tensor(flat, [rows, t.shape[2]])
 
 
 @functools.cache
@@ -255,8 +319,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_q_len: int, max_kv_l
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, cu_q_lens: torch.Tensor, ctx_lens: torch.Tensor,
                     max_q_len: int, scale: float, num_splits: int = 1,
-                    out: torch.Tensor | None = None, num_decodes: int = 0) -> torch.Tensor:
-    """Causal attention of this step's queries over the paged cache.
+                    out: torch.Tensor | None = None, num_decodes: int = 0,
+                    k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of the step's queries over the paged cache -> [num_tokens, num_q_heads, head_dim].
 
     q            [num_tokens, num_q_heads, head_dim], tokens of all sequences back to back
     k/v_cache    [num_blocks, num_kv_heads, block_size, head_dim] (views of one layer)
@@ -266,21 +331,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_decodes  host int: the first num_decodes sequences have q_len 1. In a mixed batch
                  they get their own launch with decode tiles (16 rows, split-K), rather
                  than prefill tiles of 128 rows that would be mostly empty.
-    Returns      [num_tokens, num_q_heads, head_dim]
+    k/v_new      [num_tokens, num_kv_heads, head_dim] or None: this step's own K/V (also in
+                 the cache), from which long chunks read their own keys whole on Hopper
+                 (AttentionConfig.own_kv); their context, and everything else, from the cache.
     """
-    out = torch.empty_like(q) if out is None else out
+    out = q.new_empty(q.shape) if out is None else out
     if 0 < num_decodes < block_tables.shape[0]:
         d = num_decodes
         paged_attention(q, k_cache, v_cache, block_tables[:d], cu_q_lens[:d + 1], ctx_lens[:d], 1, scale,
                         num_splits, out)
         return paged_attention(q, k_cache, v_cache, block_tables[d:], cu_q_lens[d:], ctx_lens[d:],
-                               max_q_len, scale, 1, out)
+                               max_q_len, scale, 1, out, k_new=k_new, v_new=v_new)
     if not _use_triton(q):
         return paged_attention_torch(q, k_cache, v_cache, block_tables, cu_q_lens, ctx_lens,
                                      max_q_len, scale, num_splits, out, num_decodes)
     num_tokens, num_q_heads, head_dim = q.shape
-    num_seqs = block_tables.shape[0]
-    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    num_seqs, (num_kv_heads, block_size) = block_tables.shape[0], k_cache.shape[1:3]
     _check_pow2(head_dim=head_dim)
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     if num_q_heads % num_kv_heads:
@@ -292,19 +358,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_q = block_m // g_pad
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (num_seqs, triton.cdiv(max_q_len, block_q), num_kv_heads * num_splits)
-    part_out = part_lse = out   # unused placeholders when not splitting
-    if num_splits > 1:
-        part_out = torch.empty(num_tokens, num_q_heads, num_splits, head_dim, dtype=torch.float32,
-                               device=q.device)
-        part_lse = torch.empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32,
-                               device=q.device)
+    own = k_new is not None and cfg.own_kv and num_splits == 1 and _has_tma(q.device)
+    # (placeholders the kernel never reads where not splitting, or not reading its own keys)
+    k_own, v_own = (_descriptor(t, cfg.block_n) for t in (k_new, v_new)) if own else (k_cache, v_cache)
+    part_out, part_lse = (out, out) if num_splits == 1 else (
+        q.new_empty(num_tokens, num_q_heads, num_splits, head_dim, dtype=torch.float32),
+        q.new_empty(num_tokens, num_q_heads, num_splits, dtype=torch.float32))
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_out, part_lse, block_tables, cu_q_lens, ctx_lens,
+        q, k_cache, v_cache, out, part_out, part_lse, k_own, v_own, block_tables, cu_q_lens, ctx_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         scale * math.log2(math.e), num_q_heads,
         G=g, G_PAD=g_pad, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, DOT_PRECISION=precision,
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, OWN_KV=own, DOT_PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl(q.device),
     )
     if num_splits > 1:
@@ -609,8 +675,8 @@ def _norm_rope_heads(src, mask, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr, DT
 
 @triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _qk_norm_rope_store_kv_kernel(
-    qkv_ptr, q_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-    stride_qkv, stride_qt, eps, rope_scale,
+    qkv_ptr, qw_ptr, kw_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_qkv, eps, rope_scale,
     stride_cb, stride_ch, stride_cs,   # cache strides: block, head, slot-in-block (K and V views share them)
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HQ_BLOCK: tl.constexpr, HKV_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT_HEADS: tl.constexpr, NORM: tl.constexpr,
@@ -620,7 +686,8 @@ def _qk_norm_rope_store_kv_kernel(
     # head) moves too few bytes to keep the memory system busy. With many tokens one program
     # does all of a token's heads (j = 0). With few (decode at batch 1-64) that would leave
     # most SMs idle, so the heads are spread: program j < NUM_Q_HEADS / HQ_BLOCK does a
-    # group of q heads, the last one k and v (SPLIT_HEADS).
+    # group of q heads, the last one k and v (SPLIT_HEADS). Each program writes back only
+    # the heads it read, so q and k can be rewritten in place.
     _wait_for_previous_kernel(PDL)
     tok, j = tl.program_id(0).to(tl.int64), tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -628,7 +695,7 @@ def _qk_norm_rope_store_kv_kernel(
     angle = tl.load(pos_ptr + tok).to(tl.float32) * tl.load(inv_freq_ptr + d)
     cos, sin = (tl.cos(angle) * rope_scale)[None, :], (tl.sin(angle) * rope_scale)[None, :]
     row = qkv_ptr + tok * stride_qkv   # [q heads | k heads | v heads] x HEAD_DIM
-    DTYPE: tl.constexpr = q_ptr.dtype.element_ty
+    DTYPE: tl.constexpr = qkv_ptr.dtype.element_ty
     Q_GROUPS: tl.constexpr = (NUM_Q_HEADS + HQ_BLOCK - 1) // HQ_BLOCK
 
     if (not SPLIT_HEADS) or (j < Q_GROUPS):
@@ -636,18 +703,21 @@ def _qk_norm_rope_store_kv_kernel(
         q_mask = hq < NUM_Q_HEADS
         q1, q2 = _norm_rope_heads(row + hq * HEAD_DIM + d[None, :], q_mask, qw_ptr, cos, sin, eps,
                                   HEAD_DIM, DTYPE, NORM)
-        dst = q_ptr + tok * stride_qt + hq * HEAD_DIM + d[None, :]
+        dst = row + hq * HEAD_DIM + d[None, :]
         tl.store(dst, q1, mask=q_mask)
         tl.store(dst + HALF, q2, mask=q_mask)
 
     if (not SPLIT_HEADS) or (j == Q_GROUPS):
-        # K and V go straight to the cache; a padding token (slot -1) writes nothing.
+        # K back in place, and K and V into the cache; a padding token (slot -1) writes only
+        # its K in place.
         slot = tl.load(slot_ptr + tok).to(tl.int64)
         block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
         hkv = tl.arange(0, HKV_PAD)[:, None]
+        k_src = row + (NUM_Q_HEADS + hkv) * HEAD_DIM + d[None, :]
+        k1, k2 = _norm_rope_heads(k_src, hkv < NUM_KV_HEADS, kw_ptr, cos, sin, eps, HEAD_DIM, DTYPE, NORM)
+        tl.store(k_src, k1, mask=hkv < NUM_KV_HEADS)
+        tl.store(k_src + HALF, k2, mask=hkv < NUM_KV_HEADS)
         kv_mask = (hkv < NUM_KV_HEADS) & (slot >= 0)
-        k1, k2 = _norm_rope_heads(row + (NUM_Q_HEADS + hkv) * HEAD_DIM + d[None, :], kv_mask, kw_ptr,
-                                  cos, sin, eps, HEAD_DIM, DTYPE, NORM)
         dst = block * stride_cb + hkv * stride_ch + offset * stride_cs + d[None, :]
         tl.store(k_cache_ptr + dst, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
         tl.store(k_cache_ptr + dst + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
@@ -661,9 +731,10 @@ def qk_norm_rope_store_kv(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_we
                           num_q_heads: int, num_kv_heads: int, eps: float, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """From the fused projection qkv [T, (Hq + 2 Hkv) * D]: per-head RMSNorm of q and k (unless
-    the weights are None), RoPE at positions [T] (inv_freq [D/2] fp32); q is returned [T, Hq, D];
-    k and v go straight into the paged cache views [num_blocks, Hkv, block_size, D] at
-    slot_mapping [T] (-1: padding, skipped)."""
+    the weights are None), RoPE at positions [T] (inv_freq [D/2] fp32), both rewritten in
+    place (the twin returns a new tensor); k and v also go into the paged cache views
+    [num_blocks, Hkv, block_size, D] at slot_mapping [T] (-1: padding, skipped). Returns qkv
+    as [T, Hq + 2 Hkv, D]: the q, then k, then v heads."""
     if not _use_triton(qkv):
         return qk_norm_rope_store_kv_torch(qkv, q_weight, k_weight, positions, inv_freq, rope_scale,
                                            num_q_heads, num_kv_heads, eps, k_cache, v_cache, slot_mapping)
@@ -674,19 +745,18 @@ def qk_norm_rope_store_kv(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_we
         q_weight = k_weight = inv_freq
     assert qkv.stride(1) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     t = qkv.shape[0]
-    q = torch.empty(t, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     split = t < _num_sm(qkv.device)
     hkv_pad = triton.next_power_of_2(num_kv_heads)
     hq_block = max(hkv_pad, 2) if split else triton.next_power_of_2(num_q_heads)
     if t:
         _qk_norm_rope_store_kv_kernel[(t, triton.cdiv(num_q_heads, hq_block) + 1 if split else 1)](
-            qkv, q, q_weight, k_weight, positions, inv_freq, k_cache, v_cache, slot_mapping,
-            qkv.stride(0), q.stride(0), eps, rope_scale, k_cache.stride(0), k_cache.stride(1),
+            qkv, q_weight, k_weight, positions, inv_freq, k_cache, v_cache, slot_mapping,
+            qkv.stride(0), eps, rope_scale, k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2),
             NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, HQ_BLOCK=hq_block, HKV_PAD=hkv_pad,
             HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[2], SPLIT_HEADS=split, NORM=norm,
             num_warps=8 if hq_block * head_dim >= 4096 else 4, **_pdl(qkv.device))
-    return q
+    return qkv.unflatten(1, (-1, head_dim))
 
 
 def qk_norm_rope_store_kv_torch(qkv: torch.Tensor, q_weight: torch.Tensor | None,
@@ -708,9 +778,10 @@ def qk_norm_rope_store_kv_torch(qkv: torch.Tensor, q_weight: torch.Tensor | None
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     block, offset = slots // k_cache.shape[2], slots % k_cache.shape[2]
-    k_cache[block, :, offset] = norm_rope(k, k_weight)[valid]   # index dims first: [n, Hkv, D]
+    k = norm_rope(k, k_weight)
+    k_cache[block, :, offset] = k[valid]   # index dims first: [n, Hkv, D]
     v_cache[block, :, offset] = v[valid]
-    return norm_rope(q, q_weight)
+    return torch.cat((norm_rope(q, q_weight), k, v), 1)
 
 
 @triton.jit

@@ -120,7 +120,8 @@ class Attention(nn.Module):
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
             slot_mapping: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> q [T, heads, head_dim]; this token's k and v go into the cache."""
+        """x [T, hidden] -> q, k and v heads [T, heads + 2 kv_heads, head_dim], q and k rotated;
+        k and v also go into the cache."""
         qkv = self.qkv_proj(x)
         # Qwen3 first normalises each head's q and k (the other families have no q/k norm:
         # weights None); q and k are rotated, k and v go straight into this layer's cache.
@@ -131,13 +132,15 @@ class Attention(nn.Module):
                                              self.rope_scale, self.num_heads, self.num_kv_heads,
                                              self.eps, k_cache, v_cache, slot_mapping)
 
-    def attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+    def attend(self, qkv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        """q [T, heads, head_dim] over the paged cache -> [T, heads, head_dim] (into out if given)."""
+        """qkv (Attention.qkv's) over the paged cache -> [T, heads, head_dim] (into out if
+        given). A prompt chunk reads its own k and v from qkv, its context from the cache."""
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], 1)
         k_cache, v_cache = kv_cache[:, self.layer, 0], kv_cache[:, self.layer, 1]
         return kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q_lens, meta.ctx_lens,
                                        meta.max_q_len, self.scale, num_splits=meta.num_splits,
-                                       num_decodes=meta.num_decodes, out=out)
+                                       num_decodes=meta.num_decodes, out=out, k_new=k, v_new=v)
 
 
 class MLP(nn.Module):
@@ -169,7 +172,7 @@ class DecoderLayer(nn.Module):
     def before_attention(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                          kv_cache: torch.Tensor,
                          slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (q [T, heads, head_dim], residual)"""
+        """-> (q, k and v [T, heads + 2 kv_heads, head_dim] (Attention.qkv), residual)"""
         h, residual = self.input_layernorm(h, residual)
         return self.self_attn.qkv(h, positions, kv_cache, slot_mapping), residual
 
@@ -225,8 +228,8 @@ class CausalLM(nn.Module):
         """The work between attention i-1 and attention i: everything but attention, whose
         launches depend on the batch's sequences, so that CUDA graphs can capture each piece
         for a token count (ModelRunner). x is the token ids for i = 0, else attention i-1's
-        output; returns (q of layer i, residual), or (the final hidden states, None) for
-        i = num_layers."""
+        output; returns (q, k and v of layer i, residual), or (the final hidden states, None)
+        for i = num_layers."""
         if i == 0:
             h = self.embed_tokens(x)
         else:

@@ -530,7 +530,8 @@ class ModelRunner:
             "tables": torch.zeros(n, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
             "cu": torch.arange(n + 1, dtype=torch.int32, device=dev),
             "ctx": torch.zeros(n, dtype=torch.int32, device=dev),
-            "q": torch.zeros(n, m.config.num_attention_heads, m.head_dim, dtype=m.dtype, device=dev),
+            "qkv": torch.zeros(n, m.config.num_attention_heads + 2 * m.num_kv_heads, m.head_dim,
+                               dtype=m.dtype, device=dev),
             "o": torch.zeros(n, m.config.num_attention_heads, m.head_dim, dtype=m.dtype, device=dev),
             "residual": torch.zeros(n, m.config.hidden_size, dtype=m.dtype, device=dev),
             "hidden": torch.zeros(n, m.config.hidden_size, dtype=m.dtype, device=dev)}
@@ -606,7 +607,7 @@ class ModelRunner:
     def _capture_piece_graphs(self, sizes: list[int], pool, stream: torch.cuda.Stream):
         """For each token count t, one graph per CausalLM.piece: it reads its input (token ids, or
         the attention output "o") and "residual" from the static buffers and writes its
-        results back to them ("q" and "residual", or "hidden"), so every piece of every size
+        results back to them ("qkv" and "residual", or "hidden"), so every piece of every size
         shares those buffers and the pool holds only the biggest piece's temporaries."""
         st, m = self.static, self.model
 
@@ -617,7 +618,7 @@ class ModelRunner:
             if residual is None:
                 st["hidden"][:t].copy_(out)
             else:
-                st["q"][:t].copy_(out)
+                st["qkv"][:t].copy_(out)
                 st["residual"][:t].copy_(residual)
 
         for t in tqdm(sorted(sizes, reverse=True), desc="capturing piecewise CUDA graphs", leave=False,
@@ -654,11 +655,11 @@ class ModelRunner:
         real tokens, into the next piece's input."""
         n = len(ids)
         self._stage_tokens(ids, positions, meta.slot_mapping, padded)
-        q, o = self.static["q"][:n], self.static["o"][:n]
+        qkv, o = self.static["qkv"][:n], self.static["o"][:n]
         graphs = self.piece_graphs[padded]
         graphs[0].replay()
         for layer, graph in zip(self.model.layers, graphs[1:]):
-            layer.self_attn.attend(q, self.kv_cache, meta, out=o)
+            layer.self_attn.attend(qkv, self.kv_cache, meta, out=o)
             graph.replay()
         return self.static["hidden"][:n]
 

@@ -2454,15 +2454,39 @@ ATTN_CASES = [  # (block_size, head_dim, group, num_kv_heads)
 ]
 
 
+def own_kv(args: tuple, ks: list[torch.Tensor], vs: list[torch.Tensor], q_lens: list[int],
+           ctx_lens: list[int], chunks: range) -> dict:
+    """k_new, v_new [tokens, Hkv, D]: each sequence's last q_len keys and values, back to back
+    (as the step computed them), strided like Attention.qkv's views. Where the kernel reads
+    them (long chunks on Hopper, any under the interpreter), the cache slots of the chunks'
+    own keys turn to NaN: a chunk that read its own keys from the cache would come out NaN."""
+    k, v = (torch.cat([x[-n:] for x, n in zip(xs, q_lens)]) for xs in (ks, vs))
+    heads = torch.cat((k, v), 1).to(DEVICE)
+    q = args[0]
+    if (kernels._has_tma(q.device)
+            and kernels.attention_config(max(q_lens), q.shape[2], q.is_cuda, q.element_size()).own_kv):
+        k_cache, v_cache, tables = args[1], args[2], args[3].cpu()
+        bs = k_cache.shape[2]
+        for s in chunks:
+            for p in range(ctx_lens[s], ctx_lens[s] + q_lens[s]):
+                k_cache[tables[s, p // bs], :, p % bs] = float("nan")
+                v_cache[tables[s, p // bs], :, p % bs] = float("nan")
+    return {"k_new": heads[:, :k.shape[1]], "v_new": heads[:, k.shape[1]:]}
+
+
+@pytest.mark.parametrize("own", [False, True], ids=["cache", "own-kv"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block_size,head_dim,group,num_kv_heads", ATTN_CASES)
-def test_paged_attention_mixed_batch(block_size, head_dim, group, num_kv_heads, dtype):
+def test_paged_attention_mixed_batch(block_size, head_dim, group, num_kv_heads, dtype, own):
+    """A mixed batch in one launch; with own=True the chunks read their own keys from the
+    step's K/V, their context from the cache."""
     args, ks, vs = make_paged_batch(MIXED["q_lens"], MIXED["ctx_lens"], num_kv_heads, group,
                                     head_dim, block_size, dtype)
     scale = head_dim ** -0.5
     ref = dense_attention(args[0], ks, vs, MIXED["q_lens"], scale)
-    out = kernels.paged_attention(*args, max(MIXED["q_lens"]), scale)
-    twin = kernels.paged_attention_torch(*args, max(MIXED["q_lens"]), scale)
+    twin = kernels.paged_attention_torch(*args, max(MIXED["q_lens"]), scale)   # the cache alone
+    out = kernels.paged_attention(*args, max(MIXED["q_lens"]), scale,
+                                  **(own_kv(args, ks, vs, **MIXED, chunks=range(5)) if own else {}))
     assert rel_err(out.cpu(), ref) < TOL[dtype]
     assert rel_err(twin.cpu(), ref) < TOL[dtype]
 
@@ -2493,14 +2517,22 @@ def test_split_k_choices_are_the_ones_compiled_at_start_up(sms, monkeypatch):
         assert chosen <= compiled and max(chosen) == most
 
 
-def test_paged_attention_decodes_then_chunks():
+@pytest.mark.parametrize("own", [False, True], ids=["cache", "own-kv"])
+def test_paged_attention_decodes_then_chunks(own):
     """A mixed step as the engine lays it out: decodes first (their own split-K launch),
-    then prefill chunks (a second launch writing the same output)."""
-    q_lens, ctx_lens = [1, 1, 13, 20], [45, 3, 19, 0]
-    args, ks, vs = make_paged_batch(q_lens, ctx_lens, 2, 3, 64, 8, torch.float32, seed=5)
+    then prefill chunks (a second launch writing the same output; with own=True reading
+    their own keys from the step's K/V, whose rows start after the decodes', and the
+    decodes their own key from the cache). On a GPU that case runs in bf16 with a chunk of
+    600 tokens after 130 (off the 128-key tiles): the tiles that read their own keys are
+    those of chunks over 512 tokens."""
+    long = own and DEVICE == "cuda"
+    q_lens, ctx_lens = [1, 1, 13, 600 if long else 20], [45, 3, 19, 130 if long else 0]
+    dtype = torch.bfloat16 if long else torch.float32
+    args, ks, vs = make_paged_batch(q_lens, ctx_lens, 2, 3, 64, 8, dtype, seed=5)
     ref = dense_attention(args[0], ks, vs, q_lens, 0.125)
-    out = kernels.paged_attention(*args, 20, 0.125, num_splits=3, num_decodes=2)
-    assert rel_err(out.cpu(), ref) < TOL[torch.float32]
+    out = kernels.paged_attention(*args, max(q_lens), 0.125, num_splits=3, num_decodes=2,
+                                  **(own_kv(args, ks, vs, q_lens, ctx_lens, range(2, 4)) if own else {}))
+    assert rel_err(out.cpu(), ref) < TOL[dtype]
 
 
 def test_paged_attention_split_k_prefill():
@@ -2604,8 +2636,9 @@ def test_qk_norm_rope_store_kv(t, hq, hkv, d, block_size, dtype, norm):
     fused qkv row, against HF's Qwen3RMSNorm and apply_rotary_pos_emb (run in float32); k and v
     must land at their slots of layer 1 of a block-major cache [blocks, layers, 2, Hkv,
     block_size, D] (strided views), in shuffled blocks, and nothing else may change: padding
-    slots, other layers, other blocks. Fewer tokens than SMs (3; on a GPU also 19) spread each
-    token's heads over several programs."""
+    slots, other layers, other blocks. Returned: every row's rotated q and k heads, and v.
+    Fewer tokens than SMs (3; on a GPU also 19) spread each token's heads over several
+    programs."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
     g = torch.Generator().manual_seed(7)
     num_blocks, scale = 6, 1.25
@@ -2636,9 +2669,11 @@ def test_qk_norm_rope_store_kv(t, hq, hkv, d, block_size, dtype, norm):
     args = (qkv.to(DEVICE), *weights, positions.to(DEVICE), inv_freq.to(DEVICE), scale, hq, hkv, 1e-6)
     for fn in (kernels.qk_norm_rope_store_kv, kernels.qk_norm_rope_store_kv_torch):
         out = cache.clone().to(DEVICE)
-        q = fn(*args, out[:, 1, 0], out[:, 1, 1], slots.to(DEVICE)).cpu()
+        heads = fn(args[0].clone(), *args[1:], out[:, 1, 0], out[:, 1, 1], slots.to(DEVICE)).cpu()
         out = out.cpu()
-        assert q.shape == (t, hq, d) and rel_err(q, q_ref) < TOL[dtype]
+        assert heads.shape == (t, hq + 2 * hkv, d) and rel_err(heads[:, :hq], q_ref) < TOL[dtype]
+        assert rel_err(heads[:, hq:hq + hkv], k_ref) < TOL[dtype]   # padding rows' k too
+        assert torch.equal(heads[:, hq + hkv:], qkv[:, (hq + hkv) * d:].view(t, hkv, d))
         assert rel_err(out[blk, 1, 0, :, off], k_ref[valid]) < TOL[dtype]
         out[blk, 1, 0, :, off] = expect[blk, 1, 0, :, off]   # the K rows checked: all else is exact
         assert torch.equal(out, expect)
