@@ -132,11 +132,15 @@ class Attention(nn.Module):
                                              self.rope_scale, self.num_heads, self.num_kv_heads,
                                              self.eps, k_cache, v_cache, slot_mapping)
 
-    def attend(self, qkv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """qkv (Attention.qkv's) over the paged cache -> [T, heads, head_dim] (into out if
-        given). A prompt chunk reads its own k and v from qkv, its context from the cache."""
-        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], 1)
+    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention.qkv's output -> views of its q, k and v heads."""
+        return qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], 1)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q over the paged cache -> [T, heads, head_dim] (into out if given). A prompt chunk
+        reads its own keys from k and v (this step's, Attention.heads), its context from the
+        cache."""
         k_cache, v_cache = kv_cache[:, self.layer, 0], kv_cache[:, self.layer, 1]
         return kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_q_lens, meta.ctx_lens,
                                        meta.max_q_len, self.scale, num_splits=meta.num_splits,
@@ -219,7 +223,7 @@ class CausalLM(nn.Module):
         """input_ids, positions [num_tokens] -> hidden states [num_tokens, hidden_size]."""
         x, residual = self.piece(0, input_ids, None, positions, kv_cache, meta.slot_mapping)
         for i, layer in enumerate(self.layers):
-            o = layer.self_attn.attend(x, kv_cache, meta)
+            o = layer.self_attn.attend(*layer.self_attn.heads(x), kv_cache, meta)
             x, residual = self.piece(i + 1, o, residual, positions, kv_cache, meta.slot_mapping)
         return x
 

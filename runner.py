@@ -655,11 +655,12 @@ class ModelRunner:
         real tokens, into the next piece's input."""
         n = len(ids)
         self._stage_tokens(ids, positions, meta.slot_mapping, padded)
-        qkv, o = self.static["qkv"][:n], self.static["o"][:n]
+        # every layer's q, k, v land in the same buffer: its views, taken once a step
+        (q, k, v), o = self.model.layers[0].self_attn.heads(self.static["qkv"][:n]), self.static["o"][:n]
         graphs = self.piece_graphs[padded]
         graphs[0].replay()
         for layer, graph in zip(self.model.layers, graphs[1:]):
-            layer.self_attn.attend(qkv, self.kv_cache, meta, out=o)
+            layer.self_attn.attend(q, k, v, self.kv_cache, meta, out=o)
             graph.replay()
         return self.static["hidden"][:n]
 
