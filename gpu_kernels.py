@@ -2,7 +2,8 @@
 
 The jobs:
   paged_attention  attention for a mixed batch (decodes and prefill chunks) whose
-                   K/V live in non-contiguous cache blocks; split-K for long decodes
+                   K/V live in non-contiguous cache blocks; split-K for long decodes;
+                   long chunks read their own keys whole from the step's K/V
   copy_rows        move whole cache blocks by id: copy-on-write inside a cache
                    (copy_blocks, timed by bench.py kernels); the KV handoff between
                    devices is the transports' (transport.py)
@@ -264,9 +265,9 @@ def attention_config(max_q_len: int, head_dim: int, on_gpu: bool, elem_bytes: in
     """Tile shapes (tuned on an H200 with bench.py kernels): decode needs only the 16 rows
     tl.dot wants and is memory bound; prefill is compute bound and wants big tiles, which
     in fp32 (tests only) would overflow shared memory. Small tiles under the interpreter.
-    Long chunks read their own keys whole (tensor descriptors): 1.3 to 1.9x faster from 1024
-    tokens up on an H100. Short ones gain nothing, and the two descriptors cost the host
-    tens of microseconds a launch."""
+    Long chunks read their own keys whole (tensor descriptors): 1.3x faster at 1024 to 8192
+    tokens on an H100 (bench.py kernels). Short ones keep the gather: their tiles are few,
+    and Python builds the two descriptors at every launch."""
     if not on_gpu:
         return AttentionConfig(16, 16, 4, 1, own_kv=True)
     if max_q_len == 1:
