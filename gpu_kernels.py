@@ -58,6 +58,7 @@ def _hopper(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+@functools.cache   # asked at every launch
 def _pdl(device: torch.device) -> dict:
     """Launch options: PDL where the GPU has it; the kernels take the PDL flag."""
     return {"PDL": True, "launch_pdl": True} if _hopper(device) else {"PDL": False}

@@ -124,10 +124,10 @@ def bench_rope_store_kv(num_tokens=16384, hq=32, hkv=8, d=128, block_size=16):
     slots = (slots + torch.arange(num_tokens, device=dev) % block_size).int()
     args = (qkv, qw, kw, positions, inv_freq, 1.0, hq, hkv, 1e-6)
     twin = cache.clone()
-    q_ref = kernels.qk_norm_rope_store_kv_torch(*args, twin[:, 1, 0], twin[:, 1, 1], slots)
-    q = kernels.qk_norm_rope_store_kv(*args, cache[:, 1, 0], cache[:, 1, 1], slots)   # qkv in place
+    heads_ref = kernels.qk_norm_rope_store_kv_torch(*args, twin[:, 1, 0], twin[:, 1, 1], slots)
+    heads = kernels.qk_norm_rope_store_kv(*args, cache[:, 1, 0], cache[:, 1, 1], slots)   # qkv in place
     err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
-              for a, b in ((q, q_ref), (cache, twin)))
+              for a, b in ((heads, heads_ref), (cache, twin)))
     dst = torch.empty_like(qkv)
     t_ours = time_ms(lambda: kernels.qk_norm_rope_store_kv(*args, cache[:, 1, 0], cache[:, 1, 1], slots))
     t_copy = time_ms(lambda: dst.copy_(qkv))
