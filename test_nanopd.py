@@ -1915,7 +1915,7 @@ def test_piecewise_graphs_match_hf(hf, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.float32, torch.bool])
 def test_host_tensor_is_torch_tensor_of_the_list(dtype):
-    """runner.host_tensor (the upload's list -> tensor, through array.array for a flat list)
+    """runner.host_tensor (the upload's list -> tensor, through struct for a flat list)
     gives torch.tensor's values, dtype and shape: flat lists at the edges of int32, nested
     lists, an empty one."""
     from runner import host_tensor
@@ -1927,6 +1927,29 @@ def test_host_tensor_is_torch_tensor_of_the_list(dtype):
         want = torch.tensor(data, dtype=dtype)
         got = host_tensor(data, dtype)
         assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), data
+
+
+def test_block_tables_uploaded_are_the_tables_of_this_step(llm):
+    """prepare keeps each table's packed bytes from the step before (runner.py:
+    ModelRunner._packed_tables); the tables it uploads are still the sequences' tables, padded
+    with zeros, as torch.tensor builds them: after a block written in place (copy-on-write),
+    one appended, one freed, and a table whose list object is new but whose contents are not."""
+    batch = timing.fake_batch(llm.engine, 3, 40, 1)
+    seqs = batch.seqs
+    spare, first = llm.engine.scheduler.bm.allocate(list(range(2 * BLOCK_SIZE)))[0], seqs[0].block_table[1]
+    try:
+        for change in (lambda: None, lambda: seqs[0].block_table.__setitem__(1, spare[0]),
+                       lambda: seqs[1].block_table.append(spare[1]), lambda: seqs[1].block_table.pop(),
+                       lambda: setattr(seqs[2], "block_table", list(seqs[2].block_table))):
+            change()
+            tables = [s.block_table for s in seqs]
+            width = max(map(len, tables))
+            got = llm.engine.runner.prepare(batch)[2].block_tables
+            assert got.tolist() == [t + [0] * (width - len(t)) for t in tables]
+    finally:
+        seqs[0].block_table[1] = first   # the block swapped out goes back before every block is freed
+        llm.engine.scheduler.free(spare)
+        timing.free_batch(llm.engine, batch)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="pinned buffers are CUDA's")
