@@ -324,7 +324,9 @@ def tokenize(prompt, tokenizer) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
         return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, list | tuple):
-        for t in prompt:
+        if all(type(t) is int for t in prompt):   # the common case, without an ABC check per token
+            return None, list(prompt)
+        for t in prompt:   # numpy's or torch's integers are ints too; a bool or a float is not
             if isinstance(t, bool) or not isinstance(t, numbers.Integral):
                 raise ValueError(f"a prompt's token ids must be integers, got {t!r}")
         return None, [int(t) for t in prompt]
@@ -372,9 +374,9 @@ def check_request(ids: list[int], params: SamplingParams, beam_width: int, vocab
     check_real("length_penalty", length_penalty)
     if not ids:
         raise ValueError("the prompt is empty")
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+    if min(ids) < 0 or max(ids) >= vocab:
+        bad = next(t for t in ids if not 0 <= t < vocab)
+        raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
     if len(ids) + params.max_tokens > cfg.max_model_len:
         raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                          f"max_model_len ({cfg.max_model_len})")
