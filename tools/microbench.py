@@ -137,6 +137,30 @@ def bench_rope_store_kv(num_tokens=16384, hq=32, hkv=8, d=128, block_size=16):
             "ratio": t_copy / t_ours, "rel_err": err, "ref": "copy_"}
 
 
+def bench_norm_and_silu(kernel: str, num_tokens: int = 16384, hidden: int = 4096, inter: int = 12288):
+    """One Qwen3-8B prefill step's residual add + RMSNorm (reads x and the residual, writes
+    the sum and its norm) or SiLU-and-multiply (reads gate and up, writes their product),
+    beside a plain copy of as many bytes, checked against its torch twin."""
+    dev, dt = "cuda", torch.bfloat16
+    if kernel == "rms_norm":
+        x, res = torch.randn(2, num_tokens, hidden, device=dev, dtype=dt)
+        w = torch.rand(hidden, device=dev, dtype=dt) + 0.5
+        args, ours, twin, moved = (x, w, 1e-6, res), kernels.rms_norm, kernels.rms_norm_torch, 4 * x.numel()
+    else:
+        x = torch.randn(num_tokens, 2 * inter, device=dev, dtype=dt)
+        args, ours, twin, moved = (x,), kernels.silu_mul, kernels.silu_mul_torch, 3 * x.numel() // 2
+    got, want = ours(*args), twin(*args)
+    pairs = zip(got, want) if kernel == "rms_norm" else [(got, want)]   # rms_norm: (norm, sum)
+    err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in pairs)
+    src = torch.empty(moved // 2, device=dev, dtype=dt)   # read + write: as many bytes as the kernel moves
+    dst = torch.empty_like(src)
+    t_ours, t_copy = time_ms(lambda: ours(*args)), time_ms(lambda: dst.copy_(src))
+    gb = moved * x.element_size() / 1e9
+    return {"case": f"{kernel} {num_tokens} tok", "ours_ms": t_ours, "ref_ms": t_copy, "unit": "GB/s",
+            "ours_rate": gb / t_ours * 1e3, "ref_rate": gb / t_copy * 1e3, "ratio": t_copy / t_ours,
+            "rel_err": err, "ref": "copy_"}
+
+
 def bench_copy_blocks(num_blocks=128, cache_blocks=2048, layers=36, hkv=8, d=128, block_size=16):
     """Copy-on-write of 128 scattered Qwen3-8B blocks (all layers, ~302 MB) to 128 others,
     beside one contiguous copy of as many bytes."""
@@ -183,13 +207,17 @@ def kernel_cases(small: bool = False) -> list:
     if small:
         return [lambda: bench_attention(1, 512, True), lambda: bench_attention(8, 512, True),
                 lambda: bench_attention(1, 256, False), lambda: bench_rope_store_kv(1024),
+                lambda: bench_norm_and_silu("rms_norm", 1024, 256, 512),
+                lambda: bench_norm_and_silu("silu_mul", 1024, 256, 512),
                 lambda: bench_copy_blocks(16, 256, 4),
                 lambda: bench_small_m_linear("qkv", 6144, 4096, copies=2),       # split-K
                 lambda: bench_small_m_linear("gate_up", 24576, 4096, copies=2)]  # enough tiles: no split
     return [lambda: bench_attention(1, 4096, True), lambda: bench_attention(64, 4096, True),
             lambda: bench_attention(256, 2048, True), lambda: bench_attention(1, 2048, False),
             lambda: bench_attention(1, 8192, False), lambda: bench_attention(16, 1024, False),
-            lambda: bench_attention(128, 128, False), bench_rope_store_kv, bench_copy_blocks,
+            lambda: bench_attention(128, 128, False), bench_rope_store_kv,
+            lambda: bench_norm_and_silu("rms_norm"), lambda: bench_norm_and_silu("silu_mul"),
+            bench_copy_blocks,
             lambda: bench_small_m_linear("qkv", 6144, 4096),
             lambda: bench_small_m_linear("o_proj", 4096, 4096),
             lambda: bench_small_m_linear("gate_up", 24576, 4096),
