@@ -7852,6 +7852,10 @@ def test_microbench_small_engine_gives_every_row_and_generates_every_token(tmp_p
     assert finite_positive(*(g[k] for k in ("seconds", "output_tokens_per_s", "total_tokens_per_s",
                                             "matmul_s", "kv_read_s", "roofline_s")))
     assert 0 <= g["gpu_idle_s"] < g["seconds"] and 0 <= g["steps_after_idle"] < g["steps"]
+    # the parts of generate's time on the GPU add up to the whole, within the clocks' disagreement
+    parts = ("before_first_step_s", "prompt_steps_s", "decode_steps_s", "gpu_idle_s", "after_last_step_s")
+    assert all(g[p] >= 0 for p in parts) and 0 < g["prompt_steps"] < g["steps"]
+    assert sum(g[p] for p in parts) == pytest.approx(g["seconds"], rel=0.05, abs=0.01)
 
 
 @MICROBENCH_GPU

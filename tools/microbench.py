@@ -441,15 +441,15 @@ def ttft_row(llm, res: dict, facts: ModelFacts, rows: list[dict], g: torch.Gener
 @contextlib.contextmanager
 def step_timeline(runner):
     """Inside: per step of runner, (start, end) CUDA events, the start recorded as the host
-    begins the step, and whether the step before had already ended once this one was
-    launched (the GPU then ran dry: the host set the pace)."""
+    begins the step, whether the step before had already ended once this one was launched
+    (the GPU then ran dry: the host set the pace), and whether it carried prompt tokens."""
     steps, run = [], runner.run
 
-    def timed(*args, **kwargs):
+    def timed(batch, *args, **kwargs):
         start = torch.cuda.Event(enable_timing=True)
         start.record()
-        out = run(*args, **kwargs)
-        steps.append((start, out.ready, bool(steps) and steps[-1][1].query()))
+        out = run(batch, *args, **kwargs)
+        steps.append((start, out.ready, bool(steps) and steps[-1][1].query(), max(batch.num_new) > 1))
         return out
     runner.run = timed
     try:
@@ -458,12 +458,20 @@ def step_timeline(runner):
         del runner.run   # the class's method again
 
 
-def gpu_idle(steps: list) -> dict:
-    """The GPU's idle time between steps (one step's end to the next one's start) and how
-    many steps it ran dry before (step_timeline)."""
+def gpu_time(steps: list, began: torch.cuda.Event, ended: torch.cuda.Event) -> dict:
+    """Where a run's time went on the GPU (step_timeline's steps, between the events began
+    and ended): before its first step (the host taking the requests in), in steps carrying
+    prompt tokens and in decode steps, idle between steps (and before how many it ran dry),
+    and after the last (the host handing the outputs back)."""
     torch.cuda.synchronize()
-    idle = sum(end.elapsed_time(start) for (_, end, _), (start, _, _) in itertools.pairwise(steps)) / 1e3
-    return {"steps": len(steps), "gpu_idle_s": idle, "steps_after_idle": sum(dry for *_, dry in steps)}
+    ms = lambda a, b: a.elapsed_time(b) / 1e3
+    prompt = [ms(s, e) for s, e, _, p in steps if p]
+    return {"steps": len(steps), "before_first_step_s": ms(began, steps[0][0]),
+            "prompt_steps": len(prompt), "prompt_steps_s": sum(prompt),
+            "decode_steps_s": sum(ms(s, e) for s, e, _, p in steps if not p),
+            "gpu_idle_s": sum(ms(end, start) for (_, end, *_), (start, *_) in itertools.pairwise(steps)),
+            "steps_after_idle": sum(dry for _, _, dry, _ in steps),
+            "after_last_step_s": ms(steps[-1][1], ended)}
 
 
 def generate_throughput(llm, res: dict, facts: ModelFacts, g: torch.Generator,
@@ -481,11 +489,14 @@ def generate_throughput(llm, res: dict, facts: ModelFacts, g: torch.Generator,
     llm.generate(random_prompts(cfg.vocab_size, max(1, count // 4), n_prompt, g),
                  SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     torch.cuda.synchronize()
+    began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t = time.perf_counter()
+    began.record()
     with step_timeline(llm.engine.runner) as steps:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True))
+    ended.record()
     elapsed = time.perf_counter() - t
-    idle = gpu_idle(steps)
+    where = gpu_time(steps, began, ended)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     head = 2 * cfg.vocab_size * cfg.hidden_size
     n_in, requests = n_prompt * count, len(outs)
@@ -497,11 +508,14 @@ def generate_throughput(llm, res: dict, facts: ModelFacts, g: torch.Generator,
     print(f"LLM.generate {count} x ({n_prompt} in, {n_out} out): {elapsed:.2f} s, {tokens / elapsed:.0f} "
           f"output tokens/s, {(tokens + n_in) / elapsed:.0f} total tokens/s; roofline {roof_s:.2f} s = "
           f"matmuls {matmul_s:.2f} + K/V reads {kv_read_s:.2f} ({tokens / roof_s:.0f} output tokens/s); "
-          f"the GPU idle between steps {idle['gpu_idle_s']:.3f} s, before {idle['steps_after_idle']} of its "
-          f"{idle['steps']} steps")
+          f"on the GPU: {where['before_first_step_s']:.3f} s before the first step, "
+          f"{where['prompt_steps']} steps with prompt tokens {where['prompt_steps_s']:.3f} s, "
+          f"{where['steps'] - where['prompt_steps']} decode steps {where['decode_steps_s']:.3f} s, "
+          f"idle between steps {where['gpu_idle_s']:.3f} s "
+          f"(before {where['steps_after_idle']} steps), {where['after_last_step_s']:.3f} s after the last")
     return {"requests": requests, "output_tokens": tokens, "seconds": elapsed,
             "output_tokens_per_s": tokens / elapsed, "total_tokens_per_s": (tokens + n_in) / elapsed,
-            "matmul_s": matmul_s, "kv_read_s": kv_read_s, "roofline_s": roof_s, **idle}
+            "matmul_s": matmul_s, "kv_read_s": kv_read_s, "roofline_s": roof_s, **where}
 
 
 def run_engine(out: str | None, sizes: EngineSizes = EngineSizes()) -> dict:
