@@ -38,10 +38,11 @@ from smsplit import Split, make_lanes, num_sms
 # Decode graphs of a split's decode lane: coarser than the whole GPU's, one set per split.
 SPLIT_GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768, 1024]
 
-# Token counts of the piecewise graphs: a step is padded to the next one. Below ~256 tokens
-# a step's time hardly depends on its size (it reads every weight once); above, coarser
-# padding would cost GPU time.
-PIECE_TOKENS = [8, 16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024]
+# Token counts of the piecewise graphs: a step is padded to the next one. Below ~128 tokens
+# a step's time hardly depends on its size (it reads every weight once); from there the
+# GEMMs turn from reading their weights to computing (a 4096 x 24576 product at 256 rows
+# takes about as long to compute as to read), so padding costs time and the sizes are finer.
+PIECE_TOKENS = [8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024]
 
 # ----------------------------------------------------------------------------- model runner
 
