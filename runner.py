@@ -42,7 +42,7 @@ SPLIT_GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 38
 # a step's time hardly depends on its size (it reads every weight once); from there the
 # GEMMs turn from reading their weights to computing (a 4096 x 24576 product at 256 rows
 # takes about as long to compute as to read), so padding costs time and the sizes are finer.
-PIECE_TOKENS = [8, 16, 32, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024]
+PIECE_TOKENS = [8, 16, 32, 64, 128, 160, 192, 224, 256, 320, 384, 448, 512, 640, 768, 896, 1024]
 
 # ----------------------------------------------------------------------------- model runner
 
