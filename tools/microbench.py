@@ -56,6 +56,11 @@ def time_ms(fn, graph: bool = False) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """|got - want| / |want| in float32 (Frobenius norms): a kernel's error against its reference."""
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
 def paged_copy_of(k: torch.Tensor, v: torch.Tensor, block_size: int, num_layers: int = 4):
     """Scatter contiguous K/V [B, T, Hkv, D] into a block-major cache
     [blocks, layers, 2, Hkv, block_size, D] at shuffled block ids (layer 1 is used), so the
@@ -96,7 +101,7 @@ def bench_attention(batch: int, seq_len: int, decode: bool, hq=32, hkv=8, d=128,
     def sdpa():
         return F.scaled_dot_product_attention(qs, ks, vs, is_causal=not decode, scale=scale, enable_gqa=True)
 
-    err = (ours().float() - sdpa().transpose(1, 2).reshape(q.shape).float()).norm() / sdpa().float().norm()
+    err = rel_err(ours(), sdpa().transpose(1, 2).reshape(q.shape))
     t_ours, t_sdpa = time_ms(ours, graph=decode), time_ms(sdpa, graph=decode)
     if decode:   # memory bound: bytes of K and V read
         work, unit = 2 * batch * seq_len * hkv * d * k.element_size() / 1e9, "GB/s"
@@ -106,7 +111,7 @@ def bench_attention(batch: int, seq_len: int, decode: bool, hq=32, hkv=8, d=128,
             else f"prefill {f'B={batch} ' if batch > 1 else ''}T={seq_len} causal")
     return {"case": name, "ours_ms": t_ours, "ref_ms": t_sdpa, "unit": unit,
             "ours_rate": work / t_ours * 1e3, "ref_rate": work / t_sdpa * 1e3, "ratio": t_sdpa / t_ours,
-            "rel_err": err.item(), "ref": "SDPA"}
+            "rel_err": err, "ref": "SDPA"}
 
 
 def bench_rope_store_kv(num_tokens=16384, hq=32, hkv=8, d=128, block_size=16):
@@ -126,8 +131,7 @@ def bench_rope_store_kv(num_tokens=16384, hq=32, hkv=8, d=128, block_size=16):
     twin = cache.clone()
     heads_ref = kernels.qk_norm_rope_store_kv_torch(*args, twin[:, 1, 0], twin[:, 1, 1], slots)
     heads = kernels.qk_norm_rope_store_kv(*args, cache[:, 1, 0], cache[:, 1, 1], slots)   # qkv in place
-    err = max(((a.float() - b.float()).norm() / b.float().norm()).item()
-              for a, b in ((heads, heads_ref), (cache, twin)))
+    err = max(rel_err(heads, heads_ref), rel_err(cache, twin))
     dst = torch.empty_like(qkv)
     t_ours = time_ms(lambda: kernels.qk_norm_rope_store_kv(*args, cache[:, 1, 0], cache[:, 1, 1], slots))
     t_copy = time_ms(lambda: dst.copy_(qkv))
@@ -151,7 +155,7 @@ def bench_norm_and_silu(kernel: str, num_tokens: int = 16384, hidden: int = 4096
         args, ours, twin, moved = (x,), kernels.silu_mul, kernels.silu_mul_torch, 3 * x.numel() // 2
     got, want = ours(*args), twin(*args)
     pairs = zip(got, want) if kernel == "rms_norm" else [(got, want)]   # rms_norm: (norm, sum)
-    err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in pairs)
+    err = max(rel_err(a, b) for a, b in pairs)
     src = torch.empty(moved // 2, device=dev, dtype=dt)   # read + write: as many bytes as the kernel moves
     dst = torch.empty_like(src)
     t_ours, t_copy = time_ms(lambda: ours(*args)), time_ms(lambda: dst.copy_(src))
@@ -191,7 +195,7 @@ def bench_small_m_linear(name: str, n: int, k: int, m: int = 1, copies: int = 8)
     out = kernels.linear(x, ws[0], partial_sums=True)
     ours = out.float().sum(0) if out.dim() == 3 else out.float()
     ref = F.linear(x, ws[0]).float()
-    err = ((ours - ref).norm() / ref.norm()).item()
+    err = rel_err(ours, ref)
     t_ours = time_ms(lambda: [kernels.linear(x, w, partial_sums=True) for w in ws], graph=True) / copies
     t_ref = time_ms(lambda: [F.linear(x, w) for w in ws], graph=True) / copies
     gb = n * k * 2 / 1e9
