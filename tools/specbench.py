@@ -65,17 +65,18 @@ class OracleDrafter:
     """Drafts the model's own greedy continuation of each prompt (a script: the tokens of an
     earlier run), each token right with probability a and otherwise another token (so a step
     keeps each next draft with probability a, as the acceptance arithmetic assumes). Whether
-    the draft at a position is right is drawn once per (prompt, position): every run with
-    the same script drafts the same, step for step."""
+    the draft at a position is right is drawn once per (prompt, position), here: every run
+    with the same script drafts the same, step for step, and a draft costs a slice, as
+    cheap as prompt lookup (a drafting step waits for its drafter)."""
 
     def __init__(self, continuations: dict[tuple, list[int]], prompt_len: int, a: float, vocab: int):
-        self.continuations, self.prompt_len, self.a, self.vocab = continuations, prompt_len, a, vocab
+        self.prompt_len = prompt_len
+        self.drafts = {key: [t if random.Random(hash((key, j))).random() < a else (t + 1) % vocab
+                             for j, t in enumerate(right)] for key, right in continuations.items()}
 
     def __call__(self, tokens: list[int], k: int, branches: int = 1) -> list[list[int]]:
-        key, done = tuple(tokens[:self.prompt_len]), len(tokens) - self.prompt_len
-        right = self.continuations[key][done:done + k]
-        return [[t if random.Random(hash((key, done + j))).random() < self.a else (t + 1) % self.vocab
-                 for j, t in enumerate(right)]]
+        done = len(tokens) - self.prompt_len
+        return [self.drafts[tuple(tokens[:self.prompt_len])][done:done + k]]
 
 
 ORACLE_PASSES = 3   # untimed runs in which the oracle's script becomes speculation's own tokens
