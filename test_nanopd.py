@@ -7949,7 +7949,9 @@ def test_speculative_bench_small_checks_every_case_against_plain_decoding(tmp_pa
     assert all(r["accepted"] > 0 for r in res["acceptance"] if r["case"] == "a=0.8")
     if torch.cuda.is_available():   # the verify step measured: its graph alone, and the whole step
         v = res["verify"]
-        assert finite_positive(v["graph_ratio"], v["step_in_plain_steps"], *v["graph_ms"].values())
+        assert finite_positive(v["graph_ratio"], v["step_in_plain_steps"], *v["graph_ms"].values(),
+                               v["replay_host_ms"], v["plain_step_ms"])
+        assert -0.05 < v["launch_wait_ms"] < v["plain_step_ms"]   # a wait, from a difference of two spans
 
 
 def test_the_figures_are_the_code_run_on_the_docs_examples(tmp_path):

@@ -56,6 +56,28 @@ def time_ms(fn, graph: bool = False) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
+def launch_wait_ms(fn, reps: int = 10) -> tuple[float, float]:
+    """How long the GPU waits for fn's work when the host launches it on an idle GPU (as a
+    step launched once the host has read the one before), and fn's host time, in ms
+    (medians). The wait: fn's span between events recorded around it on an idle GPU, less
+    its span queued behind ~2 ms of other work, where the launch is done before it runs."""
+    spans: dict[bool, list[float]] = {False: [], True: []}
+    host = []
+    for queued in (False, True) * reps:
+        torch.cuda.synchronize()
+        if queued:
+            torch.cuda._sleep(3_000_000)   # clock cycles
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        began = time.perf_counter()
+        fn()
+        host += [] if queued else [time.perf_counter() - began]
+        end.record()
+        torch.cuda.synchronize()
+        spans[queued].append(start.elapsed_time(end))
+    return statistics.median(spans[False]) - statistics.median(spans[True]), statistics.median(host) * 1e3
+
+
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     """|got - want| / |want| in float32 (Frobenius norms): a kernel's error against its reference."""
     return ((got.float() - want.float()).norm() / want.float().norm()).item()

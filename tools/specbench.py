@@ -16,7 +16,8 @@ weights), each case against plain decoding of the same requests in the same run:
   verify      (CUDA) a drafting step's cost at batch 1, in plain steps: the whole step
               (the crossover's batch-1 case) against its decode graph
               alone (k + 1 rows against one, GPU time): the difference is the host's work,
-              which a drafting step cannot hide behind the step before it
+              which a drafting step cannot hide behind the step before it; and how long
+              that graph, launched on an idle GPU, waits for its own launch
 
 Every case also checks that speculation gave plain greedy decoding's tokens. Results are
 printed and, with --out, written as JSON (a plot beside it, .png). --small runs at toy
@@ -36,7 +37,7 @@ import torch
 
 from nanopd import LLM, SamplingParams
 from speculate import per_sequence
-from tools.microbench import time_ms
+from tools.microbench import launch_wait_ms, time_ms
 
 
 @dataclasses.dataclass
@@ -214,13 +215,19 @@ def verify_cost(llm: LLM, sizes: SpecSizes, row: dict) -> dict:
     if None in graphs.values():   # no graph that large (max_num_seqs): verify steps run without one
         return {}
     graph_ms = {n: time_ms(lane.graphs[b][0].replay) for n, b in graphs.items()}
+    wait_ms, replay_host_ms = launch_wait_ms(lane.graphs[graphs[sizes.k + 1]][0].replay)
     step = row["mean_kept_per_step"] * row["plain_tok_s"] / row["spec_tok_s"]
     res = {"step_in_plain_steps": step, "graph_ms": graph_ms,
            "graph_ratio": graph_ms[sizes.k + 1] / graph_ms[1],
-           "needed_for_3x": row["mean_kept_per_step"] / 3.0}
+           "needed_for_3x": row["mean_kept_per_step"] / 3.0,
+           "launch_wait_ms": wait_ms, "replay_host_ms": replay_host_ms,
+           "plain_step_ms": 1e3 / row["plain_tok_s"]}
     print(f"    verify  batch   1: a drafting step costs {step:.2f} plain steps; its graph alone "
           f"{graph_ms[sizes.k + 1]:.3f} ms on the GPU against {graph_ms[1]:.3f} for one row "
-          f"({res['graph_ratio']:.2f}x); 3x would need {res['needed_for_3x']:.2f}", flush=True)
+          f"({res['graph_ratio']:.2f}x); 3x would need {res['needed_for_3x']:.2f}. Launched on an "
+          f"idle GPU (as a drafting step is), the graph waits {wait_ms:.3f} ms for its launch "
+          f"(replay() takes {replay_host_ms:.3f} ms on the host); a plain step: "
+          f"{res['plain_step_ms']:.3f} ms", flush=True)
     return res
 
 
