@@ -87,8 +87,8 @@ class LLM:
         # the thread that holds it (an exit mid-call) does not wait on itself.
         self.lock = threading.RLock()
         # how many calls are between their first submit and their last output: a poll hands the
-        # lock on only when another one waits (time.sleep(0) costs ~70 us, the timer's slack,
-        # and after a step that drafts the GPU waits through it)
+        # lock on only when another one waits (time.sleep(0) sleeps for Linux's timer slack,
+        # 50 us by default, and after a step that drafts the GPU waits through it)
         self.callers, self.callers_lock = 0, threading.Lock()
         self.ended: dict[int, RequestOutput] = {}   # outputs polled for another caller's requests
         self.profile_s = 0.0   # the seconds adaptive's profile took at start-up (measured, or read back)

@@ -2415,10 +2415,10 @@ def test_two_threads_generating_on_one_llm_each_get_their_own_outputs(hf, llm):
 
 @ENGINE
 def test_a_poll_hands_the_lock_on_only_while_another_call_runs(hf, llm, monkeypatch):
-    """time.sleep(0) lets a waiting thread have the lock, at ~70 us a poll (the timer's slack),
-    which a step that drafts waits through: a call alone never yields; beside another call
-    (one between its first submit and its last output) every poll does; the count of calls
-    is back to zero after each, a failing one too."""
+    """time.sleep(0) lets a waiting thread have the lock, at a poll's cost of Linux's timer
+    slack (50 us by default), which a step that drafts waits through: a call alone never
+    yields; beside another call (one between its first submit and its last output) every
+    poll does; the count of calls is back to zero after each, a failing one too."""
     yields, sleep = [], time.sleep
     monkeypatch.setattr(time, "sleep", lambda s: yields.append(s) if s == 0 else sleep(s))
     assert tokens(generate(llm, PROMPTS[:2], max_tokens=4)) == [hf.greedy(p, 4) for p in PROMPTS[:2]]
