@@ -60,7 +60,8 @@ def launch_wait_ms(fn, reps: int = 10) -> tuple[float, float]:
     """How long the GPU waits for fn's work when the host launches it on an idle GPU (as a
     step launched once the host has read the one before), and fn's host time, in ms
     (medians). The wait: fn's span between events recorded around it on an idle GPU, less
-    its span queued behind ~2 ms of other work, where the launch is done before it runs."""
+    its span queued behind a sleep kernel (3 million cycles, ~2 ms), where the launch is
+    done before it runs."""
     spans: dict[bool, list[float]] = {False: [], True: []}
     host = []
     for queued in (False, True) * reps:
@@ -71,7 +72,8 @@ def launch_wait_ms(fn, reps: int = 10) -> tuple[float, float]:
         start.record()
         began = time.perf_counter()
         fn()
-        host += [] if queued else [time.perf_counter() - began]
+        if not queued:
+            host.append(time.perf_counter() - began)
         end.record()
         torch.cuda.synchronize()
         spans[queued].append(start.elapsed_time(end))
