@@ -38,6 +38,11 @@ class SpeculativeConfig:
     # ones). `bench.py speculative` measures the crossover (docs/speculative.md).
     disable_by_batch_size: int | None = 8
     num_branches: int = 1                      # candidate continuations checked at once (1: vLLM's one)
+    # Draft-and-check rounds a step runs on the device before the host reads its tokens
+    # (nanoPD's key; 1: vLLM's one). Where the drafter also drafts on the device (ngram does),
+    # rounds after the first take their drafts, acceptance and inputs from the round before
+    # on the device: the host's work between drafting steps is paid once a step, not a round.
+    num_rounds: int = 4
     model: str | None = None                   # draft_model: the drafting model
 
 
@@ -57,7 +62,8 @@ def speculative_config(value) -> SpeculativeConfig | None:
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"speculative_config's method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                          f"got {method!r}")
-    allowed = {"method", "num_speculative_tokens", "disable_by_batch_size", *SPECULATIVE_METHODS[method]}
+    allowed = {"method", "num_speculative_tokens", "disable_by_batch_size", "num_rounds",
+               *SPECULATIVE_METHODS[method]}
     unknown = sorted(set(value) - allowed)
     if unknown:
         raise ValueError(f"speculative_config for {method} does not take {', '.join(map(repr, unknown))} "
@@ -65,6 +71,7 @@ def speculative_config(value) -> SpeculativeConfig | None:
     cfg = SpeculativeConfig(**value)
     check_int("speculative_config's num_speculative_tokens", cfg.num_speculative_tokens, low=1)
     check_int("speculative_config's num_branches", cfg.num_branches, low=1)
+    check_int("speculative_config's num_rounds", cfg.num_rounds, low=1)
     if method == "draft_model" and not (isinstance(cfg.model, str) and cfg.model):
         raise ValueError(f"speculative_config for draft_model needs 'model': a preset name or a checkpoint "
                          f"folder, got {cfg.model!r}")

@@ -302,15 +302,16 @@ class Engine:
         step = LaunchedStep(batch, seqs, [s for s in seqs if s.request.beam_width], step_shape(batch), lane)
         beam_rows = [i for i in done if batch.seqs[i].request.beam_width]
         plan, draws = self._plan_draws(batch, done)
-        checks = []
+        checks, rounds = [], None
         if self.speculator:
             step.drafted, checks = self.speculator.plan_checks(batch, done, plan)
+            rounds = self.speculator.rounds(batch, step.drafted) if step.drafted else None
         step.num_checks = len(checks)
         beam_k = 2 * max((s.request.beam_width for s in step.beams), default=0)
         scores = self._plan_prompt_scores(batch)
         step.scored = [(batch.seqs[s.row].request, s.targets) for s in scores]
         step.output = self.runner.run(batch, checks + draws, beam_rows, beam_k,
-                                      previous.output.tokens if previous else None, lane, scores)
+                                      previous.output.tokens if previous else None, lane, scores, rounds)
         if step.drafted:
             self.speculator.launched(step.drafted)
         self.scheduler.computed(batch)
@@ -377,12 +378,14 @@ class Engine:
             if seq.request.metrics.first_token_time is None:
                 seq.request.metrics.first_token_time = now
         counted: list[tuple[Sequence, list[int]]] = []   # penalized drafted sequences: what they kept
+        later = step.output.later_rounds()   # per batch row (runner.py:Rounds)
         for k, ((seq, index), token) in enumerate(zip(step.targets, tokens)):
             if seq.status == Status.FINISHED:   # it stopped one step earlier: this token is void
                 continue
             drafted, draw = step.drafted.get(seq) if step.drafted else None, step.num_checks + k
             if drafted is not None:
-                self._take_drafted(seq, index, drafted, checked, token, draw, logprobs, counted)
+                rounds = later[step.batch.seqs.index(seq)] if later else ()
+                self._take_drafted(seq, index, drafted, checked, token, draw, logprobs, counted, rounds)
                 continue
             seq.token_ids[index] = token   # most tokens: one, in its place
             if index == len(seq.token_ids) - 1:   # no later step has sampled after it yet
@@ -401,10 +404,13 @@ class Engine:
         self._check_stop(seq, index)
 
     def _take_drafted(self, seq: Sequence, index: int, drafted: Drafted, checked: list[int], token: int,
-                      draw: int, logprobs: dict, counted: list[tuple[Sequence, list[int]]]) -> None:
-        """A drafted sequence's step ended: the drafts it kept and the token after them
-        (Speculator.keep) take the PENDING token's place, each taken in turn until one stops it."""
-        kept, draws = self.speculator.keep(seq, drafted, checked, token, draw)   # draws: each kept token's
+                      draw: int, logprobs: dict, counted: list[tuple[Sequence, list[int]]],
+                      later: list[list[int]]) -> None:
+        """A drafted sequence's step ended: the drafts it kept and the token after them, in
+        each of its rounds (Speculator.keep), take the PENDING token's place, each taken in
+        turn until one stops it."""
+        # draws: each kept token's
+        kept, draws = self.speculator.keep(seq, drafted, checked, token, draw, later)
         if seq.request.params.penalized:   # its draws were not counted: what it kept is
             counted.append((seq, kept))
         seq.token_ids[index:index + 1] = kept

@@ -219,7 +219,7 @@ class RequestMetrics:
                                         # decode worker's WorkerLoad) when the router chose the path
     spec_draft_tokens: int = 0          # speculative decoding: tokens drafted for its sequences, checked
     spec_accepted_tokens: int = 0       # ... and those the model agreed with (kept)
-    spec_steps: int = 0                 # ... in how many steps
+    spec_steps: int = 0                 # ... in how many checks (each round of a drafting step: speculate.py)
 
     def kv_copy_GBps(self) -> float:
         """The KV copy's rate (disaggregated; needs kv_copy_time)."""

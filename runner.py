@@ -147,6 +147,21 @@ def attention_rows(seq: Sequence, n: int) -> list[tuple[int, int]]:
     return [(seq.num_computed + i, 1) for i in range(n)]
 
 
+# (history [B, W] int64: row b's tokens in its first lengths[b], lengths [B], k) -> drafts [B, k]
+DeviceDraft = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+@dataclass
+class Rounds:
+    """A drafting step's rounds after its first (speculate.py: Speculator.rounds). Every
+    sequence of the step checks k drafts a round; each round after the first takes, on the
+    device, what the round before kept (the drafts up to the first one the sampled tokens
+    disagree with, then the token sampled there), drafts k more after it and checks them."""
+    count: int          # rounds in all, the first included
+    k: int
+    draft: DeviceDraft
+
+
 @dataclass
 class DraftRow:
     """A row of a draft model's pass (ModelRunner.draft_next), as prepare reads a sequence."""
@@ -206,6 +221,8 @@ class StepOutput:
     prompt_host: list[torch.Tensor] = field(default_factory=list)   # prompt logprobs (see scored)
     beams: list[tuple[list[int], list[float]]] = field(default_factory=list)   # per beam row: (ids, logprobs)
     ready: torch.cuda.Event | None = None   # the host copies have landed
+    # [rounds - 1, seqs, 2k + 1] on the host: each later round's drafts, then its k + 1 sampled tokens
+    rounds: torch.Tensor | None = None
 
     def done(self) -> bool:
         """Whether the copies have landed (collect would not wait)."""
@@ -222,6 +239,12 @@ class StepOutput:
             self.ready.synchronize()
         tokens, *logprobs = [t.tolist() for t in self.host] or [[]]
         return tokens, dict(zip(self.logprob_draws, zip(*logprobs)))
+
+    def later_rounds(self) -> list[list[list[int]]]:
+        """Wait for the copies: per sequence (batch row), each later round's drafts then its
+        sampled tokens (Rounds); [] without later rounds."""
+        self.wait()
+        return [] if self.rounds is None else self.rounds.transpose(0, 1).tolist()
 
     def scored(self) -> list[tuple[float, int, list[float], list[int]]]:
         """Wait for the copies: per prompt position scored (the run's PromptScores' targets,
@@ -379,15 +402,21 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch, draws: list[Draw], beam_rows: list[int] = (), beam_k: int = 0,
             prev_tokens: torch.Tensor | None = None, lane: Lane | None = None,
-            scores: list[PromptScore] = ()) -> StepOutput:
+            scores: list[PromptScore] = (), rounds: Rounds | None = None) -> StepOutput:
         """Run the model on the batch and sample: a token per draw, and for each of beam_rows
         its beam_k best continuations (read at once: beam search chooses on the host); the
         prompt logprobs of scores. prev_tokens: the running step's sampled tokens (see
         prepare). lane: where (the whole GPU unless a split's lane); everything the step
-        allocates is that stream's."""
+        allocates is that stream's. rounds: a drafting step's later rounds (Rounds)."""
         self.lane = lane = lane or self.full_gpu
         with lane.running():
-            return self._run(batch, draws, beam_rows, beam_k, prev_tokens, lane, scores)
+            out = self._run(batch, draws, beam_rows, beam_k, prev_tokens, lane, scores)
+            if rounds is not None:
+                self._later_rounds(batch, out, rounds, lane)
+            if self.device.type == "cuda":
+                out.ready = torch.cuda.Event(enable_timing=True)   # timing: workers.py times steps by it
+                out.ready.record()
+            return out
 
     def _run(self, batch: Batch, draws: list[Draw], beam_rows: list[int], beam_k: int,
              prev_tokens: torch.Tensor | None, lane: Lane, scores: list[PromptScore]) -> StepOutput:
@@ -407,10 +436,61 @@ class ModelRunner:
             out.beams = list(zip(ids.tolist(), values.tolist()))
         if draws:
             self._sample(logits, [at[d.row, d.position] for d in draws], draws, out, prev_tokens)
-        if self.device.type == "cuda":
-            out.ready = torch.cuda.Event(enable_timing=True)   # timing: workers.py times steps by it
-            out.ready.record()
         return out
+
+    def _later_rounds(self, batch: Batch, out: StepOutput, rounds: Rounds, lane: Lane) -> None:
+        """A drafting step's rounds after its first, all on the device, no host sync: each
+        keeps what the round before kept, drafts, checks (Rounds). Its draws were a check
+        per draft of each sequence, in batch order, then a token after each one's last
+        draft. Each round's drafts and sampled tokens go home together at the end (out.rounds)."""
+        seqs, k, bs = batch.seqs, rounds.k, self.cfg.block_size
+        width = max(len(s.token_ids) for s in seqs) + rounds.count * (k + 1)
+        history = self.upload([t for s in seqs for t in s.token_ids + [0] * (width - len(s.token_ids))],
+                              torch.int64).view(len(seqs), width)   # [B, W]
+        tables = self._upload_many(self._packed_tables([s.block_table for s in seqs]))[0].view(len(seqs), -1)
+        lengths = self.upload([len(s.token_ids) for s in seqs], torch.int64)
+        drafts = self.upload([t for s in seqs for t in s.drafts], torch.int64).view(len(seqs), k)
+        checks = len(seqs) * k
+        # [B, k + 1]: after the last token and each draft
+        sampled = torch.cat([out.tokens[:checks].view(-1, k), out.tokens[checks:].view(-1, 1)], 1)
+        ahead = torch.arange(k + 1, device=history.device)
+        params = [s.request.params for s in seqs for _ in range(k + 1)]
+        done = []
+        for _ in range(rounds.count - 1):
+            accepted = (drafts == sampled[:, :k]).long().cumprod(1).sum(1)          # [B]
+            history.scatter_(1, lengths[:, None] + ahead, sampled)   # the kept ones: the first accepted + 1
+            lengths = lengths + accepted + 1
+            drafts = rounds.draft(history, lengths, k)
+            positions = (lengths - 1)[:, None] + ahead                             # [B, k+1]
+            ids = torch.cat([history.gather(1, positions[:, :1]), drafts], 1)
+            slots = tables.gather(1, positions // bs) * bs + positions % bs
+            hidden = self._rerun(batch, ids.flatten(), positions.flatten(), slots.flatten().int(),
+                                 tables.repeat_interleave(k + 1, 0), lane)
+            sampled = sample(self.model.compute_logits(hidden), params, [None] * len(params),
+                             self.upload).view(-1, k + 1)
+            done.append(torch.cat([drafts, sampled], 1))
+        out.rounds = self.to_host(torch.stack(done))
+
+    def _rerun(self, batch: Batch, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               tables: torch.Tensor, lane: Lane) -> torch.Tensor:
+        """The batch's step again (a later round: _later_rounds) on new tokens, a token a row
+        attending up to its own position: on the decode graph its first round replayed,
+        whose static block tables and query starts still hold, else eagerly."""
+        n = len(ids)
+        graph_bs = next((b for b in lane.sizes if b >= n), None)
+        if graph_bs is not None:
+            graph, hidden = lane.graphs[graph_bs]
+            st = self.static
+            for name, t in (("ids", ids), ("pos", positions), ("slots", slots), ("ctx", positions)):
+                st[name][:n].copy_(t)
+            graph.replay()
+            return hidden[:n]
+        meta = AttentionMetadata(
+            slot_mapping=slots, block_tables=tables, ctx_lens=positions.int(), max_q_len=1, num_decodes=n,
+            cu_q_lens=torch.arange(n + 1, dtype=torch.int32, device=ids.device),
+            num_splits=kernels.choose_num_splits(n, self.model.num_kv_heads, 1, self.cfg.max_model_len,
+                                                 self.device))
+        return self.model(ids, positions, self.kv_cache, meta)
 
     def _sample(self, logits: torch.Tensor, src: list[int], draws: list[Draw], out: StepOutput,
                 prev_tokens: torch.Tensor | None) -> None:

@@ -34,6 +34,15 @@ device's. Drafts that miss would make speculation cost more than it gains; so a 
 whose drafts miss backs off (drafts_at), and a step after which nobody drafts keeps the
 overlap.
 
+Rounds. Where the drafter can also draft on the device (ngram; a bench's oracle), a
+drafting step runs up to num_rounds draft-and-check rounds before the host reads its
+tokens: each later round takes, on the device, what the round before kept (the same rule
+as keep's), drafts k tokens after it and checks them (runner.py:Rounds). The GPU then waits
+for the host once a step, not once a round. A step runs rounds only where nothing of its
+sequences' sampling needs the host between tokens (chains) and every one drafted k tokens;
+their slots are reserved for every round up front, and what a stop token or max_tokens
+ends inside a round is dropped, as a plain step's token after a stop is.
+
 The engine calls its Speculator at four points of a step: draft (before scheduling),
 plan_checks (the step's check draws, before launching), launched, and keep (when the
 step's tokens are back: what each drafted sequence keeps).
@@ -41,7 +50,9 @@ step's tokens are back: what each drafted sequence keeps).
 Drafters (vLLM's `speculative_config` methods):
   ngram        prompt lookup: the tokens that followed the latest earlier occurrence of
                the sequence's last n tokens, n from prompt_lookup_max down to
-               prompt_lookup_min (and up to num_branches such continuations).
+               prompt_lookup_min (and up to num_branches such continuations); with one
+               candidate, a continuation that reaches the sequence's end goes round the
+               loop it found (propose_looped), on the host and on the device.
   draft_model  a smaller model's greedy tokens (DraftModel).
 """
 
@@ -54,7 +65,7 @@ import torch
 from config import SpeculativeConfig
 from model import CausalLM, load_model
 from request import Sequence
-from runner import Draw, ModelRunner
+from runner import DeviceDraft, Draw, ModelRunner, Rounds
 from scheduler import Batch, Scheduler
 
 
@@ -90,9 +101,48 @@ def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int, branches: i
     return sorted(found, key=len, reverse=True)
 
 
-def per_sequence(propose: Callable[[list[int], int, int], list[list[int]]]) -> Drafter:
-    """A Drafter from a function of one sequence's tokens (tokens, k, branches) -> candidates."""
-    return lambda seqs, ks, branches: [propose(s.token_ids, k, branches) for s, k in zip(seqs, ks)]
+def propose_ngram_on_device(history: torch.Tensor, lengths: torch.Tensor, k: int, n_max: int,
+                            n_min: int) -> torch.Tensor:
+    """propose_looped's drafts for every row at once, on the device (a DeviceDraft): history
+    [B, W], row b's tokens its first lengths[b] -> drafts [B, k]. Where no n-gram recurs,
+    every draft is the last token: a round checks k drafts whatever they are, and only
+    agreeing drafts are kept."""
+    rows, last = torch.arange(len(history), device=history.device)[:, None], lengths - 1
+    follows = torch.full_like(lengths, -1)   # where the chosen occurrence's continuation starts
+    for n in range(n_max, n_min - 1, -1):
+        if n >= history.shape[1]:
+            continue
+        suffix = history[rows, (lengths[:, None] - n + torch.arange(n, device=history.device)).clamp(min=0)]
+        starts = torch.arange(history.shape[1] - n + 1, device=history.device)
+        # an occurrence ends before the last token: start + n <= last
+        hit = (history.unfold(1, n, 1) == suffix[:, None, :]).all(-1) & (starts + n <= last[:, None])
+        latest = torch.where(hit, starts, -1).amax(1)
+        follows = torch.where((follows < 0) & (latest >= 0), latest + n, follows)
+    # round the loop: the continuation's tokens again once it reaches the last one
+    at = follows[:, None] + torch.arange(k, device=history.device) % (lengths - follows)[:, None]
+    return history[rows, torch.where(follows[:, None] >= 0, at, last[:, None])]
+
+
+def propose_looped(tokens: list[int], k: int, n_max: int, n_min: int) -> list[list[int]]:
+    """propose_ngram's first candidate, k tokens long: a continuation that reaches the
+    sequence's end (the only way one is shorter) goes round the loop it found, its tokens
+    again, as generated text that repeats itself does. The one candidate of ngram without
+    branches, so that a drafting step can run later rounds (Speculator.rounds)."""
+    found = propose_ngram(tokens, k, n_max, n_min)
+    return [[found[0][j % len(found[0])] for j in range(k)]] if found else []
+
+
+class PerSequence:
+    """A Drafter from a function of one sequence's tokens (tokens, k, branches) -> candidates.
+    on_device, if given: the same drafter on the device for a drafting step's later rounds
+    (runner.py:Rounds), (the step's sequences, upload) -> a DeviceDraft."""
+
+    def __init__(self, propose: Callable[[list[int], int, int], list[list[int]]],
+                 on_device: Callable[[list[Sequence], Callable], DeviceDraft] | None = None):
+        self.propose, self.on_device = propose, on_device
+
+    def __call__(self, seqs: list[Sequence], ks: list[int], branches: int) -> list[list[list[int]]]:
+        return [self.propose(s.token_ids, k, branches) for s, k in zip(seqs, ks)]
 
 
 class DraftModel:
@@ -152,11 +202,24 @@ class DraftModel:
                     todo[i] = end
 
 
+def ngram_drafter(cfg: SpeculativeConfig) -> PerSequence:
+    """ngram's drafter: prompt lookup, looped where it checks one candidate a step, and on
+    the device for later rounds."""
+    n_max, n_min = cfg.prompt_lookup_max, cfg.prompt_lookup_min
+
+    def propose(tokens: list[int], k: int, branches: int) -> list[list[int]]:
+        if branches == 1:
+            return propose_looped(tokens, k, n_max, n_min)
+        return propose_ngram(tokens, k, n_max, n_min, branches)
+
+    def on_device(seqs: list[Sequence], upload: Callable) -> DeviceDraft:
+        return lambda history, lengths, k: propose_ngram_on_device(history, lengths, k, n_max, n_min)
+    return PerSequence(propose, on_device)
+
+
 Reserve = Callable[[Sequence, int], list[tuple[int, int]] | None]   # Scheduler.reserve_slots
 DRAFTERS: dict[str, Callable[[SpeculativeConfig, ModelRunner, Reserve], Drafter]] = {   # a method's drafter
-    "ngram": lambda cfg, runner, reserve: per_sequence(
-        lambda tokens, k, branches: propose_ngram(tokens, k, cfg.prompt_lookup_max, cfg.prompt_lookup_min,
-                                                  branches)),
+    "ngram": lambda cfg, runner, reserve: ngram_drafter(cfg),
     "draft_model": lambda cfg, runner, reserve: DraftModel(runner, reserve),
 }
 
@@ -168,6 +231,16 @@ def can_speculate(seq: Sequence) -> bool:
     before it (Speculator.plan_checks)."""
     req = seq.request
     return not req.beam_width and not req.prefill_only
+
+
+def chains(seq: Sequence) -> bool:
+    """Whether seq's drafting step may run later rounds on the device (Speculator.rounds):
+    nothing of its sampling waits for the host between its tokens (no logprobs, no logits
+    adjusted, no generator of its own to set back), no branches, and its drafts are being
+    kept (one step that kept none forgiven, as drafts_at forgives it)."""
+    params = seq.request.params
+    return (not seq.request.adjusts and params.logprobs is None and not seq.branches and seq.draft_misses <= 1
+            and (seq.generator is None or params.greedy))
 
 
 MAX_BACKOFF = 6   # a sequence whose drafts keep missing drafts every 2^6 = 64 steps at least
@@ -225,6 +298,7 @@ class Speculator:
         self.spec, self.scheduler, self.banned = spec, scheduler, banned
         self.max_model_len, self.vocab_size = runner.cfg.max_model_len, runner.model.config.vocab_size
         self.drafter = DRAFTERS[spec.method](spec, runner, scheduler.reserve_slots)
+        self.upload = runner.upload
         self.num_steps = 0   # engine steps so far: drafts_at counts them
 
     def drafters(self, step: int) -> list[Sequence]:
@@ -321,6 +395,31 @@ class Speculator:
                           for j in range(len(branch.drafts) + 1)]
         return draws
 
+    def rounds(self, batch: Batch, drafted: dict[Sequence, Drafted]) -> Rounds | None:
+        """The step's later rounds on the device (num_rounds in all: runner.py:Rounds), or None:
+        only where the drafter also drafts on the device and every sequence of the batch
+        checks k drafts, needs nothing of the host between its tokens (chains) and has room
+        for as many more; each one's slots for them reserved (None if the blocks are not free)."""
+        k, on_device = self.spec.num_speculative_tokens, getattr(self.drafter, "on_device", None)
+        if self.spec.num_rounds == 1 or on_device is None:
+            return None
+        count = self.spec.num_rounds
+        for seq, n in zip(batch.seqs, batch.num_new):
+            d = drafted.get(seq)
+            if d is None or n != k + 1 or len(d.drafts) != k or not chains(seq):
+                return None
+            room = min(seq.request.params.max_tokens - seq.num_outputs,
+                       self.max_model_len - len(seq.token_ids))
+            count = min(count, room // (k + 1))
+        if count < 2:
+            return None
+        for seq in batch.seqs:   # the last round writes up to position len - 2 + count * (k + 1)
+            pairs = self.scheduler.reserve_slots(seq, len(seq.token_ids) - 1 + count * (k + 1))
+            if pairs is None:
+                return None
+            batch.copies += pairs
+        return Rounds(count, k, on_device(batch.seqs, self.upload))
+
     def launched(self, drafted: dict[Sequence, Drafted]) -> None:
         """The step is on the device: its drafts are the step's now, not the sequences'."""
         for seq in drafted:
@@ -328,13 +427,15 @@ class Speculator:
             for branch in seq.branches:
                 branch.drafts = []
 
-    def keep(self, seq: Sequence, drafted: Drafted, checked: list[int], last: int, last_draw: int
-             ) -> tuple[list[int], list[int]]:
+    def keep(self, seq: Sequence, drafted: Drafted, checked: list[int], last: int, last_draw: int,
+             later: list[list[int]] = ()) -> tuple[list[int], list[int]]:
         """The tokens a drafted sequence keeps, and the draws that sampled them (their
-        logprobs): of the candidate (its own drafts or a branch's) that keeps the most, the
-        drafts up to the first the tokens sampled after each position disagree with, then
-        the token sampled there. A branch that wins gives the sequence its blocks; every
-        branch is then dropped. last: the token of the sequence's ordinary draw, last_draw."""
+        logprobs; -1 in later rounds): of the candidate (its own drafts or a branch's) that
+        keeps the most, the drafts up to the first the tokens sampled after each position
+        disagree with, then the token sampled there; then, by the same rule, what each later
+        round kept (later: its drafts, then its sampled tokens). A branch that wins gives the
+        sequence its blocks; every branch is then dropped. last: the token of the sequence's
+        ordinary draw, last_draw."""
         sampled = checked[drafted.checks:drafted.checks + len(drafted.drafts)] + [last]
         a, drafts, winner = num_accepted(drafted.drafts, sampled), drafted.drafts, None
         draws = [*range(drafted.checks, drafted.checks + len(drafted.drafts)), last_draw]
@@ -346,11 +447,17 @@ class Speculator:
         if winner is not None:
             self.scheduler.take_branch(seq, winner)
         self.scheduler.drop_branches(seq)
-        seq.draft_misses = 0 if a else seq.draft_misses + 1
-        metrics = seq.request.metrics
-        metrics.spec_draft_tokens += len(drafted.drafts) + sum(len(d) for _, d, _ in drafted.branches)
-        metrics.spec_accepted_tokens += a
-        metrics.spec_steps += 1
         if drafted.generator_state is not None:   # where plain decoding leaves it: one draw per kept token
             rewind(seq.generator, drafted.generator_state, a + 1, self.vocab_size)
-        return drafts[:a] + [sampled[a]], draws[:a + 1]
+        kept, draws, accepted = drafts[:a] + [sampled[a]], draws[:a + 1], a
+        for row in later:
+            k = len(row) // 2
+            a = num_accepted(row[:k], row[k:])
+            kept, draws, accepted = kept + row[k:k + a + 1], draws + [-1] * (a + 1), accepted + a
+        seq.draft_misses = 0 if accepted else seq.draft_misses + 1
+        metrics = seq.request.metrics
+        metrics.spec_draft_tokens += (len(drafted.drafts) + sum(len(d) for _, d, _ in drafted.branches)
+                                      + sum(len(row) // 2 for row in later))
+        metrics.spec_accepted_tokens += accepted
+        metrics.spec_steps += 1 + len(later)
+        return kept, draws

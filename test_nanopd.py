@@ -3065,6 +3065,28 @@ def test_prompt_lookup_proposes_what_a_brute_force_search_finds():
     assert several > 100
 
 
+def looped(candidates: list[list[int]], k: int) -> list[list[int]]:
+    """The first candidate, its tokens again until k long (it ends early only at the sequence's end)."""
+    return [(candidates[0] * k)[:k]] if candidates else []
+
+
+def test_prompt_lookup_on_the_device_drafts_the_brute_force_searchs_first_candidate_looped():
+    """propose_ngram_on_device, every row of a padded history at once (the padding random
+    tokens, which must never match), and propose_looped, against the brute-force search's
+    first candidate, its tokens repeated up to k (on the device: the last token k times
+    where none recurs)."""
+    rng = random.Random(1)
+    rows = [[rng.randrange(rng.choice([2, 5, 300])) for _ in range(rng.randint(1, 40))] for _ in range(400)]
+    history = torch.tensor([r + [rng.randrange(5) for _ in range(48 - len(r))] for r in rows])
+    lengths = torch.tensor([len(r) for r in rows])
+    for k, n_max, n_min in [(4, 3, 1), (2, 4, 2), (5, 1, 1)]:
+        want = [looped(lookup_by_brute_force(r, k, n_max, n_min), k) for r in rows]
+        assert [speculate.propose_looped(r, k, n_max, n_min) for r in rows] == want
+        got = speculate.propose_ngram_on_device(history, lengths, k, n_max, n_min).tolist()
+        assert got == [(w or [[r[-1]] * k])[0] for w, r in zip(want, rows)]
+        assert sum(bool(lookup_by_brute_force(r, k, n_max, n_min)) for r in rows) > 50
+
+
 @pytest.mark.parametrize("config, match", [
     ({"method": "eagle"}, "method"), ({"method": "draft_model"}, "needs 'model'"),
     ({"method": "draft_model", "model": "tiny", "num_branches": 2}, "num_branches"),
@@ -3073,6 +3095,7 @@ def test_prompt_lookup_proposes_what_a_brute_force_search_finds():
     ({"method": "ngram", "lookahead": 3}, "lookahead"), ("ngram", "dict"),
     ({"method": "ngram", "num_speculative_tokens": 2.0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_branches": 0}, "num_branches"),
+    ({"method": "ngram", "num_rounds": 0}, "num_rounds"),
 ])
 def test_a_bad_speculative_config_is_a_value_error_naming_it(config, match):
     with pytest.raises(ValueError, match=match):
@@ -3141,7 +3164,7 @@ def branching_drafter(continuations: dict[tuple, list[int]]):
         right = continuations[p][len(tokens) - len(p):][:k]
         wrong = [(t + 1) % VOCAB for t in right]
         return [wrong, right[:max(1, k - 1)], right[:1] + wrong[1:k - 1]] if k > 1 else [wrong, right]
-    return speculate.per_sequence(drafter)
+    return speculate.PerSequence(drafter)
 
 
 def count_branch_wins(engine: Engine) -> list:
@@ -3245,13 +3268,77 @@ def test_a_draft_model_gives_hf_greedy_tokens(hf, tmp_path, draft):
         make_llm(hf.path, speculative_config={"method": "draft_model", "model": "tiny"})
 
 
-def knowing_drafter(continuations: dict[tuple, list[int]]):
+def knowing_drafter(continuations: dict[tuple, list[int]], wrong_at: int | None = None):
     """A drafter that proposes the continuation it knows after each sequence: every draft
-    right."""
+    right (but the one at depth wrong_at, if given, another token); on the device too (a
+    lookup in a table of the continuations, for later rounds)."""
+    def prompt_of(tokens: list[int]) -> tuple:
+        return next(p for p in continuations if tuple(tokens[:len(p)]) == p)
+
+    def spoil(drafts):
+        if wrong_at is not None and len(drafts) > wrong_at:
+            drafts[wrong_at] = (drafts[wrong_at] + 1) % VOCAB
+        return drafts
+
     def drafter(tokens: list[int], k: int, branches: int) -> list[list[int]]:
-        p = next(p for p in continuations if tuple(tokens[:len(p)]) == p)
-        return [continuations[p][len(tokens) - len(p):][:k]]
-    return speculate.per_sequence(drafter)
+        p = prompt_of(tokens)
+        return [spoil(continuations[p][len(tokens) - len(p):][:k])]
+
+    def on_device(seqs, upload):
+        prompts = [prompt_of(s.token_ids) for s in seqs]
+        width = max(len(c) for c in continuations.values()) + 64
+        table = upload([t for p in prompts for t in continuations[p] + [0] * (width - len(continuations[p]))],
+                       torch.int64).view(len(seqs), width)
+        starts = upload([len(p) for p in prompts], torch.int64)
+        return lambda history, lengths, k: spoil(table.gather(1, (lengths - starts)[:, None]
+                                                             + torch.arange(k, device=lengths.device)).T).T
+    return speculate.PerSequence(drafter, on_device)
+
+
+def counting_rounds(engine: Engine) -> list[int]:
+    """Each drafting step's rounds (1: none on the device), recorded."""
+    counts, rounds = [], engine.speculator.rounds
+
+    def recording(batch, drafted):
+        r = rounds(batch, drafted)
+        counts.append(r.count if r else 1)
+        return r
+    engine.speculator.rounds = recording
+    return counts
+
+
+@ENGINE
+@pytest.mark.parametrize("drafter", ["knowing", "second wrong", "ngram"])
+def test_later_rounds_on_the_device_give_hf_greedy_tokens(hf, drafter):
+    """num_rounds 3: a drafting step's later rounds take what the round before kept, draft
+    and build their inputs on the device. HF's greedy tokens, with drafts that all hit (a
+    drafter that knows HF's tokens, also on the device; or every second draft wrong, so
+    each round keeps one and the two after the miss, right, are not: four requests, max_tokens that no
+    number of whole rounds fills, a stop token that ends one inside a round) and with
+    prompt lookup's (one request whose greedy tokens loop: a round runs only where every
+    sequence of the step drafts k). Steps ran several rounds, and every block came back."""
+    prompts = [prompt_whose_drafts_all_hit(hf, 40), PROMPTS[2], prompt(21, 7), [7, 8, 9, 10] * 6]
+    prompts = prompts if drafter != "ngram" else prompts[:1]
+    ref = {tuple(p): hf.greedy(p, 40) for p in prompts}
+    stop = hf.greedy(PROMPTS[2], 40)[23]
+    llm = make_llm(hf.path, speculative_config={**NGRAM, "num_rounds": 3})
+    if drafter != "ngram":
+        llm.engine.speculator.drafter = knowing_drafter(ref, 1 if drafter == "second wrong" else None)
+    counts = counting_rounds(llm.engine)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, stop_token_ids=s)
+              for n, s in [(37, []), (40, [stop]), (33, []), (40, [])]]
+    outs = llm.generate(prompts, params[:len(prompts)], use_tqdm=False)
+    for out, p, par in zip(outs, prompts, params):
+        want = ref[tuple(p)][:par.max_tokens]
+        want = want[:want.index(stop) + 1] if par.stop_token_ids and stop in want else want
+        assert out.outputs[0].token_ids == want
+    assert max(counts) == 3 and sum(o.metrics.spec_steps for o in outs) > len(counts)
+    if drafter != "ngram":
+        assert outs[1].outputs[0].finish_reason == "stop"
+        m = [o.metrics for o in outs]   # each round keeps every draft, or one
+        assert all(x.spec_accepted_tokens == (x.spec_draft_tokens if drafter == "knowing" else x.spec_steps)
+                   for x in m)
+    assert all_blocks_free(llm) and not llm.engine.requests
 
 
 @ENGINE
@@ -3323,7 +3410,7 @@ def test_drafts_that_always_miss_back_off_and_leave_the_tokens_alone(hf):
     right = hf.greedy(p, n)
     llm = make_llm(hf.path, speculative_config=NGRAM)
     eng, late = llm.engine, []
-    eng.speculator.drafter = speculate.per_sequence(
+    eng.speculator.drafter = speculate.PerSequence(
         lambda tokens, k, branches: [[(right[len(tokens) - len(p)] + 1) % VOCAB] * k])
     launch, finish, launched_in = eng._launch, eng._finish, {}
 
@@ -3382,7 +3469,7 @@ def test_speculative_sampling_keeps_the_models_distribution(hf, candidates, temp
                    num_kv_blocks=1024)
     if candidates == 2:
         likeliest = second.topk(2, -1).indices.tolist()   # [first token, 2]
-        llm.engine.speculator.drafter = speculate.per_sequence(
+        llm.engine.speculator.drafter = speculate.PerSequence(
             lambda tokens_, k, branches: [[t] for t in likeliest[tokens_[-1]]])
     outs = generate(llm, [ids] * 2000, max_tokens=3, temperature=temperature, ignore_eos=True)
     # max_tokens leaves room for one draft

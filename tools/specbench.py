@@ -13,11 +13,12 @@ weights), each case against plain decoding of the same requests in the same run:
               a trained model
   draft       draft_model: the qwen3-0.6b preset drafting for the model at batch 1 and
               32; random weights, so its drafts miss: what its passes cost
-  verify      (CUDA) a drafting step's cost at batch 1, in plain steps: the whole step
-              (the crossover's batch-1 case) against its decode graph
-              alone (k + 1 rows against one, GPU time): the difference is the host's work,
-              which a drafting step cannot hide behind the step before it; and how long
-              that graph, launched on an idle GPU, waits for its own launch
+  verify      (CUDA) a check's cost at batch 1, in plain steps (a check: a drafting
+              step's round, speculate.py): the whole check (the crossover's batch-1 case)
+              against its decode graph alone (k + 1 rows against one, GPU time): the
+              difference is the host's work, which a drafting step's first round cannot
+              hide behind the step before it; and how long that graph, launched on an idle
+              GPU, waits for its own launch
 
 Every case also checks that speculation gave plain greedy decoding's tokens. Results are
 printed and, with --out, written as JSON (a plot beside it, .png). --small runs at toy
@@ -36,7 +37,8 @@ import time
 import torch
 
 from nanopd import LLM, SamplingParams
-from speculate import per_sequence
+from runner import DeviceDraft
+from speculate import PerSequence
 from tools.microbench import launch_wait_ms, time_ms
 
 
@@ -71,13 +73,29 @@ class OracleDrafter:
     cheap as prompt lookup (a drafting step waits for its drafter)."""
 
     def __init__(self, continuations: dict[tuple, list[int]], prompt_len: int, a: float, vocab: int):
-        self.prompt_len = prompt_len
+        self.prompt_len, self.table = prompt_len, None
         self.drafts = {key: [t if random.Random(hash((key, j))).random() < a else (t + 1) % vocab
                              for j, t in enumerate(right)] for key, right in continuations.items()}
 
     def __call__(self, tokens: list[int], k: int, branches: int = 1) -> list[list[int]]:
         done = len(tokens) - self.prompt_len
         return [self.drafts[tuple(tokens[:self.prompt_len])][done:done + k]]
+
+    def on_device(self, seqs: list, upload) -> DeviceDraft:
+        """The same drafts on the device, for a drafting step's later rounds: a lookup in the
+        table of every prompt's drafts, uploaded at the first step (a script's end repeats
+        its last draft: those positions are past max_tokens)."""
+        if self.table is None:
+            width = max(map(len, self.drafts.values()))
+            self.row = {key: i for i, key in enumerate(self.drafts)}
+            self.table = upload([t for d in self.drafts.values() for t in d + d[-1:] * (width - len(d))],
+                                torch.int64).view(len(self.drafts), width)
+        rows = upload([self.row[tuple(s.token_ids[:self.prompt_len])] for s in seqs], torch.int64)
+
+        def draft(history: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+            at = (lengths - self.prompt_len)[:, None] + torch.arange(k, device=lengths.device)
+            return self.table[rows[:, None], at.clamp(max=self.table.shape[1] - 1)]
+        return draft
 
 
 ORACLE_PASSES = 3   # untimed runs in which the oracle's script becomes speculation's own tokens
@@ -156,7 +174,7 @@ def compare(llm: LLM, sizes: SpecSizes, batch: int, drafter_for, name: str, lear
                                           f"up to {max(p['margin'] for p in parted):.3f} nats")
     same += "" if replayed else " (plain decoding with logprobs parted from plain decoding without)"
     print(f"{name:>10}  batch {batch:>3}: {plain:8.1f} -> {spec:8.1f} tokens/s ({row['speedup']:.2f}x), "
-          f"acceptance {stats['acceptance']:.2f}, {stats['mean_kept_per_step']:.2f} kept per drafting step, "
+          f"acceptance {stats['acceptance']:.2f}, {stats['mean_kept_per_step']:.2f} kept per check, "
           f"tokens {same}", flush=True)
     return row
 
@@ -169,8 +187,13 @@ def run_speculative(out: str | None, sizes: SpecSizes) -> dict:
               num_kv_blocks=sizes.num_kv_blocks)
     # the engine's own ngram drafter
     vocab, prompt_lookup = llm.engine.model.config.vocab_size, llm.engine.speculator.drafter
-    oracle = lambda a: lambda conts: per_sequence(OracleDrafter(conts, sizes.prompt_len, a, vocab))
-    ngram = lambda conts: lambda seqs, ks, branches: prompt_lookup(seqs, ks, 1)
+    def oracle(a: float):
+        def drafter(conts: dict) -> PerSequence:
+            drafts = OracleDrafter(conts, sizes.prompt_len, a, vocab)
+            return PerSequence(drafts, drafts.on_device)
+        return drafter
+    ngram = lambda conts: PerSequence(lambda tokens, k, branches: prompt_lookup.propose(tokens, k, 1),
+                                      prompt_lookup.on_device)
     branched = lambda conts: prompt_lookup
     res = {"sizes": dataclasses.asdict(sizes),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
@@ -207,9 +230,10 @@ def run_speculative(out: str | None, sizes: SpecSizes) -> dict:
 
 
 def verify_cost(llm: LLM, sizes: SpecSizes, row: dict) -> dict:
-    """A drafting step's cost in plain steps at batch 1 (row: a batch-1 case): the whole
-    step, from its tokens/s and tokens kept a step, against the GPU time of its decode
-    graph alone (k + 1 rows, one each, against one row)."""
+    """A check's cost in plain steps at batch 1 (row: a batch-1 case; a check is a
+    drafting step's round, speculate.py): the whole check, from its tokens/s and tokens kept
+    a check, against the GPU time of its decode graph alone (k + 1 rows, one each, against
+    one row)."""
     lane = llm.engine.runner.full_gpu
     graphs = {n: next((b for b in lane.sizes if b >= n), None) for n in (1, sizes.k + 1)}
     if None in graphs.values():   # no graph that large (max_num_seqs): verify steps run without one
@@ -222,7 +246,7 @@ def verify_cost(llm: LLM, sizes: SpecSizes, row: dict) -> dict:
            "needed_for_3x": row["mean_kept_per_step"] / 3.0,
            "launch_wait_ms": wait_ms, "replay_host_ms": replay_host_ms,
            "plain_step_ms": 1e3 / row["plain_tok_s"]}
-    print(f"    verify  batch   1: a drafting step costs {step:.2f} plain steps; its graph alone "
+    print(f"    verify  batch   1: a check costs {step:.2f} plain steps; its graph alone "
           f"{graph_ms[sizes.k + 1]:.3f} ms on the GPU against {graph_ms[1]:.3f} for one row "
           f"({res['graph_ratio']:.2f}x); 3x would need {res['needed_for_3x']:.2f}. Launched on an "
           f"idle GPU (as a drafting step is), the graph waits {wait_ms:.3f} ms for its launch "
