@@ -400,10 +400,11 @@ class Worker:
         delays, and timed so a chunk's ms went to the step beside it. A split
         worker's steps say where they ran: on the whole GPU, or on a lane of a split, whose
         own models the router refits; its prompt chunks are reported too (decodes 0), timed
-        by the engine from launch until their tokens were seen."""
+        by the engine from launch until their tokens were seen. A drafting step is not
+        reported: its time is its checks' (speculate.py: rounds), not a decode step's."""
         now = time.perf_counter()
         ended = collected.output.ready if collected is not None and collected.output else None
-        if collected is not None and self.last_collected is not None:
+        if collected is not None and self.last_collected is not None and not collected.drafted:
             at, before = self.last_collected
             ms = before.elapsed_time(ended) if before is not None and ended is not None else (now - at) * 1e3
             s = collected.shape
