@@ -3950,7 +3950,8 @@ def pull_from_a_peer_that_leaves(rank: int, port: int, results) -> None:
 
 def test_a_distributed_pull_whose_source_leaves_ends_with_an_error():
     """gloo: a receive from a worker that is gone ends the pull (ready) with an error, not a
-    completed copy, in bounded time; it asked for the runs its blocks make (0-1, 5)."""
+    completed copy, in bounded time; it asked for the runs its blocks make (0-1, 5), or for
+    nothing where the peer was gone before the receives were posted (which then fail)."""
     ctx = torch.multiprocessing.get_context("spawn")
     results, port = ctx.Queue(), workers.free_port()
     procs = [ctx.Process(target=pull_from_a_peer_that_leaves, args=(r, port, results)) for r in (0, 1)]
@@ -3963,7 +3964,7 @@ def test_a_distributed_pull_whose_source_leaves_ends_with_an_error():
             proc.join(timeout=30)
             proc.kill()
     assert ready and error and seconds is None
-    assert runs == [(0, 2), (5, 1)]
+    assert runs in ([(0, 2), (5, 1)], None)
 
 
 def test_a_distributed_receive_that_fails_to_post_ends_the_pull(monkeypatch):
