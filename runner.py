@@ -12,7 +12,8 @@ than a small step takes on the GPU:
     attention themselves, since its grid depends on the batch's sequences ("piecewise"
     graphs, as vLLM does); bigger steps keep the GPU busy long enough to run eagerly.
 A token the host has not received yet (PENDING, see engine.py) is read on the device from
-the previous step's sampled tokens.
+the previous step's sampled tokens. A drafting step may check its drafts in several rounds
+before the host reads them, each later round's drafts and inputs made on the device (Rounds).
 """
 
 import contextlib

@@ -43,9 +43,9 @@ sequences' sampling needs the host between tokens (chains) and every one drafted
 their slots are reserved for every round up front, and what a stop token or max_tokens
 ends inside a round is dropped, as a plain step's token after a stop is.
 
-The engine calls its Speculator at four points of a step: draft (before scheduling),
-plan_checks (the step's check draws, before launching), launched, and keep (when the
-step's tokens are back: what each drafted sequence keeps).
+The engine calls its Speculator at five points of a step: draft (before scheduling),
+plan_checks (the step's check draws, before launching), rounds (its later rounds, if any),
+launched, and keep (when the step's tokens are back: what each drafted sequence keeps).
 
 Drafters (vLLM's `speculative_config` methods):
   ngram        prompt lookup: the tokens that followed the latest earlier occurrence of
