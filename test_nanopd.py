@@ -3308,7 +3308,7 @@ def counting_rounds(engine: Engine) -> list[int]:
 
 
 @ENGINE
-@pytest.mark.parametrize("drafter", ["knowing", "second wrong", "ngram"])
+@pytest.mark.parametrize("drafter", ["knowing", "second wrong", "ngram", "knowing, sampled top-k 1"])
 def test_later_rounds_on_the_device_give_hf_greedy_tokens(hf, drafter):
     """num_rounds 3: a drafting step's later rounds take what the round before kept, draft
     and build their inputs on the device. HF's greedy tokens, with drafts that all hit (a
@@ -3316,7 +3316,9 @@ def test_later_rounds_on_the_device_give_hf_greedy_tokens(hf, drafter):
     each round keeps one and the two after the miss, right, are not: four requests, max_tokens that no
     number of whole rounds fills, a stop token that ends one inside a round) and with
     prompt lookup's (one request whose greedy tokens loop: a round runs only where every
-    sequence of the step drafts k). Steps ran several rounds, and every block came back."""
+    sequence of the step drafts k); and sampling at temperature 1 with top-k 1, whose later
+    rounds sample through the sampler's own path (per row: temperature, top-k, noise) and
+    must still give the greedy tokens. Steps ran several rounds, and every block came back."""
     prompts = [prompt_whose_drafts_all_hit(hf, 40), PROMPTS[2], prompt(21, 7), [7, 8, 9, 10] * 6]
     prompts = prompts if drafter != "ngram" else prompts[:1]
     ref = {tuple(p): hf.greedy(p, 40) for p in prompts}
@@ -3325,7 +3327,8 @@ def test_later_rounds_on_the_device_give_hf_greedy_tokens(hf, drafter):
     if drafter != "ngram":
         llm.engine.speculator.drafter = knowing_drafter(ref, 1 if drafter == "second wrong" else None)
     counts = counting_rounds(llm.engine)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, stop_token_ids=s)
+    sampled = {"temperature": 1.0, "top_k": 1} if "sampled" in drafter else {"temperature": 0.0}
+    params = [SamplingParams(**sampled, max_tokens=n, ignore_eos=True, stop_token_ids=s)
               for n, s in [(37, []), (40, [stop]), (33, []), (40, [])]]
     outs = llm.generate(prompts, params[:len(prompts)], use_tqdm=False)
     for out, p, par in zip(outs, prompts, params):
@@ -3336,8 +3339,8 @@ def test_later_rounds_on_the_device_give_hf_greedy_tokens(hf, drafter):
     if drafter != "ngram":
         assert outs[1].outputs[0].finish_reason == "stop"
         m = [o.metrics for o in outs]   # each round keeps every draft, or one
-        assert all(x.spec_accepted_tokens == (x.spec_draft_tokens if drafter == "knowing" else x.spec_steps)
-                   for x in m)
+        kept = [x.spec_steps if drafter == "second wrong" else x.spec_draft_tokens for x in m]
+        assert [x.spec_accepted_tokens for x in m] == kept
     assert all_blocks_free(llm) and not llm.engine.requests
 
 
