@@ -17,8 +17,9 @@ IPC on GPUs, shared memory on CPUs), so per request only block ids travel. A han
      the copy's event has completed the request joins its batch and it reports Imported;
   4. the central scheduler sends Release to the prefill worker, which frees the blocks.
 A parked request nobody pulls is released after HANDOFF_TIMEOUT_S. Under the adaptive
-policy every step a worker runs is reported too, with its shape and time (StepTimed):
-the router refits its model of a step on them (router.py).
+policy every step a worker runs (a drafting step's excepted: speculate.py) is reported
+too, with its shape and time (StepTimed): the router refits its model of a step on them
+(router.py).
 """
 
 import ast
