@@ -378,7 +378,7 @@ class Engine:
             if seq.request.metrics.first_token_time is None:
                 seq.request.metrics.first_token_time = now
         counted: list[tuple[Sequence, list[int]]] = []   # penalized drafted sequences: what they kept
-        later = step.output.later_rounds()   # per batch row (runner.py:Rounds)
+        later = step.output.later_rounds() if step.drafted else []   # per batch row (runner.py:Rounds)
         for k, ((seq, index), token) in enumerate(zip(step.targets, tokens)):
             if seq.status == Status.FINISHED:   # it stopped one step earlier: this token is void
                 continue
