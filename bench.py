@@ -1176,7 +1176,7 @@ def calibration(router, profiled: dict | None = None) -> dict:
     by the end (what an error comes from)."""
     if router is None:
         return {}
-    errs = router.errors
+    errs = list(router.errors)
 
     def median(xs: list[float]) -> float:
         return statistics.median(xs) if xs else float("nan")

@@ -24,6 +24,7 @@ time, they end with a RuntimeError in RequestOutput.error. Nothing waits on a de
 worker. close() (also run at exit and when the object is collected) stops every worker.
 """
 
+import collections
 import dataclasses
 import logging
 import time
@@ -35,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from config import EngineConfig, check_device, check_int, check_real
-from costmodel import WorkerLoad
+from costmodel import HISTORY, WorkerLoad
 from hosts import RemoteWorkers, parse_address
 from kv_cache import cdiv
 from lifecycle import RequestLedger, RequestRecord
@@ -251,7 +252,7 @@ class Liveness:
         return ", ".join(f"worker {w} ({self.devices[w]}): {why}" for w, why in self.dead.items()) or "none"
 
 
-def configs_held(log: list[ConfigChange], w: int, start: float, end: float, routed: WorkerLoad
+def configs_held(log: collections.deque[ConfigChange], w: int, start: float, end: float, routed: WorkerLoad
                  ) -> list[tuple[float, tuple[int, int] | None, int | None]]:
     """The configurations (SM split, token budget) worker w held from start to end (s since
     the cluster started), each with its share of that time: the one a request was routed
@@ -291,8 +292,10 @@ class CentralScheduler:
         self.measured: dict[int, dict] = {}
         self._router: Router | None = None
         self.controlled_at = -1e9   # when the workers' controllers were last sent the router's parameters
-        self.config_log: list[ConfigChange] = []
-        self.step_log: list[tuple[float, int, StepTimed]] = []   # (s since start, worker, step): times_steps
+        # the last HISTORY of each (a window: a server that runs for days keeps no more)
+        self.config_log: collections.deque[ConfigChange] = collections.deque(maxlen=HISTORY)
+        self.step_log: collections.deque[tuple[float, int, StepTimed]] = collections.deque(maxlen=HISTORY)
+        # (s since start, worker, step): every step timed (times_steps)
         # Under a steered policy the planner decides the roles, replanned as the arrivals change,
         # where the workers have more than one regime to choose from (one worker has one: both).
         n = len(self.devices)
@@ -452,6 +455,11 @@ class CentralScheduler:
     def _least_loaded(self, workers: list[int]) -> int:
         return self.telemetry.least_loaded(workers, self.requests.active.values(), self.roles,
                                            time.perf_counter())
+
+    def can_serve(self) -> bool:
+        """Whether a request could be served now: a live worker takes prompts, and one decodes."""
+        live = self.liveness.live()
+        return bool(self.roles.takers(live) and self.roles.decoders(live))
 
     # -- requests
 

@@ -76,6 +76,7 @@ def split_key(split: tuple[int, int]) -> str:
     return f"{split[0]}/{split[1]}"
 
 
+HISTORY = 100_000   # entries each log kept for the models holds (steps, requests, changes): its last ones
 MAX_PREFILL_SHARE = 0.9   # of a worker's time on prefills beside its decodes: past it, none would finish
 GROWTH_SEGMENTS = 16      # pieces a decode under a moving batch is integrated in
 

@@ -141,6 +141,8 @@ class RequestLedger:
         return self.done.pop(request_id).output
 
     def forget(self, request_id: int) -> RequestRecord | None:
-        """Forget a request, ended or not; its record if it was active."""
-        self.done.pop(request_id, None)
+        """Forget a request, ended or not; its record if it was active. One that ended but
+        was not polled yet leaves `ended` too: no poll hands out an id that has no output."""
+        if self.done.pop(request_id, None) is not None and request_id in self.ended:
+            self.ended.remove(request_id)
         return self.active.pop(request_id, None)

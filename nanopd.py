@@ -33,6 +33,7 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import Self
 
+import jinja2
 import torch
 from tqdm import tqdm
 
@@ -53,6 +54,7 @@ from request import (
     SamplingParams,
     TextPrompt,
     TokensPrompt,
+    encode,
     prompt_of,
 )
 from router import Router
@@ -168,7 +170,7 @@ class LLM:
         texts = [self.render_chat(c, chat_template, add_generation_prompt)
                  for c in checked_conversations(messages)]
         tokenizer = self.get_tokenizer()
-        outs = self.generate([tokenizer.encode(t, add_special_tokens=False) for t in texts], sampling_params,
+        outs = self.generate([encode(t, tokenizer, add_special_tokens=False) for t in texts], sampling_params,
                              use_tqdm)
         for out, text in zip(outs, texts):
             out.prompt = text
@@ -178,15 +180,19 @@ class LLM:
                     add_generation_prompt: bool = True) -> str:
         """One conversation's prompt text, by the tokenizer's chat template (or chat_template):
         what chat and the server's /v1/chat/completions prompt with. A ValueError names a bad
-        message, or says that there is no template."""
+        message or template (its first word the field at fault), or says that there is no template."""
         (conversation,) = checked_conversations([conversation])
         tokenizer = self.get_tokenizer()
         if (chat_template or getattr(tokenizer, "chat_template", None)) is None:
             raise ValueError(f"the tokenizer of {self.backend.cfg.model} has no chat template: pass "
                              "chat_template=... (a Jinja template, as in the tokenizer_config.json of chat "
                              "models)")
-        return tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+        try:   # transformers' templates are Jinja: its errors are a bad template, or messages it refuses
+            return tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+        except jinja2.TemplateError as e:
+            at_fault = "chat_template" if chat_template is not None else "messages: the chat template failed"
+            raise ValueError(f"{at_fault}: {type(e).__name__}: {e}") from None
 
     def beam_search(self, prompts: list, params: BeamSearchParams, *,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -449,7 +455,9 @@ def serve_main(argv: list[str]) -> None:
     p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
     p.add_argument("--max-pending", type=int, default=4096, help="requests held at once; past it, 503")
     p.add_argument("--drain-s", type=float, default=30.0,
-                   help="on SIGTERM, how long requests in flight may finish")
+                   help="on SIGTERM, how long requests in flight may finish (then they end with a 503)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="take a request's own chat_template (a Jinja program the server runs); else a 400")
     names = [f for f in dataclasses.fields(EngineConfig) + dataclasses.fields(ClusterConfig)
              if f.name not in ("model", "policy")]
     for f in names:
@@ -457,13 +465,14 @@ def serve_main(argv: list[str]) -> None:
     args = p.parse_args(argv)
     settings = {f.name: getattr(args, f.name) for f in names if getattr(args, f.name) is not None}
     import server
-    try:
+    try:   # the server's settings before the LLM's workers start
+        server.check_serving(args.port, args.api_key, args.max_pending, args.drain_s)
         llm = LLM(args.model, policy=args.policy, **settings)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     with llm:
         server.serve(llm, args.host, args.port, args.api_key, args.served_model_name, args.max_pending,
-                     args.drain_s)
+                     args.drain_s, args.trust_request_chat_template)
 
 
 def json_value(text: str) -> dict:

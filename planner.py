@@ -39,7 +39,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from costmodel import MAX_PREFILL_SHARE, CostModel, WorkerLoad
+from costmodel import HISTORY, MAX_PREFILL_SHARE, CostModel, WorkerLoad
 from kv_cache import cdiv
 
 HYSTERESIS = 0.05        # a regime must be predicted this much better to replace the current one
@@ -297,7 +297,7 @@ class Planner:
         self.arrivals: collections.deque[tuple[float, int, float]] = collections.deque()
         self.planned_at = -math.inf
         self.chosen_at = -math.inf   # when the planner last chose a regime (not a worker's death)
-        self.log: list[PlanLog] = []
+        self.log: collections.deque[PlanLog] = collections.deque(maxlen=HISTORY)   # the last regime changes
 
     def arrived(self, now: float, prompt_len: int, predicted_out: float) -> None:
         self.arrivals.append((now, prompt_len, predicted_out))

@@ -20,6 +20,8 @@ from model import Detokenizer
 
 # ----------------------------------------------------------------------------- what a user asks for and gets
 
+LOGIT_BIAS_MAX = 100   # OpenAI's bound on a logit_bias value, either sign
+
 
 @dataclass
 class SamplingParams:
@@ -98,6 +100,9 @@ class SamplingParams:
                 digits = isinstance(t, str) and t.isascii() and t.isdigit()   # "12": a JSON key
                 check_int("logit_bias's token ids", int(t) if digits else t)
                 check_real(f"logit_bias[{t!r}]", bias)
+                if not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX:   # past it, float32 logits overflow
+                    raise ValueError(f"logit_bias[{t!r}] must be in [-{LOGIT_BIAS_MAX}, {LOGIT_BIAS_MAX}] "
+                                     f"(OpenAI's bounds), got {bias}")
         if self.allowed_token_ids is not None:
             if not isinstance(self.allowed_token_ids, list | tuple) or not self.allowed_token_ids:
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, "
@@ -317,12 +322,22 @@ def prompt_of(prompt):
     return value
 
 
+def encode(text: str, tokenizer, add_special_tokens: bool = True) -> list[int]:
+    """text's token ids; a ValueError naming the prompt for a string that is not Unicode
+    text (a lone surrogate, as JSON's "\\ud800" gives), which no tokenizer takes."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(f"prompt: not valid Unicode text ({e})") from None
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
 def tokenize(prompt, tokenizer) -> tuple[str | None, list[int]]:
     """(the text, or None, and the token ids) of a prompt: a string, a list of token ids, or
     vLLM's dict of either (TextPrompt, TokensPrompt)."""
     prompt = prompt_of(prompt)
     if isinstance(prompt, str):
-        return prompt, tokenizer.encode(prompt)
+        return prompt, encode(prompt, tokenizer)
     if isinstance(prompt, list | tuple):
         if all(type(t) is int for t in prompt):   # the common case, without an ABC check per token
             return None, list(prompt)
@@ -377,8 +392,11 @@ def check_request(ids: list[int], params: SamplingParams, beam_width: int, vocab
     if min(ids) < 0 or max(ids) >= vocab:
         bad = next(t for t in ids if not 0 <= t < vocab)
         raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+    if len(ids) >= cfg.max_model_len:   # each message starts with the field at fault (server.py: param)
+        raise ValueError(f"prompt ({len(ids)} tokens) leaves no room for an output under max_model_len "
+                         f"({cfg.max_model_len})")
     if len(ids) + params.max_tokens > cfg.max_model_len:
-        raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+        raise ValueError(f"max_tokens ({params.max_tokens}) + the prompt ({len(ids)} tokens) exceeds "
                          f"max_model_len ({cfg.max_model_len})")
     check_token_ids(params, vocab)
     for name in ("logprobs", "prompt_logprobs"):
@@ -394,7 +412,8 @@ def check_request(ids: list[int], params: SamplingParams, beam_width: int, vocab
     shared = len(ids) // bs if beam_width else 0
     need = shared + (beam_width or 1) * (cdiv(len(ids) + params.max_tokens, bs) - shared)
     if need > room_blocks:
-        raise ValueError(f"the request needs {need} KV blocks, more than the whole cache holds "
+        at_fault = "prompt" if (beam_width or 1) * cdiv(len(ids) + 1, bs) > room_blocks else "max_tokens"
+        raise ValueError(f"{at_fault}: the request needs {need} KV blocks, more than the whole cache holds "
                          f"({room_blocks})")
     return ids, params
 

@@ -14,6 +14,7 @@ the interference a prefill costs the decodes beside it) is costmodel.py's docstr
 docs/router.md.
 """
 
+import collections
 import copy
 import dataclasses
 import math
@@ -22,7 +23,7 @@ from statistics import NormalDist
 
 import torch
 
-from costmodel import CostModel, HardwareParams, WorkerLoad, split_key
+from costmodel import HISTORY, CostModel, HardwareParams, WorkerLoad, split_key
 
 # ----------------------------------------------------------------------------- output lengths
 
@@ -222,9 +223,10 @@ class Router:
         self.fit_links: dict[str, RecursiveLeastSquares] = {}
         self.levels: dict[str, RecursiveLeastSquares] = {}   # "whole GPU", "P/D prefill", "P/D decode"
         self.profiled = CostModel(copy.deepcopy(params))   # the models those levels scale
-        self.errors: list[float] = []         # |route()'s prediction - measured| / measured, per request
-        self.model_errors: list[float] = []   # the same with the true output length (the cost model alone)
-        self.split_changed: list[bool] = []   # per error: its worker changed SM split while it ran
+        # the last HISTORY requests' errors (a server runs for days: a window, not every request)
+        self.errors = collections.deque(maxlen=HISTORY)         # |route()'s prediction - measured| / measured
+        self.model_errors = collections.deque(maxlen=HISTORY)   # the same with the true output length
+        self.split_changed = collections.deque(maxlen=HISTORY)  # per error: its worker's SM split changed
 
     def route(self, prompt_len: int, max_tokens: int, loads: dict[int, WorkerLoad], needed_blocks: int = 0,
               prefill_workers: list[int] | None = None, decode_workers: list[int] | None = None

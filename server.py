@@ -13,15 +13,20 @@ and SGLang speak, so that OpenAI's client, a chat UI or a load tester can use it
 
 The HTTP loop never waits on a step: a handler submits and awaits its request's events; an
 engine's thread never waits on a client. n > 1 is n requests of one sample each, sample j
-seeded seed + j, as in LLM.generate. docs/server.md says what is and is not served.
+seeded seed + j, as in LLM.generate. One rule for errors: whatever a client sends wrong is
+a 4xx in OpenAI's error body naming the field at fault, a 5xx is the server's own fault, and
+one request's failure never reaches another's stream. docs/server.md says what is and is
+not served.
 """
 
 import asyncio
 import collections
 import contextlib
+import hmac
 import itertools
 import json
 import queue
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -33,10 +38,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
+from config import check_int, check_real
 from engine import Engine
 from model import Detokenizer
-from request import CompletionOutput, RequestOutput, SamplingParams
+from request import CompletionOutput, RequestOutput, SamplingParams, encode
 
 # ----------------------------------------------------------------------------- the engine's thread
 
@@ -67,11 +74,9 @@ def settle(future: asyncio.Future, outcome) -> None:
             future.set_result(outcome)
 
 
-SNAPSHOT_S = 0.25   # /metrics' KV usage and workers' state are read this often, not every poll
-
-
-class Full(Exception):
-    """The server holds as many requests as it takes (max_pending): answered 503 at once."""
+class Unavailable(Exception):
+    """The server cannot take a request now: it holds max_pending requests, or it is
+    shutting down. A 503, which a client may retry."""
 
 
 TICK_S = 0.001       # a cluster is polled this often on the HTTP loop while it runs requests,
@@ -96,9 +101,7 @@ class EngineLoop:
         self.lock = threading.Lock()           # pending is counted on both threads
         self.on_end = lambda out: None         # metrics (make_app)
         self.running = 0                       # of the streams, those with a token (read by /metrics)
-        self.kv_usage = 0.0                    # the share of KV blocks in use, on average over workers
-        self.workers: tuple[dict, dict] = ({}, {})   # workers' roles and configurations (Configured)
-        self.looked = 0.0                      # when kv_usage and workers were last read
+        self.closed = False                    # shutting down: no request is taken
         self.loop = asyncio.get_running_loop()   # the HTTP loop (made in the app's lifespan)
         self.outbox: collections.deque = collections.deque()   # (stream, kind, value) not handed out yet
         self.handing_out = False
@@ -109,14 +112,22 @@ class EngineLoop:
         else:
             self.timer, self.idle = self.loop.call_soon(self.tick), False
 
+    def reserve(self, count: int) -> None:
+        """Take the places of count requests, all or none, before any of them is built:
+        Unavailable if that would hold more than max_pending, or the server is shutting
+        down. Called on the HTTP loop."""
+        with self.lock:
+            if self.closed:
+                raise Unavailable("the server is shutting down")
+            if self.pending + count > self.max_pending:
+                raise Unavailable(f"the server holds {self.pending} requests and takes {self.max_pending} "
+                                  f"at once (--max-pending): {count} more do not fit now")
+            self.pending += count
+
     def submit(self, index: int, prompt: str | list[int], params: SamplingParams, events: asyncio.Queue,
                streamed: bool) -> Stream:
-        """A stream for a new request (its accepted future resolves once the backend took it);
-        Full if the server holds max_pending requests already. Called on the HTTP loop."""
-        with self.lock:
-            if self.pending >= self.max_pending:
-                raise Full(f"the server holds {self.pending} requests, its limit (--max-pending)")
-            self.pending += 1
+        """A stream for a new request whose place is reserved (its accepted future resolves
+        once the backend took it). Called on the HTTP loop."""
         stream = Stream(index, params, events, self.loop.create_future(), streamed)
         self.command(("submit", prompt, stream))
         return stream
@@ -135,13 +146,23 @@ class EngineLoop:
             self.poll_in(TICK_S)
 
     async def close(self) -> None:
-        """Stop polling; requests still running end with an error."""
+        """Stop polling and take no more requests; those still running end with Unavailable
+        (a stream: an error event, then [DONE]). Closing again changes nothing."""
+        with self.lock:
+            self.closed = True
         if self.threaded:
             self.commands.put(("stop",))
             await asyncio.to_thread(self.thread.join)
         else:
             self.timer.cancel()
-            self.fail_all(RuntimeError("the server is shutting down"))
+            self.fail_all(Unavailable("the server is shutting down"))
+
+    def can_serve(self) -> bool:
+        """Whether a request could be served now: the loop runs, and (a cluster) a live
+        worker takes prompts and one decodes."""
+        if self.closed:
+            return False
+        return self.thread.is_alive() if self.threaded else self.backend.can_serve()
 
     def tick(self) -> None:
         """One poll of a cluster, on the HTTP loop; the next one TICK_S later, or
@@ -162,7 +183,7 @@ class EngineLoop:
                 command = self.commands.get(timeout=0.0 if self.streams else 0.05)
                 while True:
                     if not self.obey(command):
-                        return self.fail_all(RuntimeError("the server is shutting down"))
+                        return self.fail_all(Unavailable("the server is shutting down"))
                     command = self.commands.get_nowait()
             except queue.Empty:
                 pass
@@ -212,10 +233,6 @@ class EngineLoop:
                 events.append((stream, "end", out))
         if firsts or events:
             self.on_loop(self.hand_out, firsts, events)
-        if time.monotonic() - self.looked >= SNAPSHOT_S:   # for /metrics, read on the HTTP thread
-            self.looked, self.kv_usage = time.monotonic(), kv_usage(self.backend)
-            if not isinstance(self.backend, Engine):
-                self.workers = (self.backend.roles.names(), dict(self.backend.telemetry.configured))
 
     def on_loop(self, fn: Callable, *args) -> None:
         """fn(*args) on the HTTP loop: now on a cluster's poll (it runs there), handed over
@@ -263,12 +280,12 @@ class EngineLoop:
 
 
 def kv_usage(backend) -> float:
-    """The share of the KV cache's blocks in use: the engine's, or the workers' mean (their
-    last heartbeats)."""
+    """The share of the KV cache's blocks in use now: the engine's, or the live workers'
+    mean (their last heartbeats: a worker sends one at least every HEARTBEAT_S, idle too)."""
     if isinstance(backend, Engine):
         return 1.0 - backend.bm.num_free_blocks / max(1, backend.runner.num_blocks)
-    status = backend.telemetry.status.values()
-    return sum(1.0 - h.free_blocks / max(1, h.num_blocks) for h in status) / max(1, len(status))
+    live = [h for w, h in backend.telemetry.status.items() if w not in backend.dead]
+    return sum(1.0 - h.free_blocks / max(1, h.num_blocks) for h in live) / max(1, len(live))
 
 
 # ----------------------------------------------------------------------------- text as it comes
@@ -309,13 +326,16 @@ class TextStream:
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
 
 
 class Sampling(BaseModel):
     """What both endpoints take: OpenAI's fields and vLLM's extras, by their names; fields it
-    does not know are ignored, as vLLM does. Values are checked by SamplingParams."""
-    model_config = ConfigDict(extra="ignore")
+    does not know are ignored, as vLLM does. Types are strict, as OpenAI's are: "3" is not a
+    number, nor true a count, nor "yes" a bool (an int is a float). Values are checked by
+    SamplingParams."""
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -331,7 +351,7 @@ class Sampling(BaseModel):
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     ignore_eos: bool = False
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[str, float] | None = None   # JSON's keys are strings: SamplingParams reads "12" as 12
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -362,7 +382,31 @@ class BadRequest(Exception):
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               500: "internal_server_error", 503: "service_unavailable"}
+               405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
+               503: "service_unavailable"}
+FIELDS = set(CompletionRequest.model_fields) | set(ChatRequest.model_fields)
+FIRST_WORD = re.compile(r"[a-z_]+")
+
+
+def param_of(error: ValueError, prompt_field: str = "prompt") -> str:
+    """The request field a ValueError is about: the first word of its message where that is
+    a field (SamplingParams', check_request's and render_chat's messages start with the field
+    at fault), else the prompt (prompt_field: the endpoint's name for it)."""
+    word = FIRST_WORD.match(str(error))
+    name = word.group() if word else ""
+    return name if name in FIELDS and name != "prompt" else prompt_field
+
+
+def refusal(error: BaseException, prompt_field: str = "prompt") -> BadRequest:
+    """How a request's error is answered: a ValueError (a bad request) a 400 naming the field
+    at fault, Unavailable a 503, anything else the server's own fault, a 500."""
+    if isinstance(error, BadRequest):
+        return error
+    if isinstance(error, Unavailable):
+        return BadRequest(str(error), status=503)
+    if isinstance(error, ValueError):
+        return BadRequest(str(error), param_of(error, prompt_field))
+    return BadRequest(f"{type(error).__name__}: {error}", status=500)
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -372,27 +416,25 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 
 def sampling_params(body: Sampling, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """The request's SamplingParams for one sample (n is split by the handler); BadRequest
-    naming the field for a bad value (SamplingParams's own check)."""
+    """The request's SamplingParams, n samples (the handler splits them: samples); BadRequest
+    naming the field for a bad value (SamplingParams' own check: its seed + n - 1 too)."""
     try:
         return SamplingParams(
-            max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            n=body.n, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             min_p=body.min_p, stop=body.stop, stop_token_ids=list(body.stop_token_ids or []),
             seed=body.seed, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
             ignore_eos=body.ignore_eos, logit_bias=body.logit_bias,
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output, logprobs=logprobs)
-    except ValueError as e:   # its message starts with the field's name
-        named = next((f for f in Sampling.model_fields if str(e).startswith(f)), None)
-        raise BadRequest(str(e), param=named) from None
+    except ValueError as e:
+        raise refusal(e) from None
 
 
-def samples(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """n requests of one sample each: sample j seeded seed + j (LLM.generate's children)."""
-    if n < 1:
-        raise BadRequest(f"n must be at least 1, got {n}", param="n")
-    return [replace(params, seed=None if params.seed is None else params.seed + j) for j in range(n)]
+def samples(params: SamplingParams) -> list[SamplingParams]:
+    """params.n requests of one sample each: sample j seeded seed + j (LLM.generate's children)."""
+    seed = params.seed
+    return [replace(params, n=1, seed=None if seed is None else seed + j) for j in range(params.n)]
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -440,11 +482,13 @@ class Metrics:
                     self.tpot.observe((m.finish_time - m.first_token_time) / (n - 1))
 
     def text(self) -> bytes:
+        """The metrics as they are now (the backend's KV usage and workers read at the scrape)."""
         loop = self.loop
         self.running.set(loop.running)
         self.waiting.set(max(0, loop.pending - loop.running))
-        self.kv.set(loop.kv_usage)
-        roles, configured = loop.workers
+        self.kv.set(kv_usage(loop.backend))
+        roles, configured = ({}, {}) if loop.threaded else (loop.backend.roles.names(),
+                                                            dict(loop.backend.telemetry.configured))
         self.role.clear()
         for w, role in roles.items():
             self.role.labels(worker=str(w), role=role).set(1)
@@ -460,9 +504,10 @@ class Metrics:
 @dataclass
 class Served:
     """What the handlers share: the LLM, its engine loop (started with the app), the model's
-    name, and the ids of responses."""
+    name, whether a request may bring its own chat template, and the ids of responses."""
     llm: object
     name: str
+    trust_request_chat_template: bool = False
     loop: EngineLoop | None = None
     metrics: Metrics | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -480,13 +525,39 @@ class Served:
         if model != self.name:
             raise BadRequest(f"the model `{model}` does not exist: this server serves `{self.name}`", "model")
 
+    def chat_prompt(self, body: "ChatRequest") -> list[int]:
+        """A conversation's prompt tokens (rendered by its template, then encoded); BadRequest
+        naming the field at fault. Run off the HTTP loop: a template is a program, and
+        messages may be long."""
+        try:
+            text = self.llm.render_chat(body.messages, body.chat_template, body.add_generation_prompt)
+            return encode(text, self.tokenizer, add_special_tokens=False)
+        except ValueError as e:
+            raise refusal(e, "messages") from None
+
+
+MAX_BODY_BYTES = 16 << 20   # past it a body is a 413, unread: parsing it would hold the HTTP loop
+
+
+def check_serving(port: int = 0, api_key: str | None = None, max_pending: int = 1,
+                  drain_s: float = 0.0) -> None:
+    """A ValueError naming the first of serve's settings that cannot work, by its name and its flag."""
+    check_int("port (--port)", port, low=0, high=65535)
+    check_int("max_pending (--max-pending)", max_pending, low=1)
+    check_real("drain_s (--drain-s)", drain_s, low=0.0)
+    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+        raise ValueError(f"api_key (--api-key) must be a non-empty string (leave it out for no key), "
+                         f"got {api_key!r}")
+
 
 def make_app(llm, model_name: str | None = None, api_key: str | None = None,
-             max_pending: int = 4096) -> FastAPI:
+             max_pending: int = 4096, trust_request_chat_template: bool = False) -> FastAPI:
     """The OpenAI-compatible app on llm (a nanopd.LLM, which the caller closes): the engine
     loop starts and stops with the app (its lifespan), every endpoint but /health wants
-    `Authorization: Bearer api_key` when one is given."""
-    served = Served(llm, model_name or llm.backend.cfg.model)
+    `Authorization: Bearer api_key` when one is given, and a request's own chat_template is
+    refused unless trust_request_chat_template (vLLM's flag)."""
+    check_serving(api_key=api_key, max_pending=max_pending)
+    served = Served(llm, model_name or llm.backend.cfg.model, trust_request_chat_template)
 
     async def lifespan(app: FastAPI):
         served.loop = EngineLoop(llm.backend, max_pending)
@@ -499,7 +570,9 @@ def make_app(llm, model_name: str | None = None, api_key: str | None = None,
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        if served.loop.can_serve():
+            return Response(status_code=200)
+        return JSONResponse(error_body(503, "no worker can serve a request"), status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -520,11 +593,11 @@ def make_app(llm, model_name: str | None = None, api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request) -> Response:
         served.check_model(body.model)
-        try:
-            text = llm.render_chat(body.messages, body.chat_template, body.add_generation_prompt)
-        except ValueError as e:
-            raise BadRequest(str(e), "messages") from None
-        ids = served.tokenizer.encode(text, add_special_tokens=False)
+        if body.chat_template is not None and not served.trust_request_chat_template:
+            raise BadRequest("chat_template: a request's own chat template is refused (a template is a "
+                             "program the server runs): start the server with --trust-request-chat-template "
+                             "to take them", "chat_template")
+        ids = await asyncio.to_thread(served.chat_prompt, body)
         given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = given if given is not None else max(1, served.max_model_len - len(ids))
         params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
@@ -534,7 +607,9 @@ def make_app(llm, model_name: str | None = None, api_key: str | None = None,
 
 def add_error_handlers(app: FastAPI, api_key: str | None) -> None:
     """Every error as OpenAI's error body: a body that does not parse or validate is a 400
-    naming the field, BadRequest its own status; no key (when one is set) a 401."""
+    naming the field, an unknown path a 404 (a known one with another method a 405), a body
+    over MAX_BODY_BYTES a 413, BadRequest its own status, no key (when one is set) a 401, and
+    any other exception the server's fault: a 500 (and its traceback in the log)."""
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
@@ -545,29 +620,73 @@ def add_error_handlers(app: FastAPI, api_key: str | None) -> None:
         message = f"{where}: {first['msg']}" if where else first["msg"]
         return JSONResponse(error_body(400, message, where), status_code=400)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        cause, status = exc.__cause__, exc.status_code
+        if status == 400 and cause is not None:   # FastAPI's "error parsing the body": bad UTF-8, nesting...
+            message = f"the body is not JSON: {type(cause).__name__}: {cause}"
+        elif status == 413:
+            message = f"the body is larger than the server takes ({MAX_BODY_BYTES:,} bytes)"
+        else:
+            message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(error_body(status, message), status_code=status, headers=exc.headers)
+
     @app.exception_handler(BadRequest)
     async def refused(request: Request, exc: BadRequest) -> JSONResponse:
         return JSONResponse(error_body(exc.status, str(exc), exc.param), status_code=exc.status)
 
-    if api_key:
-        app.add_middleware(KeyCheck, api_key=api_key)
+    @app.exception_handler(Exception)
+    async def fault(request: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(500, f"{type(exc).__name__}: {exc}"), status_code=500)
+
+    app.add_middleware(Door, api_key=api_key)
 
 
-class KeyCheck:
-    """Every path but /health wants `Authorization: Bearer KEY`, else a 401. A plain ASGI
-    middleware: it leaves the request's body and its disconnect to the app (Starlette's
-    BaseHTTPMiddleware would hide the disconnect from request.is_disconnected)."""
+class Door:
+    """What every HTTP request meets before the app. The API key, when one is set: every
+    path but /health wants `Authorization: Bearer KEY` (the scheme in any case, as HTTP has
+    it), else a 401. The body's size: over MAX_BODY_BYTES it is a 413, by its Content-Length
+    before any of it is read, or as it comes (chunked). A plain ASGI middleware: it leaves
+    the request's disconnect to the app (Starlette's BaseHTTPMiddleware would hide it from
+    request.is_disconnected)."""
 
-    def __init__(self, app, api_key: str):
-        self.app, self.want = app, f"Bearer {api_key}".encode()
+    def __init__(self, app, api_key: str | None):
+        self.app, self.key = app, None if api_key is None else api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health" \
-                and dict(scope["headers"]).get(b"authorization") != self.want:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.key is not None and scope["path"] != "/health" \
+                and not self.allowed(headers.get(b"authorization", b"")):
             refused = JSONResponse(error_body(401, "a valid API key is needed: Authorization: Bearer KEY"),
                                    status_code=401)
             return await refused(scope, receive, send)
-        await self.app(scope, receive, send)
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            too_large = JSONResponse(error_body(413, f"the body is larger than the server takes "
+                                                     f"({MAX_BODY_BYTES:,} bytes)"), status_code=413)
+            return await too_large(scope, receive, send)
+        await self.app(scope, counted(receive), send)
+
+    def allowed(self, header: bytes) -> bool:
+        scheme, _, key = header.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.key)   # in constant time
+
+
+def counted(receive: Callable) -> Callable:
+    """receive, raising a 413 (FastAPI passes an HTTPException on) once the body's chunks
+    come to more than MAX_BODY_BYTES."""
+    seen = 0
+
+    async def receive_counted() -> dict:
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen > MAX_BODY_BYTES:
+            raise HTTPException(413)
+        return message
+    return receive_counted
 
 
 def prompt_list(prompt) -> list[str | list[int]]:
@@ -586,7 +705,9 @@ def prompt_list(prompt) -> list[str | list[int]]:
 class Shape:
     """How an endpoint words its answer: its objects' names, a choice whole, a choice's
     streamed piece (first: the choice's first piece; finish: its finish reason, or None
-    before its end) and a run of tokens' logprobs (at: the text offset of the first)."""
+    before its end) and a run of tokens' logprobs (at: the text offset of the first); and
+    its request's name for the prompt (what an error about the prompt names)."""
+    prompt_field: str
     prefix: str
     object: str
     chunk_object: str
@@ -642,9 +763,10 @@ def chat_piece(index: int, text: str, first: bool, finish: str | None, logprobs:
             "finish_reason": finish, "logprobs": logprobs}
 
 
-COMPLETION = Shape("cmpl", "text_completion", "text_completion", completion_choice, completion_piece,
-                   completion_logprobs)
-CHAT = Shape("chatcmpl", "chat.completion", "chat.completion.chunk", chat_choice, chat_piece, chat_logprobs)
+COMPLETION = Shape("prompt", "cmpl", "text_completion", "text_completion", completion_choice,
+                   completion_piece, completion_logprobs)
+CHAT = Shape("messages", "chatcmpl", "chat.completion", "chat.completion.chunk", chat_choice, chat_piece,
+             chat_logprobs)
 DISCONNECT_CHECK_S = 0.5   # a waiting handler looks this often whether its client is still there
 
 
@@ -652,50 +774,56 @@ async def respond(served: Served, request: Request, body: Sampling, prompts: lis
                   shape: Shape) -> Response:
     """Submit every prompt's n samples, then answer: whole, or as server-sent events."""
     events: asyncio.Queue = asyncio.Queue()
-    streams = await start(served, prompts, samples(params, body.n), events, body.stream)
+    streams = await start(served, prompts, params, events, body.stream, shape.prompt_field)
     head = {"id": f"{shape.prefix}-{next(served.ids)}", "created": int(time.time()), "model": served.name}
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(sse(served, streams, events, shape, head, usage),
+        return StreamingResponse(sse(served, streams, events, shape, head, usage, params.n),
                                  media_type="text/event-stream")
     outs = await wait_all(served, request, streams, events)
     if outs is None:   # the client went: nobody to answer
         return Response(status_code=499)
     failed = next((o.error for o in outs if o.error is not None), None)
     if failed is not None:
-        raise BadRequest(str(failed), status=400 if isinstance(failed, ValueError) else 500)
+        raise refusal(failed, shape.prompt_field)
     def logprobs(params: SamplingParams, c: CompletionOutput) -> dict | None:
         if params.logprobs is None:
             return None
         return shape.logprobs(c.token_ids, c.logprobs, served.tokenizer, params.logprobs)
     choices = [shape.choice(s.index, out.outputs[0], logprobs(s.params, out.outputs[0]))
                for s, out in zip(streams, outs)]
-    return JSONResponse({**head, "object": shape.object, "choices": choices, "usage": usage_of(outs, body.n)})
+    return JSONResponse({**head, "object": shape.object, "choices": choices,
+                         "usage": usage_of(outs, params.n)})
 
 
-async def start(served: Served, prompts: list, per_sample: list[SamplingParams],
-                events: asyncio.Queue, streamed: bool) -> list[Stream]:
-    """Every prompt's samples submitted and accepted; if any is refused, all are aborted and
-    the refusal answered: 503 for a full server, 400 for a bad prompt, 500 for anything else."""
-    streams = []
+async def start(served: Served, prompts: list, params: SamplingParams, events: asyncio.Queue, streamed: bool,
+                prompt_field: str) -> list[Stream]:
+    """Every prompt's params.n samples submitted and accepted, their places taken at once
+    (all or none) before any is built; if any is refused, all are aborted and the refusal
+    answered (refusal). More than the server ever holds is a 400 naming n (or the prompts)."""
+    loop, count = served.loop, len(prompts) * params.n
+    if count > loop.max_pending:
+        raise BadRequest(f"{params.n} sample(s) of {len(prompts)} prompt(s) are {count} requests, more than "
+                         f"the server holds at once ({loop.max_pending}, --max-pending)",
+                         "n" if params.n > loop.max_pending or len(prompts) == 1 else prompt_field)
     try:
-        for i, prompt in enumerate(prompts):
-            for j, params in enumerate(per_sample):
-                streams.append(served.loop.submit(i * len(per_sample) + j, prompt, params, events,
-                                                  streamed))
+        loop.reserve(count)
+    except Unavailable as e:
+        raise refusal(e) from None
+    per_sample, accepted = samples(params), False
+    streams = [loop.submit(i * params.n + j, prompt, sample, events, streamed)
+               for i, prompt in enumerate(prompts) for j, sample in enumerate(per_sample)]
+    try:
         results = await asyncio.gather(*(s.accepted for s in streams), return_exceptions=True)
-        error = next((r for r in results if isinstance(r, Exception)), None)
+        error = next((r for r in results if isinstance(r, BaseException)), None)
         if error is not None:
-            raise error
-    except Exception as e:  # noqa: BLE001 (every refusal is answered, by its kind)
-        for s in streams:
-            served.loop.abort(s)
-        if isinstance(e, Full):
-            raise BadRequest(str(e), status=503) from None
-        if isinstance(e, ValueError):
-            raise BadRequest(str(e), "prompt") from None
-        raise BadRequest(f"{type(e).__name__}: {e}", status=500) from None
-    return streams
+            raise refusal(error, prompt_field)
+        accepted = True
+        return streams
+    finally:   # refused, or the handler cancelled: none of them runs on
+        if not accepted:
+            for s in streams:
+                loop.abort(s)
 
 
 async def wait_all(served: Served, request: Request, streams: list[Stream], events: asyncio.Queue
@@ -730,13 +858,13 @@ class StreamedChoice:
 
 
 async def sse(served: Served, streams: list[Stream], events: asyncio.Queue, shape: Shape, head: dict,
-              include_usage: bool) -> AsyncIterator[str]:
+              include_usage: bool, n: int) -> AsyncIterator[str]:
     """The answer as server-sent events: each choice's text as it comes (TextStream) with
     its tokens' logprobs, its end with its finish reason (and the logprobs not shown yet),
-    the usage if asked, [DONE]. A request that fails sends its error as an event; a client
-    that goes aborts them all."""
+    the usage if asked (n samples a prompt), [DONE]. A request that fails sends its error as
+    an event; a client that goes aborts them all."""
     choices = {s: StreamedChoice(TextStream(served.tokenizer, s.params)) for s in streams}
-    outs = []
+    outs = {}   # choice index -> its output
 
     def event(pieces: list[dict], **extra) -> str:
         return f"data: {json.dumps({**head, 'object': shape.chunk_object, 'choices': pieces, **extra})}\n\n"
@@ -758,16 +886,16 @@ async def sse(served: Served, streams: list[Stream], events: asyncio.Queue, shap
                 if text or not choices[stream].started or value.logprobs:
                     yield event([piece(stream, text, value.ids, value.logprobs, None)])
                 continue
-            stream.ended = True
-            outs.append(value)
+            stream.ended, outs[stream.index] = True, value
             if value.error is not None:
-                yield f"data: {json.dumps(error_body(500, str(value.error)))}\n\n"
+                error = refusal(value.error, shape.prompt_field)
+                yield f"data: {json.dumps(error_body(error.status, str(error), error.param))}\n\n"
                 continue
             c, shown = value.outputs[0], choices[stream]
             yield event([piece(stream, shown.text.finish(c.text), c.token_ids[shown.entries:],
                                (c.logprobs or [])[shown.entries:], c.finish_reason)])
         if include_usage:
-            yield event([], usage=usage_of(outs, 1))
+            yield event([], usage=usage_of([outs[s.index] for s in streams], n))
         yield "data: [DONE]\n\n"
     finally:
         for s in streams:
@@ -776,16 +904,42 @@ async def sse(served: Served, streams: list[Stream], events: asyncio.Queue, shap
 
 
 def usage_of(outs: list[RequestOutput], n: int) -> dict:
-    """OpenAI's usage: each prompt's tokens once (not per sample), every completion's tokens."""
+    """OpenAI's usage: each prompt's tokens once (not per sample), every completion's tokens;
+    outs in the choices' order, n samples a prompt."""
     prompt = sum(len(o.prompt_token_ids) for o in outs[::max(1, n)])
     done = sum(len(o.outputs[0].token_ids) for o in outs if o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
 
+DRAIN_END_S = 5.0   # once drain_s is over, how long the requests it ended have to send their last words
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, which drains on SIGTERM or Ctrl-C: it takes no new connection, the
+    requests in flight have drain_s seconds to finish, then those still running end with a
+    503 (a stream: an error event, then [DONE]) before their connections close. uvicorn
+    alone would cancel them at its timeout, before the app's shutdown: cut mid-stream."""
+
+    def __init__(self, app: FastAPI, drain_s: float, **config):
+        super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=drain_s + DRAIN_END_S, **config))
+        self.served, self.drain_s, self.ending = app.state.served, drain_s, None
+
+    async def shutdown(self, sockets=None) -> None:
+        def end_the_rest() -> None:
+            if self.served.loop is not None:
+                self.ending = asyncio.ensure_future(self.served.loop.close())
+        deadline = asyncio.get_running_loop().call_later(self.drain_s, end_the_rest)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+
+
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          model_name: str | None = None, max_pending: int = 4096, drain_s: float = 30.0) -> None:
-    """Serve llm until SIGTERM or Ctrl-C: then no new connection is taken, the requests in
-    flight finish for up to drain_s seconds, and the engine loop stops (the caller closes llm)."""
-    app = make_app(llm, model_name, api_key, max_pending)
-    uvicorn.Server(uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=drain_s,
-                                  log_level="info")).run()
+          model_name: str | None = None, max_pending: int = 4096, drain_s: float = 30.0,
+          trust_request_chat_template: bool = False) -> None:
+    """Serve llm until SIGTERM or Ctrl-C, then drain (Server) and stop the engine loop (the
+    caller closes llm). A setting that cannot work is a ValueError naming it, before anything starts."""
+    check_serving(port, api_key, max_pending, drain_s)
+    app = make_app(llm, model_name, api_key, max_pending, trust_request_chat_template)
+    Server(app, drain_s, host=host, port=port, log_level="info").run()

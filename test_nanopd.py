@@ -67,6 +67,7 @@ import types
 import warnings
 import weakref
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -1172,8 +1173,8 @@ PARAM_OK = {
     "ignore_eos": lambda v: isinstance(v, bool), "logprobs": lambda v: v is None or (is_int(v) and v >= 0),
     "min_p": lambda v: is_real(v) and 0 <= v <= 1,
     "logit_bias": lambda v: v is None or (isinstance(v, dict) and all(
-        (is_int(t) or isinstance(t, str) and t.isascii() and t.isdigit()) and is_real(b)
-        for t, b in v.items())),
+        (is_int(t) or isinstance(t, str) and t.isascii() and t.isdigit()) and is_real(b) and -100 <= b <= 100
+        for t, b in v.items())),   # OpenAI's bounds
     "allowed_token_ids": lambda v: v is None or (isinstance(v, list) and v and all(is_int(t) for t in v)),
     "bad_words": lambda v: v is None or (isinstance(v, list) and all(isinstance(w, str) and w.strip()
                                                                      for w in v)),
@@ -4387,7 +4388,7 @@ def test_the_cost_model_alone_predicts_a_request_under_each_configuration_it_ran
     router.observe(Observation(L, out, 0, 0, load, load, measured / 2, 0.0, measured / 2, None,
                                ran_under=[(0.25, None, 8192), (0.75, None, 512)]))
     expected = 0.25 * by_hand(8192) + 0.75 * by_hand(512)
-    assert router.model_errors == [pytest.approx(abs(expected - measured) / measured)]
+    assert list(router.model_errors) == [pytest.approx(abs(expected - measured) / measured)]
 
 
 @pytest.mark.parametrize("clip", [router_mod.OUTLIER_CLIP, math.inf])
@@ -5305,7 +5306,7 @@ def test_the_adaptive_workers_controller_cuts_its_budget_when_long_prompts_come_
         deadline = time.monotonic() + 60
         while not all(len(cluster.active[i].tokens) >= 2 for i in ids) and time.monotonic() < deadline:
             cluster.poll(0.02)
-        assert cluster.config_log == []   # short prompts, then decodes alone: the idle default
+        assert not cluster.config_log   # short prompts, then decodes alone: the idle default
         burst = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
         ids += [cluster.submit(p, burst) for p in long]
         ended: set[int] = set()
@@ -5816,6 +5817,24 @@ def test_a_role_change_mid_run_keeps_every_request_and_its_tokens(hf):
         assert [outs[r].outputs[0].token_ids for r in third] == [hf.greedy(p, 8) for p in MIXED_PROMPTS[:2]]
         assert all(outs[r].metrics.path == (prefiller, 1 - prefiller) for r in second)
         assert workers_all_free(llm)
+
+
+@pytest.mark.usefixtures("worker_env")
+def test_a_long_running_adaptive_cluster_keeps_only_a_window_of_its_logs(hf, monkeypatch):
+    """Adaptive on two workers with the logs' window (costmodel.HISTORY) set to 16: after 64
+    requests (steps by the hundred, each request routed and learned from), the cluster's
+    step log and the router's error logs hold exactly 16 entries, the last ones (the steps'
+    times still in order), and the configuration and plan logs at most 16: a server that
+    runs for days holds a window of each, not every step and request it served."""
+    for module in (cluster_mod, router_mod, planner):
+        monkeypatch.setattr(module, "HISTORY", 16)
+    with make_cluster(hf, "adaptive", 2, profile=ROUTER_TEST_PARAMS) as llm:
+        outs = generate(llm, [prompt(8, seed=i) for i in range(64)], max_tokens=4, ignore_eos=True)
+        c, r = llm.cluster, llm.cluster.router
+        assert [len(o.outputs[0].token_ids) for o in outs] == [4] * 64
+        assert len(c.step_log) == 16 and len(r.model_errors) == len(r.errors) == len(r.split_changed) == 16
+        assert [t for t, _, _ in c.step_log] == sorted(t for t, _, _ in c.step_log)
+        assert len(c.config_log) <= 16 and (c.planner is None or len(c.planner.log) <= 16)
 
 
 @pytest.mark.usefixtures("worker_env", "torch_twins")
@@ -6786,14 +6805,33 @@ def test_streamed_logprobs_come_with_their_tokens_and_add_up_to_the_whole_answer
     ({"model": "pairs", "prompt": [1] * 5000, "max_tokens": 4}, 400, "prompt"),
     ({"model": "pairs"}, 400, "prompt"),
     ("{not json", 400, None),
+    (b'{"model": "pairs", "prompt": "ab\xff\xfe"}', 400, None),                          # not UTF-8
+    pytest.param('{"model": "pairs", "prompt": "ab", "max_tokens": ' + "9" * 5000 + "}", 400, None,
+                 id="5000-digits"),
+    pytest.param('{"model": "pairs", "prompt": ' + "[" * 50_000 + "]" * 50_000 + "}", 400, None,
+                 id="50000-deep"),
+    ({"model": "pairs", "prompt": "ab", "stream": "yes"}, 400, "stream"),                 # strict types
+    ({"model": "pairs", "prompt": "ab", "max_tokens": "3"}, 400, "max_tokens"),
+    ({"model": "pairs", "prompt": "ab", "n": True}, 400, "n"),
+    ({"model": "pairs", "prompt": "ab", "max_tokens": 600}, 400, "max_tokens"),           # past the context
+    ({"model": "pairs", "prompt": "ab", "stop_token_ids": [10 ** 6]}, 400, "stop_token_ids"),
+    ({"model": "pairs", "prompt": "ab", "logit_bias": {"1000000": 1}}, 400, "logit_bias"),
+    ({"model": "pairs", "prompt": "ab", "logit_bias": {"5": 1e39}}, 400, "logit_bias"),   # past [-100, 100]
+    ({"model": "pairs", "prompt": "ab", "n": 400_000}, 400, "n"),                         # past --max-pending
+    ({"model": "pairs", "prompt": ["ab"] * 3000, "n": 2}, 400, "prompt"),
+    ({"model": "pairs", "prompt": "ab", "n": 3, "seed": 2 ** 63 - 2}, 400, "seed"),       # seed + 2: 65 bits
 ])
 def test_a_bad_request_is_a_400_with_an_openai_error_naming_the_field(pair_llm, body, status, param):
-    """Raw HTTP: an unknown model, bad JSON, a wrong type, a value out of range, a prompt
-    over max_model_len (512 tokens: make_llm's), a missing field: each answers at once
-    with OpenAI's error body, its param the field; the server then serves the next request."""
+    """Raw HTTP: an unknown model, a body that is not JSON (bad syntax, bytes that are not
+    UTF-8, a number of 5,000 digits, arrays 50,000 deep), a wrong type (strictly: "yes" is
+    no bool, "3" no integer, true no count), a value out of range, a prompt or max_tokens
+    over max_model_len (512 tokens: make_llm's), ids outside the vocabulary, a logit bias
+    past OpenAI's bounds, more samples than the server ever holds (4,096), a seed whose
+    samples' seeds pass 64 bits, a missing field: each answers at once with OpenAI's error
+    body, its param the field at fault; the server then serves the next request."""
     import httpx
     with serving(pair_llm, model_name="pairs") as url:
-        data = body if isinstance(body, str) else json.dumps(body)
+        data = body if isinstance(body, str | bytes) else json.dumps(body)
         r = httpx.post(f"{url}/v1/completions", content=data, headers={"content-type": "application/json"})
         assert r.status_code == status, r.text
         error = r.json()["error"]
@@ -6828,8 +6866,123 @@ def test_the_servers_metrics_count_what_it_served(pair_llm):
     assert 0 <= samples["vllm:gpu_cache_usage_perc"] <= 1
 
 
+def test_an_unknown_path_a_wrong_method_and_a_body_too_large_are_openai_errors(pair_llm):
+    """Raw HTTP: an unknown path is a 404, a known path with another method a 405 (with its
+    Allow header), a body over server.MAX_BODY_BYTES a 413, whether its Content-Length says
+    so or it comes in chunks: each in OpenAI's error body, never FastAPI's {"detail": ...}."""
+    import httpx
+
+    import server
+    json_type = {"content-type": "application/json"}
+
+    def chunks() -> Iterator[bytes]:
+        for _ in range(server.MAX_BODY_BYTES // 2 ** 20 + 1):
+            yield b" " * 2 ** 20
+    with serving(pair_llm, model_name="pairs") as url:
+        answers = [httpx.get(f"{url}/v1/nope"), httpx.get(f"{url}/v1/completions"),
+                   httpx.post(f"{url}/v1/completions", content=b" " * (server.MAX_BODY_BYTES + 1),
+                              headers=json_type, timeout=60),
+                   httpx.post(f"{url}/v1/completions", content=chunks(), headers=json_type, timeout=60)]
+    assert [r.status_code for r in answers] == [404, 405, 413, 413]
+    assert answers[3].request.headers["transfer-encoding"] == "chunked"
+    for r in answers:
+        error = r.json()["error"]
+        assert error["code"] == r.status_code and error["message"] and "detail" not in r.json()
+    assert "/v1/nope" in answers[0].json()["error"]["message"] and answers[1].headers["allow"] == "POST"
+
+
+def test_a_requests_own_chat_template_is_refused_unless_trusted_and_renders_off_the_loop(pair_llm,
+                                                                                        monkeypatch):
+    """A chat_template in the request is a 400 naming it unless the server trusts request
+    templates (vLLM's --trust-request-chat-template); trusted, a broken one is a 400 naming
+    it (offline, LLM.chat's ValueError), a good one gives LLM.chat's text. A message with a
+    lone surrogate is a 400 naming messages. And a chat's prompt renders off the HTTP loop:
+    while a render is held, /health answers (the render is let go only after that)."""
+    import httpx
+    import openai
+    conv, mine = [{"role": "user", "content": "abcd"}], "{{ messages[0].content }}ef"
+    want = pair_llm.chat(conv, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False,
+                         chat_template=mine)[0].outputs[0].text
+    with pytest.raises(ValueError, match="^chat_template"):
+        pair_llm.chat(conv, SamplingParams(max_tokens=4), use_tqdm=False, chat_template="{% for x in %}")
+    ask = {"model": "pairs", "messages": conv, "max_tokens": 4, "temperature": 0}
+    for trusted in (False, True):
+        with serving(pair_llm, model_name="pairs", trust_request_chat_template=trusted) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            with pytest.raises(openai.BadRequestError) as e:
+                client.chat.completions.create(**ask, extra_body={"chat_template": "{% for x in %}"})
+            assert e.value.body["param"] == "chat_template"
+            assert ("TemplateSyntaxError" in e.value.body["message"]) == trusted
+            lone = json.dumps({**ask, "messages": [{"role": "user", "content": "ab\ud800"}]})
+            lone = httpx.post(f"{url}/v1/chat/completions", headers={"content-type": "application/json"},
+                              content=lone)
+            assert lone.status_code == 400 and lone.json()["error"]["param"] == "messages"
+            if trusted:
+                got = client.chat.completions.create(**ask, extra_body={"chat_template": mine})
+                assert got.choices[0].message.content == want
+    held, let_go, real = threading.Event(), threading.Event(), pair_llm.render_chat
+
+    def held_render(*args, **kwargs) -> str:
+        held.set()
+        assert let_go.wait(30), "the render was never let go: /health did not answer meanwhile"
+        return real(*args, **kwargs)
+    monkeypatch.setattr(pair_llm, "render_chat", held_render)
+    with serving(pair_llm, model_name="pairs") as url, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        chat = pool.submit(httpx.post, f"{url}/v1/chat/completions", json=ask, timeout=60)
+        assert held.wait(30)
+        assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+        let_go.set()
+        assert chat.result().status_code == 200
+
+
+def test_streamed_usage_counts_each_prompt_once_whatever_n(pair_llm):
+    """Two prompts, n = 2 samples each, streamed with usage: prompt_tokens counts each
+    prompt's tokens once (not once per sample), completion_tokens every sample's tokens, as
+    LLM.generate's outputs give them; the same as the answer without streaming."""
+    import openai
+    ref = generate(pair_llm, SERVED_PROMPTS[:2], max_tokens=5, temperature=1.0, seed=3, n=2)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in ref)
+    completion_tokens = sum(len(c.token_ids) for o in ref for c in o.outputs)
+    with serving(pair_llm, model_name="pairs") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+        ask = {"model": "pairs", "prompt": SERVED_PROMPTS[:2], "max_tokens": 5, "seed": 3, "n": 2}
+        last = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **ask))[-1]
+        whole = client.completions.create(**ask)
+    for usage in (last.usage, whole.usage):
+        assert (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, completion_tokens)
+
+
+def test_the_servers_kv_usage_is_read_now_and_of_live_workers_only(pair_llm):
+    """/metrics' KV usage is the cache's as it is at the scrape: once a 300-token request
+    has ended, with the engine idle, 0 (it was over 0 while the request ran); over workers,
+    the mean of the live ones' last heartbeats (a dead worker's last one is not counted)."""
+    import httpx
+
+    import server
+    def usage(url: str) -> float:
+        line = next(x for x in httpx.get(f"{url}/metrics").text.splitlines()
+                    if x.startswith("vllm:gpu_cache_usage_perc "))
+        return float(line.split()[1])
+    with serving(pair_llm, model_name="pairs") as url:
+        body = {"model": "pairs", "prompt": "abcd", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            next(lines)
+            during = usage(url)
+            list(lines)
+        engine, deadline = pair_llm.engine, time.monotonic() + 60
+        while engine.requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)   # past any snapshot interval
+        assert during > 0 and usage(url) == 0.0
+    beats = {0: messages.Heartbeat(0, 100), 1: messages.Heartbeat(75, 100), 2: messages.Heartbeat(25, 100)}
+    workers = types.SimpleNamespace(telemetry=types.SimpleNamespace(status=beats), dead={0: "killed"})
+    assert server.kv_usage(workers) == pytest.approx((0.25 + 0.75) / 2)
+
+
 def test_the_server_wants_its_key_but_for_health_and_is_503_when_full(pair_llm):
-    """With --api-key every endpoint but /health answers 401 without it; with max_pending 1,
+    """With --api-key every endpoint but /health answers 401 without it (the scheme "Bearer"
+    in any case, as HTTP has it); with max_pending 1,
     a second request while one streams is a 503 at once, and once that one ends the next is
     served."""
     import httpx
@@ -6837,6 +6990,8 @@ def test_the_server_wants_its_key_but_for_health_and_is_503_when_full(pair_llm):
         assert httpx.get(f"{url}/health").status_code == 200
         assert httpx.get(f"{url}/v1/models").status_code == 401
         assert httpx.get(f"{url}/metrics", headers={"authorization": "Bearer wrong"}).status_code == 401
+        for scheme in ("bearer", "BEARER"):   # HTTP's auth schemes are case-insensitive
+            assert httpx.get(f"{url}/v1/models", headers={"authorization": f"{scheme} k"}).status_code == 200
         key = {"authorization": "Bearer k"}
         body = {"model": "pairs", "prompt": "ab", "max_tokens": 200, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=key, timeout=60) as long:
@@ -7125,7 +7280,8 @@ def test_bench_as_a_client_measures_a_server_over_http(pair_llm, tmp_path):
 def test_a_request_whose_worker_died_is_a_500_naming_it_and_the_server_answers_on(hf):
     """Disaggregated on two CPU workers, SIGKILL to the only prefill worker while requests
     with long prompts wait for it: each of them answers 500 with OpenAI's error body naming
-    worker 0 (none can be served any more), a new one too, at once; /health still answers.
+    worker 0 (none can be served any more), a new one too, at once; /health answers 503 (no
+    live worker takes a prompt).
     The worker is stopped (SIGSTOP) before the requests come, so that none is prefilled and
     handed to the decode worker before the kill."""
     import signal
@@ -7149,16 +7305,80 @@ def test_a_request_whose_worker_died_is_a_500_naming_it_and_the_server_answers_o
                 assert r.status_code == 500 and "worker 0" in r.json()["error"]["message"], r.text
             late = httpx.post(f"{url}/v1/completions", json={**body, "prompt": [1, 2, 3]}, timeout=60)
             assert late.status_code == 500 and "worker 0" in late.json()["error"]["message"]
-            assert httpx.get(f"{url}/health").status_code == 200
+            assert httpx.get(f"{url}/health").status_code == 503
     finally:
         llm.close()
 
 
+@pytest.mark.usefixtures("worker_env")
+def test_a_refused_request_never_ends_the_streams_that_run(hf):
+    """Disaggregated on two CPU workers, max_pending 4: three streams decode on worker 1 when
+    worker 0, the only prefill worker, is SIGKILLed. Then /health is a 503 (no live worker
+    takes a prompt), a request of n = 2 a 503 (no room for two), one of n = 1 a 500 naming
+    worker 0; the three streams still end whole, each with the text the cluster gave its
+    prompt before, and [DONE]. And on the cluster itself: a request that ended at its
+    submit (no worker can take it) and is then aborted is not handed out by a poll, which
+    hands out only requests with an output."""
+    import signal
+
+    import httpx
+    llm = make_cluster(hf, "disaggregated", 2, max_model_len=512)
+    prompts = [prompt(8, seed=i) for i in range(3)]
+    want = [o.outputs[0].text for o in generate(llm, prompts, max_tokens=400, ignore_eos=True)]
+    try:
+        with serving(llm, model_name="m", max_pending=4) as url:
+            def stream(p: list[int]) -> tuple[str, list[str]]:
+                body = {"model": "m", "prompt": p, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                        "stream": True}
+                with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+                    lines = [line for line in r.iter_lines() if line]
+                events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+                return "".join(e["choices"][0]["text"] for e in events if "choices" in e), lines
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                futures = [pool.submit(stream, p) for p in prompts]
+                deadline = time.monotonic() + 120
+                on_1 = lambda: [t for t in list(llm.cluster.active.values()) if t.worker == 1]
+                while sum(t.phase == "decode" for t in on_1()) < 3:
+                    assert time.monotonic() < deadline, "the streams never decoded on worker 1"
+                    time.sleep(0.01)
+                os.kill(llm.cluster.workers.procs[0].pid, signal.SIGKILL)
+                while httpx.get(f"{url}/health").status_code != 503:
+                    assert time.monotonic() < deadline, "/health never saw the prefill worker die"
+                    time.sleep(0.05)
+                body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4}
+                two = httpx.post(f"{url}/v1/completions", json={**body, "n": 2}, timeout=60)
+                one = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+                got = [f.result(timeout=300) for f in futures]
+        assert two.status_code == 503 and two.json()["error"]["code"] == 503
+        assert one.status_code == 500 and "worker 0" in one.json()["error"]["message"]
+        assert [text for text, _ in got] == want and all(lines[-1] == "data: [DONE]" for _, lines in got)
+        c = llm.cluster
+        rid = c.submit([1, 2, 3], SamplingParams(max_tokens=2))
+        c.abort([rid])
+        assert rid not in c.poll(0.0)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("args", [["--max-pending", "0"], ["--api-key", ""], ["--drain-s", "nan"],
+                                  ["--drain-s", "-1"], ["--port", "70000"]])
+def test_serve_refuses_a_setting_that_cannot_work_in_one_line_naming_its_flag(args):
+    """`nanopd.py serve tiny` with no room for a request, an empty API key (which would turn
+    the check off), a drain that is not a duration, or a port past 65535 (which would listen
+    elsewhere): one line naming the flag, and no server."""
+    run = subprocess.run([sys.executable, "nanopd.py", "serve", "tiny", *args], cwd=HERE, capture_output=True,
+                         timeout=120, check=False, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode != 0 and args[0].encode() in run.stderr and run.stderr.count(b"\n") == 1, run.stderr
+    assert b"Uvicorn running" not in run.stderr
+
+
 def test_serve_drains_its_streams_on_sigterm_and_exits_cleanly(tmp_path):
-    """`python nanopd.py serve tiny` (a flag for an LLM setting among its flags): a client
-    streams 48 tokens; SIGTERM once the first came: the stream still ends whole ([DONE], 48
-    tokens of usage), then the server ends as a process SIGTERM ended (uvicorn raises the
-    signal again once it has drained), with no traceback, and leaves no process."""
+    """`python nanopd.py serve tiny --drain-s 3` (a flag for an LLM setting among its flags):
+    two clients stream, one 12 tokens, one 4,000 (far more than 3 s of them on a CPU);
+    SIGTERM once both have their first token: the short stream still ends whole ([DONE], 12
+    tokens of usage), the long one, once the 3 s are over, with a 503 error event and then
+    [DONE] (not cut off); then the server ends as a process SIGTERM ended (uvicorn raises
+    the signal again once it has drained), with no traceback, and leaves no process."""
     import signal
 
     import httpx
@@ -7170,7 +7390,7 @@ def test_serve_drains_its_streams_on_sigterm_and_exits_cleanly(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "", "NANOPD_TEST_TOKEN": token}
     with open(tmp_path / "stderr.txt", "wb") as err:
         proc = subprocess.Popen([sys.executable, "nanopd.py", "serve", "tiny", "--port", str(port),
-                                 "--max-num-seqs", "8", "--drain-s", "60"], cwd=HERE, env=env,
+                                 "--max-num-seqs", "8", "--drain-s", "3"], cwd=HERE, env=env,
                                 stdout=subprocess.DEVNULL, stderr=err)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -7181,15 +7401,27 @@ def test_serve_drains_its_streams_on_sigterm_and_exits_cleanly(tmp_path):
                 if httpx.get(f"{url}/health").status_code == 200:
                     break
             time.sleep(0.2)
-        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 48, "ignore_eos": True, "temperature": 0,
-                "stream": True, "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
-            lines = r.iter_lines()
-            first = next(line for line in lines if line)
+        started = threading.Barrier(3)
+
+        def stream(max_tokens: int) -> list[dict | str]:
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": max_tokens, "ignore_eos": True,
+                    "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                lines = (line for line in r.iter_lines() if line)
+                got = [next(lines)]
+                started.wait(60)
+                got += list(lines)
+            done = "data: [DONE]"
+            return [json.loads(line.removeprefix("data: ")) if line != done else line for line in got]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            short, long = pool.submit(stream, 12), pool.submit(stream, 4000)
+            started.wait(60)
             proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line]
-        assert first.startswith("data: ") and rest[-1] == "data: [DONE]"
-        assert json.loads(rest[-2].removeprefix("data: "))["usage"]["completion_tokens"] == 48
+            short, long = short.result(), long.result()
+        assert short[-1] == long[-1] == "data: [DONE]"
+        assert short[-2]["usage"]["completion_tokens"] == 12
+        errors = [e["error"] for e in long if isinstance(e, dict) and "error" in e]
+        assert len(errors) == 1 and errors[0]["code"] == 503 and "shutting down" in errors[0]["message"]
         assert proc.wait(timeout=60) in (-signal.SIGTERM, 128 + signal.SIGTERM)
         deadline = time.monotonic() + 30
         while processes_with(token) and time.monotonic() < deadline:
