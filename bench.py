@@ -754,7 +754,7 @@ def parser() -> argparse.ArgumentParser:
     """bench.py's one command line: the serving benchmark's flags, each with its help and its
     default (those that depend on GPUs or CPUs say both; make_run fills them in), and the
     tools as sub-commands (add_tool_commands)."""
-    from model import PRESETS
+    from nanopd.model import PRESETS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policy", default="adaptive", choices=["collocated", "disaggregated", "adaptive", "all"],
                    help="collocated: every worker prefills and decodes; disaggregated: one prefills, the "
@@ -909,7 +909,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def make_run(args: argparse.Namespace) -> Run:
     """The run the flags ask for; SystemExit with one line if they ask for none."""
-    from cluster import default_devices
+    from nanopd.cluster import default_devices
     devices = None if args.join or args.url else args.devices or default_devices()
     gpu = devices[0].startswith("cuda") if devices else torch.cuda.is_available()   # --join: as here
     if args.mode == "sweep":
@@ -1194,7 +1194,7 @@ def calibration(router, profiled: dict | None = None) -> dict:
 def caption(run: Run) -> str:
     """What a run served, to head its table and plots, in two lines: policies, workloads
     and arrivals; the model (a preset's weights are random) and the devices."""
-    from model import PRESETS
+    from nanopd.model import PRESETS
     model = f"{run.model} (random weights)" if run.model in PRESETS else Path(run.model).name
     if run.url:
         devices = f"served at {run.url}"

@@ -95,37 +95,43 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-import cluster as cluster_mod
-import controller
-import gpu_kernels as kernels
-import hosts
-import kv_cache
-import lanes
-import messages
-import model as qwen
-import planner
-import profiler
-import request
-import router as router_mod
-import sampler
-import scheduler
-import smsplit
-import speculate
-import timing
-import transport
-import workers
-from config import EngineConfig, resolve_dtype
-from costmodel import CostModel, HardwareParams, SplitParams, WorkerLoad
-from engine import Engine
-from kv_cache import (
+from nanopd import (
+    LLM,
+    BeamSearchParams,
+    SamplingParams,
+    TextPrompt,
+    TokensPrompt,
+    controller,
+    hosts,
+    kv_cache,
+    lanes,
+    messages,
+    planner,
+    profiler,
+    request,
+    sampler,
+    scheduler,
+    smsplit,
+    speculate,
+    timing,
+    transport,
+    workers,
+)
+from nanopd import cluster as cluster_mod
+from nanopd import gpu_kernels as kernels
+from nanopd import model as qwen
+from nanopd import router as router_mod
+from nanopd.config import EngineConfig, resolve_dtype
+from nanopd.costmodel import CostModel, HardwareParams, SplitParams, WorkerLoad
+from nanopd.engine import Engine
+from nanopd.kv_cache import (
     BlockManager,
     OutOfBlocks,
     allocate_kv_cache,
     blocks_for_memory,
     kv_bytes_per_block,
 )
-from nanopd import LLM, BeamSearchParams, SamplingParams, TextPrompt, TokensPrompt
-from router import Observation, OutputLengthPredictor, Router
+from nanopd.router import Observation, OutputLengthPredictor, Router
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -1919,7 +1925,7 @@ def test_host_tensor_is_torch_tensor_of_the_list(dtype):
     """runner.host_tensor (the upload's list -> tensor, through struct for a flat list)
     gives torch.tensor's values, dtype and shape: flat lists at the edges of int32, nested
     lists, an empty one."""
-    from runner import host_tensor
+    from nanopd.runner import host_tensor
     big = 2 ** 31 - 1
     cases = [[0, 1, -1, big, -big - 1], [[3, 4], [5, 6]], [], [True, False, True], list(range(40_000))]
     if dtype == torch.float32:
@@ -4007,7 +4013,8 @@ def two_hosts(processes_per_host: int = 1, logs: Path | None = None):
         launches = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                                       "--nproc-per-node", str(processes_per_host), "--node-rank", str(k),
                                       "--master-addr", "127.0.0.1", "--master-port", str(master),
-                                      "hosts.py", "--join", f"127.0.0.1:{store}", "--device", "cpu"],
+                                      "-m", "nanopd.hosts", "--join", f"127.0.0.1:{store}",
+                                      "--device", "cpu"],
                                      cwd=HERE, env=env, stdout=outs[k], stderr=subprocess.STDOUT)
                     for k in (0, 1)]
     try:
@@ -5330,7 +5337,7 @@ def test_the_adaptive_workers_controller_cuts_its_budget_when_long_prompts_come_
 def test_a_window_over_a_running_total_is_its_last_span_over_the_span(seed):
     """A Window read with a running total at each of its steps gives, at any time, the
     tokens of the steps of the last span (brute force over the steps) over the span."""
-    import telemetry
+    from nanopd import telemetry
     rng = random.Random(seed)
     window, total, steps, now = telemetry.Window(2.0, start=0.0), 0, [], 0.0
     for _ in range(200):
@@ -5350,8 +5357,8 @@ def test_the_loads_prefill_rate_is_what_the_steps_prefilled_at_most_what_arrived
     steps prefilled over WINDOW_S, capped by those that arrived over ARRIVAL_WINDOW_S, each
     counted here by brute force from the same events: while a backlog drains, the arrivals
     are the lower; while prompts queue, the steps."""
-    import telemetry
-    from roles import RoleMap
+    from nanopd import telemetry
+    from nanopd.roles import RoleMap
     roles = RoleMap(["both", "both"], {})
     for arriving, prefilling in ((100, 400), (400, 100)):
         t = telemetry.Telemetry(2, room=1000, seats=64, now=0.0)
@@ -5378,7 +5385,7 @@ def test_the_configurations_a_worker_held_are_its_log_read_at_every_instant(seed
     (in time order), a span within it; the shares it gives each (split, budget) are those of
     20,000 even instants of the span at which worker 1 held it (its last change at or before
     the instant, else the configuration the request was routed under)."""
-    from cluster import ConfigChange, configs_held
+    from nanopd.cluster import ConfigChange, configs_held
     rng = random.Random(seed)
     configs = [(None, 8192), (None, 512), ((84, 48), 2048)]
     t, log = 0.0, []
@@ -5405,7 +5412,7 @@ def test_a_window_over_a_level_read_often_is_its_slope():
     """A decode batch growing by one every 100 ms, read every 10 ms (kept every 100 ms or
     so): past the first span, its rate is the slope, 0.01 sequences per ms, high by at
     most what it grew in a reading gap and a read (0.11 s: at most 2 sequences of 20)."""
-    import telemetry
+    from nanopd import telemetry
     window = telemetry.Window(2.0, start=0.0, gap_s=0.1)
     for i in range(1, 500):
         now, batch = i / 100, i // 10
@@ -5891,7 +5898,7 @@ def test_dispatch_reads_the_role_map_whatever_the_policy(monkeypatch):
     2 the only one left to take prompts it takes whole requests; with none left, a request
     fails at once. A split role is fixed at start-up: written later, with no SM split, it is
     refused."""
-    import cluster
+    from nanopd import cluster
     monkeypatch.setattr(cluster, "WorkerProcesses", FakeWorkers)
     c = cluster.CentralScheduler(EngineConfig(model="tiny", max_model_len=128),
                                  cluster.ClusterConfig("collocated", ["cpu"] * 3))
@@ -5927,8 +5934,8 @@ def test_the_cluster_plans_roles_only_where_the_workers_have_a_choice(monkeypatc
     prefills and someone decodes is both, so there is no planner (nothing to choose), yet the
     router's parameters still reach the worker's controller (Control) and arrivals are
     served; on two devices the planner starts with every worker both."""
-    import cluster
-    from router import Router
+    from nanopd import cluster
+    from nanopd.router import Router
     monkeypatch.setattr(cluster, "WorkerProcesses", FakeWorkers)
     for n in (1, 2):
         c = cluster.CentralScheduler(EngineConfig(model="tiny", max_model_len=128),
@@ -6056,11 +6063,12 @@ def test_a_prefill_lane_is_fitted_as_the_whole_gpus_prefill_slowed_by_one_factor
 
 @pytest.mark.usefixtures("worker_env")
 def test_profiler_cli_measures_the_workers_and_caches(tmp_path):
-    """`python profiler.py` on two CPU workers prints every parameter with its fit error and
-    caches the profile: the second start reads it instead of measuring."""
+    """`python -m nanopd.profiler` on two CPU workers prints every parameter with its fit
+    error and caches the profile: the second start reads it instead of measuring."""
     env = {**os.environ, "HOME": str(tmp_path), "TRITON_INTERPRET": "0",
                "CUDA_VISIBLE_DEVICES": ""}
-    runs = [subprocess.run([sys.executable, "profiler.py", "--model", "tiny", "--devices", "cpu", "cpu"],
+    runs = [subprocess.run([sys.executable, "-m", "nanopd.profiler", "--model", "tiny", "--devices", "cpu",
+                            "cpu"],
                            cwd=HERE, env=env, capture_output=True, timeout=300, check=False)
             for _ in range(2)]
     for run in runs:
@@ -6425,7 +6433,7 @@ def byte_text(ids: list[int], special: set[int]) -> str:
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="0")
-    return subprocess.run([sys.executable, "nanopd.py", *args], cwd=HERE, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "nanopd", *args], cwd=HERE, env=env, capture_output=True,
                           timeout=120, check=False)
 
 
@@ -6442,12 +6450,12 @@ def test_cli_generates():
 def test_cli_ctrl_c_ends_in_one_line():
     """Ctrl-C while the CLI streams: it exits with the shell's status for SIGINT (130) and
     one line on stderr, no KeyboardInterrupt traceback."""
-    # `python nanopd.py --model tiny --max-tokens 4000`, its Ctrl-C raising KeyboardInterrupt as
+    # `python -m nanopd --model tiny --max-tokens 4000`, its Ctrl-C raising KeyboardInterrupt as
     # in a terminal even when the tests run as a background job (which starts every child with
     # SIGINT ignored, and then Python installs no handler)
     run = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-           "sys.argv = ['nanopd.py', '--model', 'tiny', '--max-tokens', '4000']; "
-           "runpy.run_path('nanopd.py', run_name='__main__')")
+           "sys.argv = ['nanopd', '--model', 'tiny', '--max-tokens', '4000']; "
+           "runpy.run_module('nanopd', run_name='__main__', alter_sys=True)")
     proc = subprocess.Popen([sys.executable, "-c", run], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             cwd=HERE)
     assert b"KV blocks" in proc.stdout.readline()   # the model is built: it is generating
@@ -6685,7 +6693,7 @@ def serving(llm: LLM, **kwargs):
     thread while the block runs; its base URL."""
     import uvicorn
 
-    import server
+    from nanopd import server
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     srv = uvicorn.Server(uvicorn.Config(server.make_app(llm, **kwargs), log_level="warning"))
@@ -6872,7 +6880,7 @@ def test_an_unknown_path_a_wrong_method_and_a_body_too_large_are_openai_errors(p
     so or it comes in chunks: each in OpenAI's error body, never FastAPI's {"detail": ...}."""
     import httpx
 
-    import server
+    from nanopd import server
     json_type = {"content-type": "application/json"}
 
     def chunks() -> Iterator[bytes]:
@@ -6958,7 +6966,7 @@ def test_the_servers_kv_usage_is_read_now_and_of_live_workers_only(pair_llm):
     the mean of the live ones' last heartbeats (a dead worker's last one is not counted)."""
     import httpx
 
-    import server
+    from nanopd import server
     def usage(url: str) -> float:
         line = next(x for x in httpx.get(f"{url}/metrics").text.splitlines()
                     if x.startswith("vllm:gpu_cache_usage_perc "))
@@ -7123,7 +7131,7 @@ def test_the_server_hands_out_a_steps_first_tokens_before_its_other_tokens():
     """Two streams on one queue; the backend gives the first a token, then in one poll the
     first its second token and the second its first, in that order: the second's first
     token reaches the handlers before the first's second token."""
-    import server
+    from nanopd import server
     backend = ScriptedBackend([{0: [5]}, {0: [6], 1: [7]}])
 
     async def main() -> list:
@@ -7146,7 +7154,7 @@ def test_the_server_hands_out_a_polls_events_a_slice_per_turn_of_its_loop_in_ord
     after the first poll runs before they are all out (the loop turns, and reads its
     sockets, between slices), the new first token goes ahead of every token waiting, and
     each stream gets its tokens in order."""
-    import server
+    from nanopd import server
 
     async def main() -> tuple[int, list]:
         el, aloop = server.EngineLoop(ScriptedBackend([]), 8), asyncio.get_running_loop()
@@ -7174,7 +7182,7 @@ def test_the_server_hands_out_a_polls_events_a_slice_per_turn_of_its_loop_in_ord
 def test_an_idle_cluster_is_polled_seldom_and_a_submit_brings_the_next_poll_forward():
     """A cluster backend with nothing to run is polled every IDLE_TICK_S; a submit then
     moves the next poll to within TICK_S."""
-    import server
+    from nanopd import server
 
     async def main() -> tuple[float, float]:
         loop = server.EngineLoop(ScriptedBackend([]), 8)
@@ -7366,8 +7374,9 @@ def test_serve_refuses_a_setting_that_cannot_work_in_one_line_naming_its_flag(ar
     """`nanopd.py serve tiny` with no room for a request, an empty API key (which would turn
     the check off), a drain that is not a duration, or a port past 65535 (which would listen
     elsewhere): one line naming the flag, and no server."""
-    run = subprocess.run([sys.executable, "nanopd.py", "serve", "tiny", *args], cwd=HERE, capture_output=True,
-                         timeout=120, check=False, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    run = subprocess.run([sys.executable, "-m", "nanopd", "serve", "tiny", *args], cwd=HERE,
+                         capture_output=True, timeout=120, check=False,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode != 0 and args[0].encode() in run.stderr and run.stderr.count(b"\n") == 1, run.stderr
     assert b"Uvicorn running" not in run.stderr
 
@@ -7389,7 +7398,7 @@ def test_serve_drains_its_streams_on_sigterm_and_exits_cleanly(tmp_path):
     token = f"nanopd-serve-{os.getpid()}"
     env = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "", "NANOPD_TEST_TOKEN": token}
     with open(tmp_path / "stderr.txt", "wb") as err:
-        proc = subprocess.Popen([sys.executable, "nanopd.py", "serve", "tiny", "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "nanopd", "serve", "tiny", "--port", str(port),
                                  "--max-num-seqs", "8", "--drain-s", "3"], cwd=HERE, env=env,
                                 stdout=subprocess.DEVNULL, stderr=err)
     url = f"http://127.0.0.1:{port}"
@@ -8206,7 +8215,7 @@ def test_microbench_small_transfer_measures_every_transport_and_length(tmp_path)
     finite, positive rates, ceilings and handoff times, each moving at least the prompt's
     KV (tiny's bytes per token, from its config); the link's ceilings, the decode step
     beside pulls and the requests sent at once too."""
-    from model import PRESETS
+    from nanopd.model import PRESETS
     from tools import microbench
     devices = tuple(WORKER_DEVICES[:2])
     res = run_microbench(tmp_path, "transfer", "--devices", *devices)
@@ -8303,36 +8312,44 @@ def test_the_figures_are_the_code_run_on_the_docs_examples(tmp_path):
 # (nothing is imported).
 
 
-MODULES = sorted(p for p in HERE.glob("*.py") if not p.name.startswith("test_")) \
-    + sorted(HERE.glob("tools/*.py"))
+# The project's source: the engine's package (nanopd/), the benchmark and its tools; read
+# where they are, so that an untracked script beside them changes nothing here.
+MODULES = sorted(HERE.glob("nanopd/*.py")) + [HERE / "bench.py"] + sorted(HERE.glob("tools/*.py"))
 
 
 def module_name(path: Path) -> str:
-    """A module's import name: `engine` for engine.py, `tools.microbench` for tools/microbench.py."""
+    """A module's import name: `nanopd.engine` for nanopd/engine.py, `tools.microbench` for
+    tools/microbench.py, `bench` for bench.py."""
     return ".".join(path.relative_to(HERE).with_suffix("").parts)
 
 
 def file_map() -> dict[str, list[str]]:
     """The modules in the README's three tables (read first, features and the cluster,
-    tools), each table in its order; a tool's row is `tools/name.py`."""
+    tools), each table in its order, by module_name's names: a row `engine.py` is the
+    package's nanopd/engine.py, `tools/name.py` a tool, `bench.py` the benchmark."""
     text = (HERE / "README.md").read_text()
     tables = re.split(r"\*\*(Read first|Features and the cluster|Tools)\*\*", text)[1:]
-    return {title: [row.replace("/", ".")
-                    for row in re.findall(r"^\| `((?:tools/)?\w+)\.py` \|", body, re.MULTILINE)]
+
+    def name(row: str) -> str:
+        return row.replace("/", ".") if row.startswith("tools/") or row == "bench" else f"nanopd.{row}"
+    return {title: [name(row) for row in re.findall(r"^\| `((?:tools/)?\w+)\.py` \|", body, re.MULTILINE)]
             for title, body in zip(tables[::2], tables[1::2])}
 
 
 def imports_of(path: Path) -> set[str]:
-    """The modules a file imports, by module_name's names."""
+    """The modules a file imports, by module_name's names (`from nanopd import LLM`, a name
+    the package's face hands on, is an import of the front, nanopd.llm)."""
     def name(module: str) -> str:
-        return ".".join(module.split(".")[:2 if module.startswith("tools.") else 1])
+        return ".".join(module.split(".")[:2 if module.startswith(("tools.", "nanopd.")) else 1])
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {name(a.name) for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in ("tools", "nanopd"):
+            names |= {f"{node.module}.{a.name}" if (HERE / node.module / f"{a.name}.py").is_file()
+                      else "nanopd.llm" for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            names |= {f"tools.{a.name}" for a in node.names} if node.module == "tools" \
-                else {name(node.module)}
+            names.add(name(node.module))
     return names
 
 
@@ -8340,8 +8357,8 @@ def test_the_file_map_lists_every_module_and_the_imports_make_no_circle():
     """The README's file map lists every module once, in three tables. The imports form no
     circle (peeling off the modules that import none of those left ends with none left);
     the "Read first" files, read in their order, each use only the ones already read; the
-    tools are imported only by bench.py, their command, and by each other; nanopd.py, the
-    front, only by bench.py and the tools; bench.py by nothing."""
+    tools are imported only by bench.py, their command, and by each other; llm.py, the
+    front, only by the command line (__main__.py), bench.py and the tools; bench.py by nothing."""
     tables = file_map()
     order = [name for names in tables.values() for name in names]
     assert list(tables) == ["Read first", "Features and the cluster", "Tools"] \
@@ -8349,6 +8366,7 @@ def test_the_file_map_lists_every_module_and_the_imports_make_no_circle():
     assert sorted(order) == sorted(module_name(p) for p in MODULES if p.name != "__init__.py"), \
         "the file map lists every module once"
     graph = {name: imports_of(HERE / f"{name.replace('.', '/')}.py") & set(order) - {name} for name in order}
+    front = {"nanopd.llm", "nanopd.__main__"}
     left = set(graph)
     while left:
         leaves = {name for name in left if not graph[name] & left}
@@ -8360,8 +8378,8 @@ def test_the_file_map_lists_every_module_and_the_imports_make_no_circle():
     tools = set(tables["Tools"]) - {"bench"}
     for name, used in graph.items():
         assert "bench" not in used, f"{name} imports bench"
-        if name not in tools | {"bench"}:
-            assert not used & (tools | {"nanopd"}), f"{name} imports {sorted(used & (tools | {'nanopd'}))}"
+        if name not in tools | {"bench", "nanopd.__main__"}:
+            assert not used & (tools | front), f"{name} imports {sorted(used & (tools | front))}"
 
 
 def test_no_function_is_longer_than_60_lines_outside_triton_kernels():
@@ -8408,7 +8426,8 @@ def test_every_symbol_the_docs_cite_exists():
     for page in pages:
         for file, symbol in re.findall(r"\b([\w/]+\.py):([A-Za-z_][\w.]*\w)", page.read_text()):
             cited += 1
-            if not (HERE / file).is_file() or symbol not in symbols_of(HERE / file):
+            path = HERE / file if (HERE / file).is_file() else HERE / "nanopd" / file   # engine.py: nanopd's
+            if not path.is_file() or symbol not in symbols_of(path):
                 missing.append(f"{page.relative_to(HERE)}: {file}:{symbol}")
     assert not missing
     assert cited > 50   # the docs do point at the code
@@ -8480,25 +8499,29 @@ def test_every_page_has_a_chinese_twin_in_step_with_it():
             f"{zh.relative_to(HERE)} is out of step with {en.relative_to(HERE)}"
 
 
-def test_pip_install_gives_a_nanopd_a_script_elsewhere_imports(tmp_path):
-    """pyproject.toml installs every top-level module but the tests (py-modules) and the
-    tools' package; `pip install` of a copy of the repository (no download: no build
-    isolation, no dependencies, into a folder of its own) gives a `nanopd` that a script in
-    another folder imports from the installed copy."""
+def test_pip_install_adds_one_name_that_a_project_with_its_own_config_py_imports(tmp_path):
+    """pyproject.toml installs one package, nanopd/ (bench.py, tools/ and the tests stay in
+    the checkout): `pip install` of a copy of the repository (no download: no build
+    isolation, no dependencies, into a folder of its own) adds `nanopd` alone beside its
+    metadata and its command. A project with modules of nanoPD's names of its own (config.py,
+    model.py, server.py, engine.py) imports nanopd's LLM from the installed copy, and its
+    own modules still."""
     config = tomllib.loads((HERE / "pyproject.toml").read_text())["tool"]["setuptools"]
-    modules = sorted(p.stem for p in HERE.glob("*.py") if not p.name.startswith("test_"))
-    assert sorted(config["py-modules"]) == modules
-    assert config["packages"] == ["tools"]
-    src, target = tmp_path / "src", tmp_path / "site"
+    assert config["packages"] == ["nanopd"] and "py-modules" not in config
+    src, target, project = tmp_path / "src", tmp_path / "site", tmp_path / "project"
     shutil.copytree(HERE, src, ignore=shutil.ignore_patterns("__pycache__", "results", "runs", "docs", ".*"))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--target", str(target), str(src)], check=True, capture_output=True, timeout=600)
-    assert not (target / "test_nanopd.py").exists() and (target / "tools" / "microbench.py").is_file()
-    env = {**os.environ, "PYTHONPATH": str(target)}
-    script = "import nanopd, tools.figures; print(nanopd.__file__, nanopd.LLM.__name__)"
-    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, check=True, timeout=300)
-    assert out.stdout.split() == [str(target / "nanopd.py"), "LLM"]
+    assert {p.name for p in target.iterdir() if not p.name.endswith(".dist-info")} <= {"nanopd", "bin"} \
+        and (target / "nanopd" / "engine.py").is_file()
+    project.mkdir()
+    for name in ("config", "model", "server", "engine"):
+        (project / f"{name}.py").write_text(f"MINE = {name!r}\n")
+    script = "import config, engine, nanopd; print(nanopd.__file__, nanopd.LLM.__name__, config.MINE, " \
+        "engine.MINE)"
+    out = subprocess.run([sys.executable, "-c", script], cwd=project, capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONPATH": str(target)}, timeout=300)
+    assert out.stdout.split() == [str(target / "nanopd" / "__init__.py"), "LLM", "config", "engine"]
 
 
 @pytest.mark.parametrize("page", ["README.md", "README.zh.md"])

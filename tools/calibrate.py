@@ -24,9 +24,9 @@ import statistics
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from costmodel import CostModel, HardwareParams, WorkerLoad, split_key
-from router import Router
-from telemetry import ARRIVAL_WINDOW_S, Window
+from nanopd.costmodel import CostModel, HardwareParams, WorkerLoad, split_key
+from nanopd.router import Router
+from nanopd.telemetry import ARRIVAL_WINDOW_S, Window
 
 TENTHS = 10
 

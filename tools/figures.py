@@ -25,9 +25,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after the backend is chosen
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
-from kv_cache import BlockManager
-from request import Request, RequestMetrics, SamplingParams, Sequence
-from scheduler import Scheduler
+from nanopd.kv_cache import BlockManager
+from nanopd.request import Request, RequestMetrics, SamplingParams, Sequence
+from nanopd.scheduler import Scheduler
 
 ROOT = Path(__file__).resolve().parent.parent   # the repository: the results read, the docs written
 FIGURES = ROOT / "docs" / "figures"
@@ -156,7 +156,7 @@ def draw_step_batch(out: Path) -> Path:
 # ----------------------------------------------------------------------------- the handoff
 
 
-# The start-up profile two H200s measured (python profiler.py; results/README.md), in ms
+# The start-up profile two H200s measured (python -m nanopd.profiler; results/README.md), in ms
 H200X2_PROFILE = {"alpha0": 2.09, "alpha": 0.02202, "alpha2": 8.21e-7, "beta": 5.046,
                   "transfer_rate": 0.00422}
 

@@ -42,10 +42,10 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-import gpu_kernels as kernels
-from request import SamplingParams
-from scheduler import Batch
-from timing import fake_batch, free_batch, run_step, time_step_ms
+from nanopd import gpu_kernels as kernels
+from nanopd.request import SamplingParams
+from nanopd.scheduler import Batch
+from nanopd.timing import fake_batch, free_batch, run_step, time_step_ms
 
 
 def time_ms(fn, graph: bool = False) -> float:
@@ -691,7 +691,7 @@ def decode_step_while_pulling(model: str, src: str, dst: str, batch: int = 64, c
     - saturated: 2.4 GB pulls back to back for the whole timed window, the link never idle.
     Also the transport alone (transport_alone), same caches."""
     from nanopd import LLM
-    from transport import P2PTransport
+    from nanopd.transport import P2PTransport
     chunk = 1024   # blocks per saturating pull: 2.4 GB of Qwen3-8B, ~6 ms on the link
     eng = LLM(model, device=dst, max_num_seqs=batch,
               num_kv_blocks=batch * (context // 16 + 2) + chunk + 64).engine

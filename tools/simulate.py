@@ -29,12 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from controller import CONTROL_INTERVAL_S, Controller, Recent, menu, snapshot
-from costmodel import HardwareParams
-from engine import StepShape, step_shape
-from kv_cache import BlockManager, cdiv
-from request import Request, RequestMetrics, SamplingParams, Sequence
-from scheduler import Scheduler
+from nanopd.controller import CONTROL_INTERVAL_S, Controller, Recent, menu, snapshot
+from nanopd.costmodel import HardwareParams
+from nanopd.engine import StepShape, step_shape
+from nanopd.kv_cache import BlockManager, cdiv
+from nanopd.request import Request, RequestMetrics, SamplingParams, Sequence
+from nanopd.scheduler import Scheduler
 from tools.calibrate import read_results
 
 BLOCK_SIZE = 16

@@ -37,8 +37,8 @@ import time
 import torch
 
 from nanopd import LLM, SamplingParams
-from runner import DeviceDraft
-from speculate import PerSequence
+from nanopd.runner import DeviceDraft
+from nanopd.speculate import PerSequence
 from tools.microbench import launch_wait_ms, time_ms
 
 

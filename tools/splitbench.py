@@ -29,12 +29,12 @@ import time
 
 import torch
 
-import gpu_kernels as kernels
-from config import EngineConfig
-from lanes import SplitEngine
-from request import SamplingParams
-from smsplit import Split, default_menu, load_kernels_at_start, num_sms
-from timing import (
+from nanopd import gpu_kernels as kernels
+from nanopd.config import EngineConfig
+from nanopd.lanes import SplitEngine
+from nanopd.request import SamplingParams
+from nanopd.smsplit import Split, default_menu, load_kernels_at_start, num_sms
+from nanopd.timing import (
     BusyLane,
     decode_beside_prefill_ms,
     fake_batch,

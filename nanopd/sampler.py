@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import torch
 
-import gpu_kernels as kernels
-from request import PENDING, SamplingParams, Sequence
+from nanopd import gpu_kernels as kernels
+from nanopd.request import PENDING, SamplingParams, Sequence
 
 # host list -> tensor on the device (ModelRunner.upload)
 Upload = Callable[[list, torch.dtype], torch.Tensor]

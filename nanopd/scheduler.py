@@ -17,8 +17,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kv_cache import BlockManager, OutOfBlocks
-from request import Request, Sequence, Status
+from nanopd.kv_cache import BlockManager, OutOfBlocks
+from nanopd.request import Request, Sequence, Status
 
 # ----------------------------------------------------------------------------- scheduler
 

@@ -5,9 +5,9 @@ scheduler through a torch.distributed TCPStore that it listens on.
     python bench.py --policy disaggregated --join HOST:PORT
     # every host with workers, one worker per GPU (here 2 hosts, 2 GPUs each):
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --master-addr HOST --master-port 29500 \
-        hosts.py --join HOST:PORT
+        -m nanopd.hosts --join HOST:PORT
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank 1 --master-addr HOST --master-port 29500 \
-        hosts.py --join HOST:PORT
+        -m nanopd.hosts --join HOST:PORT
 
 Each worker is worker RANK of torchrun's world (its GPU the LOCAL_RANK-th of its host). It
 reads the engine settings the central scheduler published in the store, builds its engine,
@@ -39,8 +39,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from config import EngineConfig
-from workers import ParentGone, Stop, WorkerSpec, worker_main
+from nanopd.config import EngineConfig
+from nanopd.workers import ParentGone, Stop, WorkerSpec, worker_main
 
 STORE_TIMEOUT_S = 600.0   # a store operation (a worker waiting for the settings, a message's body)
 LEAVE_TIMEOUT_S = 10.0    # close(): how long the central scheduler waits for the workers to leave

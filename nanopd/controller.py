@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from costmodel import HardwareParams, split_key
-from request import Status
+from nanopd.costmodel import HardwareParams, split_key
+from nanopd.request import Status
 
 CONTROL_INTERVAL_S = 0.25  # how often a worker with prompt work chooses its configuration
 REACT_S = 0.025            # ... and, on work arriving at an idle one, how soon after its last choice

@@ -14,9 +14,9 @@ from typing import TypedDict
 
 import torch
 
-from config import EngineConfig, check_int, check_real
-from kv_cache import cdiv
-from model import Detokenizer
+from nanopd.config import EngineConfig, check_int, check_real
+from nanopd.kv_cache import cdiv
+from nanopd.model import Detokenizer
 
 # ----------------------------------------------------------------------------- what a user asks for and gets
 

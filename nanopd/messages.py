@@ -13,7 +13,7 @@ block ids only.
 
 from dataclasses import dataclass, field
 
-from request import Logprob, NewTokens, RequestOutput, SamplingParams
+from nanopd.request import Logprob, NewTokens, RequestOutput, SamplingParams
 
 # ----------------------------------------------------------------------------- to a worker
 

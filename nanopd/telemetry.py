@@ -12,10 +12,10 @@ import collections
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from costmodel import WorkerLoad
-from lifecycle import RequestRecord
-from messages import Configured, Heartbeat, StepTimed
-from roles import RoleMap
+from nanopd.costmodel import WorkerLoad
+from nanopd.lifecycle import RequestRecord
+from nanopd.messages import Configured, Heartbeat, StepTimed
+from nanopd.roles import RoleMap
 
 WINDOW_S = 2.0           # the rates count the change of the last this many seconds
 BATCH_READING_S = 0.1    # a decode batch is read this often at most (a reading is kept per worker)

@@ -17,7 +17,7 @@ row of ROLES: dispatch reads the row, never the role's name.
 
 from dataclasses import dataclass
 
-from messages import SetRole
+from nanopd.messages import SetRole
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-import gpu_kernels as kernels
-from config import TOKENIZER_FILES, resolve_dtype
+from nanopd import gpu_kernels as kernels
+from nanopd.config import TOKENIZER_FILES, resolve_dtype
 
 
 @dataclass

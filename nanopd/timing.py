@@ -12,9 +12,9 @@ from typing import Self
 
 import torch
 
-from request import Request, RequestMetrics, SamplingParams, Sequence
-from runner import Draw, StepOutput
-from scheduler import Batch
+from nanopd.request import Request, RequestMetrics, SamplingParams, Sequence
+from nanopd.runner import Draw, StepOutput
+from nanopd.scheduler import Batch
 
 GREEDY = SamplingParams(temperature=0.0)   # greedy, whatever SamplingParams' defaults are
 

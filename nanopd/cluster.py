@@ -17,7 +17,7 @@ parts, each with one job: Liveness (below: which workers are alive), Telemetry
 the RoleMap (roles.py: the regime). Its settings are one ClusterConfig (below).
 
 It offers the interface the single Engine offers (submit, poll, output), so the offline
-LLM (nanopd.py) drives either with one loop. A worker that dies: the requests it held
+LLM (llm.py) drives either with one loop. A worker that dies: the requests it held
 (prefilling, decoding, or with KV parked on it for a transfer) start again from their
 prompt on live workers, once; if no live worker can take them, or they fail a second
 time, they end with a RuntimeError in RequestOutput.error. Nothing waits on a dead
@@ -35,12 +35,12 @@ from dataclasses import dataclass, replace
 import torch
 from tqdm import tqdm
 
-from config import EngineConfig, check_device, check_int, check_real
-from costmodel import HISTORY, WorkerLoad
-from hosts import RemoteWorkers, parse_address
-from kv_cache import cdiv
-from lifecycle import RequestLedger, RequestRecord
-from messages import (
+from nanopd.config import EngineConfig, check_device, check_int, check_real
+from nanopd.costmodel import HISTORY, WorkerLoad
+from nanopd.hosts import RemoteWorkers, parse_address
+from nanopd.kv_cache import cdiv
+from nanopd.lifecycle import RequestLedger, RequestRecord
+from nanopd.messages import (
     Abort,
     Configured,
     Control,
@@ -63,15 +63,15 @@ from messages import (
     Tokens,
     ToWorker,
 )
-from model import load_config, load_tokenizer
-from planner import PLAN_INTERVAL_S, Planner, regimes
-from request import NewTokens, RequestMetrics, RequestOutput, SamplingParams, check_request, tokenize
-from roles import ROLES, RoleMap
-from router import Observation, Router
-from smsplit import default_menu, num_sms
-from telemetry import Telemetry
-from transport import TRANSPORTS
-from workers import HEARTBEAT_S, WorkerProcesses, exit_in_order_on_sigterm
+from nanopd.model import load_config, load_tokenizer
+from nanopd.planner import PLAN_INTERVAL_S, Planner, regimes
+from nanopd.request import NewTokens, RequestMetrics, RequestOutput, SamplingParams, check_request, tokenize
+from nanopd.roles import ROLES, RoleMap
+from nanopd.router import Observation, Router
+from nanopd.smsplit import default_menu, num_sms
+from nanopd.telemetry import Telemetry
+from nanopd.transport import TRANSPORTS
+from nanopd.workers import HEARTBEAT_S, WorkerProcesses, exit_in_order_on_sigterm
 
 log = logging.getLogger("nanopd")
 
@@ -381,7 +381,7 @@ class CentralScheduler:
     def close(self) -> None:
         self._close()
 
-    # -- what the parts hold, as the callers (nanopd.py, profiler.py) read it
+    # -- what the parts hold, as the callers (llm.py, profiler.py) read it
 
     @property
     def transport(self) -> str:

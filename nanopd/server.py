@@ -1,7 +1,7 @@
-"""The OpenAI-compatible HTTP server: an LLM (nanopd.py builds it) behind the API that vLLM
+"""The OpenAI-compatible HTTP server: an LLM (llm.py builds it) behind the API that vLLM
 and SGLang speak, so that OpenAI's client, a chat UI or a load tester can use it.
 
-  python nanopd.py serve MODEL [--policy ...] [--host] [--port] [--api-key] [any LLM setting]
+  python -m nanopd serve MODEL [--policy ...] [--host] [--port] [--api-key] [any LLM setting]
 
   EngineLoop   the LLM's backend beside the HTTP loop (an Engine on a thread of its own, a
                CentralScheduler polled on the HTTP loop): it takes submits and aborts, polls
@@ -40,10 +40,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from config import check_int, check_real
-from engine import Engine
-from model import Detokenizer
-from request import CompletionOutput, RequestOutput, SamplingParams, encode
+from nanopd.config import check_int, check_real
+from nanopd.engine import Engine
+from nanopd.model import Detokenizer
+from nanopd.request import CompletionOutput, RequestOutput, SamplingParams, encode
 
 # ----------------------------------------------------------------------------- the engine's thread
 

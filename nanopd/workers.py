@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from config import EngineConfig
-from controller import (
+from nanopd.config import EngineConfig
+from nanopd.controller import (
     CONTROL_INTERVAL_S,
     PRIOR_WEIGHT,
     REACT_S,
@@ -52,10 +52,10 @@ from controller import (
     Recent,
     snapshot,
 )
-from engine import Engine, LaunchedStep
-from kv_cache import cdiv
-from lanes import SplitEngine, make_engine
-from messages import (
+from nanopd.engine import Engine, LaunchedStep
+from nanopd.kv_cache import cdiv
+from nanopd.lanes import SplitEngine, make_engine
+from nanopd.messages import (
     Abort,
     Configured,
     Control,
@@ -81,10 +81,10 @@ from messages import (
     Tokens,
     ToWorker,
 )
-from request import Request, RequestMetrics, Sequence, arrival_order, seeded_generator
-from smsplit import load_kernels_at_start
-from timing import measure_engine
-from transport import RECEIVE_TIMEOUT_S, TRANSPORTS, DistributedTransport, Pull
+from nanopd.request import Request, RequestMetrics, Sequence, arrival_order, seeded_generator
+from nanopd.smsplit import load_kernels_at_start
+from nanopd.timing import measure_engine
+from nanopd.transport import RECEIVE_TIMEOUT_S, TRANSPORTS, DistributedTransport, Pull
 
 HANDOFF_TIMEOUT_S = RECEIVE_TIMEOUT_S   # parked blocks are freed after this long without a Release
 IDLE_WAIT_S = 0.02          # how long an idle worker blocks on its inbox before looking again

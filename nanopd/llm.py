@@ -1,4 +1,4 @@
-"""nanoPD's front: the offline LLM API and the command line.
+"""nanoPD's front: the offline LLM API (the command line is __main__.py).
 
     from nanopd import LLM, SamplingParams
     outs = LLM("tiny").generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
@@ -16,51 +16,38 @@ adaptive (a router fitted to the hardware picks each request's path; router.py,
 profiler.py). Both offer submit / poll / output, and LLM drives either with one loop.
 """
 
-import argparse
 import contextlib
 import dataclasses
 import difflib
+import functools
 import inspect
 import itertools
-import json
 import numbers
 import signal
-import sys
 import threading
 import time
-import types
-import typing
 from collections.abc import Callable, Iterator
-from typing import Self
+from typing import TYPE_CHECKING, Self
 
 import jinja2
-import torch
 from tqdm import tqdm
 
-from cluster import CentralScheduler, ClusterConfig
-from config import EngineConfig
-from costmodel import HardwareParams
-from engine import Engine
-from lanes import make_engine
-from model import PRESETS, Detokenizer
-from profiler import profile_cluster
-from request import (
+from nanopd.config import EngineConfig
+from nanopd.engine import Engine
+from nanopd.request import (
     BeamSearchOutput,
     BeamSearchParams,
     BeamSearchSequence,
-    NewTokens,
     RequestMetrics,
     RequestOutput,
     SamplingParams,
-    TextPrompt,
-    TokensPrompt,
     encode,
     prompt_of,
 )
-from router import Router
 
-__all__ = ["LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "RequestMetrics",
-           "RequestOutput", "SamplingParams", "TextPrompt", "TokensPrompt"]
+if TYPE_CHECKING:   # a plain LLM loads none of the cluster's modules: they load with a policy
+    from nanopd.cluster import CentralScheduler
+    from nanopd.costmodel import HardwareParams
 
 
 class LLM:
@@ -80,7 +67,7 @@ class LLM:
     here (VLLM_KEYWORDS: trust_remote_code, tensor_parallel_size=1, ...) are taken."""
 
     def __init__(self, model: str = "tiny", policy: str | None = None, *,
-                 profile: HardwareParams | bool | None = None, **settings):
+                 profile: "HardwareParams | bool | None" = None, **settings):
         settings = without_vllm_keywords(settings)
         check_settings(settings)
         self.closed = False
@@ -94,20 +81,28 @@ class LLM:
         self.callers, self.callers_lock = 0, threading.Lock()
         self.ended: dict[int, RequestOutput] = {}   # outputs polled for another caller's requests
         self.profile_s = 0.0   # the seconds adaptive's profile took at start-up (measured, or read back)
-        engine_settings = {k: v for k, v in settings.items() if k not in CLUSTER_SETTINGS}
-        cluster_settings = {k: v for k, v in settings.items() if k in CLUSTER_SETTINGS}
+        engine_settings = {k: v for k, v in settings.items() if k in ENGINE_SETTINGS}
+        cluster_settings = {k: v for k, v in settings.items() if k not in ENGINE_SETTINGS}
         if policy is None:
-            given = [k for k, default in CLUSTER_SETTINGS.items()
-                     if k in cluster_settings and cluster_settings[k] != default]
+            given = [k for k, v in cluster_settings.items() if v != cluster_defaults()[k]]
             given += ["profile"] if profile is not None else []
             if given:
                 raise ValueError(f"{', '.join(given)} only apply with a policy (collocated, disaggregated, "
                                  "adaptive); without one, LLM is a single engine on `device`")
-            self.backend: Engine | CentralScheduler = make_engine(EngineConfig(model=model,
-                                                                               **engine_settings))
+            self.backend: Engine | CentralScheduler = one_engine(EngineConfig(model=model, **engine_settings))
             return
-        cluster_cfg = ClusterConfig(policy, **cluster_settings).resolved()
-        self.backend = CentralScheduler(EngineConfig(model=model, **engine_settings), cluster_cfg)
+        self._start_cluster(EngineConfig(model=model, **engine_settings), policy, cluster_settings, profile)
+
+    def _start_cluster(self, cfg: EngineConfig, policy: str, settings: dict,
+                       profile: "HardwareParams | bool | None") -> None:
+        """A CentralScheduler under policy (its modules load here, not with LLM); under
+        adaptive, its router's parameters: profile's, or measured on the workers (profiler.py)."""
+        from nanopd.cluster import CentralScheduler, ClusterConfig
+        from nanopd.costmodel import HardwareParams
+        from nanopd.profiler import profile_cluster
+        from nanopd.router import Router
+        cluster_cfg = ClusterConfig(policy, **settings).resolved()
+        self.backend = CentralScheduler(cfg, cluster_cfg)
         if policy == "adaptive" and profile is not False:
             begun = time.perf_counter()
             try:
@@ -124,8 +119,8 @@ class LLM:
         return self.backend if isinstance(self.backend, Engine) else None
 
     @property
-    def cluster(self) -> CentralScheduler | None:
-        return self.backend if isinstance(self.backend, CentralScheduler) else None
+    def cluster(self) -> "CentralScheduler | None":
+        return None if isinstance(self.backend, Engine) else self.backend
 
     def close(self) -> None:
         """Stop the workers and release everything. A generate running on another thread
@@ -397,20 +392,35 @@ def without_vllm_keywords(settings: dict) -> dict:
 
 
 ENGINE_SETTINGS = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
-# each cluster setting -> its default
-CLUSTER_SETTINGS = {f.name: f.default for f in dataclasses.fields(ClusterConfig) if f.name != "policy"}
+
+
+@functools.cache
+def cluster_defaults() -> dict:
+    """Each cluster setting (ClusterConfig's fields) and its default, read only where a
+    setting is not the engine's: a plain LLM loads none of the cluster's modules."""
+    from nanopd.cluster import ClusterConfig
+    return {f.name: f.default for f in dataclasses.fields(ClusterConfig) if f.name != "policy"}
+
+
+def one_engine(cfg: EngineConfig) -> Engine:
+    """LLM's engine without a policy: a split worker's (lanes.py, loaded for it) where cfg
+    splits the SMs."""
+    if not cfg.splits_sms:
+        return Engine(cfg)
+    from nanopd.lanes import make_engine
+    return make_engine(cfg)
 
 
 def check_settings(settings: dict) -> None:
     """A ValueError for a keyword LLM does not take, naming the nearest one it does."""
     for name in settings:
-        if name not in ENGINE_SETTINGS and name not in CLUSTER_SETTINGS:
+        if name not in ENGINE_SETTINGS and name not in cluster_defaults():
             keywords = [k for k in inspect.signature(LLM).parameters if k not in ("model", "settings")]
-            near = difflib.get_close_matches(name, ENGINE_SETTINGS + list(CLUSTER_SETTINGS) + keywords, n=1,
+            near = difflib.get_close_matches(name, ENGINE_SETTINGS + list(cluster_defaults()) + keywords, n=1,
                                              cutoff=0.5)
             hint = f"; did you mean {near[0]!r}?" if near else ""
             raise ValueError(f"LLM() got an unknown setting {name!r}{hint} (the settings are LLM's keywords, "
-                             f"ClusterConfig's fields: {', '.join(CLUSTER_SETTINGS)}, and EngineConfig's: "
+                             f"ClusterConfig's fields: {', '.join(cluster_defaults())}, and EngineConfig's: "
                              f"{', '.join(ENGINE_SETTINGS)})")
 
 
@@ -437,136 +447,3 @@ def as_prompt_list(prompts) -> list:
         return list(prompts)
     raise ValueError(f"prompts must be a string, a list of token ids, a prompt dict, or a list of those; "
                      f"got {type(prompts).__name__}")
-
-
-def serve_main(argv: list[str]) -> None:
-    """`python nanopd.py serve MODEL ...`: the OpenAI-compatible server (server.py) on LLM(MODEL,
-    ...), every LLM setting a flag of its name (--max-num-seqs 64, --policy adaptive, --devices
-    cuda:0 cuda:1, --sm-split 84 48, --split-menu 84/48 68/64, --speculative-config JSON, ...);
-    a setting not given keeps LLM's default."""
-    p = argparse.ArgumentParser(prog="nanopd.py serve", description=serve_main.__doc__)
-    p.add_argument("model", help="preset or HF checkpoint folder")
-    p.add_argument("--policy", default=None, choices=["collocated", "disaggregated", "adaptive"],
-                   help="none: one engine in this process")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
-                   help="every endpoint but /health wants 'Authorization: Bearer KEY'")
-    p.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
-    p.add_argument("--max-pending", type=int, default=4096, help="requests held at once; past it, 503")
-    p.add_argument("--drain-s", type=float, default=30.0,
-                   help="on SIGTERM, how long requests in flight may finish (then they end with a 503)")
-    p.add_argument("--trust-request-chat-template", action="store_true",
-                   help="take a request's own chat_template (a Jinja program the server runs); else a 400")
-    names = [f for f in dataclasses.fields(EngineConfig) + dataclasses.fields(ClusterConfig)
-             if f.name not in ("model", "policy")]
-    for f in names:
-        setting_flag(p, f)
-    args = p.parse_args(argv)
-    settings = {f.name: getattr(args, f.name) for f in names if getattr(args, f.name) is not None}
-    import server
-    try:   # the server's settings before the LLM's workers start
-        server.check_serving(args.port, args.api_key, args.max_pending, args.drain_s)
-        llm = LLM(args.model, policy=args.policy, **settings)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    with llm:
-        server.serve(llm, args.host, args.port, args.api_key, args.served_model_name, args.max_pending,
-                     args.drain_s, args.trust_request_chat_template)
-
-
-def json_value(text: str) -> dict:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
-
-
-def split_value(text: str) -> tuple[int, int]:
-    """An SM split written P/D (prefill SMs / decode SMs)."""
-    parts = text.split("/")
-    if len(parts) != 2 or not all(x.strip().isdigit() for x in parts):
-        raise argparse.ArgumentTypeError(f"a split is P/D, prefill SMs / decode SMs (84/48), got {text!r}")
-    return int(parts[0]), int(parts[1])
-
-
-class AsTuple(argparse.Action):
-    """A flag of several values kept as a tuple, as the setting's type has it."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        setattr(namespace, self.dest, tuple(values))
-
-
-def setting_flag(p: argparse.ArgumentParser, f: dataclasses.Field) -> None:
-    """A flag for one LLM setting, parsed as its type says: a switch, a number, a string,
-    JSON (a dict), several values (a list, a pair), or splits written P/D."""
-    union = typing.get_origin(f.type) in (typing.Union, types.UnionType)
-    kinds = set(typing.get_args(f.type)) - {type(None)} if union else {f.type}
-    flag, pairs = "--" + f.name.replace("_", "-"), [typing.get_args(k) for k in kinds if typing.get_origin(k)]
-    if bool in kinds:
-        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
-    elif kinds & {int, float} and not pairs:
-        p.add_argument(flag, type=float if float in kinds else int, default=None)
-    elif dict in kinds:
-        p.add_argument(flag, type=json_value, default=None, help="JSON")
-    elif pairs and pairs[0][-1] is Ellipsis:   # splits: P/D each
-        p.add_argument(flag, nargs="+", default=None, metavar="P/D", action=AsTuple, type=split_value)
-    elif pairs and pairs[0][0] is str:   # a list of strings
-        p.add_argument(flag, nargs="+", default=None)
-    elif pairs:   # a pair of numbers
-        p.add_argument(flag, nargs=len(pairs[0]), type=pairs[0][0], default=None, action=AsTuple)
-    else:
-        p.add_argument(flag, default=None)
-
-
-def main() -> None:
-    if sys.argv[1:2] == ["serve"]:
-        return serve_main(sys.argv[2:])
-    p = argparse.ArgumentParser(description="nanoPD: generate text, streaming it as it comes",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="qwen3-8b" if torch.cuda.is_available() else "tiny",
-                   help="preset (tiny, qwen3-0.6b, qwen3-8b: the real architecture with random weights, so "
-                        "the text means nothing; bytes for tokens, ids past 255 shown as ⟨id⟩) or a local HF "
-                        "checkpoint folder (Qwen3, Qwen2/Qwen2.5 or Llama); the default is qwen3-8b on "
-                        "a GPU, tiny without one")
-    p.add_argument("--prompt", default="The quick brown fox", help="the prompt text")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 is greedy (always the most likely token)")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="sample from the smallest set of this probability")
-    p.add_argument("--top-k", type=int, default=-1, help="sample from the k most likely tokens; -1: all")
-    p.add_argument("--seed", type=int, default=None, help="the request's random stream (sampling only); "
-                   "none: a fresh one")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16; none: bfloat16 on a GPU, "
-                   "float32 on a CPU")
-    args = p.parse_args()
-    try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                top_k=args.top_k, seed=args.seed)   # before the model: a bad flag is one line
-        engine = Engine(EngineConfig(model=args.model, dtype=args.dtype))
-        request_id = engine.submit(args.prompt, params)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    prompt_len = len(engine.requests[request_id].prompt_token_ids)
-    random = " (random weights: the text means nothing)" if args.model in PRESETS else ""
-    print(f"{args.model}{random} on {engine.model.device} ({engine.model.dtype}), "
-          f"{engine.runner.num_blocks} KV blocks; prompt: {prompt_len} tokens")
-    ids, text, start = [], Detokenizer(engine.tokenizer), time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-        for token in engine.new_tokens().get(request_id, NewTokens([])).ids:
-            ids.append(token)
-            print(text.add(token), end="", flush=True)
-    # what the detokenizer still held back: a last character left incomplete
-    print(engine.tokenizer.decode(ids, skip_special_tokens=True)[len(text.text):], end="")
-    elapsed = time.perf_counter() - start
-    print(f"\n[{len(ids)} tokens in {elapsed:.2f} s: {len(ids) / elapsed:.1f} tokens/s]")
-
-
-if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:   # Ctrl-C: one line, and the shell's status for SIGINT
-        print("\n[interrupted]", file=sys.stderr)
-        raise SystemExit(130) from None

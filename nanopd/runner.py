@@ -27,14 +27,14 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-import gpu_kernels as kernels
-from config import EngineConfig
-from kv_cache import allocate_kv_cache, blocks_for_memory, cdiv, kv_bytes_per_block
-from model import AttentionMetadata, CausalLM
-from request import SamplingParams, Sequence
-from sampler import TokenCounts, beam_candidates, sample, token_logprobs
-from scheduler import Batch
-from smsplit import Split, make_lanes, num_sms
+from nanopd import gpu_kernels as kernels
+from nanopd.config import EngineConfig
+from nanopd.kv_cache import allocate_kv_cache, blocks_for_memory, cdiv, kv_bytes_per_block
+from nanopd.model import AttentionMetadata, CausalLM
+from nanopd.request import SamplingParams, Sequence
+from nanopd.sampler import TokenCounts, beam_candidates, sample, token_logprobs
+from nanopd.scheduler import Batch
+from nanopd.smsplit import Split, make_lanes, num_sms
 
 # Decode graphs of a split's decode lane: coarser than the whole GPU's, one set per split.
 SPLIT_GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768, 1024]

@@ -9,7 +9,7 @@ live or the best live beam can no longer beat the worst of k finished ones.
 
 from collections.abc import Callable
 
-from request import Logprob, Request, Sequence, Status
+from nanopd.request import Logprob, Request, Sequence, Status
 
 
 def score(seq: Sequence) -> float:

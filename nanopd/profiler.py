@@ -12,7 +12,7 @@
   bandwidth     real handoffs of real requests between the workers: the transport's copy
                 rate, and the handoff's added latency per prompt token (transfer_rate)
 
-    python profiler.py --model qwen3-8b --devices cuda:0 cuda:1
+    python -m nanopd.profiler --model qwen3-8b --devices cuda:0 cuda:1
 
 Named profiler.py, not profile.py: that would shadow the standard library's `profile`, and
 then cProfile and torch.compile break. Results are cached as JSON (~/.cache/nanopd), keyed
@@ -41,10 +41,10 @@ from pathlib import Path
 import torch
 import triton
 
-from cluster import CentralScheduler, ClusterConfig, default_devices
-from config import EngineConfig
-from costmodel import CostModel, HardwareParams, SplitParams
-from kv_cache import cdiv
+from nanopd.cluster import CentralScheduler, ClusterConfig, default_devices
+from nanopd.config import EngineConfig
+from nanopd.costmodel import CostModel, HardwareParams, SplitParams
+from nanopd.kv_cache import cdiv
 
 CACHE = Path.home() / ".cache" / "nanopd"
 log = logging.getLogger("nanopd")

@@ -39,8 +39,8 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from costmodel import HISTORY, MAX_PREFILL_SHARE, CostModel, WorkerLoad
-from kv_cache import cdiv
+from nanopd.costmodel import HISTORY, MAX_PREFILL_SHARE, CostModel, WorkerLoad
+from nanopd.kv_cache import cdiv
 
 HYSTERESIS = 0.05        # a regime must be predicted this much better to replace the current one
 PLAN_INTERVAL_S = 2.0    # how often the cluster asks the planner

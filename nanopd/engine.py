@@ -1,5 +1,5 @@
 """The single-device engine: requests in (submit), one step at a time (step), outputs out
-(output). The offline LLM (nanopd.py) drives it through submit / poll / output, the same
+(output). The offline LLM (llm.py) drives it through submit / poll / output, the same
 interface the cluster of workers offers (cluster.py); a worker (workers.py) drives one per
 device.
 
@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-import beams
-from config import EngineConfig
-from kv_cache import BlockManager
-from model import Detokenizer, load_model, load_tokenizer
-from request import (
+from nanopd import beams
+from nanopd.config import EngineConfig
+from nanopd.kv_cache import BlockManager
+from nanopd.model import Detokenizer, load_model, load_tokenizer
+from nanopd.request import (
     PENDING,
     CompletionOutput,
     Logprob,
@@ -48,10 +48,10 @@ from request import (
     seeded_generator,
     tokenize,
 )
-from runner import Draw, Lane, ModelRunner, PromptScore, StepOutput
-from sampler import bad_word_bans
-from scheduler import Batch, Scheduler
-from speculate import Drafted, Speculator, load_draft
+from nanopd.runner import Draw, Lane, ModelRunner, PromptScore, StepOutput
+from nanopd.sampler import bad_word_bans
+from nanopd.scheduler import Batch, Scheduler
+from nanopd.speculate import Drafted, Speculator, load_draft
 
 
 def logprob_entry(token: int, token_logprob: float, rank: int, top_values: list[float], top_ids: list[int],

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from config import EngineConfig
-from engine import Engine, LaunchedStep, StepShape
-from kv_cache import cdiv
-from request import Request, SamplingParams, Sequence
-from runner import Lane
-from scheduler import Batch
-from smsplit import Split, load_kernels_at_start
+from nanopd.config import EngineConfig
+from nanopd.engine import Engine, LaunchedStep, StepShape
+from nanopd.kv_cache import cdiv
+from nanopd.request import Request, SamplingParams, Sequence
+from nanopd.runner import Lane
+from nanopd.scheduler import Batch
+from nanopd.smsplit import Split, load_kernels_at_start
 
 
 @dataclass

@@ -23,7 +23,7 @@ from statistics import NormalDist
 
 import torch
 
-from costmodel import HISTORY, CostModel, HardwareParams, WorkerLoad, split_key
+from nanopd.costmodel import HISTORY, CostModel, HardwareParams, WorkerLoad, split_key
 
 # ----------------------------------------------------------------------------- output lengths
 

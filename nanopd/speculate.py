@@ -62,11 +62,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from config import SpeculativeConfig
-from model import CausalLM, load_model
-from request import Sequence
-from runner import DeviceDraft, Draw, ModelRunner, Rounds
-from scheduler import Batch, Scheduler
+from nanopd.config import SpeculativeConfig
+from nanopd.model import CausalLM, load_model
+from nanopd.request import Sequence
+from nanopd.runner import DeviceDraft, Draw, ModelRunner, Rounds
+from nanopd.scheduler import Batch, Scheduler
 
 
 def load_draft(name: str, target: CausalLM, seed: int) -> CausalLM:

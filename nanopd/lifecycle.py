@@ -14,7 +14,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from request import Logprob, RequestMetrics, RequestOutput, SamplingParams
+from nanopd.request import Logprob, RequestMetrics, RequestOutput, SamplingParams
 
 
 @dataclass(eq=False)
