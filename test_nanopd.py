@@ -1967,8 +1967,7 @@ def test_no_lane_grows_its_pinned_buffers_while_it_serves(hf):
     budget of their prompts, leave every buffer the one allocated at start-up."""
     llm = make_llm(hf.path, max_num_seqs=256, num_kv_blocks=256 * 64 + 64, max_num_batched_tokens=8192)
     runner_ = llm.engine.runner
-    lanes = [runner_.full_gpu, runner_.full_gpu_eager,
-             *(lane for pair in runner_.splits.values() for lane in pair)]
+    lanes = runner_.lanes()
     before = [id(b) for lane in lanes for ring in (lane.uploads, lane.downloads) for b in ring.buffers]
     outs = generate(llm, [prompt(500, seed) for seed in range(256)], max_tokens=8, ignore_eos=True)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)

@@ -128,6 +128,7 @@ WARM_UP = [SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0, logpro
 
 class Engine:
     has_lanes = False   # SplitEngine (lanes.py): steps on the two lanes of an SM split
+    runner_class = ModelRunner   # ... whose runner has them (lanes.py:SplitRunner)
 
     def __init__(self, cfg: EngineConfig):
         if cfg.splits_sms and not self.has_lanes:
@@ -145,7 +146,7 @@ class Engine:
         spec = cfg.speculative_config
         draft = (load_draft(spec.model, self.model, cfg.seed + 1)
                  if spec is not None and spec.method == "draft_model" else None)
-        self.runner = ModelRunner(self.model, cfg, draft)
+        self.runner = self.runner_class(self.model, cfg, draft)
         self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, cfg.block_size,
                                                 enable_prefix_caching=cfg.enable_prefix_caching),
                                    cfg.max_num_seqs, cfg.max_num_batched_tokens)

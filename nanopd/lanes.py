@@ -1,6 +1,7 @@
 """The split worker: one engine whose prefill and decode run at once, on disjoint SMs of one
-GPU (smsplit.py), over one KV cache. A SplitEngine is an Engine (engine.py) with two lanes
-each keeping a step on the device:
+GPU (smsplit.py), over one KV cache. Its runner (SplitRunner, a ModelRunner) has two lanes
+per split of its menu, and decode graphs for each split's decode lane; a SplitEngine is an
+Engine (engine.py) that keeps a step on the device on each lane:
 
   prefill lane: once its chunk's tokens have landed, take them (the prompts done join the
                 decodes: their KV is in their blocks already) and launch the next chunk;
@@ -11,6 +12,7 @@ step). It changes between steps only (set_split): the steps in flight finish fir
 """
 
 import collections
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass
@@ -20,10 +22,95 @@ import torch
 from nanopd.config import EngineConfig
 from nanopd.engine import Engine, LaunchedStep, StepShape
 from nanopd.kv_cache import cdiv
+from nanopd.model import CausalLM
 from nanopd.request import Request, SamplingParams, Sequence
-from nanopd.runner import Lane
+from nanopd.runner import Lane, ModelRunner
 from nanopd.scheduler import Batch
-from nanopd.smsplit import Split, load_kernels_at_start
+from nanopd.smsplit import Split, load_kernels_at_start, make_lanes, num_sms
+
+# Decode graphs of a split's decode lane: coarser than the whole GPU's, one set per split.
+SPLIT_GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768, 1024]
+
+
+@dataclass
+class SplitLane(Lane):
+    """A lane of a split: a prefill lane runs eagerly (graphs captured on all SMs would use
+    all SMs, and its chunks are big enough to keep its SMs busy without them); a decode
+    lane has decode graphs of its own and tells cuBLAS how many SMs it has (carveout: the
+    SMs it lacks): cuBLAS sizes a GEMM's grid for the SMs it expects, and a grid cut for
+    132 SMs runs in two waves on 112, the second nearly empty."""
+    carveout: int | None = None   # SMs of the device this lane's GEMMs leave out (None: all are its)
+    split: Split | None = None    # the split it is a lane of (None: the whole GPU)
+
+    @contextlib.contextmanager
+    def running(self):
+        """Launch (or capture) on this lane: its stream, and cuBLAS aimed at its SMs."""
+        with super().running():
+            if self.carveout is None:
+                yield
+                return
+            blas = torch.backends.cuda.preferred_blas_library()
+            torch.backends.cuda.preferred_blas_library("cublaslt")   # the library that reads the target
+            torch._C._set_sm_carveout_experimental(self.carveout)
+            try:
+                yield
+            finally:
+                torch._C._set_sm_carveout_experimental(None)
+                torch.backends.cuda.preferred_blas_library(blas)
+
+
+class SplitRunner(ModelRunner):
+    """A ModelRunner with the lanes of each split of the menu (cfg.sm_split and
+    cfg.split_menu: two streams on disjoint SMs each, smsplit.py) beside the whole GPU's,
+    and the whole GPU without graphs (full_gpu_eager: prompts with nothing to decode)."""
+
+    def __init__(self, model: CausalLM, cfg: EngineConfig, draft: CausalLM | None = None):
+        self.menu = [tuple(s) for s in dict.fromkeys([cfg.sm_split, *cfg.split_menu]) if s]   # as asked
+        # (these keep the driver's objects)
+        self.split_lanes = [make_lanes(model.device, Split(*s)) for s in self.menu]
+        super().__init__(model, cfg, draft)
+
+    def _set_up_steps(self) -> None:
+        """Each split of the menu, under the SM counts the driver gave: its prefill lane and
+        its decode lane; then the whole GPU's (ModelRunner's). The eager lane runs on the
+        whole GPU's stream, with its buffers."""
+        self.splits: dict[Split, tuple[SplitLane, SplitLane]] = {}
+        total = num_sms(self.device)
+        for lanes, asked in zip(self.split_lanes, self.menu):
+            if (lanes.prefill is not None
+                    and tuple(asked) != (lanes.split.prefill_sms, lanes.split.decode_sms)):
+                raise ValueError(f"split {tuple(asked)}: the decode lane gets its SMs in multiples the "
+                                 f"driver allows and the prefill lane the rest, here "
+                                 f"{lanes.split.prefill_sms} + {lanes.split.decode_sms}: pass "
+                                 f"({lanes.split.prefill_sms}, {lanes.split.decode_sms})")
+            # Only the decode lane's GEMMs are aimed at its SMs: a prompt's GEMMs keep cuBLAS's
+            # own choice, which runs the prefill lane's chunks faster (docs/split.md).
+            self.splits[lanes.split] = (SplitLane(lanes.prefill, split=lanes.split),
+                                        SplitLane(lanes.decode, carveout=total - lanes.split.decode_sms
+                                                  if lanes.decode else None, split=lanes.split))
+        super()._set_up_steps()
+        full = self.full_gpu   # the eager lane runs on its stream: its buffers (split None: the whole GPU)
+        self.full_gpu_eager = SplitLane(uploads=full.uploads, downloads=full.downloads)
+
+    def lanes(self) -> list[Lane]:
+        return [self.full_gpu, *(lane for pair in self.splits.values() for lane in pair)]
+
+    def _capture_lane_graphs(self, pool) -> None:
+        """A graph keeps the SMs of the stream it was captured on: each split's decode lane
+        gets graphs of its own (all in the one pool: only one decode lane runs at a time)."""
+        max_bs = self.cfg.max_num_seqs
+        for split, (_, decode) in self.splits.items():
+            if decode.stream is not None:
+                decode.stream.wait_stream(torch.cuda.current_stream())
+                with decode.running():
+                    pool = self._capture_decode_graphs(
+                        [b for b in SPLIT_GRAPH_SIZES if b < max_bs] + [max_bs], pool, decode.stream,
+                        decode, f" on {split}")
+
+    def _other_streams_reserve(self, peak: int, sampling: int) -> int:
+        """Per split a prefill lane's biggest step (up to the whole peak) and a decode lane's
+        (the logits and sampling of every seat)."""
+        return sum(lanes.prefill is not None for lanes in self.split_lanes) * (peak + sampling)
 
 
 @dataclass
@@ -56,6 +143,7 @@ class SplitEngine(Engine):
     """An Engine whose steps run on the two lanes of an SM split (None: the whole GPU).
     Its in_flight is the decode lane's step; prefill_in_flight the prefill lane's."""
     has_lanes = True
+    runner_class = SplitRunner
 
     def __init__(self, cfg: EngineConfig):
         load_kernels_at_start()   # before anything asks CUDA about the device (validate does)

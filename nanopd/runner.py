@@ -34,10 +34,6 @@ from nanopd.model import AttentionMetadata, CausalLM
 from nanopd.request import SamplingParams, Sequence
 from nanopd.sampler import TokenCounts, beam_candidates, sample, token_logprobs
 from nanopd.scheduler import Batch
-from nanopd.smsplit import Split, make_lanes, num_sms
-
-# Decode graphs of a split's decode lane: coarser than the whole GPU's, one set per split.
-SPLIT_GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 384, 512, 768, 1024]
 
 # Token counts of the piecewise graphs: a step is padded to the next one. Below ~128 tokens
 # a step's time hardly depends on its size (it reads every weight once); from there the
@@ -176,19 +172,13 @@ class DraftRow:
 @dataclass
 class Lane:
     """Where a step runs: a stream (None: the current one) and the decode graphs captured on
-    it. The whole GPU's lane also has the piece graphs for mixed steps; a split's prefill
-    lane runs eagerly (graphs captured on all SMs would use all SMs), and its chunks are big
-    enough to keep its SMs busy without them.
-    A split's decode lane also tells cuBLAS how many SMs it has (carveout: the SMs it
-    lacks): cuBLAS sizes a GEMM's grid for the SMs it expects, and a grid cut for 132 SMs
-    runs in two waves on 112, the second nearly empty."""
+    it. The whole GPU's lane also has the piece graphs for mixed steps. (A split worker's
+    lanes, lanes.py, are lanes of part of the GPU each.)"""
     stream: torch.cuda.Stream | None = None
     # batch -> graph
     graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = field(default_factory=dict)
     sizes: list[int] = field(default_factory=list)   # sorted(graphs)
     pieces: bool = False
-    carveout: int | None = None   # SMs of the device this lane's GEMMs leave out (None: all are its)
-    split: Split | None = None   # the split it is a lane of (None: the whole GPU)
     # Pinned buffers, up and down (CUDA), one pair per stream: a copy never waits for the
     # step of another stream to end (a prompt chunk's tokens land only after the whole chunk).
     uploads: PinnedRing | None = None
@@ -198,19 +188,9 @@ class Lane:
 
     @contextlib.contextmanager
     def running(self):
-        """Launch (or capture) on this lane: its stream, and cuBLAS aimed at its SMs."""
+        """Launch (or capture) on this lane: its stream."""
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            if self.carveout is None:
-                yield
-                return
-            blas = torch.backends.cuda.preferred_blas_library()
-            torch.backends.cuda.preferred_blas_library("cublaslt")   # the library that reads the target
-            torch._C._set_sm_carveout_experimental(self.carveout)
-            try:
-                yield
-            finally:
-                torch._C._set_sm_carveout_experimental(None)
-                torch.backends.cuda.preferred_blas_library(blas)
+            yield
 
 
 @dataclass
@@ -262,10 +242,6 @@ class ModelRunner:
         if self.device.type == "cuda":   # the streams, graphs and memory queries below mean this device
             torch.cuda.set_device(self.device)
         self.max_blocks_per_seq = cdiv(cfg.max_model_len, cfg.block_size)
-        # Each split of the menu (cfg.sm_split and cfg.split_menu): two streams on disjoint SMs.
-        self.menu = [tuple(s) for s in dict.fromkeys([cfg.sm_split, *cfg.split_menu]) if s]   # as asked
-        # (these keep the driver's objects)
-        self.split_lanes = [make_lanes(self.device, Split(*s)) for s in self.menu]
         try:
             self.num_blocks = self._check_fits(cfg.num_kv_blocks or self._blocks_that_fit())
             self.kv_cache = allocate_kv_cache(self.num_blocks, model.num_layers, model.num_kv_heads,
@@ -285,35 +261,20 @@ class ModelRunner:
         CUDA graphs of the steps."""
         self.token_counts = TokenCounts(self.model.config.vocab_size, self.device)
         self.full_gpu = Lane(pieces=True)   # the whole GPU, on the current stream
-        # the whole GPU without graphs: a split worker's prompts with nothing to decode
-        self.full_gpu_eager = Lane()
-        # Each split of the menu, under the SM counts the driver gave: its prefill lane and its
-        # decode lane.
-        self.splits: dict[Split, tuple[Lane, Lane]] = {}
-        for lanes, asked in zip(self.split_lanes, self.menu):
-            if (lanes.prefill is not None
-                    and tuple(asked) != (lanes.split.prefill_sms, lanes.split.decode_sms)):
-                raise ValueError(f"split {tuple(asked)}: the decode lane gets its SMs in multiples the "
-                                 f"driver allows and the prefill lane the rest, here "
-                                 f"{lanes.split.prefill_sms} + {lanes.split.decode_sms}: pass "
-                                 f"({lanes.split.prefill_sms}, {lanes.split.decode_sms})")
-            total = num_sms(self.device)
-            # Only the decode lane's GEMMs are aimed at its SMs: a prompt's GEMMs keep cuBLAS's
-            # own choice, which runs the prefill lane's chunks faster (docs/split.md).
-            self.splits[lanes.split] = (Lane(lanes.prefill, split=lanes.split),
-                                        Lane(lanes.decode, carveout=total - lanes.split.decode_sms
-                                             if lanes.decode else None, split=lanes.split))
         self.piece_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}   # mixed: tokens -> one per piece
         self.piece_sizes: list[int] = []
         self.lane = self.full_gpu   # the lane of the step being launched (run): its buffers are used
         if self.device.type == "cuda":
             largest = self.largest_upload_bytes()
-            for lane in [self.full_gpu, *(lane for pair in self.splits.values() for lane in pair)]:
+            for lane in self.lanes():
                 lane.uploads, lane.downloads = PinnedRing(initial_bytes=largest), PinnedRing()
-            eager, full = self.full_gpu_eager, self.full_gpu
-            eager.uploads, eager.downloads = full.uploads, full.downloads   # the same stream
         if self.device.type == "cuda" and not self.cfg.enforce_eager:
             self._capture_all_graphs()
+
+    def lanes(self) -> list[Lane]:
+        """The lanes that launch on streams of their own, each with its own pinned buffers:
+        here the whole GPU's."""
+        return [self.full_gpu]
 
     def largest_upload_bytes(self) -> int:
         """What the biggest step uploads at most (prepare's one copy: ids, positions, slots,
@@ -654,20 +615,15 @@ class ModelRunner:
                 self._compile_split_variants()
                 pool = self._capture_decode_graphs(sizes, None, stream, self.full_gpu)
                 pool = self._capture_piece_graphs(pieces, pool, stream)
-            # A graph keeps the SMs of the stream it was captured on: each split's decode lane
-            # gets graphs of its own (all in the one pool: only one decode lane runs at a time).
-            for split, (_, decode) in self.splits.items():
-                if decode.stream is not None:
-                    decode.stream.wait_stream(torch.cuda.current_stream())
-                    with decode.running():
-                        pool = self._capture_decode_graphs(
-                            [b for b in SPLIT_GRAPH_SIZES if b < max_bs] + [max_bs], pool, decode.stream,
-                            decode, f" on {split}")
+            self._capture_lane_graphs(pool)
         finally:
             gc.enable()
         torch.cuda.current_stream().wait_stream(stream)
         self.piece_sizes = sorted(self.piece_graphs)
         torch.cuda.synchronize()
+
+    def _capture_lane_graphs(self, pool) -> None:
+        """The graphs of lanes beside the whole GPU's, in pool (none here; lanes.py:SplitRunner's)."""
 
     def _capture(self, fn: Callable[[], object], pool, stream: torch.cuda.Stream):
         """(graph, fn's output) of fn, run once first to compile and warm up outside the
@@ -803,6 +759,11 @@ class ModelRunner:
                              f"{self.device} has {free / 2**30:.1f} GiB free")
         return num_blocks
 
+    def _other_streams_reserve(self, peak: int, sampling: int) -> int:
+        """The bytes the streams of other lanes keep for their biggest steps (none here): peak,
+        a whole step's; sampling, the logits and sampling of every seat."""
+        return 0
+
     def _blocks_that_fit(self) -> int:
         cfg, m, per_block = self.cfg, self.model, self._bytes_per_block()
         if self.device.type != "cuda":   # CPU: a fixed 256 MiB, enough for tests and demos
@@ -834,10 +795,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         # Each stream keeps the memory of its biggest step for itself (the caching allocator
-        # pools per stream): the whole GPU's, and per split a prefill lane's (up to the
-        # whole peak) and a decode lane's (the logits and sampling of every seat).
-        split_streams = sum(lanes.prefill is not None for lanes in self.split_lanes)
-        reserve = peak + split_streams * (peak + sampling)
+        # pools per stream): the whole GPU's, and any other lanes' (lanes.py:SplitRunner).
+        reserve = peak + self._other_streams_reserve(peak, sampling)
         budget = cfg.gpu_memory_utilization * total - (total - free) - reserve
         num = blocks_for_memory(int(budget), per_block)
         if num < self.max_blocks_per_seq:

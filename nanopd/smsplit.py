@@ -11,8 +11,8 @@ cuDevSmResourceSplitByCount cuts the device's SMs into a group of at least `deco
 and the remainder; a green context on each, and a stream on each, make two streams whose
 kernels run only on their own SMs. (Two separate splits, as torch's GreenContext.create
 makes them, may overlap.) Counts round up to the device's granularity (8 SMs on an H200).
-A CUDA graph keeps the SMs of the stream it was captured on, so the runner captures one
-set of decode graphs per partition (runner.py).
+A CUDA graph keeps the SMs of the stream it was captured on, so the split worker's runner
+captures one set of decode graphs per partition (lanes.py:SplitRunner).
 
 Where this is missing (a CPU, a GPU or driver without green contexts, no `cuda.bindings`),
 no partition exists and the two lanes run one after the other on one stream, through the

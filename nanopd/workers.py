@@ -54,7 +54,7 @@ from nanopd.controller import (
 )
 from nanopd.engine import Engine, LaunchedStep
 from nanopd.kv_cache import cdiv
-from nanopd.lanes import SplitEngine, make_engine
+from nanopd.lanes import SplitEngine, SplitLane, make_engine
 from nanopd.messages import (
     Abort,
     Configured,
@@ -409,7 +409,8 @@ class Worker:
             at, before = self.last_collected
             ms = before.elapsed_time(ended) if before is not None and ended is not None else (now - at) * 1e3
             s = collected.shape
-            self._timed(StepTimed(s.decodes, s.context_tokens, s.prefill_tokens, ms, collected.lane.split))
+            split = collected.lane.split if isinstance(collected.lane, SplitLane) else None  # None: all SMs
+            self._timed(StepTimed(s.decodes, s.context_tokens, s.prefill_tokens, ms, split))
         self.last_collected = (now, ended) if self.engine.in_flight is not None else None
         if isinstance(self.engine, SplitEngine):
             for p in self.engine.take_prefill_lane_steps():
