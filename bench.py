@@ -27,7 +27,6 @@ import collections
 import json
 import math
 import random
-import statistics
 import time
 import urllib.parse
 from collections.abc import AsyncIterator
@@ -39,6 +38,7 @@ from tqdm import tqdm
 
 from tools import calibrate, figures, microbench, simulate, specbench, splitbench
 from tools.frontier import frontier, phase_switch, print_frontier, rate_text, run_config, run_names
+from tools.timelines import config_spans, config_timeline, print_timelines, regime_timeline, timed_steps
 
 # ----------------------------------------------------------------------------- workloads
 
@@ -967,7 +967,7 @@ def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
                     configs.append({**run_id, **config_timeline(llm.cluster, llm.cluster.config_log, held,
                                                                 start, seconds)})
                 steps.append({**run_id, "steps": timed_steps(llm.cluster, start, seconds)})
-        return rows, results, calibration(router, profiled), timelines, configs, steps
+        return rows, results, calibrate.calibration(router, profiled), timelines, configs, steps
 
 
 def summary_rows(run: Run, name: str, workload: str, rate: float, got: list[Result], seconds: float,
@@ -1020,73 +1020,6 @@ def run_server(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
             results += got
             rows += summary_rows(run, name, workload, rate, got, seconds, held)
     return rows, results, {}, [], [], []
-
-
-def config_timeline(cluster, log: list, held: dict, start: float, seconds: float) -> dict:
-    """Each worker's configuration over a run (times in s after its start): the one it held
-    when the run started (its last change before, or the engine's own: held), then every
-    change during it. The log's times (cluster.py:ConfigChange) count from the cluster's
-    start (cluster.started, on perf_counter's clock)."""
-    origin = cluster.started - start
-    first = {w: {"time": 0.0, "worker": w, "sm_split": held["sm_split"], "budget": held["budget"]}
-             for w in range(len(cluster.devices))}
-    changes = []
-    for c in sorted(log, key=lambda c: c.time_s):
-        t = c.time_s + origin
-        row = {"time": max(0.0, t), "worker": c.worker,
-               "sm_split": None if c.sm_split is None else list(c.sm_split), "budget": c.budget}
-        if t <= 0:
-            first[c.worker] = row
-        elif t <= seconds:
-            changes.append(row)
-    return {"seconds": seconds, "changes": list(first.values()) + changes}
-
-
-def timed_steps(cluster, start: float, seconds: float) -> list[list]:
-    """Every step the workers timed during a run (cluster.step_log), what step models learn
-    from: [s after the run's start, worker, decodes, context tokens, prompt tokens, ms,
-    sm_split or None]."""
-    origin = cluster.started - start
-    return [[round(t + origin, 4), w, s.decodes, s.context_tokens, s.prefill_tokens, round(s.ms, 3),
-             None if s.sm_split is None else list(s.sm_split)]
-            for t, w, s in cluster.step_log if 0 < t + origin <= seconds]
-
-
-def regime_timeline(planner, start: float, seconds: float) -> dict:
-    """The regime and each worker's role over a run (times in s after its start), and the
-    forecasts behind each change."""
-    before = [e for e in planner.log if e.time < start]
-    changes = [{"time": 0.0, "regime": str(before[-1].regime) if before else f"{len(planner.roles)} both",
-                "roles": before[-1].roles if before else dict.fromkeys(planner.roles, "both")}]
-    changes += [{"time": e.time - start, "regime": str(e.regime), "roles": e.roles,
-                 "forecasts": [{"regime": str(f.regime), "e2e_ms": f.e2e_ms, "load": f.load,
-                                "slo_attainment": f.slo_attainment} for f in e.forecasts]}
-                for e in planner.log if start <= e.time <= start + seconds]
-    return {"seconds": seconds, "changes": changes}
-
-
-def calibration(router, profiled: dict | None = None) -> dict:
-    """The router's median |predicted - measured| / measured latency, overall, by tenth of
-    the run and apart for the requests whose worker kept its SM split and those whose split
-    the planner changed while they ran (their prediction was for the split they were
-    routed to); the same for the cost model alone (predicted with each request's true output
-    length, where the router had to guess it); its parameters as profiled and as refitted
-    by the end (what an error comes from)."""
-    if router is None:
-        return {}
-    errs = list(router.errors)
-
-    def median(xs: list[float]) -> float:
-        return statistics.median(xs) if xs else float("nan")
-    return {"median_rel_error": median(errs), "cost_model_median_rel_error": median(router.model_errors),
-            **{name: {"requests": router.split_changed.count(changed),
-                      "median_rel_error": median([e for e, c in zip(errs, router.split_changed)
-                                                  if c == changed])}
-               for name, changed in (("split_kept", False), ("split_changed", True))},
-            "by_decile": [statistics.median(errs[i * len(errs) // 10:(i + 1) * len(errs) // 10]
-                                            or [float("nan")])
-                          for i in range(10)],
-            "profiled": profiled, "refitted": asdict(router.cost.p)}
 
 
 def caption(run: Run) -> str:
@@ -1171,49 +1104,8 @@ def print_notes(run: Run, rows: list[dict], goodput: dict, calib: dict, timeline
                  if "adaptive" in goodput and fixed and max(fixed) > 0 else "")
         print(f"goodput (req/s, >= 90% within TTFT <= {run.ttft_slo:g} s and TPOT <= "
               f"{run.tpot_slo * 1e3:g} ms): " + ", ".join(f"{p} {g:g}" for p, g in goodput.items()) + ratio)
-    if calib:
-        print(f"adaptive router: median |predicted - measured| / measured latency "
-              f"{calib['median_rel_error']:.1%} (by decile of the run: "
-              f"{', '.join(f'{e:.0%}' for e in calib['by_decile'])}); with the true output lengths "
-              f"{calib['cost_model_median_rel_error']:.1%}")
-        kept, changed = calib["split_kept"], calib["split_changed"]
-        if changed["requests"]:
-            print(f"  {kept['median_rel_error']:.1%} over the {kept['requests']} requests whose worker "
-                  f"kept its SM split, {changed['median_rel_error']:.1%} over the {changed['requests']} "
-                  "whose split changed")
-    for tl in timelines:   # when the planner changed the regime (the plots and results.json say more)
-        print(f"{tl['policy']} regimes, {tl['workload']} at {tl['rate']:g} req/s: "
-              + ", ".join(f"{c['time']:.1f} s {c['regime']}" for c in tl["changes"]))
-    for tl in configs:   # what each worker's controller held, for how much of the run
-        print(f"{tl['policy']} configurations, {tl['workload']} at {tl['rate']:g} req/s, "
-              f"{len(tl['changes']) - len(held_shares(tl))} changes: "
-              + "; ".join(f"worker {w} " + ", ".join(f"{text} {share:.0%}" for text, share in shares.items())
-                          for w, shares in held_shares(tl).items()))
-
-
-def config_text(sm_split: list[int] | None, budget: int) -> str:
-    return f"{'whole GPU' if sm_split is None else f'{sm_split[0]}/{sm_split[1]} SMs'} @{budget}"
-
-
-def held_shares(timeline: dict) -> dict[int, dict[str, float]]:
-    """Each worker's configurations (config_text) over a run of config_timeline, by the share
-    of the run it held each, the longest first."""
-    shares: dict[int, dict[str, float]] = {}
-    for c, end in config_spans(timeline):
-        mine = shares.setdefault(c["worker"], {})
-        text = config_text(c["sm_split"], c["budget"])
-        mine[text] = mine.get(text, 0.0) + (end - c["time"]) / max(timeline["seconds"], 1e-9)
-    return {w: dict(sorted(s.items(), key=lambda kv: -kv[1])) for w, s in sorted(shares.items())}
-
-
-def config_spans(timeline: dict) -> list[tuple[dict, float]]:
-    """Each change of config_timeline with the time it lasted to (the worker's next change,
-    or the run's end)."""
-    ends, spans = {}, []
-    for c in reversed(timeline["changes"]):   # in time order per worker: a change ends at the next
-        spans.append((c, ends.get(c["worker"], timeline["seconds"])))
-        ends[c["worker"]] = c["time"]
-    return spans[::-1]
+    calibrate.print_calibration(calib)
+    print_timelines(timelines, configs)
 
 
 def replot(args: argparse.Namespace) -> None:

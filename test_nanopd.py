@@ -4361,17 +4361,17 @@ def test_a_split_is_refit_on_its_own():
 
 
 def test_the_calibration_scores_requests_whose_split_changed_apart():
-    """bench.calibration: beside the median error of all requests, the median over those
+    """calibrate.calibration: beside the median error of all requests, the median over those
     whose worker kept its SM split and over those whose split changed, each of |predicted -
     measured| / measured over its own requests only."""
-    import bench
+    from tools import calibrate
     router = Router(HardwareParams(alpha=0.02, beta=5, batch_thresh=16, slope=0.02, gamma=0.02,
                                    transfer_rate=0.01))
     for predicted, measured, changed in [(100, 120, False), (100, 80, False), (100, 100, False),
                                          (100, 200, True), (100, 50, True)]:
         router.observe(Observation(64, 8, 0, 0, WorkerLoad(), WorkerLoad(), measured / 2, 0.0, measured / 2,
                                    float(predicted), ran_under=[(1.0, (84, 48), None)] if changed else []))
-    calib = bench.calibration(router)
+    calib = calibrate.calibration(router)
     assert calib["median_rel_error"] == pytest.approx(0.25)   # of 1/6, 1/4, 0, 1/2 and 1
     assert calib["split_kept"] == {"requests": 3, "median_rel_error": pytest.approx(1 / 6)}
     assert calib["split_changed"] == {"requests": 2, "median_rel_error": pytest.approx(0.75)}
@@ -8096,7 +8096,7 @@ def test_bench_calibrate_replays_the_cost_model_on_a_runs_requests(tmp_path, cap
 
 
 def test_bench_plots_the_configurations_over_time_from_a_synthetic_log(tmp_path):
-    """bench.config_timeline and bench.plot_configs on a made-up controllers' log (the
+    """timelines.config_timeline and bench.plot_configs on a made-up controllers' log (the
     fields of CentralScheduler.config_log) for two workers: times count from the run's
     start, a worker's last change before it is what it held at 0, and one that never
     changed holds the engine's own; only the steps timed within the run are kept; each
@@ -8107,6 +8107,7 @@ def test_bench_plots_the_configurations_over_time_from_a_synthetic_log(tmp_path)
     import matplotlib.pyplot as plt
 
     import bench
+    from tools import timelines
     log = [cluster_mod.ConfigChange(1.0, 0, None, 512), cluster_mod.ConfigChange(3.0, 0, (84, 48), 512),
            cluster_mod.ConfigChange(6.0, 0, None, 2048),
            cluster_mod.ConfigChange(13.0, 0, (100, 28), 256)]   # past the run's end
@@ -8115,13 +8116,14 @@ def test_bench_plots_the_configurations_over_time_from_a_synthetic_log(tmp_path)
              (12.5, 0, step(1, 10, 0, 5.0))]   # before the run, in it, after it
     cluster = type("Cluster", (), {"devices": ["cpu", "cpu"], "started": 100.0, "step_log": steps})()
     tl = {"policy": "adaptive", "workload": "sharegpt", "rate": 4.0,   # the run started 2 s into the cluster
-          **bench.config_timeline(cluster, log, {"budget": 8192, "sm_split": None}, 102.0, 10.0)}
-    assert bench.timed_steps(cluster, 102.0, 10.0) == [[0.5, 1, 4, 400, 512, 21.0, [84, 48]]]
+          **timelines.config_timeline(cluster, log, {"budget": 8192, "sm_split": None}, 102.0, 10.0)}
+    assert timelines.timed_steps(cluster, 102.0, 10.0) == [[0.5, 1, 4, 400, 512, 21.0, [84, 48]]]
     assert [(c["time"], c["worker"], c["sm_split"], c["budget"]) for c in tl["changes"]] == [
         (0.0, 0, None, 512), (0.0, 1, None, 8192), (1.0, 0, [84, 48], 512), (4.0, 0, None, 2048)]
-    assert bench.held_shares(tl) == {0: {"whole GPU @2048": pytest.approx(0.6),
-                                         "84/48 SMs @512": pytest.approx(0.3),
-                                         "whole GPU @512": pytest.approx(0.1)}, 1: {"whole GPU @8192": 1.0}}
+    assert timelines.held_shares(tl) == {0: {"whole GPU @2048": pytest.approx(0.6),
+                                             "84/48 SMs @512": pytest.approx(0.3),
+                                             "whole GPU @512": pytest.approx(0.1)},
+                                         1: {"whole GPU @8192": 1.0}}
     results = [bench.Result("adaptive", "sharegpt", 4.0, 16, 8, 0.1, 0.01, 0.5, [0], phase="sharegpt",
                             arrival=0.25 * i) for i in range(40)]
     fig = bench.plot_configs(plt, [tl], results)

@@ -14,7 +14,8 @@ of arrival, and the time to the first token and the rest of each request apart, 
 over measured, by tenth. Then the profile's whole-GPU step model against the steps every
 policy's worker timed, by decode batch and by prompt tokens (step_ratios): its shape, apart
 from its level. A change to the cost model is then weighed on recorded GPU runs, on any
-machine, before a GPU measures it again.
+machine, before a GPU measures it again. What this reads, results.json's router_calibration,
+a run of bench.py records at its end (calibration, below) and prints under its table.
 """
 
 import argparse
@@ -29,6 +30,45 @@ from nanopd.router import Router
 from nanopd.telemetry import ARRIVAL_WINDOW_S, Window
 
 TENTHS = 10
+
+
+def calibration(router, profiled: dict | None = None) -> dict:
+    """The router's median |predicted - measured| / measured latency, overall, by tenth of
+    the run and apart for the requests whose worker kept its SM split and those whose split
+    the planner changed while they ran (their prediction was for the split they were
+    routed to); the same for the cost model alone (predicted with each request's true output
+    length, where the router had to guess it); its parameters as profiled and as refitted
+    by the end (what an error comes from)."""
+    if router is None:
+        return {}
+    errs = list(router.errors)
+
+    def median(xs: list[float]) -> float:
+        return statistics.median(xs) if xs else float("nan")
+    return {"median_rel_error": median(errs), "cost_model_median_rel_error": median(router.model_errors),
+            **{name: {"requests": router.split_changed.count(changed),
+                      "median_rel_error": median([e for e, c in zip(errs, router.split_changed)
+                                                  if c == changed])}
+               for name, changed in (("split_kept", False), ("split_changed", True))},
+            "by_decile": [statistics.median(errs[i * len(errs) // 10:(i + 1) * len(errs) // 10]
+                                            or [float("nan")])
+                          for i in range(10)],
+            "profiled": profiled, "refitted": asdict(router.cost.p)}
+
+
+def print_calibration(calib: dict) -> None:
+    """calibration's numbers, the lines under bench.py's table (none without an adaptive run)."""
+    if not calib:
+        return
+    print(f"adaptive router: median |predicted - measured| / measured latency "
+          f"{calib['median_rel_error']:.1%} (by decile of the run: "
+          f"{', '.join(f'{e:.0%}' for e in calib['by_decile'])}); with the true output lengths "
+          f"{calib['cost_model_median_rel_error']:.1%}")
+    kept, changed = calib["split_kept"], calib["split_changed"]
+    if changed["requests"]:
+        print(f"  {kept['median_rel_error']:.1%} over the {kept['requests']} requests whose worker "
+              f"kept its SM split, {changed['median_rel_error']:.1%} over the {changed['requests']} "
+              "whose split changed")
 
 
 @dataclass
