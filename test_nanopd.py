@@ -7660,11 +7660,12 @@ def check_bench_figures(results: dict) -> None:
     import matplotlib.pyplot as plt
 
     import bench
+    from tools import plots
     rows, reqs = results["summary"], [bench.Result(**r) for r in results["requests"]]
     routed = [r for r in reqs if r.routed]
-    figs = {"cdf": bench.plot_cdf(plt, rows, reqs, bench.series_styles(rows)),
-            "router": bench.plot_router(plt, routed), "roles": bench.plot_roles(plt, results["regimes"])}
-    for ax in bench.plot_vs_rate(plt, rows, bench.series_styles(rows)).axes:
+    figs = {"cdf": plots.plot_cdf(plt, rows, reqs, plots.series_styles(rows)),
+            "router": plots.plot_router(plt, routed), "roles": plots.plot_roles(plt, results["regimes"])}
+    for ax in plots.plot_vs_rate(plt, rows, plots.series_styles(rows)).axes:
         drawn = [(line.get_linewidth(), line.get_marker()) for line in ax.get_lines()]
         widths = [w for w, _ in drawn]   # a policy's series (a workload each) share its width and marker
         assert widths == sorted(widths, reverse=True) and len(set(drawn)) == len(set(widths)) == 3, drawn
@@ -7684,7 +7685,7 @@ def check_bench_figures(results: dict) -> None:
     assert {t.get_text() for t in router.get_legend().get_texts()} == {f"{p} ({n})" for p, n in paths.items()}
     roles = {role for tl in results["regimes"] for c in tl["changes"] for role in c["roles"].values()}
     assert {t.get_text() for t in figs["roles"].axes[0].get_legend().get_texts()} == {
-        bench.ROLE_NAMES[r] for r in roles}
+        plots.ROLE_NAMES[r] for r in roles}
     plt.close("all")
 
 
@@ -8096,7 +8097,7 @@ def test_bench_calibrate_replays_the_cost_model_on_a_runs_requests(tmp_path, cap
 
 
 def test_bench_plots_the_configurations_over_time_from_a_synthetic_log(tmp_path):
-    """timelines.config_timeline and bench.plot_configs on a made-up controllers' log (the
+    """timelines.config_timeline and plots.plot_configs on a made-up controllers' log (the
     fields of CentralScheduler.config_log) for two workers: times count from the run's
     start, a worker's last change before it is what it held at 0, and one that never
     changed holds the engine's own; only the steps timed within the run are kept; each
@@ -8107,7 +8108,7 @@ def test_bench_plots_the_configurations_over_time_from_a_synthetic_log(tmp_path)
     import matplotlib.pyplot as plt
 
     import bench
-    from tools import timelines
+    from tools import plots, timelines
     log = [cluster_mod.ConfigChange(1.0, 0, None, 512), cluster_mod.ConfigChange(3.0, 0, (84, 48), 512),
            cluster_mod.ConfigChange(6.0, 0, None, 2048),
            cluster_mod.ConfigChange(13.0, 0, (100, 28), 256)]   # past the run's end
@@ -8126,7 +8127,7 @@ def test_bench_plots_the_configurations_over_time_from_a_synthetic_log(tmp_path)
                                          1: {"whole GPU @8192": 1.0}}
     results = [bench.Result("adaptive", "sharegpt", 4.0, 16, 8, 0.1, 0.01, 0.5, [0], phase="sharegpt",
                             arrival=0.25 * i) for i in range(40)]
-    fig = bench.plot_configs(plt, [tl], results)
+    fig = plots.plot_configs(plt, [tl], results)
     legends = [{t.get_text() for t in lg.get_texts()} for ax in fig.axes for lg in
                [a for a in ax.get_children() if isinstance(a, matplotlib.legend.Legend)]]
     assert {"whole GPU", "84/48"} in legends and {"512", "2048", "8192"} in legends
