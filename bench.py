@@ -24,12 +24,13 @@ workload, model and devices), results.json with every request's timings, and PNG
 import argparse
 import asyncio
 import collections
+import inspect
 import json
 import math
 import random
 import time
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -447,87 +448,6 @@ def add_arrival_flags(p: argparse.ArgumentParser) -> None:
                    "vLLM's benchmark (default: no cap)")
 
 
-def add_tool_commands(p: argparse.ArgumentParser) -> None:
-    """`bench.py COMMAND [...]`: one sub-command per tool (tools/), its module's docstring its
-    help page; without a command, bench.py runs the serving benchmark."""
-    sub = p.add_subparsers(dest="command", title="commands", description="the tools; without one, the "
-                           "serving benchmark runs (bench.py COMMAND --help for each)")
-
-    def command(name: str, module, summary: str, model: bool = True,
-                plot: bool = False) -> argparse.ArgumentParser:
-        """A measuring tool's sub-command: --small and --out (JSON, and a plot beside it if it
-        draws one), and --model unless it times no model."""
-        c = sub.add_parser(name, help=summary, description=module.__doc__, prog=f"bench.py {name}",
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        c.set_defaults(main=module.main)
-        c.add_argument("--small", action="store_true", help="every measurement at toy sizes (the tiny model, "
-                       "small batches, few requests): seconds, to check that it runs; its numbers mean "
-                       "nothing")
-        c.add_argument("--out", default=None, help="write the results as JSON here" + (
-            ", and a plot beside it (.png)" if plot else "") + " (default: print only)")
-        if model:
-            c.add_argument("--model", default=None, help="preset (random weights) or checkpoint folder "
-                           "(default: qwen3-8b, or tiny with --small)")
-        return c
-    command("kernels", microbench, "the kernels, each beside a same-run reference", model=False)
-    command("engine", microbench, "the single-GPU engine beside the hardware's ceilings")
-    profile = command("profile", microbench, "a decode step's GPU time, kernel by kernel")
-    profile.add_argument("--batch", type=int, default=None,
-                         help="decode batch size (default: 1, 2 with --small)")
-    profile.add_argument("--context", type=int, default=None, help="tokens of context per sequence (default: "
-                         "1024, 64 with --small)")
-    transfer = command("transfer", microbench, "the KV handoff between two GPUs")
-    transfer.add_argument("--devices", nargs=2, default=None, metavar=("PREFILL", "DECODE"),
-                          help="the two devices (default: cuda:0 cuda:1, or cuda:0 twice on one GPU)")
-    command("split", splitbench, "one GPU's SMs split between prefill and decode", plot=True)
-    command("speculative", specbench, "speculative decoding against plain decoding", plot=True)
-    again = sub.add_parser("replot", help="a run's PNGs drawn again from its results.json",
-                           description=replot.__doc__, prog="bench.py replot")
-    again.set_defaults(main=replot)
-    again.add_argument("results", type=Path, help="a results.json that bench.py wrote")
-    again.add_argument("--duration", type=float, default=None, help="the run's --duration, for a "
-                       "results.json too old to hold it (results/README.md gives each run's command)")
-    recal = sub.add_parser("calibrate", help="the cost model replayed on a run's adaptive requests",
-                           description=calibrate.__doc__, prog="bench.py calibrate",
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    recal.set_defaults(main=calibrate.main)
-    recal.add_argument("results", type=Path, help="a results.json (or .json.gz) that bench.py wrote")
-    add_simulate(sub)
-    figs = sub.add_parser("figures", help="draw the docs' figures", description=figures.__doc__,
-                          prog="bench.py figures", formatter_class=argparse.RawDescriptionHelpFormatter)
-    figs.set_defaults(main=figures.main)
-    figs.add_argument("--out", type=Path, default=figures.FIGURES,
-                      help="folder for the PNGs (default: docs/figures)")
-
-
-def add_simulate(sub) -> None:
-    """`bench.py simulate`: its requests are this file's (make_requests), handed to the tool."""
-    sim = sub.add_parser("simulate", help="one whole-GPU worker simulated on a run's step times, at "
-                         "fixed budgets and under the controller", description=simulate.__doc__,
-                         prog="bench.py simulate", formatter_class=argparse.RawDescriptionHelpFormatter)
-    sim.set_defaults(main=simulate.main, make_requests=lambda workload, rate, a: make_requests(
-        workload, rate, a.duration, 0, a.seed, HTTP_VOCAB, 1.0, parse_phases(a.phases), a.phase_s),
-        phases_of=lambda a: parse_phases(a.phases))
-    sim.add_argument("results", type=Path, help="a results.json (or .json.gz) of a run with adaptive in it")
-    sim.add_argument("--workload", nargs="+", default=["phased"], choices=list(WORKLOADS),
-                     help="as bench.py's (default: phased)")
-    sim.add_argument("--rate", nargs="+", type=float, default=[20.0], help="req/s (default: 20)")
-    sim.add_argument("--duration", type=float, default=12.0, help="seconds of arrivals (default: 12)")
-    sim.add_argument("--phases", nargs="+", default=None, metavar="WORKLOAD:FACTOR",
-                     help="the phased workload's phases, as bench.py's")
-    sim.add_argument("--phase-s", type=float, default=3.0, help="seconds per phase (default: 3)")
-    sim.add_argument("--seed", type=int, default=0, help="the requests' seed, as bench.py's (default: 0)")
-    sim.add_argument("--seats", type=int, default=256, help="max_num_seqs (default: 256)")
-    sim.add_argument("--max-num-batched-tokens", type=int, default=8192, help="(default: 8192)")
-    sim.add_argument("--ttft-slo", type=float, default=None, help="s: with --tpot-slo (either), each "
-                     "configuration's share within the SLO, the controller's objective, and goodput over "
-                     "the rates (default: none)")
-    sim.add_argument("--tpot-slo", type=float, default=None, help="s a decode step (default: none)")
-    sim.add_argument("--phase-oracle", action="store_true",
-                     help="phased: also every assignment of a budget to each phase, the best of them "
-                     "(what a budget chosen per phase gains, knowing the phases to come)")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser().parse_args(argv)
 
@@ -838,6 +758,73 @@ def replot(args: argparse.Namespace) -> None:
     files = plots.plot(run.out, caption(run), rows, results, data["goodput"], timelines,
                        data.get("configs") or [], run.rates, (run.ttft_slo, run.tpot_slo))
     print(f"wrote {', '.join(str(run.out / f) for f in files)}")
+
+
+# ----------------------------------------------------------------------------- the tools
+
+
+def measuring(model: bool = True, plot: bool = False, more: Callable | None = None) -> Callable:
+    """What adds a measuring tool's flags: --small and --out (JSON, and a plot beside it if it
+    draws one), --model unless it times no model, and its own (more)."""
+    def add(c: argparse.ArgumentParser) -> None:
+        c.add_argument("--small", action="store_true", help="every measurement at toy sizes (the tiny model, "
+                       "small batches, few requests): seconds, to check that it runs; its numbers mean "
+                       "nothing")
+        c.add_argument("--out", default=None, help="write the results as JSON here" + (
+            ", and a plot beside it (.png)" if plot else "") + " (default: print only)")
+        if model:
+            c.add_argument("--model", default=None, help="preset (random weights) or checkpoint folder "
+                           "(default: qwen3-8b, or tiny with --small)")
+        if more is not None:
+            more(c)
+    return add
+
+
+def replot_flags(c: argparse.ArgumentParser) -> None:
+    c.add_argument("results", type=Path, help="a results.json that bench.py wrote")
+    c.add_argument("--duration", type=float, default=None, help="the run's --duration, for a "
+                   "results.json too old to hold it (results/README.md gives each run's command)")
+
+
+def simulate_flags(c: argparse.ArgumentParser) -> None:
+    """simulate's flags, and its requests: this file's (make_requests), handed to the tool."""
+    simulate.add_flags(c, list(WORKLOADS))
+    c.set_defaults(make_requests=lambda workload, rate, a: make_requests(
+        workload, rate, a.duration, 0, a.seed, HTTP_VOCAB, 1.0, parse_phases(a.phases), a.phase_s),
+        phases_of=lambda a: parse_phases(a.phases))
+
+
+# `bench.py COMMAND`: its name, its line in bench.py --help, what runs it (a tool's module: its
+# main, its docstring the help page as written; or a function here: itself, its docstring
+# rewrapped) and what adds its flags
+TOOLS = (
+    ("kernels", "the kernels, each beside a same-run reference", microbench, measuring(model=False)),
+    ("engine", "the single-GPU engine beside the hardware's ceilings", microbench, measuring()),
+    ("profile", "a decode step's GPU time, kernel by kernel", microbench,
+     measuring(more=microbench.add_profile_flags)),
+    ("transfer", "the KV handoff between two GPUs", microbench,
+     measuring(more=microbench.add_transfer_flags)),
+    ("split", "one GPU's SMs split between prefill and decode", splitbench, measuring(plot=True)),
+    ("speculative", "speculative decoding against plain decoding", specbench, measuring(plot=True)),
+    ("replot", "a run's PNGs drawn again from its results.json", replot, replot_flags),
+    ("calibrate", "the cost model replayed on a run's adaptive requests", calibrate, calibrate.add_flags),
+    ("simulate", ("one whole-GPU worker simulated on a run's step times, at fixed budgets and under the "
+                  "controller"), simulate, simulate_flags),
+    ("figures", "draw the docs' figures", figures, figures.add_flags),
+)
+
+
+def add_tool_commands(p: argparse.ArgumentParser) -> None:
+    """`bench.py COMMAND [...]`: a sub-command per entry of TOOLS; without a command, bench.py
+    runs the serving benchmark."""
+    sub = p.add_subparsers(dest="command", title="commands", description="the tools; without one, the "
+                           "serving benchmark runs (bench.py COMMAND --help for each)")
+    for name, summary, runs, add_flags in TOOLS:
+        tool = inspect.ismodule(runs)
+        c = sub.add_parser(name, help=summary, description=runs.__doc__, prog=f"bench.py {name}",
+                           **({"formatter_class": argparse.RawDescriptionHelpFormatter} if tool else {}))
+        c.set_defaults(main=runs.main if tool else runs)
+        add_flags(c)
 
 
 def main() -> None:

@@ -14,8 +14,9 @@ of arrival, and the time to the first token and the rest of each request apart, 
 over measured, by tenth. Then the profile's whole-GPU step model against the steps every
 policy's worker timed, by decode batch and by prompt tokens (step_ratios): its shape, apart
 from its level. A change to the cost model is then weighed on recorded GPU runs, on any
-machine, before a GPU measures it again. What this reads, results.json's router_calibration,
-a run of bench.py records at its end (calibration, below) and prints under its table.
+machine, before a GPU measures it again. A run of bench.py records what this reads,
+results.json's router_calibration, at its end (calibration, here) and prints it under its
+table.
 """
 
 import argparse
@@ -212,6 +213,11 @@ def by_end(requests: list[dict], errors: list[float]) -> dict[str, tuple[float, 
     for r, e in zip(requests, errors):
         groups["after the last arrival" if r["arrival"] + r["e2e"] > last else "while arriving"].append(e)
     return {name: (statistics.median(v), len(v)) for name, v in groups.items() if v}
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """`bench.py calibrate`'s argument."""
+    p.add_argument("results", type=Path, help="a results.json (or .json.gz) that bench.py wrote")
 
 
 def main(args: argparse.Namespace) -> None:
