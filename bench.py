@@ -23,21 +23,19 @@ workload, model and devices), results.json with every request's timings, and PNG
 
 import argparse
 import asyncio
-import collections
 import inspect
 import json
 import math
 import random
 import time
-import urllib.parse
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from tools import calibrate, figures, microbench, plots, simulate, specbench, splitbench
+from tools import calibrate, client, figures, microbench, plots, simulate, specbench, splitbench
 from tools.frontier import frontier, phase_switch, print_frontier, run_config, run_names
 from tools.timelines import config_timeline, print_timelines, regime_timeline, timed_steps
 
@@ -182,102 +180,23 @@ def warm_up(run: "Run", vocab: int) -> list[Spec]:
     return warm + [Spec(0.0, [rng.randrange(vocab) for _ in range(int(2048 * run.scale))], 8)]
 
 
-class Connection:
-    """One HTTP/1.1 connection to the server (plain http), opened at its first request and
-    kept for the next (keep-alive), as a client's pool keeps it. The benchmark's own client:
-    it parses only what it times, since httpx spent ~0.1 s opening 256 connections at once,
-    which a TTFT would count."""
-
-    def __init__(self, url: str, api_key: str | None):
-        self.at, self.api_key = urllib.parse.urlsplit(url), api_key
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def post_events(self, path: str, body: dict) -> AsyncIterator[dict]:
-        """POST body as JSON to path and yield each server-sent event's JSON as it comes; an
-        answer other than 200 raises ServerError with its body. A stream not read to its end
-        closes the connection (the next request opens another)."""
-        at, whole = self.at, False
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(at.hostname, at.port or 80)
-        reader = self.reader
-        try:
-            data = json.dumps(body).encode()
-            self.writer.write(f"POST {at.path.rstrip('/')}{path} HTTP/1.1\r\nhost: {at.netloc}\r\n"
-                              f"authorization: Bearer {self.api_key or 'none'}\r\n"
-                              f"content-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n"
-                              .encode() + data)
-            status = int((await reader.readline()).split()[1])
-            headers = {}
-            while (line := await reader.readline()) not in (b"\r\n", b""):
-                name, _, value = line.decode("latin-1").partition(":")
-                headers[name.strip().lower()] = value.strip()
-            if status != 200:
-                text = await reader.read(int(headers.get("content-length", 300)))
-                raise ServerError(f"HTTP {status}: {text[:300].decode(errors='replace')}")
-            pending = b""
-            while size := int((await reader.readline()).strip() or b"0", 16):   # chunked, as SSE comes
-                pending += await reader.readexactly(size)
-                await reader.readline()
-                *events, pending = pending.split(b"\n\n")
-                for event in events:
-                    if event.startswith(b"data: {"):
-                        yield json.loads(event[6:])
-            whole = await reader.readline() == b"\r\n" and headers.get("connection") != "close"
-        finally:
-            if not whole:
-                self.close()
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        self.reader = self.writer = None
-
-
-class ServerError(Exception):
-    """The server answered a request with an error status."""
-
-
 async def serve_over_http(run: "Run", workload: str, rate: float, specs: list[Spec],
                           desc: str) -> tuple[list[Result], float]:
-    """serve's twin against an OpenAI-compatible server at run.url: each spec POSTed to
-    /completions at its arrival time as a stream (token ids, greedy, ignore_eos, its usage
-    asked for), timed from the client's side: the first event with a choice is its first
-    token, the stream's end its end, the usage its output tokens. A request the server
-    refuses or fails keeps its error. Under run.concurrency, that many clients each send
-    the next request when their last one ended, over the connection they keep, and each
-    request counts from when it was sent (as serve's); else each request has a client and
-    a connection of its own."""
-    start, results, queue = time.perf_counter(), [], collections.deque(specs)
-
-    async def one(conn: Connection, spec: Spec) -> Result:
-        sent, first, n, error = time.perf_counter(), None, 0, None
-        body = {"model": run.model, "prompt": spec.prompt_ids, "max_tokens": spec.max_tokens,
-                "temperature": 0.0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
-        try:
-            async for event in conn.post_events("/completions", body):
-                first = first or (time.perf_counter() if event.get("choices") else None)
-                n = (event.get("usage") or {}).get("completion_tokens", n)
-                error = error or (event.get("error") or {}).get("message")
-        except (OSError, ValueError, asyncio.IncompleteReadError, ServerError) as e:
-            error = str(e) if isinstance(e, ServerError) else f"{type(e).__name__}: {e}"
-        arrived = start + spec.arrival if run.concurrency is None else sent
-        return Result.timed("server", workload, rate, spec, n, arrived, first, time.perf_counter(),
-                            path=[], error=error, lag=max(0.0, sent - arrived))
-
-    async def client(bar: tqdm) -> None:
-        conn = Connection(run.url, run.api_key)
-        try:
-            while queue:
-                spec = queue.popleft()
-                await asyncio.sleep(max(0.0, start + spec.arrival - time.perf_counter()))
-                results.append(await one(conn, spec))
-                bar.update()
-        finally:
-            conn.close()
+    """serve's twin against an OpenAI-compatible server at run.url, as its client
+    (tools/client.py:send): each spec POSTed to /completions at its arrival time as a stream
+    (token ids, greedy, ignore_eos, its usage asked for), timed from the client's side. A
+    request the server refuses or fails keeps its error. Under run.concurrency, that many
+    clients each send the next request when their last one ended, over the connection they
+    keep, and each request counts from when it was sent (as serve's); else each request has
+    a client and a connection of its own."""
+    start, results = time.perf_counter(), []
     with tqdm(total=len(specs), desc=desc, leave=False, disable=None) as bar:
-        await asyncio.gather(*(client(bar) for _ in range(min(run.concurrency or len(specs), len(specs)))))
+        got = await client.send(run.url, run.api_key, run.model, specs,
+                                min(run.concurrency or len(specs), len(specs)), start, bar.update)
+    for s in got:
+        arrived = start + s.spec.arrival if run.concurrency is None else s.sent
+        results.append(Result.timed("server", workload, rate, s.spec, s.tokens, arrived, s.first, s.end,
+                                    path=[], error=s.error, lag=max(0.0, s.sent - arrived)))
     return sorted(results, key=lambda r: r.arrival), time.perf_counter() - start
 
 
@@ -604,31 +523,12 @@ def summary_rows(run: Run, name: str, workload: str, rate: float, got: list[Resu
     return rows
 
 
-def check_server(run: Run) -> None:
-    """SystemExit with one line if the server at run.url cannot be reached, refuses the key, or
-    does not serve --model (its /models says which it does), or is not plain http."""
-    import httpx
-    if urllib.parse.urlsplit(run.url).scheme != "http":
-        raise SystemExit(f"error: --url {run.url}: bench.py times a server over plain HTTP (http://HOST:PORT/v1)")
-    try:
-        r = httpx.get(f"{run.url.rstrip('/')}/models", timeout=30,
-                      headers={"authorization": f"Bearer {run.api_key or 'none'}"})
-    except httpx.HTTPError as e:
-        raise SystemExit(f"error: --url {run.url}: cannot reach the server ({type(e).__name__}: {e})") \
-            from None
-    if r.status_code != 200:
-        raise SystemExit(f"error: --url {run.url}: GET /models answered {r.status_code} {r.text[:200]}")
-    served = [m["id"] for m in r.json().get("data", [])]
-    if run.model not in served:
-        raise SystemExit(f"error: --model {run.model}: the server at {run.url} serves {', '.join(served)}")
-
-
 def run_server(run: Run, name: str) -> tuple[list[dict], list[Result], dict, list, list, list]:
     """run_policy's twin against the server at run.url, as its client (serve_over_http):
     the same warm-up, then every workload at every rate; nothing of the server's inside
     (no calibration, regimes, configurations or steps)."""
     rows, results, held = [], [], {"budget": None, "sm_split": None}
-    check_server(run)
+    client.check_server(run.url, run.api_key, run.model)
     asyncio.run(serve_over_http(run, "warm-up", 0.0, warm_up(run, HTTP_VOCAB), "server warm-up"))
     for workload in run.workloads:
         for rate in run.rates:

@@ -7255,6 +7255,7 @@ def test_bench_as_a_client_measures_a_server_over_http(pair_llm, tmp_path):
     serve, a server that is not there or an https one, is one line naming the flag; bench's
     client raises a refusal's status and body."""
     import bench
+    from tools import client
     with serving(pair_llm, model_name="pairs") as url:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HOME": str(tmp_path)}
         for where, model, flag in ((f"{url}/v1", "other", b"--model"),
@@ -7265,9 +7266,9 @@ def test_bench_as_a_client_measures_a_server_over_http(pair_llm, tmp_path):
                                  check=False)
             assert bad.returncode != 0 and flag in bad.stderr and bad.stderr.count(b"\n") == 1, bad.stderr
         async def refused() -> str:   # bench's own client, on an error status
-            with pytest.raises(bench.ServerError) as e:
+            with pytest.raises(client.ServerError) as e:
                 body = {"model": "other", "prompt": [1]}
-                async for _ in bench.Connection(f"{url}/v1", None).post_events("/completions", body):
+                async for _ in client.Connection(f"{url}/v1", None).post_events("/completions", body):
                     pass
             return str(e.value)
         assert asyncio.run(refused()).startswith("HTTP 400") and "`other`" in asyncio.run(refused())
