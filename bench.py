@@ -60,6 +60,8 @@ WORKLOADS = {
     "prefill-heavy": lambda rng: (rng.randint(1200, 2400), rng.randint(48, 192)),
     "phased": None,   # its phases in turn (make_requests; --phases, --phase-s)
 }
+
+
 # The phased workload: long prompts at the given rate, then ShareGPT-like requests at three
 # times it (shorter, so the same GPUs serve more of them), and so on; the mix moves under
 # the policies, as a day's traffic does. Each phase: (its workload, its rate over --rate).
@@ -199,6 +201,9 @@ async def serve_over_http(run: "Run", workload: str, rate: float, specs: list[Sp
     return sorted(results, key=lambda r: r.arrival), time.perf_counter() - start
 
 
+# ----------------------------------------------------------------------------- summaries and the table
+
+
 def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q / 100 * len(xs)))] if xs else float("nan")
@@ -221,7 +226,19 @@ def summarize(results: list[Result], seconds: float, ttft_slo: float, tpot_slo: 
     return row
 
 
-# ----------------------------------------------------------------------------- report
+def summary_rows(run: "Run", name: str, workload: str, rate: float, got: list[Result], seconds: float,
+                 held: dict) -> list[dict]:
+    """A run's summary row (held: what it ran under), and the phased workload's per phase,
+    each over its share of the run."""
+    rows = [{"policy": name, "workload": workload, "rate": rate, **held,
+             **summarize(got, seconds, run.ttft_slo, run.tpot_slo)}]
+    if workload == "phased":
+        held = {k: v for k, v in held.items() if k not in ("start_s", "profile_s", "warm_up_s")}
+        rows += [{"policy": name, "workload": f"phased:{mix}", "rate": rate, **held,
+                  **summarize([r for r in got if r.phase == mix],
+                              seconds * sum(m == mix for m, _ in run.phases) / len(run.phases),
+                              run.ttft_slo, run.tpot_slo)} for mix in dict.fromkeys(m for m, _ in run.phases)]
+    return rows
 
 
 def label(policy: str, workload: str, rows: list[dict]) -> str:
@@ -252,7 +269,59 @@ def print_table(rows: list[dict], title: str, front: list[dict] = ()) -> None:
                   f"{r['spec_mean_kept_per_step']:.2f} tokens per drafting step")
 
 
-# ----------------------------------------------------------------------------- main
+def report(run: "Run", rows: list[dict], results: list[Result], calib: dict, timelines: list[dict],
+           configs: list[dict] = (), steps: list[dict] = ()) -> None:
+    """The table and goodput on stdout; results.json and the plots under run.out."""
+    for r in rows:
+        r["label"] = label(r["policy"], r["workload"], rows)
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    goodput = {lb: max([r["rate"] for r in rows if r["label"] == lb and r["slo_attainment"] >= 0.9],
+                       default=0.0)
+               for lb in labels}
+    front = frontier(rows, run.slo is not None)
+    phase_switch(front, results)
+    print_table(rows, record.caption(run), front)
+    record.print_notes(run, rows, goodput, calib, timelines, configs, front)
+    run.out.mkdir(parents=True, exist_ok=True)
+    files = plots.plot(run.out, record.caption(run), rows, results, goodput, timelines, configs, run.rates,
+                       (run.ttft_slo, run.tpot_slo))
+    record.write_results(run, rows, results, goodput, front, calib, timelines, configs, steps)
+    print(f"wrote {run.out / 'results.json'} and {', '.join(files)}")
+
+
+def replot(args: argparse.Namespace) -> None:
+    """A run's PNGs drawn again, beside its results.json, and its frontier lines printed
+    again, from what that file holds: nothing is measured. The run's caption is rebuilt from
+    the file's meta and summary. The file may be gzipped (results.json.gz)."""
+    data = calibrate.read_results(args.results)
+    meta, rows = data["meta"], data["summary"]
+    duration = default(args.duration, meta.get("duration"))
+    if duration is None:
+        raise SystemExit(f"{args.results} does not hold the run's duration: give --duration")
+    first = meta["devices"][0]
+    joined, served = first.startswith("joined at "), first.startswith("served at ")
+    run = Run(mode=meta["mode"], policies=list(dict.fromkeys(r["policy"] for r in rows)),
+              workloads=meta["workloads"], rates=sorted({r["rate"] for r in rows}), duration=duration,
+              count=meta.get("num_requests", len(data["requests"])), model=meta["model"],
+              devices=None if joined or served else meta["devices"], scale=meta["length_scale"],
+              ttft_slo=meta["ttft_slo"], tpot_slo=meta["tpot_slo"], engine={}, seed=meta["seed"],
+              out=args.results.parent, join=first.removeprefix("joined at ") if joined else None,
+              transport=meta.get("transport", "p2p"), device_name=meta["device_name"],
+              phases=tuple(tuple(p) for p in meta.get("phases", PHASES)),
+              phase_s=meta.get("phase_s", PHASE_S), url=first.removeprefix("served at ") if served else None,
+              concurrency=meta.get("max_concurrency"))
+    results = [Result(**r) for r in data["requests"]]
+    front = frontier(rows, meta.get("slo_given", False))
+    phase_switch(front, results)
+    print_frontier(front)
+    # regimes recorded before results.json kept their phases: the default ones
+    timelines = [{"phases": PHASES, "phase_s": PHASE_S, **tl} for tl in data.get("regimes") or []]
+    files = plots.plot(run.out, record.caption(run), rows, results, data["goodput"], timelines,
+                       data.get("configs") or [], run.rates, (run.ttft_slo, run.tpot_slo))
+    print(f"wrote {', '.join(str(run.out / f) for f in files)}")
+
+
+# ----------------------------------------------------------------------------- the command line
 
 
 @dataclass
@@ -355,6 +424,71 @@ def add_arrival_flags(p: argparse.ArgumentParser) -> None:
                    "vLLM's benchmark (default: no cap)")
 
 
+def measuring(model: bool = True, plot: bool = False, more: Callable | None = None) -> Callable:
+    """What adds a measuring tool's flags: --small and --out (JSON, and a plot beside it if it
+    draws one), --model unless it times no model, and its own (more)."""
+    def add(c: argparse.ArgumentParser) -> None:
+        c.add_argument("--small", action="store_true", help="every measurement at toy sizes (the tiny model, "
+                       "small batches, few requests): seconds, to check that it runs; its numbers mean "
+                       "nothing")
+        c.add_argument("--out", default=None, help="write the results as JSON here" + (
+            ", and a plot beside it (.png)" if plot else "") + " (default: print only)")
+        if model:
+            c.add_argument("--model", default=None, help="preset (random weights) or checkpoint folder "
+                           "(default: qwen3-8b, or tiny with --small)")
+        if more is not None:
+            more(c)
+    return add
+
+
+def replot_flags(c: argparse.ArgumentParser) -> None:
+    """replot's argument and flag."""
+    c.add_argument("results", type=Path, help="a results.json that bench.py wrote")
+    c.add_argument("--duration", type=float, default=None, help="the run's --duration, for a "
+                   "results.json too old to hold it (results/README.md gives each run's command)")
+
+
+def simulate_flags(c: argparse.ArgumentParser) -> None:
+    """simulate's flags, and its requests: this file's (make_requests), handed to the tool."""
+    simulate.add_flags(c, list(WORKLOADS))
+    c.set_defaults(make_requests=lambda workload, rate, a: make_requests(
+        workload, rate, a.duration, 0, a.seed, HTTP_VOCAB, 1.0, parse_phases(a.phases), a.phase_s),
+        phases_of=lambda a: parse_phases(a.phases))
+
+
+# `bench.py COMMAND`: its name, its line in bench.py --help, what runs it (a tool's module: its
+# main, its docstring the help page as written; or a function here: itself, its docstring
+# rewrapped) and what adds its flags
+TOOLS = (
+    ("kernels", "the kernels, each beside a same-run reference", microbench, measuring(model=False)),
+    ("engine", "the single-GPU engine beside the hardware's ceilings", microbench, measuring()),
+    ("profile", "a decode step's GPU time, kernel by kernel", microbench,
+     measuring(more=microbench.add_profile_flags)),
+    ("transfer", "the KV handoff between two GPUs", microbench,
+     measuring(more=microbench.add_transfer_flags)),
+    ("split", "one GPU's SMs split between prefill and decode", splitbench, measuring(plot=True)),
+    ("speculative", "speculative decoding against plain decoding", specbench, measuring(plot=True)),
+    ("replot", "a run's PNGs drawn again from its results.json", replot, replot_flags),
+    ("calibrate", "the cost model replayed on a run's adaptive requests", calibrate, calibrate.add_flags),
+    ("simulate", ("one whole-GPU worker simulated on a run's step times, at fixed budgets and under the "
+                  "controller"), simulate, simulate_flags),
+    ("figures", "draw the docs' figures", figures, figures.add_flags),
+)
+
+
+def add_tool_commands(p: argparse.ArgumentParser) -> None:
+    """`bench.py COMMAND [...]`: a sub-command per entry of TOOLS; without a command, bench.py
+    runs the serving benchmark."""
+    sub = p.add_subparsers(dest="command", title="commands", description="the tools; without one, the "
+                           "serving benchmark runs (bench.py COMMAND --help for each)")
+    for name, summary, runs, add_flags in TOOLS:
+        tool = inspect.ismodule(runs)
+        c = sub.add_parser(name, help=summary, description=runs.__doc__, prog=f"bench.py {name}",
+                           **({"formatter_class": argparse.RawDescriptionHelpFormatter} if tool else {}))
+        c.set_defaults(main=runs.main if tool else runs)
+        add_flags(c)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser().parse_args(argv)
 
@@ -448,6 +582,9 @@ def check_run(run: Run) -> None:
         raise SystemExit(f"error: --out {run.out}: {e.strerror or e}") from None
 
 
+# ----------------------------------------------------------------------------- main
+
+
 def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, list[dict], list[dict],
                                              list[dict]]:
     """Every workload at every rate under one run's configuration (run_names), one
@@ -496,21 +633,6 @@ def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
         return rows, results, calibrate.calibration(router, profiled), timelines, configs, steps
 
 
-def summary_rows(run: Run, name: str, workload: str, rate: float, got: list[Result], seconds: float,
-                 held: dict) -> list[dict]:
-    """A run's summary row (held: what it ran under), and the phased workload's per phase,
-    each over its share of the run."""
-    rows = [{"policy": name, "workload": workload, "rate": rate, **held,
-             **summarize(got, seconds, run.ttft_slo, run.tpot_slo)}]
-    if workload == "phased":
-        held = {k: v for k, v in held.items() if k not in ("start_s", "profile_s", "warm_up_s")}
-        rows += [{"policy": name, "workload": f"phased:{mix}", "rate": rate, **held,
-                  **summarize([r for r in got if r.phase == mix],
-                              seconds * sum(m == mix for m, _ in run.phases) / len(run.phases),
-                              run.ttft_slo, run.tpot_slo)} for mix in dict.fromkeys(m for m, _ in run.phases)]
-    return rows
-
-
 def run_server(run: Run, name: str) -> tuple[list[dict], list[Result], dict, list, list, list]:
     """run_policy's twin against the server at run.url, as its client (serve_over_http):
     the same warm-up, then every workload at every rate; nothing of the server's inside
@@ -527,125 +649,6 @@ def run_server(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
             results += got
             rows += summary_rows(run, name, workload, rate, got, seconds, held)
     return rows, results, {}, [], [], []
-
-
-def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timelines: list[dict],
-           configs: list[dict] = (), steps: list[dict] = ()) -> None:
-    """The table and goodput on stdout; results.json and the plots under run.out."""
-    for r in rows:
-        r["label"] = label(r["policy"], r["workload"], rows)
-    labels = list(dict.fromkeys(r["label"] for r in rows))
-    goodput = {lb: max([r["rate"] for r in rows if r["label"] == lb and r["slo_attainment"] >= 0.9],
-                       default=0.0)
-               for lb in labels}
-    front = frontier(rows, run.slo is not None)
-    phase_switch(front, results)
-    print_table(rows, record.caption(run), front)
-    record.print_notes(run, rows, goodput, calib, timelines, configs, front)
-    run.out.mkdir(parents=True, exist_ok=True)
-    files = plots.plot(run.out, record.caption(run), rows, results, goodput, timelines, configs, run.rates,
-                       (run.ttft_slo, run.tpot_slo))
-    record.write_results(run, rows, results, goodput, front, calib, timelines, configs, steps)
-    print(f"wrote {run.out / 'results.json'} and {', '.join(files)}")
-
-
-def replot(args: argparse.Namespace) -> None:
-    """A run's PNGs drawn again, beside its results.json, and its frontier lines printed
-    again, from what that file holds: nothing is measured. The run's caption is rebuilt from
-    the file's meta and summary. The file may be gzipped (results.json.gz)."""
-    data = calibrate.read_results(args.results)
-    meta, rows = data["meta"], data["summary"]
-    duration = default(args.duration, meta.get("duration"))
-    if duration is None:
-        raise SystemExit(f"{args.results} does not hold the run's duration: give --duration")
-    first = meta["devices"][0]
-    joined, served = first.startswith("joined at "), first.startswith("served at ")
-    run = Run(mode=meta["mode"], policies=list(dict.fromkeys(r["policy"] for r in rows)),
-              workloads=meta["workloads"], rates=sorted({r["rate"] for r in rows}), duration=duration,
-              count=meta.get("num_requests", len(data["requests"])), model=meta["model"],
-              devices=None if joined or served else meta["devices"], scale=meta["length_scale"],
-              ttft_slo=meta["ttft_slo"], tpot_slo=meta["tpot_slo"], engine={}, seed=meta["seed"],
-              out=args.results.parent, join=first.removeprefix("joined at ") if joined else None,
-              transport=meta.get("transport", "p2p"), device_name=meta["device_name"],
-              phases=tuple(tuple(p) for p in meta.get("phases", PHASES)),
-              phase_s=meta.get("phase_s", PHASE_S), url=first.removeprefix("served at ") if served else None,
-              concurrency=meta.get("max_concurrency"))
-    results = [Result(**r) for r in data["requests"]]
-    front = frontier(rows, meta.get("slo_given", False))
-    phase_switch(front, results)
-    print_frontier(front)
-    # regimes recorded before results.json kept their phases: the default ones
-    timelines = [{"phases": PHASES, "phase_s": PHASE_S, **tl} for tl in data.get("regimes") or []]
-    files = plots.plot(run.out, record.caption(run), rows, results, data["goodput"], timelines,
-                       data.get("configs") or [], run.rates, (run.ttft_slo, run.tpot_slo))
-    print(f"wrote {', '.join(str(run.out / f) for f in files)}")
-
-
-# ----------------------------------------------------------------------------- the tools
-
-
-def measuring(model: bool = True, plot: bool = False, more: Callable | None = None) -> Callable:
-    """What adds a measuring tool's flags: --small and --out (JSON, and a plot beside it if it
-    draws one), --model unless it times no model, and its own (more)."""
-    def add(c: argparse.ArgumentParser) -> None:
-        c.add_argument("--small", action="store_true", help="every measurement at toy sizes (the tiny model, "
-                       "small batches, few requests): seconds, to check that it runs; its numbers mean "
-                       "nothing")
-        c.add_argument("--out", default=None, help="write the results as JSON here" + (
-            ", and a plot beside it (.png)" if plot else "") + " (default: print only)")
-        if model:
-            c.add_argument("--model", default=None, help="preset (random weights) or checkpoint folder "
-                           "(default: qwen3-8b, or tiny with --small)")
-        if more is not None:
-            more(c)
-    return add
-
-
-def replot_flags(c: argparse.ArgumentParser) -> None:
-    c.add_argument("results", type=Path, help="a results.json that bench.py wrote")
-    c.add_argument("--duration", type=float, default=None, help="the run's --duration, for a "
-                   "results.json too old to hold it (results/README.md gives each run's command)")
-
-
-def simulate_flags(c: argparse.ArgumentParser) -> None:
-    """simulate's flags, and its requests: this file's (make_requests), handed to the tool."""
-    simulate.add_flags(c, list(WORKLOADS))
-    c.set_defaults(make_requests=lambda workload, rate, a: make_requests(
-        workload, rate, a.duration, 0, a.seed, HTTP_VOCAB, 1.0, parse_phases(a.phases), a.phase_s),
-        phases_of=lambda a: parse_phases(a.phases))
-
-
-# `bench.py COMMAND`: its name, its line in bench.py --help, what runs it (a tool's module: its
-# main, its docstring the help page as written; or a function here: itself, its docstring
-# rewrapped) and what adds its flags
-TOOLS = (
-    ("kernels", "the kernels, each beside a same-run reference", microbench, measuring(model=False)),
-    ("engine", "the single-GPU engine beside the hardware's ceilings", microbench, measuring()),
-    ("profile", "a decode step's GPU time, kernel by kernel", microbench,
-     measuring(more=microbench.add_profile_flags)),
-    ("transfer", "the KV handoff between two GPUs", microbench,
-     measuring(more=microbench.add_transfer_flags)),
-    ("split", "one GPU's SMs split between prefill and decode", splitbench, measuring(plot=True)),
-    ("speculative", "speculative decoding against plain decoding", specbench, measuring(plot=True)),
-    ("replot", "a run's PNGs drawn again from its results.json", replot, replot_flags),
-    ("calibrate", "the cost model replayed on a run's adaptive requests", calibrate, calibrate.add_flags),
-    ("simulate", ("one whole-GPU worker simulated on a run's step times, at fixed budgets and under the "
-                  "controller"), simulate, simulate_flags),
-    ("figures", "draw the docs' figures", figures, figures.add_flags),
-)
-
-
-def add_tool_commands(p: argparse.ArgumentParser) -> None:
-    """`bench.py COMMAND [...]`: a sub-command per entry of TOOLS; without a command, bench.py
-    runs the serving benchmark."""
-    sub = p.add_subparsers(dest="command", title="commands", description="the tools; without one, the "
-                           "serving benchmark runs (bench.py COMMAND --help for each)")
-    for name, summary, runs, add_flags in TOOLS:
-        tool = inspect.ismodule(runs)
-        c = sub.add_parser(name, help=summary, description=runs.__doc__, prog=f"bench.py {name}",
-                           **({"formatter_class": argparse.RawDescriptionHelpFormatter} if tool else {}))
-        c.set_defaults(main=runs.main if tool else runs)
-        add_flags(c)
 
 
 def main() -> None:
