@@ -51,9 +51,7 @@ def calibration(router, profiled: dict | None = None) -> dict:
                       "median_rel_error": median([e for e, c in zip(errs, router.split_changed)
                                                   if c == changed])}
                for name, changed in (("split_kept", False), ("split_changed", True))},
-            "by_decile": [statistics.median(errs[i * len(errs) // 10:(i + 1) * len(errs) // 10]
-                                            or [float("nan")])
-                          for i in range(10)],
+            "by_decile": by_tenth(errs),
             "profiled": profiled, "refitted": asdict(router.cost.p)}
 
 

@@ -9,6 +9,7 @@ import statistics
 
 
 def rate_text(rate: float) -> str:
+    """A run's rate as the lines and plots name it."""
     return "static (all at once)" if rate <= 0 else f"{rate:g} req/s"
 
 

@@ -51,6 +51,7 @@ def regime_timeline(planner, start: float, seconds: float) -> dict:
 
 
 def config_text(sm_split: list[int] | None, budget: int) -> str:
+    """A configuration as the notes name it: its SM split (or the whole GPU) and step budget."""
     return f"{'whole GPU' if sm_split is None else f'{sm_split[0]}/{sm_split[1]} SMs'} @{budget}"
 
 
@@ -73,7 +74,6 @@ def config_spans(timeline: dict) -> list[tuple[dict, float]]:
         spans.append((c, ends.get(c["worker"], timeline["seconds"])))
         ends[c["worker"]] = c["time"]
     return spans[::-1]
-
 
 
 def print_timelines(timelines: list[dict], configs: list[dict]) -> None:
