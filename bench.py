@@ -23,21 +23,20 @@ workload, model and devices), results.json with every request's timings, and PNG
 
 import argparse
 import asyncio
-import collections
-import json
+import inspect
 import math
 import random
-import statistics
 import time
-import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from tools import calibrate, figures, microbench, simulate, specbench, splitbench
+from tools import calibrate, client, figures, microbench, plots, record, simulate, specbench, splitbench
+from tools.frontier import frontier, phase_switch, print_frontier, run_config, run_names
+from tools.timelines import config_timeline, regime_timeline, timed_steps
 
 # ----------------------------------------------------------------------------- workloads
 
@@ -61,6 +60,8 @@ WORKLOADS = {
     "prefill-heavy": lambda rng: (rng.randint(1200, 2400), rng.randint(48, 192)),
     "phased": None,   # its phases in turn (make_requests; --phases, --phase-s)
 }
+
+
 # The phased workload: long prompts at the given rate, then ShareGPT-like requests at three
 # times it (shorter, so the same GPUs serve more of them), and so on; the mix moves under
 # the policies, as a day's traffic does. Each phase: (its workload, its rate over --rate).
@@ -180,114 +181,27 @@ def warm_up(run: "Run", vocab: int) -> list[Spec]:
     return warm + [Spec(0.0, [rng.randrange(vocab) for _ in range(int(2048 * run.scale))], 8)]
 
 
-class Connection:
-    """One HTTP/1.1 connection to the server (plain http), opened at its first request and
-    kept for the next (keep-alive), as a client's pool keeps it. The benchmark's own client:
-    it parses only what it times, since httpx spent ~0.1 s opening 256 connections at once,
-    which a TTFT would count."""
-
-    def __init__(self, url: str, api_key: str | None):
-        self.at, self.api_key = urllib.parse.urlsplit(url), api_key
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def post_events(self, path: str, body: dict) -> AsyncIterator[dict]:
-        """POST body as JSON to path and yield each server-sent event's JSON as it comes; an
-        answer other than 200 raises ServerError with its body. A stream not read to its end
-        closes the connection (the next request opens another)."""
-        at, whole = self.at, False
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(at.hostname, at.port or 80)
-        reader = self.reader
-        try:
-            data = json.dumps(body).encode()
-            self.writer.write(f"POST {at.path.rstrip('/')}{path} HTTP/1.1\r\nhost: {at.netloc}\r\n"
-                              f"authorization: Bearer {self.api_key or 'none'}\r\n"
-                              f"content-type: application/json\r\ncontent-length: {len(data)}\r\n\r\n"
-                              .encode() + data)
-            status = int((await reader.readline()).split()[1])
-            headers = {}
-            while (line := await reader.readline()) not in (b"\r\n", b""):
-                name, _, value = line.decode("latin-1").partition(":")
-                headers[name.strip().lower()] = value.strip()
-            if status != 200:
-                text = await reader.read(int(headers.get("content-length", 300)))
-                raise ServerError(f"HTTP {status}: {text[:300].decode(errors='replace')}")
-            pending = b""
-            while size := int((await reader.readline()).strip() or b"0", 16):   # chunked, as SSE comes
-                pending += await reader.readexactly(size)
-                await reader.readline()
-                *events, pending = pending.split(b"\n\n")
-                for event in events:
-                    if event.startswith(b"data: {"):
-                        yield json.loads(event[6:])
-            whole = await reader.readline() == b"\r\n" and headers.get("connection") != "close"
-        finally:
-            if not whole:
-                self.close()
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        self.reader = self.writer = None
-
-
-class ServerError(Exception):
-    """The server answered a request with an error status."""
-
-
 async def serve_over_http(run: "Run", workload: str, rate: float, specs: list[Spec],
                           desc: str) -> tuple[list[Result], float]:
-    """serve's twin against an OpenAI-compatible server at run.url: each spec POSTed to
-    /completions at its arrival time as a stream (token ids, greedy, ignore_eos, its usage
-    asked for), timed from the client's side: the first event with a choice is its first
-    token, the stream's end its end, the usage its output tokens. A request the server
-    refuses or fails keeps its error. Under run.concurrency, that many clients each send
-    the next request when their last one ended, over the connection they keep, and each
-    request counts from when it was sent (as serve's); else each request has a client and
-    a connection of its own."""
-    start, results, queue = time.perf_counter(), [], collections.deque(specs)
-
-    async def one(conn: Connection, spec: Spec) -> Result:
-        sent, first, n, error = time.perf_counter(), None, 0, None
-        body = {"model": run.model, "prompt": spec.prompt_ids, "max_tokens": spec.max_tokens,
-                "temperature": 0.0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
-        try:
-            async for event in conn.post_events("/completions", body):
-                first = first or (time.perf_counter() if event.get("choices") else None)
-                n = (event.get("usage") or {}).get("completion_tokens", n)
-                error = error or (event.get("error") or {}).get("message")
-        except (OSError, ValueError, asyncio.IncompleteReadError, ServerError) as e:
-            error = str(e) if isinstance(e, ServerError) else f"{type(e).__name__}: {e}"
-        arrived = start + spec.arrival if run.concurrency is None else sent
-        return Result.timed("server", workload, rate, spec, n, arrived, first, time.perf_counter(),
-                            path=[], error=error, lag=max(0.0, sent - arrived))
-
-    async def client(bar: tqdm) -> None:
-        conn = Connection(run.url, run.api_key)
-        try:
-            while queue:
-                spec = queue.popleft()
-                await asyncio.sleep(max(0.0, start + spec.arrival - time.perf_counter()))
-                results.append(await one(conn, spec))
-                bar.update()
-        finally:
-            conn.close()
+    """serve's twin against an OpenAI-compatible server at run.url, as its client
+    (tools/client.py:send): each spec POSTed to /completions at its arrival time as a stream
+    (token ids, greedy, ignore_eos, its usage asked for), timed from the client's side. A
+    request the server refuses or fails keeps its error. Under run.concurrency, that many
+    clients each send the next request when their last one ended, over the connection they
+    keep, and each request counts from when it was sent (as serve's); else each request has
+    a client and a connection of its own."""
+    start, results = time.perf_counter(), []
     with tqdm(total=len(specs), desc=desc, leave=False, disable=None) as bar:
-        await asyncio.gather(*(client(bar) for _ in range(min(run.concurrency or len(specs), len(specs)))))
+        got = await client.send(run.url, run.api_key, run.model, specs,
+                                min(run.concurrency or len(specs), len(specs)), start, bar.update)
+    for s in got:
+        arrived = start + s.spec.arrival if run.concurrency is None else s.sent
+        results.append(Result.timed("server", workload, rate, s.spec, s.tokens, arrived, s.first, s.end,
+                                    path=[], error=s.error, lag=max(0.0, s.sent - arrived)))
     return sorted(results, key=lambda r: r.arrival), time.perf_counter() - start
 
 
-def six_digits(x):
-    """x (nested dicts and lists) with every float rounded to six significant digits."""
-    if isinstance(x, float):
-        return float(f"{x:.6g}")
-    if isinstance(x, dict):
-        return {k: six_digits(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [six_digits(v) for v in x]
-    return x
+# ----------------------------------------------------------------------------- summaries and the table
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -312,88 +226,25 @@ def summarize(results: list[Result], seconds: float, ttft_slo: float, tpot_slo: 
     return row
 
 
-# ----------------------------------------------------------------------------- report
+def summary_rows(run: "Run", name: str, workload: str, rate: float, got: list[Result], seconds: float,
+                 held: dict) -> list[dict]:
+    """A run's summary row (held: what it ran under), and the phased workload's per phase,
+    each over its share of the run."""
+    rows = [{"policy": name, "workload": workload, "rate": rate, **held,
+             **summarize(got, seconds, run.ttft_slo, run.tpot_slo)}]
+    if workload == "phased":
+        held = {k: v for k, v in held.items() if k not in ("start_s", "profile_s", "warm_up_s")}
+        rows += [{"policy": name, "workload": f"phased:{mix}", "rate": rate, **held,
+                  **summarize([r for r in got if r.phase == mix],
+                              seconds * sum(m == mix for m, _ in run.phases) / len(run.phases),
+                              run.ttft_slo, run.tpot_slo)} for mix in dict.fromkeys(m for m, _ in run.phases)]
+    return rows
 
 
 def label(policy: str, workload: str, rows: list[dict]) -> str:
     """A series' name in the plots: the policy, and the workload when a run has several."""
     several = len({r["workload"] for r in rows}) > 1
     return f"{policy} {workload}" if several else policy
-
-
-def rate_text(rate: float) -> str:
-    return "static (all at once)" if rate <= 0 else f"{rate:g} req/s"
-
-
-def frontier(rows: list[dict], slo: bool) -> list[dict]:
-    """For each workload and rate served by more than one run: the best fixed configuration
-    (every run but adaptive), the one of lowest E2E p50, and adaptive's E2E p50 over its;
-    with an SLO given (slo), also the fixed one meeting it most and adaptive's share met
-    over its (the same requests at the same times, so the ratio of their goodputs)."""
-    def e2e(r: dict) -> float:
-        return r["e2e_p50"] if math.isfinite(r["e2e_p50"]) else math.inf   # nothing served: last
-    out = []
-    for workload, rate in dict.fromkeys((r["workload"], r["rate"]) for r in rows):
-        group = [r for r in rows if (r["workload"], r["rate"]) == (workload, rate)]
-        fixed = [r for r in group if run_config(r["policy"])[0] != "adaptive"]
-        adaptive = next((r for r in group if r["policy"] == "adaptive"), None)
-        if not fixed or len(group) < 2:
-            continue
-        best = min(fixed, key=e2e)
-        entry = {"workload": workload, "rate": rate, "best_fixed": best["policy"],
-                 "best_fixed_e2e_p50": best["e2e_p50"]}
-        if adaptive is not None:
-            entry.update(adaptive_e2e_p50=adaptive["e2e_p50"],
-                         e2e_p50_ratio=adaptive["e2e_p50"] / best["e2e_p50"])
-        if slo:
-            met = max(fixed, key=lambda r: r["slo_attainment"])
-            entry.update(best_fixed_slo=met["policy"], best_fixed_slo_attainment=met["slo_attainment"])
-            if adaptive is not None:
-                entry.update(adaptive_slo_attainment=adaptive["slo_attainment"],
-                             slo_attainment_ratio=adaptive["slo_attainment"]
-                             / max(met["slo_attainment"], 1e-9))
-        out.append(entry)
-    return out
-
-
-def phase_switch(front: list[dict], results: list[Result]) -> None:
-    """To each phased run's frontier entry, what a configuration chosen per phase could do:
-    each phase's requests taken from the fixed configuration best for that phase (its own
-    frontier entry), their E2E p50 together over the best fixed one's. An estimate of the
-    most a change between phases gains on this load: each phase's requests met the backlog
-    its run's configuration left, not the one the switch would."""
-    phases = {(f["workload"].removeprefix("phased:"), f["rate"]): f["best_fixed"] for f in front
-              if f["workload"].startswith("phased:")}
-    for f in front:
-        if f["workload"] != "phased":
-            continue
-        best = {mix: name for (mix, rate), name in phases.items() if rate == f["rate"]}
-        e2e = [r.e2e for r in results if r.error is None and r.workload == "phased" and r.rate == f["rate"]
-               and best.get(r.phase) == r.policy]
-        if best and e2e:
-            f.update(phase_best=best, phase_switch_e2e_p50=percentile(e2e, 50),
-                     phase_switch_ratio=percentile(e2e, 50) / f["best_fixed_e2e_p50"])
-
-
-def print_frontier(front: list[dict]) -> None:
-    """adaptive beside the best fixed configuration, a line per workload and rate, and on a
-    phased load the estimate of a configuration per phase (phase_switch)."""
-    for f in front:
-        if "phase_switch_ratio" in f:
-            best = ", ".join(f"{mix} {name}" for mix, name in f["phase_best"].items())
-            print(f"each phase on its best fixed ({best}), {f['workload']} at {rate_text(f['rate'])}: "
-                  f"E2E p50 {f['phase_switch_e2e_p50']:.2f} s, {f['phase_switch_ratio']:.2f}x the best "
-                  "fixed: about the most a change between phases gains here")
-        if "e2e_p50_ratio" not in f:
-            continue
-        line = (f"adaptive vs the best fixed ({f['best_fixed']}), {f['workload']} at {rate_text(f['rate'])}: "
-                f"E2E p50 {f['adaptive_e2e_p50']:.2f} s vs {f['best_fixed_e2e_p50']:.2f} s, "
-                f"{f['e2e_p50_ratio']:.2f}x")
-        if "slo_attainment_ratio" in f:
-            line += (f"; SLO met {f['adaptive_slo_attainment']:.0%} vs "
-                     f"{f['best_fixed_slo_attainment']:.0%} ({f['best_fixed_slo']}), goodput "
-                     f"{f['slo_attainment_ratio']:.2f}x")
-        print(line)
 
 
 def print_table(rows: list[dict], title: str, front: list[dict] = ()) -> None:
@@ -418,308 +269,59 @@ def print_table(rows: list[dict], title: str, front: list[dict] = ()) -> None:
                   f"{r['spec_mean_kept_per_step']:.2f} tokens per drafting step")
 
 
-def plot(run: "Run", rows: list[dict], results: list[Result], goodput: dict,
-         timelines: list[dict], configs: list[dict] = ()) -> list[str]:
-    """The PNGs a reader would rather look at than read, under run.out; their file names.
-    Every figure is headed by the run's caption (policies, workloads, model, devices)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    figures, styles = {}, series_styles(rows)
-    if len({r["rate"] for r in rows}) > 1:
-        figures["latency_throughput_vs_rate.png"] = plot_vs_rate(plt, rows, styles)
-        figures["goodput.png"] = plot_goodput(plt, goodput, styles, run)
-    figures["latency_cdf.png"] = plot_cdf(plt, rows, results, styles)
-    routed = [r for r in results if r.routed]
-    if routed:
-        figures["router_choices.png"] = plot_router(plt, routed)
-    if timelines:
-        figures["roles_over_time.png"] = plot_roles(plt, timelines)
-    if configs:
-        figures["configs_over_time.png"] = plot_configs(plt, configs, results)
-    for name, fig in figures.items():
-        fig.suptitle(caption(run), fontsize=8, color="0.3")
-        fig.savefig(run.out / name, dpi=110, bbox_inches="tight")   # legends outside the axes stay in
-        plt.close(fig)
-    return list(figures)
-
-
-# the same in every plot and run. Where two policies' lines coincide the later one is drawn
-# over the earlier, thinner: the earlier shows as a wider band of its colour around it.
-POLICY_COLORS = {"collocated": "C0", "disaggregated": "C1", "adaptive": "C2", "server": "C4"}
-POLICY_WIDTHS = {"collocated": 4.0, "disaggregated": 2.6, "adaptive": 1.3, "server": 2.0}
-POLICY_MARKERS = {"collocated": ("o", 10), "disaggregated": ("s", 7), "adaptive": ("^", 5),   # (shape, size)
-                  "server": ("D", 6)}   # a server measured over HTTP (--url)
-LINE_STYLES = ["-", "--", ":", "-."]
-
-
-# A policy's runs at budgets below its largest (one device's `--policy all`, ONE_DEVICE_ALL):
-# a colour of their own each, and a line thinner by this per step down, drawn after it.
-VARIANT_COLORS = ["C4", "C9", "C5", "C6", "C8"]
-VARIANT_THINNER = 0.35
-
-
-def run_looks(names: list[str]) -> dict[str, tuple[str, float]]:
-    """Each run's colour and line width (by its name): its policy's, or for a run below its
-    policy's largest budget, a colour of VARIANT_COLORS and a thinner line."""
-    def budget(name: str) -> float:
-        return run_config(name)[1] or math.inf
-    looks, variants = {}, 0
-    for name in names:
-        policy = run_config(name)[0]
-        below = sum(run_config(m)[0] == policy and budget(m) > budget(name) for m in names)
-        color = VARIANT_COLORS[variants % len(VARIANT_COLORS)] if below else POLICY_COLORS[policy]
-        variants += below > 0
-        looks[name] = (color, POLICY_WIDTHS[policy] - VARIANT_THINNER * below)
-    return looks
-
-
-def series_styles(rows: list[dict]) -> dict[str, dict]:
-    """Each series' look (by its label): the colour and width its run's (run_looks), the line
-    style its workload's; drawn in order of width, the widest first."""
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    looks = run_looks(list(dict.fromkeys(r["policy"] for r in rows)))
-    styles = {r["label"]: {"color": looks[r["policy"]][0], "linewidth": looks[r["policy"]][1],
-                           "linestyle": LINE_STYLES[workloads.index(r["workload"]) % len(LINE_STYLES)]}
-              for r in rows}
-    return dict(sorted(styles.items(), key=lambda kv: -kv[1]["linewidth"]))
-
-
-def log_ticks(axis) -> None:
-    """Label a log axis at 1, 2 and 5 times each power of ten, as plain numbers (0.2, 1, 5),
-    its view widened out to such numbers and to at least three of them: however narrow the
-    data's range, a reader has several numbered ticks. Call it once the data is drawn."""
-    from matplotlib import ticker
-    axis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    axis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
-    axis.set_minor_formatter(ticker.NullFormatter())
-    lo, hi = sorted(axis.get_view_interval())
-    if not 0 < lo <= hi < math.inf:
-        return
-    nice = [m * 10.0 ** k for k in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 2)
-            for m in (1, 2, 5)]
-    lo, hi = max(t for t in nice if t <= lo * 1.0001), min(t for t in nice if t >= hi / 1.0001)
-    while sum(lo <= t <= hi for t in nice) < 3:
-        hi = min(t for t in nice if t > hi)
-    axis.set_view_interval(lo, hi, ignore=True)
-
-
-def plot_vs_rate(plt, rows: list[dict], styles: dict):
-    """E2E p50, E2E p99 and output throughput against the arrival rate, a panel each, a
-    line per series; one legend, beside the panels."""
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4), layout="constrained")
-    for name, style in styles.items():
-        mine = sorted((r for r in rows if r["label"] == name), key=lambda r: r["rate"])
-        marker, size = POLICY_MARKERS[run_config(mine[0]["policy"])[0]]
-        for ax, key in zip(axes, ("e2e_p50", "e2e_p99", "output_tok_s")):
-            ax.plot([r["rate"] for r in mine], [r[key] for r in mine], marker=marker, markersize=size,
-                    label=name, **style)
-    for ax, what in zip(axes, ("median (p50)", "p99")):
-        ax.set(ylabel="end-to-end latency (s, log scale)", yscale="log", title=f"{what} latency vs rate")
-        log_ticks(ax.yaxis)
-    axes[2].set(ylabel="output tokens/s", title="throughput vs rate")
-    for ax in axes:
-        ax.set(xlabel="arrival rate (requests/s)", xticks=sorted({r["rate"] for r in rows}))
-        ax.grid(alpha=0.3)
-    axes[2].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    return fig
-
-
-def plot_goodput(plt, goodput: dict, styles: dict, run: "Run"):
-    """Each series' goodput as a bar, its number beside it."""
-    fig, ax = plt.subplots(figsize=(6.5, 0.9 + 0.45 * len(goodput)), layout="constrained")
-    names = list(goodput)[::-1]   # the first series on top
-    bars = ax.barh(names, [goodput[n] for n in names], color=[styles[n]["color"] for n in names], height=0.6)
-    ax.bar_label(bars, [f"{goodput[n]:g}" for n in names], padding=3, fontsize=8)
-    ax.set(xlabel="goodput (requests/s)", xlim=(0, max(run.rates) * 1.12),
-           title=f"goodput: the highest rate swept (of {', '.join(f'{r:g}' for r in run.rates)} req/s) with "
-                 f">= 90% of requests\ninside the SLO of TTFT <= {run.ttft_slo:g} s and TPOT <= "
-                 f"{run.tpot_slo * 1e3:g} ms")
-    ax.title.set_fontsize(9)
-    return fig
-
-
-def plot_router(plt, routed: list[Result]):
-    """Each adaptive request's prompt length against the decodes on its prefill worker when
-    it was routed, by the path taken: the rarer path drawn last and larger, so that its
-    few points stand out of the many."""
-    from matplotlib import ticker
-    fig, ax = plt.subplots(figsize=(6.5, 4), layout="constrained")
-    paths = [(name, [r for r in routed if (len(r.path) == 2) == two], color)
-             for name, two, color in (("collocated", False, "C0"), ("disaggregated", True, "C3"))]
-    paths = sorted((p for p in paths if p[1]), key=lambda p: -len(p[1]))   # the commoner first, underneath
-    for k, (name, pts, color) in enumerate(paths):
-        rare = k > 0
-        ax.scatter([r.routed["decode_batch"] for r in pts], [r.prompt_len for r in pts], color=color,
-                   s=45 if rare else 14, marker="D" if rare else "o", alpha=1.0 if rare else 0.5,
-                   edgecolors="black" if rare else "none", linewidths=0.6, zorder=3 if rare else 2,
-                   label=f"{name} ({len(pts)})")
-    # Whole counts only, and a view at least half a count past the extremes: a run whose
-    # requests all saw one count gets that one tick, not steps of 0.02 around it.
-    ax.xaxis.set_major_locator(ticker.MaxNLocator(integer=True, min_n_ticks=1))
-    most = max(r.routed["decode_batch"] for r in routed)
-    ax.set_xlim(-max(0.5, 0.05 * most), most + max(0.5, 0.05 * most))
-    ax.set(xlabel="sequences decoding on the prefill worker when routed", ylabel="prompt tokens",
-           title="the adaptive router's path for each request")
-    ax.grid(alpha=0.3)
-    ax.legend(title="path (requests)", fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    return fig
-
-
-ROLE_COLORS = {"both": "C0", "prefill": "C1", "decode": "C2", "split": "C3"}   # roles.py:ROLES
-ROLE_NAMES = {"both": "both (prefill and decode)", "prefill": "prefill only", "decode": "decode only",
-              "split": "split (prefill and decode on SM partitions)"}
-
-
-def plot_roles(plt, timelines: list[dict]):
-    """Each worker's role in the adaptive policy's regime over each run (one panel a run);
-    the phased workload's phases shaded behind; the legend lists the roles that occur."""
-    fig, axes = plt.subplots(len(timelines), 1, figsize=(9, 1.4 + 1.2 * len(timelines)), squeeze=False,
-                             layout="constrained")
-    for ax, tl in zip(axes[:, 0], timelines):
-        workers = sorted({int(w) for c in tl["changes"] for w in c["roles"]})
-        if tl["workload"] == "phased":   # each phase named in a strip above the bars, every other one shaded
-            ax.set_ylim(-0.5, workers[-1] + 0.9)
-            phases, phase_s = tl.get("phases", PHASES), tl.get("phase_s", PHASE_S)
-            for k in range(math.ceil(tl["seconds"] / phase_s)):
-                start, end = k * phase_s, min((k + 1) * phase_s, tl["seconds"])
-                if k % 2:
-                    ax.axvspan(start, end, color="0.9")
-                # too short a stub left at the end: no room for a name
-                if end - start > 0.15 * tl["seconds"]:
-                    ax.text((start + end) / 2, 0.97, f"phase {phases[k % len(phases)][0]}", ha="center",
-                            va="top", fontsize=7, transform=ax.get_xaxis_transform())
-        ends = [c["time"] for c in tl["changes"][1:]] + [tl["seconds"]]
-        for change, end in zip(tl["changes"], ends):
-            for w, role in change["roles"].items():
-                ax.barh(int(w), end - change["time"], left=change["time"], color=ROLE_COLORS[role],
-                        height=0.6)
-        regimes = [c["regime"] for c in tl["changes"]]
-        held = (f"regime '{regimes[0]}' throughout" if len(set(regimes)) == 1
-                else f"{len(regimes) - 1} regime changes")
-        ax.set(xlim=(0, tl["seconds"]), title=f"the adaptive policy's worker roles, {tl['workload']} at "
-               f"{rate_text(tl['rate'])}: {held}")
-        ax.set_yticks(workers, [f"worker {w}" for w in workers])
-    axes[-1, 0].set(xlabel="seconds into the run")
-    seen = {role for tl in timelines for c in tl["changes"] for role in c["roles"].values()}
-    axes[0, 0].legend(handles=[plt.Rectangle((0, 0), 1, 1, color=ROLE_COLORS[r], label=ROLE_NAMES[r])
-                               for r in ROLE_COLORS if r in seen],
-                      title="role", fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    return fig
-
-
-WHOLE_GPU = "#999999"
-SPLIT_COLORS = ["#1F3F73", "#2F5A9E", "#4C72B0", "#7C9CD0", "#A9C0E6"]   # by decode SMs, fewest darkest
-BUDGET_MENU = (256, 512, 1024, 2048, 4096, 8192)   # the controllers' budgets, the colour scale's ends
-
-
-def budget_color(plt, budget: int):
-    """A token budget's colour: light for small budgets, dark for large, on a log scale."""
-    k = math.log2(max(budget, 1) / BUDGET_MENU[0]) / math.log2(BUDGET_MENU[-1] / BUDGET_MENU[0])
-    return plt.get_cmap("YlOrBr")(0.2 + 0.7 * min(1.0, max(0.0, k)))
-
-
-def plot_configs(plt, configs: list[dict], results: list[Result]):
-    """For each adaptive run with its controllers' log (config_timeline): on top the
-    requests arriving per second, by the mix (phase) that drew them; under it one band
-    per worker, its upper half the SM split it held (grey: the whole GPU; blue: prefill
-    SMs / decode SMs), its lower half the step's token budget (darker: larger), each
-    labelled where there is room; the phased workload's phase boundaries dotted across."""
-    from tools.figures import draw_arrivals
-    heights = [h for tl in configs for h in (2.0, 0.8 * len({c["worker"] for c in tl["changes"]}))]
-    fig, axes = plt.subplots(len(heights), 1, figsize=(10, 0.6 + sum(heights)), height_ratios=heights,
-                             layout="constrained", squeeze=False)
-    for k, tl in enumerate(configs):
-        top, bands = axes[2 * k, 0], axes[2 * k + 1, 0]
-        bands.sharex(top)
-        mine = [(r.arrival, r.phase or r.workload) for r in results
-                if (r.policy, r.workload, r.rate) == (tl["policy"], tl["workload"], tl["rate"])]
-        draw_arrivals(top, mine, tl["seconds"], bin_s=1.0 if tl["seconds"] > 30 else 0.5, loc="upper left",
-                      bbox_to_anchor=(1.01, 1.0))
-        changes = len(tl["changes"]) - len({c["worker"] for c in tl["changes"]})
-        top.set_title(f"the adaptive controllers' configuration, {tl['workload']} at "
-                      f"{rate_text(tl['rate'])}: {changes} changes over {tl['seconds']:.1f} s", fontsize=10)
-        draw_config_bands(plt, bands, tl)
-        if tl["workload"] == "phased":
-            for ax in (top, bands):
-                for t in [i * tl["phase_s"] for i in range(1, math.ceil(tl["seconds"] / tl["phase_s"]))]:
-                    ax.axvline(t, color="black", linestyle=":", linewidth=0.8)
-        top.set_xlim(0, tl["seconds"])
-        top.tick_params(labelbottom=False)   # the bands under it carry the times
-    axes[-1, 0].set_xlabel("seconds into the run")
-    return fig
-
-
-def draw_config_bands(plt, ax, tl: dict) -> None:
-    """config_timeline's changes as a band per worker (plot_configs), with their legends."""
-    workers = sorted({c["worker"] for c in tl["changes"]})
-    splits = sorted({tuple(c["sm_split"]) for c in tl["changes"] if c["sm_split"]}, key=lambda s: s[1])
-    budgets = sorted({c["budget"] for c in tl["changes"]})
-    spans = config_spans(tl)
-    for w in workers:
-        y = len(workers) - 1 - workers.index(w)   # worker 0 on top
-        mine = [(c, end) for c, end in spans if c["worker"] == w]
-        for (t0, t1, split), base in ((s, y + 0.02) for s in held_runs(mine, "sm_split")):
-            color = WHOLE_GPU if split is None else \
-                SPLIT_COLORS[splits.index(tuple(split)) % len(SPLIT_COLORS)]
-            label_span(ax, t0, t1, base, color, "whole GPU" if split is None else f"{split[0]}/{split[1]}",
-                       "white", tl["seconds"])
-        for t0, t1, budget in held_runs(mine, "budget"):
-            label_span(ax, t0, t1, y - 0.45, budget_color(plt, budget), str(budget),
-                       "white" if budget >= 2048 else "black", tl["seconds"])
-    ax.set_yticks([t for y in range(len(workers))[::-1] for t in (y + 0.235, y - 0.235)],
-                  [t for w in workers for t in (f"worker {w} SMs", f"worker {w} budget")], fontsize=8)
-    ax.set_ylim(-0.55, len(workers) - 0.45)
-    patches = [plt.Rectangle((0, 0), 1, 1, color=WHOLE_GPU, label="whole GPU")] + [
-        plt.Rectangle((0, 0), 1, 1, color=SPLIT_COLORS[i % len(SPLIT_COLORS)], label=f"{p}/{d}")
-        for i, (p, d) in enumerate(splits)]
-    ax.add_artist(ax.legend(handles=patches, title="SM split\n(prefill/decode)", fontsize=7, title_fontsize=7,
-                            loc="lower left", bbox_to_anchor=(1.01, 0.0)))
-    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=budget_color(plt, b), label=str(b))
-                       for b in budgets], title="token budget\n(tokens a step)", fontsize=7,
-              title_fontsize=7,
-              loc="lower left", bbox_to_anchor=(1.16, 0.0), ncol=1 + (len(budgets) > 3))
-
-
-def held_runs(spans: list[tuple[dict, float]], key: str) -> list[tuple[float, float, object]]:
-    """A worker's config_spans as (start, end, value of key), a span per run of one value."""
-    runs = []
-    for c, end in spans:
-        if runs and runs[-1][2] == c[key]:
-            runs[-1] = (runs[-1][0], end, c[key])
-        else:
-            runs.append((c["time"], end, c[key]))
-    return runs
-
-
-def label_span(ax, t0: float, t1: float, base: float, color, text: str, ink: str, seconds: float) -> None:
-    """A bar of a band from t0 to t1, labelled text where it is wide enough to hold it."""
-    ax.broken_barh([(t0, t1 - t0)], (base, 0.43), color=color)
-    if t1 - t0 > 0.012 * seconds * (len(text) + 2):   # about a character's width at 10 inches
-        ax.text((t0 + t1) / 2, base + 0.215, text, ha="center", va="center", fontsize=8, color=ink)
-
-
-def plot_cdf(plt, rows: list[dict], results: list[Result], styles: dict):
-    """The E2E latency CDF of every series at the highest rate: colour the policy, line
-    style the workload."""
-    fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
-    top = max(r["rate"] for r in rows)
+def report(run: "Run", rows: list[dict], results: list[Result], calib: dict, timelines: list[dict],
+           configs: list[dict] = (), steps: list[dict] = ()) -> None:
+    """The table and goodput on stdout; results.json and the plots under run.out."""
     for r in rows:
-        e2e = sorted(x.e2e for x in results
-                     if (x.policy, x.workload, x.rate) == (r["policy"], r["workload"], top)
-                     and x.error is None)
-        if r["rate"] == top and e2e:   # (a phase's row has no requests of its own name)
-            ax.plot(e2e, [(i + 1) / len(e2e) for i in range(len(e2e))], label=r["label"],
-                    **styles[r["label"]])
-    ax.set(xlabel="end-to-end latency (s, log scale)", ylabel="fraction of requests", xscale="log",
-           ylim=(0, 1.02), title=f"end-to-end latency CDF at {rate_text(top)}")
-    log_ticks(ax.xaxis)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    return fig
+        r["label"] = label(r["policy"], r["workload"], rows)
+    labels = list(dict.fromkeys(r["label"] for r in rows))
+    goodput = {lb: max([r["rate"] for r in rows if r["label"] == lb and r["slo_attainment"] >= 0.9],
+                       default=0.0)
+               for lb in labels}
+    front = frontier(rows, run.slo is not None)
+    phase_switch(front, results)
+    print_table(rows, record.caption(run), front)
+    record.print_notes(run, rows, goodput, calib, timelines, configs, front)
+    run.out.mkdir(parents=True, exist_ok=True)
+    files = plots.plot(run.out, record.caption(run), rows, results, goodput, timelines, configs, run.rates,
+                       (run.ttft_slo, run.tpot_slo))
+    record.write_results(run, rows, results, goodput, front, calib, timelines, configs, steps)
+    print(f"wrote {run.out / 'results.json'} and {', '.join(files)}")
 
 
-# ----------------------------------------------------------------------------- main
+def replot(args: argparse.Namespace) -> None:
+    """A run's PNGs drawn again, beside its results.json, and its frontier lines printed
+    again, from what that file holds: nothing is measured. The run's caption is rebuilt from
+    the file's meta and summary. The file may be gzipped (results.json.gz)."""
+    data = calibrate.read_results(args.results)
+    meta, rows = data["meta"], data["summary"]
+    duration = default(args.duration, meta.get("duration"))
+    if duration is None:
+        raise SystemExit(f"{args.results} does not hold the run's duration: give --duration")
+    first = meta["devices"][0]
+    joined, served = first.startswith("joined at "), first.startswith("served at ")
+    run = Run(mode=meta["mode"], policies=list(dict.fromkeys(r["policy"] for r in rows)),
+              workloads=meta["workloads"], rates=sorted({r["rate"] for r in rows}), duration=duration,
+              count=meta.get("num_requests", len(data["requests"])), model=meta["model"],
+              devices=None if joined or served else meta["devices"], scale=meta["length_scale"],
+              ttft_slo=meta["ttft_slo"], tpot_slo=meta["tpot_slo"], engine={}, seed=meta["seed"],
+              out=args.results.parent, join=first.removeprefix("joined at ") if joined else None,
+              transport=meta.get("transport", "p2p"), device_name=meta["device_name"],
+              phases=tuple(tuple(p) for p in meta.get("phases", PHASES)),
+              phase_s=meta.get("phase_s", PHASE_S), url=first.removeprefix("served at ") if served else None,
+              concurrency=meta.get("max_concurrency"))
+    results = [Result(**r) for r in data["requests"]]
+    front = frontier(rows, meta.get("slo_given", False))
+    phase_switch(front, results)
+    print_frontier(front)
+    # regimes recorded before results.json kept their phases: the default ones
+    timelines = [{"phases": PHASES, "phase_s": PHASE_S, **tl} for tl in data.get("regimes") or []]
+    files = plots.plot(run.out, record.caption(run), rows, results, data["goodput"], timelines,
+                       data.get("configs") or [], run.rates, (run.ttft_slo, run.tpot_slo))
+    print(f"wrote {', '.join(str(run.out / f) for f in files)}")
+
+
+# ----------------------------------------------------------------------------- the command line
 
 
 @dataclass
@@ -822,19 +424,10 @@ def add_arrival_flags(p: argparse.ArgumentParser) -> None:
                    "vLLM's benchmark (default: no cap)")
 
 
-def add_tool_commands(p: argparse.ArgumentParser) -> None:
-    """`bench.py COMMAND [...]`: one sub-command per tool (tools/), its module's docstring its
-    help page; without a command, bench.py runs the serving benchmark."""
-    sub = p.add_subparsers(dest="command", title="commands", description="the tools; without one, the "
-                           "serving benchmark runs (bench.py COMMAND --help for each)")
-
-    def command(name: str, module, summary: str, model: bool = True,
-                plot: bool = False) -> argparse.ArgumentParser:
-        """A measuring tool's sub-command: --small and --out (JSON, and a plot beside it if it
-        draws one), and --model unless it times no model."""
-        c = sub.add_parser(name, help=summary, description=module.__doc__, prog=f"bench.py {name}",
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-        c.set_defaults(main=module.main)
+def measuring(model: bool = True, plot: bool = False, more: Callable | None = None) -> Callable:
+    """What adds a measuring tool's flags: --small and --out (JSON, and a plot beside it if it
+    draws one), --model unless it times no model, and its own (more)."""
+    def add(c: argparse.ArgumentParser) -> None:
         c.add_argument("--small", action="store_true", help="every measurement at toy sizes (the tiny model, "
                        "small batches, few requests): seconds, to check that it runs; its numbers mean "
                        "nothing")
@@ -843,64 +436,57 @@ def add_tool_commands(p: argparse.ArgumentParser) -> None:
         if model:
             c.add_argument("--model", default=None, help="preset (random weights) or checkpoint folder "
                            "(default: qwen3-8b, or tiny with --small)")
-        return c
-    command("kernels", microbench, "the kernels, each beside a same-run reference", model=False)
-    command("engine", microbench, "the single-GPU engine beside the hardware's ceilings")
-    profile = command("profile", microbench, "a decode step's GPU time, kernel by kernel")
-    profile.add_argument("--batch", type=int, default=None,
-                         help="decode batch size (default: 1, 2 with --small)")
-    profile.add_argument("--context", type=int, default=None, help="tokens of context per sequence (default: "
-                         "1024, 64 with --small)")
-    transfer = command("transfer", microbench, "the KV handoff between two GPUs")
-    transfer.add_argument("--devices", nargs=2, default=None, metavar=("PREFILL", "DECODE"),
-                          help="the two devices (default: cuda:0 cuda:1, or cuda:0 twice on one GPU)")
-    command("split", splitbench, "one GPU's SMs split between prefill and decode", plot=True)
-    command("speculative", specbench, "speculative decoding against plain decoding", plot=True)
-    again = sub.add_parser("replot", help="a run's PNGs drawn again from its results.json",
-                           description=replot.__doc__, prog="bench.py replot")
-    again.set_defaults(main=replot)
-    again.add_argument("results", type=Path, help="a results.json that bench.py wrote")
-    again.add_argument("--duration", type=float, default=None, help="the run's --duration, for a "
-                       "results.json too old to hold it (results/README.md gives each run's command)")
-    recal = sub.add_parser("calibrate", help="the cost model replayed on a run's adaptive requests",
-                           description=calibrate.__doc__, prog="bench.py calibrate",
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    recal.set_defaults(main=calibrate.main)
-    recal.add_argument("results", type=Path, help="a results.json (or .json.gz) that bench.py wrote")
-    add_simulate(sub)
-    figs = sub.add_parser("figures", help="draw the docs' figures", description=figures.__doc__,
-                          prog="bench.py figures", formatter_class=argparse.RawDescriptionHelpFormatter)
-    figs.set_defaults(main=figures.main)
-    figs.add_argument("--out", type=Path, default=figures.FIGURES,
-                      help="folder for the PNGs (default: docs/figures)")
+        if more is not None:
+            more(c)
+    return add
 
 
-def add_simulate(sub) -> None:
-    """`bench.py simulate`: its requests are this file's (make_requests), handed to the tool."""
-    sim = sub.add_parser("simulate", help="one whole-GPU worker simulated on a run's step times, at "
-                         "fixed budgets and under the controller", description=simulate.__doc__,
-                         prog="bench.py simulate", formatter_class=argparse.RawDescriptionHelpFormatter)
-    sim.set_defaults(main=simulate.main, make_requests=lambda workload, rate, a: make_requests(
+def replot_flags(c: argparse.ArgumentParser) -> None:
+    """replot's argument and flag."""
+    c.add_argument("results", type=Path, help="a results.json that bench.py wrote")
+    c.add_argument("--duration", type=float, default=None, help="the run's --duration, for a "
+                   "results.json too old to hold it (results/README.md gives each run's command)")
+
+
+def simulate_flags(c: argparse.ArgumentParser) -> None:
+    """simulate's flags, and its requests: this file's (make_requests), handed to the tool."""
+    simulate.add_flags(c, list(WORKLOADS))
+    c.set_defaults(make_requests=lambda workload, rate, a: make_requests(
         workload, rate, a.duration, 0, a.seed, HTTP_VOCAB, 1.0, parse_phases(a.phases), a.phase_s),
         phases_of=lambda a: parse_phases(a.phases))
-    sim.add_argument("results", type=Path, help="a results.json (or .json.gz) of a run with adaptive in it")
-    sim.add_argument("--workload", nargs="+", default=["phased"], choices=list(WORKLOADS),
-                     help="as bench.py's (default: phased)")
-    sim.add_argument("--rate", nargs="+", type=float, default=[20.0], help="req/s (default: 20)")
-    sim.add_argument("--duration", type=float, default=12.0, help="seconds of arrivals (default: 12)")
-    sim.add_argument("--phases", nargs="+", default=None, metavar="WORKLOAD:FACTOR",
-                     help="the phased workload's phases, as bench.py's")
-    sim.add_argument("--phase-s", type=float, default=3.0, help="seconds per phase (default: 3)")
-    sim.add_argument("--seed", type=int, default=0, help="the requests' seed, as bench.py's (default: 0)")
-    sim.add_argument("--seats", type=int, default=256, help="max_num_seqs (default: 256)")
-    sim.add_argument("--max-num-batched-tokens", type=int, default=8192, help="(default: 8192)")
-    sim.add_argument("--ttft-slo", type=float, default=None, help="s: with --tpot-slo (either), each "
-                     "configuration's share within the SLO, the controller's objective, and goodput over "
-                     "the rates (default: none)")
-    sim.add_argument("--tpot-slo", type=float, default=None, help="s a decode step (default: none)")
-    sim.add_argument("--phase-oracle", action="store_true",
-                     help="phased: also every assignment of a budget to each phase, the best of them "
-                     "(what a budget chosen per phase gains, knowing the phases to come)")
+
+
+# `bench.py COMMAND`: its name, its line in bench.py --help, what runs it (a tool's module: its
+# main, its docstring the help page as written; or a function here: itself, its docstring
+# rewrapped) and what adds its flags
+TOOLS = (
+    ("kernels", "the kernels, each beside a same-run reference", microbench, measuring(model=False)),
+    ("engine", "the single-GPU engine beside the hardware's ceilings", microbench, measuring()),
+    ("profile", "a decode step's GPU time, kernel by kernel", microbench,
+     measuring(more=microbench.add_profile_flags)),
+    ("transfer", "the KV handoff between two GPUs", microbench,
+     measuring(more=microbench.add_transfer_flags)),
+    ("split", "one GPU's SMs split between prefill and decode", splitbench, measuring(plot=True)),
+    ("speculative", "speculative decoding against plain decoding", specbench, measuring(plot=True)),
+    ("replot", "a run's PNGs drawn again from its results.json", replot, replot_flags),
+    ("calibrate", "the cost model replayed on a run's adaptive requests", calibrate, calibrate.add_flags),
+    ("simulate", ("one whole-GPU worker simulated on a run's step times, at fixed budgets and under the "
+                  "controller"), simulate, simulate_flags),
+    ("figures", "draw the docs' figures", figures, figures.add_flags),
+)
+
+
+def add_tool_commands(p: argparse.ArgumentParser) -> None:
+    """`bench.py COMMAND [...]`: a sub-command per entry of TOOLS; without a command, bench.py
+    runs the serving benchmark."""
+    sub = p.add_subparsers(dest="command", title="commands", description="the tools; without one, the "
+                           "serving benchmark runs (bench.py COMMAND --help for each)")
+    for name, summary, runs, add_flags in TOOLS:
+        tool = inspect.ismodule(runs)
+        c = sub.add_parser(name, help=summary, description=runs.__doc__, prog=f"bench.py {name}",
+                           **({"formatter_class": argparse.RawDescriptionHelpFormatter} if tool else {}))
+        c.set_defaults(main=runs.main if tool else runs)
+        add_flags(c)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -940,34 +526,6 @@ def make_run(args: argparse.Namespace) -> Run:
               concurrency=args.max_concurrency)
     check_run(run)
     return run
-
-
-# `--policy all` on one device: beside adaptive, the fixed configurations its controller
-# chooses between: the whole GPU at three step budgets, the controller's menu's 512 and
-# 2048 tokens and --max-num-batched-tokens (None), and the fixed SM split
-# (disaggregated on one device is a split worker, cluster.py:POLICIES) at the latter. Each
-# is named policy@budget. On several devices `all` is the three policies at the one budget.
-ONE_DEVICE_ALL = (("collocated", 512), ("collocated", 2048), ("collocated", None),
-                  ("disaggregated", None), ("adaptive", None))
-FIXED_ORDER = ("collocated", "disaggregated")   # the table's order of the fixed configurations
-
-
-def run_names(policy: str, devices: list[str] | None, budget: int) -> list[str]:
-    """The runs --policy asks for, by name (run_config reads a name back): the fixed
-    configurations by policy then budget, adaptive last."""
-    if policy != "all":
-        return [policy]
-    if devices is None or len(devices) > 1:   # several workers (or joined ones): the three policies
-        return ["collocated", "disaggregated", "adaptive"]
-    configs = {(p, b or budget) for p, b in ONE_DEVICE_ALL}
-    fixed = sorted((c for c in configs if c[0] in FIXED_ORDER), key=lambda c: (FIXED_ORDER.index(c[0]), c[1]))
-    return [f"{p}@{b}" for p, b in fixed] + ["adaptive"]
-
-
-def run_config(name: str) -> tuple[str, int | None]:
-    """A run's policy and its step budget (None: --max-num-batched-tokens) from its name."""
-    policy, _, budget = name.partition("@")
-    return policy, int(budget) if budget else None
 
 
 def parse_phases(values: list[str] | None) -> tuple[tuple[str, float], ...]:
@@ -1024,6 +582,9 @@ def check_run(run: Run) -> None:
         raise SystemExit(f"error: --out {run.out}: {e.strerror or e}") from None
 
 
+# ----------------------------------------------------------------------------- main
+
+
 def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, list[dict], list[dict],
                                              list[dict]]:
     """Every workload at every rate under one run's configuration (run_names), one
@@ -1069,41 +630,7 @@ def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
                     configs.append({**run_id, **config_timeline(llm.cluster, llm.cluster.config_log, held,
                                                                 start, seconds)})
                 steps.append({**run_id, "steps": timed_steps(llm.cluster, start, seconds)})
-        return rows, results, calibration(router, profiled), timelines, configs, steps
-
-
-def summary_rows(run: Run, name: str, workload: str, rate: float, got: list[Result], seconds: float,
-                 held: dict) -> list[dict]:
-    """A run's summary row (held: what it ran under), and the phased workload's per phase,
-    each over its share of the run."""
-    rows = [{"policy": name, "workload": workload, "rate": rate, **held,
-             **summarize(got, seconds, run.ttft_slo, run.tpot_slo)}]
-    if workload == "phased":
-        held = {k: v for k, v in held.items() if k not in ("start_s", "profile_s", "warm_up_s")}
-        rows += [{"policy": name, "workload": f"phased:{mix}", "rate": rate, **held,
-                  **summarize([r for r in got if r.phase == mix],
-                              seconds * sum(m == mix for m, _ in run.phases) / len(run.phases),
-                              run.ttft_slo, run.tpot_slo)} for mix in dict.fromkeys(m for m, _ in run.phases)]
-    return rows
-
-
-def check_server(run: Run) -> None:
-    """SystemExit with one line if the server at run.url cannot be reached, refuses the key, or
-    does not serve --model (its /models says which it does), or is not plain http."""
-    import httpx
-    if urllib.parse.urlsplit(run.url).scheme != "http":
-        raise SystemExit(f"error: --url {run.url}: bench.py times a server over plain HTTP (http://HOST:PORT/v1)")
-    try:
-        r = httpx.get(f"{run.url.rstrip('/')}/models", timeout=30,
-                      headers={"authorization": f"Bearer {run.api_key or 'none'}"})
-    except httpx.HTTPError as e:
-        raise SystemExit(f"error: --url {run.url}: cannot reach the server ({type(e).__name__}: {e})") \
-            from None
-    if r.status_code != 200:
-        raise SystemExit(f"error: --url {run.url}: GET /models answered {r.status_code} {r.text[:200]}")
-    served = [m["id"] for m in r.json().get("data", [])]
-    if run.model not in served:
-        raise SystemExit(f"error: --model {run.model}: the server at {run.url} serves {', '.join(served)}")
+        return rows, results, calibrate.calibration(router, profiled), timelines, configs, steps
 
 
 def run_server(run: Run, name: str) -> tuple[list[dict], list[Result], dict, list, list, list]:
@@ -1111,7 +638,7 @@ def run_server(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
     the same warm-up, then every workload at every rate; nothing of the server's inside
     (no calibration, regimes, configurations or steps)."""
     rows, results, held = [], [], {"budget": None, "sm_split": None}
-    check_server(run)
+    client.check_server(run.url, run.api_key, run.model)
     asyncio.run(serve_over_http(run, "warm-up", 0.0, warm_up(run, HTTP_VOCAB), "server warm-up"))
     for workload in run.workloads:
         for rate in run.rates:
@@ -1122,229 +649,6 @@ def run_server(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
             results += got
             rows += summary_rows(run, name, workload, rate, got, seconds, held)
     return rows, results, {}, [], [], []
-
-
-def config_timeline(cluster, log: list, held: dict, start: float, seconds: float) -> dict:
-    """Each worker's configuration over a run (times in s after its start): the one it held
-    when the run started (its last change before, or the engine's own: held), then every
-    change during it. The log's times (cluster.py:ConfigChange) count from the cluster's
-    start (cluster.started, on perf_counter's clock)."""
-    origin = cluster.started - start
-    first = {w: {"time": 0.0, "worker": w, "sm_split": held["sm_split"], "budget": held["budget"]}
-             for w in range(len(cluster.devices))}
-    changes = []
-    for c in sorted(log, key=lambda c: c.time_s):
-        t = c.time_s + origin
-        row = {"time": max(0.0, t), "worker": c.worker,
-               "sm_split": None if c.sm_split is None else list(c.sm_split), "budget": c.budget}
-        if t <= 0:
-            first[c.worker] = row
-        elif t <= seconds:
-            changes.append(row)
-    return {"seconds": seconds, "changes": list(first.values()) + changes}
-
-
-def timed_steps(cluster, start: float, seconds: float) -> list[list]:
-    """Every step the workers timed during a run (cluster.step_log), what step models learn
-    from: [s after the run's start, worker, decodes, context tokens, prompt tokens, ms,
-    sm_split or None]."""
-    origin = cluster.started - start
-    return [[round(t + origin, 4), w, s.decodes, s.context_tokens, s.prefill_tokens, round(s.ms, 3),
-             None if s.sm_split is None else list(s.sm_split)]
-            for t, w, s in cluster.step_log if 0 < t + origin <= seconds]
-
-
-def regime_timeline(planner, start: float, seconds: float) -> dict:
-    """The regime and each worker's role over a run (times in s after its start), and the
-    forecasts behind each change."""
-    before = [e for e in planner.log if e.time < start]
-    changes = [{"time": 0.0, "regime": str(before[-1].regime) if before else f"{len(planner.roles)} both",
-                "roles": before[-1].roles if before else dict.fromkeys(planner.roles, "both")}]
-    changes += [{"time": e.time - start, "regime": str(e.regime), "roles": e.roles,
-                 "forecasts": [{"regime": str(f.regime), "e2e_ms": f.e2e_ms, "load": f.load,
-                                "slo_attainment": f.slo_attainment} for f in e.forecasts]}
-                for e in planner.log if start <= e.time <= start + seconds]
-    return {"seconds": seconds, "changes": changes}
-
-
-def calibration(router, profiled: dict | None = None) -> dict:
-    """The router's median |predicted - measured| / measured latency, overall, by tenth of
-    the run and apart for the requests whose worker kept its SM split and those whose split
-    the planner changed while they ran (their prediction was for the split they were
-    routed to); the same for the cost model alone (predicted with each request's true output
-    length, where the router had to guess it); its parameters as profiled and as refitted
-    by the end (what an error comes from)."""
-    if router is None:
-        return {}
-    errs = list(router.errors)
-
-    def median(xs: list[float]) -> float:
-        return statistics.median(xs) if xs else float("nan")
-    return {"median_rel_error": median(errs), "cost_model_median_rel_error": median(router.model_errors),
-            **{name: {"requests": router.split_changed.count(changed),
-                      "median_rel_error": median([e for e, c in zip(errs, router.split_changed)
-                                                  if c == changed])}
-               for name, changed in (("split_kept", False), ("split_changed", True))},
-            "by_decile": [statistics.median(errs[i * len(errs) // 10:(i + 1) * len(errs) // 10]
-                                            or [float("nan")])
-                          for i in range(10)],
-            "profiled": profiled, "refitted": asdict(router.cost.p)}
-
-
-def caption(run: Run) -> str:
-    """What a run served, to head its table and plots, in two lines: policies, workloads
-    and arrivals; the model (a preset's weights are random) and the devices."""
-    from nanopd.model import PRESETS
-    model = f"{run.model} (random weights)" if run.model in PRESETS else Path(run.model).name
-    if run.url:
-        devices = f"served at {run.url}"
-    elif run.join:
-        devices = f"workers joined at {run.join}"
-    else:
-        gpu = run.devices[0].startswith("cuda")
-        devices = f"{len(run.devices)} workers on {', '.join(run.devices)}" + (
-            f" ({run.device_name or torch.cuda.get_device_name(run.devices[0])})" if gpu else "")
-    rates = ", ".join(f"{r:g}" for r in run.rates)
-    arrivals = {"static": f"{run.count} requests at once",
-                "poisson": f"Poisson arrivals at {rates} req/s for {run.duration:g} s",
-                "sweep": f"Poisson arrivals at {rates} req/s, {run.duration:g} s each"}[run.mode]
-    if run.concurrency:
-        arrivals += f", at most {run.concurrency} in flight"
-    return (f"{'policy' if len(run.policies) == 1 else 'policies'} {', '.join(run.policies)} | "
-            f"{'workload' if len(run.workloads) == 1 else 'workloads'} {', '.join(run.workloads)}, "
-            f"{arrivals}\n"
-            f"model {model} | {devices}")
-
-
-def report(run: Run, rows: list[dict], results: list[Result], calib: dict, timelines: list[dict],
-           configs: list[dict] = (), steps: list[dict] = ()) -> None:
-    """The table and goodput on stdout; results.json and the plots under run.out."""
-    for r in rows:
-        r["label"] = label(r["policy"], r["workload"], rows)
-    labels = list(dict.fromkeys(r["label"] for r in rows))
-    goodput = {lb: max([r["rate"] for r in rows if r["label"] == lb and r["slo_attainment"] >= 0.9],
-                       default=0.0)
-               for lb in labels}
-    front = frontier(rows, run.slo is not None)
-    phase_switch(front, results)
-    print_table(rows, caption(run), front)
-    print_notes(run, rows, goodput, calib, timelines, configs, front)
-    run.out.mkdir(parents=True, exist_ok=True)
-    files = plot(run, rows, results, goodput, timelines, configs)
-    gpu = run.devices[0].startswith("cuda") if run.devices else torch.cuda.is_available()
-    where = f"served at {run.url}" if run.url else f"joined at {run.join}"
-    meta = {"model": run.model, "devices": run.devices or [where],
-            "workloads": run.workloads, "transport": run.transport, "mode": run.mode, "seed": run.seed,
-            "ttft_slo": run.ttft_slo, "tpot_slo": run.tpot_slo, "slo_given": run.slo is not None,
-            "length_scale": run.scale, "duration": run.duration, "num_requests": run.count,
-            "max_concurrency": run.concurrency,
-            "phases": run.phases, "phase_s": run.phase_s,
-            "device_name": torch.cuda.get_device_name() if gpu else "cpu"}
-    # One line, six significant digits: a sweep holds some 15,000 requests' timings.
-    (run.out / "results.json").write_text(json.dumps(six_digits(
-        {"meta": meta, "summary": rows, "goodput": goodput, "frontier": front, "router_calibration": calib,
-         "regimes": timelines, "configs": list(configs), "steps": list(steps),
-         "requests": [r.__dict__ for r in results]}),
-        separators=(",", ":")))
-    print(f"wrote {run.out / 'results.json'} and {', '.join(files)}")
-
-
-def print_notes(run: Run, rows: list[dict], goodput: dict, calib: dict, timelines: list[dict],
-                configs: list[dict], front: list[dict]) -> None:
-    """What the table does not say, under it: the fixed split's SMs, adaptive beside the
-    best fixed configuration, the client's lag, goodput, the router's calibration, and the
-    regimes and configurations adaptive went through."""
-    for name, split in dict.fromkeys((r["policy"], tuple(r["sm_split"])) for r in rows if r.get("sm_split")):
-        print(f"{name}: one split worker, {split[0]} SMs prefill / {split[1]} decode")
-    print_frontier(front)
-    started = {r["policy"]: r for r in rows if "start_s" in r}
-    if started:
-        print("start-up (LLM(): workers, CUDA graphs, adaptive's profile unless cached; then the warm-up): "
-              + ", ".join(f"{r['policy']} {r['start_s']:.1f}"
-                          + (f" (the profile {r['profile_s']:.1f})" if r.get("profile_s") else "")
-                          + f" + {r['warm_up_s']:.1f} s" for r in started.values()))
-    behind = max(r["lag_max"] for r in rows)
-    if behind > 0.05:
-        print(f"note: the client fell behind its arrivals by up to {behind:.2f} s (latencies count from "
-              "the arrivals)")
-    if len(run.rates) > 1:
-        fixed = [g for lb, g in goodput.items() if lb in run.policies and run_config(lb)[0] != "adaptive"]
-        ratio = (f"; adaptive / the best fixed {goodput['adaptive'] / max(fixed):.2f}x"
-                 if "adaptive" in goodput and fixed and max(fixed) > 0 else "")
-        print(f"goodput (req/s, >= 90% within TTFT <= {run.ttft_slo:g} s and TPOT <= "
-              f"{run.tpot_slo * 1e3:g} ms): " + ", ".join(f"{p} {g:g}" for p, g in goodput.items()) + ratio)
-    if calib:
-        print(f"adaptive router: median |predicted - measured| / measured latency "
-              f"{calib['median_rel_error']:.1%} (by decile of the run: "
-              f"{', '.join(f'{e:.0%}' for e in calib['by_decile'])}); with the true output lengths "
-              f"{calib['cost_model_median_rel_error']:.1%}")
-        kept, changed = calib["split_kept"], calib["split_changed"]
-        if changed["requests"]:
-            print(f"  {kept['median_rel_error']:.1%} over the {kept['requests']} requests whose worker "
-                  f"kept its SM split, {changed['median_rel_error']:.1%} over the {changed['requests']} "
-                  "whose split changed")
-    for tl in timelines:   # when the planner changed the regime (the plots and results.json say more)
-        print(f"{tl['policy']} regimes, {tl['workload']} at {tl['rate']:g} req/s: "
-              + ", ".join(f"{c['time']:.1f} s {c['regime']}" for c in tl["changes"]))
-    for tl in configs:   # what each worker's controller held, for how much of the run
-        print(f"{tl['policy']} configurations, {tl['workload']} at {tl['rate']:g} req/s, "
-              f"{len(tl['changes']) - len(held_shares(tl))} changes: "
-              + "; ".join(f"worker {w} " + ", ".join(f"{text} {share:.0%}" for text, share in shares.items())
-                          for w, shares in held_shares(tl).items()))
-
-
-def config_text(sm_split: list[int] | None, budget: int) -> str:
-    return f"{'whole GPU' if sm_split is None else f'{sm_split[0]}/{sm_split[1]} SMs'} @{budget}"
-
-
-def held_shares(timeline: dict) -> dict[int, dict[str, float]]:
-    """Each worker's configurations (config_text) over a run of config_timeline, by the share
-    of the run it held each, the longest first."""
-    shares: dict[int, dict[str, float]] = {}
-    for c, end in config_spans(timeline):
-        mine = shares.setdefault(c["worker"], {})
-        text = config_text(c["sm_split"], c["budget"])
-        mine[text] = mine.get(text, 0.0) + (end - c["time"]) / max(timeline["seconds"], 1e-9)
-    return {w: dict(sorted(s.items(), key=lambda kv: -kv[1])) for w, s in sorted(shares.items())}
-
-
-def config_spans(timeline: dict) -> list[tuple[dict, float]]:
-    """Each change of config_timeline with the time it lasted to (the worker's next change,
-    or the run's end)."""
-    ends, spans = {}, []
-    for c in reversed(timeline["changes"]):   # in time order per worker: a change ends at the next
-        spans.append((c, ends.get(c["worker"], timeline["seconds"])))
-        ends[c["worker"]] = c["time"]
-    return spans[::-1]
-
-
-def replot(args: argparse.Namespace) -> None:
-    """A run's PNGs drawn again, beside its results.json, and its frontier lines printed
-    again, from what that file holds: nothing is measured. The run's caption is rebuilt from
-    the file's meta and summary. The file may be gzipped (results.json.gz)."""
-    data = calibrate.read_results(args.results)
-    meta, rows = data["meta"], data["summary"]
-    duration = default(args.duration, meta.get("duration"))
-    if duration is None:
-        raise SystemExit(f"{args.results} does not hold the run's duration: give --duration")
-    first = meta["devices"][0]
-    joined, served = first.startswith("joined at "), first.startswith("served at ")
-    run = Run(mode=meta["mode"], policies=list(dict.fromkeys(r["policy"] for r in rows)),
-              workloads=meta["workloads"], rates=sorted({r["rate"] for r in rows}), duration=duration,
-              count=meta.get("num_requests", len(data["requests"])), model=meta["model"],
-              devices=None if joined or served else meta["devices"], scale=meta["length_scale"],
-              ttft_slo=meta["ttft_slo"], tpot_slo=meta["tpot_slo"], engine={}, seed=meta["seed"],
-              out=args.results.parent, join=first.removeprefix("joined at ") if joined else None,
-              transport=meta.get("transport", "p2p"), device_name=meta["device_name"],
-              phases=tuple(tuple(p) for p in meta.get("phases", PHASES)),
-              phase_s=meta.get("phase_s", PHASE_S), url=first.removeprefix("served at ") if served else None,
-              concurrency=meta.get("max_concurrency"))
-    results = [Result(**r) for r in data["requests"]]
-    front = frontier(rows, meta.get("slo_given", False))
-    phase_switch(front, results)
-    print_frontier(front)
-    files = plot(run, rows, results, data["goodput"], data.get("regimes") or [], data.get("configs") or [])
-    print(f"wrote {', '.join(str(run.out / f) for f in files)}")
 
 
 def main() -> None:

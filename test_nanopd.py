@@ -4360,17 +4360,17 @@ def test_a_split_is_refit_on_its_own():
 
 
 def test_the_calibration_scores_requests_whose_split_changed_apart():
-    """bench.calibration: beside the median error of all requests, the median over those
+    """calibrate.calibration: beside the median error of all requests, the median over those
     whose worker kept its SM split and over those whose split changed, each of |predicted -
     measured| / measured over its own requests only."""
-    import bench
+    from tools import calibrate
     router = Router(HardwareParams(alpha=0.02, beta=5, batch_thresh=16, slope=0.02, gamma=0.02,
                                    transfer_rate=0.01))
     for predicted, measured, changed in [(100, 120, False), (100, 80, False), (100, 100, False),
                                          (100, 200, True), (100, 50, True)]:
         router.observe(Observation(64, 8, 0, 0, WorkerLoad(), WorkerLoad(), measured / 2, 0.0, measured / 2,
                                    float(predicted), ran_under=[(1.0, (84, 48), None)] if changed else []))
-    calib = bench.calibration(router)
+    calib = calibrate.calibration(router)
     assert calib["median_rel_error"] == pytest.approx(0.25)   # of 1/6, 1/4, 0, 1/2 and 1
     assert calib["split_kept"] == {"requests": 3, "median_rel_error": pytest.approx(1 / 6)}
     assert calib["split_changed"] == {"requests": 2, "median_rel_error": pytest.approx(0.75)}
@@ -7254,6 +7254,7 @@ def test_bench_as_a_client_measures_a_server_over_http(pair_llm, tmp_path):
     serve, a server that is not there or an https one, is one line naming the flag; bench's
     client raises a refusal's status and body."""
     import bench
+    from tools import client
     with serving(pair_llm, model_name="pairs") as url:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HOME": str(tmp_path)}
         for where, model, flag in ((f"{url}/v1", "other", b"--model"),
@@ -7264,9 +7265,9 @@ def test_bench_as_a_client_measures_a_server_over_http(pair_llm, tmp_path):
                                  check=False)
             assert bad.returncode != 0 and flag in bad.stderr and bad.stderr.count(b"\n") == 1, bad.stderr
         async def refused() -> str:   # bench's own client, on an error status
-            with pytest.raises(bench.ServerError) as e:
+            with pytest.raises(client.ServerError) as e:
                 body = {"model": "other", "prompt": [1]}
-                async for _ in bench.Connection(f"{url}/v1", None).post_events("/completions", body):
+                async for _ in client.Connection(f"{url}/v1", None).post_events("/completions", body):
                     pass
             return str(e.value)
         assert asyncio.run(refused()).startswith("HTTP 400") and "`other`" in asyncio.run(refused())
@@ -7659,11 +7660,12 @@ def check_bench_figures(results: dict) -> None:
     import matplotlib.pyplot as plt
 
     import bench
+    from tools import plots
     rows, reqs = results["summary"], [bench.Result(**r) for r in results["requests"]]
     routed = [r for r in reqs if r.routed]
-    figs = {"cdf": bench.plot_cdf(plt, rows, reqs, bench.series_styles(rows)),
-            "router": bench.plot_router(plt, routed), "roles": bench.plot_roles(plt, results["regimes"])}
-    for ax in bench.plot_vs_rate(plt, rows, bench.series_styles(rows)).axes:
+    figs = {"cdf": plots.plot_cdf(plt, rows, reqs, plots.series_styles(rows)),
+            "router": plots.plot_router(plt, routed), "roles": plots.plot_roles(plt, results["regimes"])}
+    for ax in plots.plot_vs_rate(plt, rows, plots.series_styles(rows)).axes:
         drawn = [(line.get_linewidth(), line.get_marker()) for line in ax.get_lines()]
         widths = [w for w, _ in drawn]   # a policy's series (a workload each) share its width and marker
         assert widths == sorted(widths, reverse=True) and len(set(drawn)) == len(set(widths)) == 3, drawn
@@ -7683,7 +7685,7 @@ def check_bench_figures(results: dict) -> None:
     assert {t.get_text() for t in router.get_legend().get_texts()} == {f"{p} ({n})" for p, n in paths.items()}
     roles = {role for tl in results["regimes"] for c in tl["changes"] for role in c["roles"].values()}
     assert {t.get_text() for t in figs["roles"].axes[0].get_legend().get_texts()} == {
-        bench.ROLE_NAMES[r] for r in roles}
+        plots.ROLE_NAMES[r] for r in roles}
     plt.close("all")
 
 
@@ -8095,7 +8097,7 @@ def test_bench_calibrate_replays_the_cost_model_on_a_runs_requests(tmp_path, cap
 
 
 def test_bench_plots_the_configurations_over_time_from_a_synthetic_log(tmp_path):
-    """bench.config_timeline and bench.plot_configs on a made-up controllers' log (the
+    """timelines.config_timeline and plots.plot_configs on a made-up controllers' log (the
     fields of CentralScheduler.config_log) for two workers: times count from the run's
     start, a worker's last change before it is what it held at 0, and one that never
     changed holds the engine's own; only the steps timed within the run are kept; each
@@ -8106,6 +8108,7 @@ def test_bench_plots_the_configurations_over_time_from_a_synthetic_log(tmp_path)
     import matplotlib.pyplot as plt
 
     import bench
+    from tools import plots, timelines
     log = [cluster_mod.ConfigChange(1.0, 0, None, 512), cluster_mod.ConfigChange(3.0, 0, (84, 48), 512),
            cluster_mod.ConfigChange(6.0, 0, None, 2048),
            cluster_mod.ConfigChange(13.0, 0, (100, 28), 256)]   # past the run's end
@@ -8114,16 +8117,17 @@ def test_bench_plots_the_configurations_over_time_from_a_synthetic_log(tmp_path)
              (12.5, 0, step(1, 10, 0, 5.0))]   # before the run, in it, after it
     cluster = type("Cluster", (), {"devices": ["cpu", "cpu"], "started": 100.0, "step_log": steps})()
     tl = {"policy": "adaptive", "workload": "sharegpt", "rate": 4.0,   # the run started 2 s into the cluster
-          **bench.config_timeline(cluster, log, {"budget": 8192, "sm_split": None}, 102.0, 10.0)}
-    assert bench.timed_steps(cluster, 102.0, 10.0) == [[0.5, 1, 4, 400, 512, 21.0, [84, 48]]]
+          **timelines.config_timeline(cluster, log, {"budget": 8192, "sm_split": None}, 102.0, 10.0)}
+    assert timelines.timed_steps(cluster, 102.0, 10.0) == [[0.5, 1, 4, 400, 512, 21.0, [84, 48]]]
     assert [(c["time"], c["worker"], c["sm_split"], c["budget"]) for c in tl["changes"]] == [
         (0.0, 0, None, 512), (0.0, 1, None, 8192), (1.0, 0, [84, 48], 512), (4.0, 0, None, 2048)]
-    assert bench.held_shares(tl) == {0: {"whole GPU @2048": pytest.approx(0.6),
-                                         "84/48 SMs @512": pytest.approx(0.3),
-                                         "whole GPU @512": pytest.approx(0.1)}, 1: {"whole GPU @8192": 1.0}}
+    assert timelines.held_shares(tl) == {0: {"whole GPU @2048": pytest.approx(0.6),
+                                             "84/48 SMs @512": pytest.approx(0.3),
+                                             "whole GPU @512": pytest.approx(0.1)},
+                                         1: {"whole GPU @8192": 1.0}}
     results = [bench.Result("adaptive", "sharegpt", 4.0, 16, 8, 0.1, 0.01, 0.5, [0], phase="sharegpt",
                             arrival=0.25 * i) for i in range(40)]
-    fig = bench.plot_configs(plt, [tl], results)
+    fig = plots.plot_configs(plt, [tl], results)
     legends = [{t.get_text() for t in lg.get_texts()} for ax in fig.axes for lg in
                [a for a in ax.get_children() if isinstance(a, matplotlib.legend.Legend)]]
     assert {"whole GPU", "84/48"} in legends and {"512", "2048", "8192"} in legends

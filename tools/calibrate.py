@@ -14,7 +14,9 @@ of arrival, and the time to the first token and the rest of each request apart, 
 over measured, by tenth. Then the profile's whole-GPU step model against the steps every
 policy's worker timed, by decode batch and by prompt tokens (step_ratios): its shape, apart
 from its level. A change to the cost model is then weighed on recorded GPU runs, on any
-machine, before a GPU measures it again.
+machine, before a GPU measures it again. A run of bench.py records what this reads,
+results.json's router_calibration, at its end (calibration, here) and prints it under its
+table.
 """
 
 import argparse
@@ -29,6 +31,43 @@ from nanopd.router import Router
 from nanopd.telemetry import ARRIVAL_WINDOW_S, Window
 
 TENTHS = 10
+
+
+def calibration(router, profiled: dict | None = None) -> dict:
+    """The router's median |predicted - measured| / measured latency, overall, by tenth of
+    the run and apart for the requests whose worker kept its SM split and those whose split
+    the planner changed while they ran (their prediction was for the split they were
+    routed to); the same for the cost model alone (predicted with each request's true output
+    length, where the router had to guess it); its parameters as profiled and as refitted
+    by the end (what an error comes from)."""
+    if router is None:
+        return {}
+    errs = list(router.errors)
+
+    def median(xs: list[float]) -> float:
+        return statistics.median(xs) if xs else float("nan")
+    return {"median_rel_error": median(errs), "cost_model_median_rel_error": median(router.model_errors),
+            **{name: {"requests": router.split_changed.count(changed),
+                      "median_rel_error": median([e for e, c in zip(errs, router.split_changed)
+                                                  if c == changed])}
+               for name, changed in (("split_kept", False), ("split_changed", True))},
+            "by_decile": by_tenth(errs),
+            "profiled": profiled, "refitted": asdict(router.cost.p)}
+
+
+def print_calibration(calib: dict) -> None:
+    """calibration's numbers, the lines under bench.py's table (none without an adaptive run)."""
+    if not calib:
+        return
+    print(f"adaptive router: median |predicted - measured| / measured latency "
+          f"{calib['median_rel_error']:.1%} (by decile of the run: "
+          f"{', '.join(f'{e:.0%}' for e in calib['by_decile'])}); with the true output lengths "
+          f"{calib['cost_model_median_rel_error']:.1%}")
+    kept, changed = calib["split_kept"], calib["split_changed"]
+    if changed["requests"]:
+        print(f"  {kept['median_rel_error']:.1%} over the {kept['requests']} requests whose worker "
+              f"kept its SM split, {changed['median_rel_error']:.1%} over the {changed['requests']} "
+              "whose split changed")
 
 
 @dataclass
@@ -172,6 +211,11 @@ def by_end(requests: list[dict], errors: list[float]) -> dict[str, tuple[float, 
     for r, e in zip(requests, errors):
         groups["after the last arrival" if r["arrival"] + r["e2e"] > last else "while arriving"].append(e)
     return {name: (statistics.median(v), len(v)) for name, v in groups.items() if v}
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """`bench.py calibrate`'s argument."""
+    p.add_argument("results", type=Path, help="a results.json (or .json.gz) that bench.py wrote")
 
 
 def main(args: argparse.Namespace) -> None:

@@ -295,6 +295,11 @@ def draw_split_gpu(out: Path, run: Path = SPLIT_RUN) -> Path:
 DRAW = [draw_kv_fork, draw_step_batch, draw_handoff, draw_regimes, draw_split_gpu]
 
 
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """`bench.py figures`' flag."""
+    p.add_argument("--out", type=Path, default=FIGURES, help="folder for the PNGs (default: docs/figures)")
+
+
 def main(args: argparse.Namespace) -> None:
     """`bench.py figures`: every figure into args.out."""
     for draw in DRAW:

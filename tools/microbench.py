@@ -861,6 +861,19 @@ def summarize_transports(res: dict, rows: list[dict]) -> None:
           f"handoff {at['distributed']['handoff_ms']:.2f} ms vs {at['p2p']['handoff_ms']:.2f} ms", flush=True)
 
 
+def add_profile_flags(p: argparse.ArgumentParser) -> None:
+    """`bench.py profile`'s own flags, beside the measuring tools' (bench.py)."""
+    p.add_argument("--batch", type=int, default=None, help="decode batch size (default: 1, 2 with --small)")
+    p.add_argument("--context", type=int, default=None, help="tokens of context per sequence (default: "
+                   "1024, 64 with --small)")
+
+
+def add_transfer_flags(p: argparse.ArgumentParser) -> None:
+    """`bench.py transfer`'s own flag, beside the measuring tools' (bench.py)."""
+    p.add_argument("--devices", nargs=2, default=None, metavar=("PREFILL", "DECODE"),
+                   help="the two devices (default: cuda:0 cuda:1, or cuda:0 twice on one GPU)")
+
+
 def main(args: argparse.Namespace) -> None:
     """`bench.py kernels | engine | profile | transfer` (args.command), with bench.py's flags."""
     if not torch.cuda.is_available():

@@ -26,6 +26,7 @@ import statistics
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -193,6 +194,28 @@ def phase_oracle(specs: list, times: StepTimes, seats: int, step_tokens: int, ph
         results[budgets] = summary(serve(specs, times, seats, step_tokens, schedule=schedule)[0])
     best = min(results, key=lambda b: results[b]["e2e_p50"])
     return best, results[best]
+
+
+def add_flags(p: argparse.ArgumentParser, workloads: list[str]) -> None:
+    """`bench.py simulate`'s flags; workloads: bench.py's, to choose from."""
+    p.add_argument("results", type=Path, help="a results.json (or .json.gz) of a run with adaptive in it")
+    p.add_argument("--workload", nargs="+", default=["phased"], choices=workloads,
+                   help="as bench.py's (default: phased)")
+    p.add_argument("--rate", nargs="+", type=float, default=[20.0], help="req/s (default: 20)")
+    p.add_argument("--duration", type=float, default=12.0, help="seconds of arrivals (default: 12)")
+    p.add_argument("--phases", nargs="+", default=None, metavar="WORKLOAD:FACTOR",
+                   help="the phased workload's phases, as bench.py's")
+    p.add_argument("--phase-s", type=float, default=3.0, help="seconds per phase (default: 3)")
+    p.add_argument("--seed", type=int, default=0, help="the requests' seed, as bench.py's (default: 0)")
+    p.add_argument("--seats", type=int, default=256, help="max_num_seqs (default: 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="(default: 8192)")
+    p.add_argument("--ttft-slo", type=float, default=None, help="s: with --tpot-slo (either), each "
+                   "configuration's share within the SLO, the controller's objective, and goodput over "
+                   "the rates (default: none)")
+    p.add_argument("--tpot-slo", type=float, default=None, help="s a decode step (default: none)")
+    p.add_argument("--phase-oracle", action="store_true",
+                   help="phased: also every assignment of a budget to each phase, the best of them "
+                   "(what a budget chosen per phase gains, knowing the phases to come)")
 
 
 def main(args: argparse.Namespace) -> None:
