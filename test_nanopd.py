@@ -6185,7 +6185,7 @@ def test_the_profiler_fits_its_batches_to_a_small_cache():
                                                for b in spec["batches"])
 
 
-# ========================================== nanopd.py: the LLM API and the CLI
+# ================================ llm.py, __main__.py: the LLM API and the CLI
 # A bad prompt is a ValueError naming it; the CLI streams HF's text; no worker outlives its caller.
 
 
