@@ -940,6 +940,6 @@ def serve(llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = 
           trust_request_chat_template: bool = False) -> None:
     """Serve llm until SIGTERM or Ctrl-C, then drain (Server) and stop the engine loop (the
     caller closes llm). A setting that cannot work is a ValueError naming it, before anything starts."""
-    check_serving(port, api_key, max_pending, drain_s)
+    check_serving(port=port, drain_s=drain_s)   # make_app checks the key and max_pending
     app = make_app(llm, model_name, api_key, max_pending, trust_request_chat_template)
     Server(app, drain_s, host=host, port=port, log_level="info").run()
