@@ -104,7 +104,6 @@ from nanopd import (
     controller,
     hosts,
     kv_cache,
-    lanes,
     messages,
     planner,
     profiler,
@@ -124,6 +123,7 @@ from nanopd import router as router_mod
 from nanopd.config import EngineConfig, resolve_dtype
 from nanopd.costmodel import CostModel, HardwareParams, SplitParams, WorkerLoad
 from nanopd.engine import Engine
+from nanopd.features import make_engine
 from nanopd.kv_cache import (
     BlockManager,
     OutOfBlocks,
@@ -2437,6 +2437,25 @@ def test_a_poll_hands_the_lock_on_only_while_another_call_runs(hf, llm, monkeypa
     assert llm.callers == 0 and all_blocks_free(llm)
 
 
+# ======================== features.py: the features that plug into the plain engine
+
+
+@ENGINE
+def test_the_plain_engine_refuses_a_feature_and_make_engine_builds_the_one_asked_for(hf):
+    """A config that asks for a feature (EngineConfig.features) is refused by the plain Engine,
+    naming the setting, rather than served without it; make_engine builds the plain Engine
+    for a plain config and the feature's subclass, with its scheduler and runner, otherwise."""
+    cfg = {"model": str(hf.path), "dtype": "float32", "device": DEVICE, "num_kv_blocks": 64}
+    with pytest.raises(ValueError, match="speculative_config asks for a feature"):
+        Engine(EngineConfig(**cfg, speculative_config=NGRAM))
+    assert type(make_engine(EngineConfig(**cfg))) is Engine
+    eng = make_engine(EngineConfig(**cfg, speculative_config=NGRAM))
+    assert type(eng) is speculate.SpecEngine and type(eng.scheduler) is speculate.SpecScheduler \
+        and type(eng.runner) is speculate.SpecRunner
+    with pytest.raises(ValueError, match="speculative_config with sm_split"):
+        make_engine(EngineConfig(**cfg, speculative_config=NGRAM, sm_split=(8, 8)))
+
+
 # ============================================== gpu_kernels.py: the Triton kernels
 # Each kernel against a dense reference written here and against its torch twin.
 
@@ -2775,7 +2794,7 @@ OTHER_SPLIT = (SPLITS[-1].prefill_sms, SPLITS[-1].decode_sms)
 def split_engine(hf, **kwargs) -> Engine:
     kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": 256, "max_num_seqs": 16, "device": DEVICE,
               "sm_split": SPLIT, "split_menu": (OTHER_SPLIT,), "max_num_batched_tokens": 24, **kwargs}
-    return lanes.make_engine(EngineConfig(model=str(hf.path), dtype="float32", **kwargs))
+    return make_engine(EngineConfig(model=str(hf.path), dtype="float32", **kwargs))
 
 
 def lane_log(monkeypatch, eng: Engine) -> list[tuple[str, set, set, bool]]:
@@ -3153,7 +3172,7 @@ def test_speculative_seeded_sampling_gives_plain_seeded_sampling_tokens(hf):
                 (PROMPTS[2], 0.05, 5, 1.0, [])])]
     plain = run_engine(Engine(EngineConfig(model=str(hf.path), dtype="float32", device=DEVICE,
                                            block_size=BLOCK_SIZE, num_kv_blocks=256)), reqs)
-    spec = run_engine(Engine(EngineConfig(model=str(hf.path), dtype="float32", device=DEVICE,
+    spec = run_engine(make_engine(EngineConfig(model=str(hf.path), dtype="float32", device=DEVICE,
                                           block_size=BLOCK_SIZE, num_kv_blocks=256,
                                           speculative_config=NGRAM)), reqs)
     assert tokens(spec) == tokens(plain)
@@ -3208,7 +3227,7 @@ def test_speculative_branches_keep_plain_seeded_sampling_tokens(hf):
     config = {"model": str(hf.path), "dtype": "float32", "device": DEVICE, "block_size": BLOCK_SIZE,
               "num_kv_blocks": 256}
     plain = run_engine(Engine(EngineConfig(**config)), reqs)
-    eng = Engine(EngineConfig(**config, speculative_config={**NGRAM, "num_branches": 3}))
+    eng = make_engine(EngineConfig(**config, speculative_config={**NGRAM, "num_branches": 3}))
     eng.speculator.drafter = branching_drafter({tuple(p): o.outputs[0].token_ids for p, o in zip(ps, plain)})
     wins = count_branch_wins(eng)
     spec = run_engine(eng, reqs)
@@ -3430,7 +3449,7 @@ def test_drafts_that_always_miss_back_off_and_leave_the_tokens_alone(hf):
 
     def finishing(step):
         # later: overlapped
-        late.append((launched_in[id(step)] != eng.speculator.num_steps, bool(step.drafted)))
+        late.append((launched_in[id(step)] != eng.speculator.num_steps, step.extra is not None))
         return finish(step)
     eng._launch, eng._finish = launching, finishing
     outs = generate(llm, [p], max_tokens=n, ignore_eos=True)
@@ -3862,18 +3881,19 @@ def test_abort_frees_a_request_wherever_it_is(hf):
 def test_set_role_sets_the_sm_split_only_when_it_changes(hf, monkeypatch):
     """SetRole carries what the regime asks of a worker: its SM split goes to
     engine.set_split when it becomes, changes or stops being a split, not on a role change
-    alone; the token budget stays the scheduler's (no cap). This engine's split menu is
-    empty: asking for a split fails the worker, with the engine's ValueError."""
+    alone; the token budget stays the scheduler's (no cap). A plain engine has no split
+    menu: asking it for a split fails the worker, with a ValueError saying so."""
     worker = in_process_worker(make_llm(hf.path).engine)
-    splits, set_split = [], worker.engine.set_split
-    monkeypatch.setattr(worker.engine, "set_split", splits.append)
+    splits = []
+    monkeypatch.setattr(workers, "SplitEngine", Engine)   # the plain engine stands in for a split one
+    monkeypatch.setattr(worker.engine, "set_split", splits.append, raising=False)
     for role, split in [("both", None), ("split", (2, 6)), ("split", (2, 6)), ("split", (4, 4)),
                         ("decode", None), ("both", None)]:
         worker.inbox.put(messages.SetRole(role, split))
         worker.step(wait=False)
         assert worker.engine.scheduler.token_budget is None
     assert splits == [(2, 6), (4, 4), None]
-    monkeypatch.setattr(worker.engine, "set_split", set_split)
+    monkeypatch.undo()
     worker.inbox.put(messages.SetRole("split", (2, 6)))
     with pytest.raises(ValueError, match="split menu"):
         worker.step(wait=False)

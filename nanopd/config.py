@@ -109,6 +109,12 @@ class EngineConfig:
         """Whether engines built from this config split their GPU's SMs (smsplit.py)."""
         return bool(self.sm_split or self.split_menu)
 
+    def features(self) -> list[str]:
+        """The settings of this config that ask for more than the plain engine (engine.py):
+        each names a feature that plugs into it (features.py)."""
+        asked = {"speculative_config": self.speculative_config is not None, "sm_split": self.splits_sms}
+        return [name for name, on in asked.items() if on]
+
     def validate(self) -> None:
         """Raise a ValueError naming the first bad setting."""
         if not isinstance(self.model, str) or not self.model:

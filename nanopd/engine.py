@@ -14,17 +14,16 @@ How a step works:
   while Python does its bookkeeping. Beam search, which chooses on the host, waits.
 
 Parallel sampling (n > 1) prefills the prompt once and forks the sequence (copy-on-write).
-The features live beside this file, each called at a few named points of the step, so a
-first reading can skip them: speculative decoding (speculate.py: Speculator), beam search
-(beams.py), the split worker's two lanes (lanes.py: SplitEngine, a subclass), and the KV
-handoff's import (workers.py, through the scheduler).
+Features beyond the plain engine are subclasses in files of their own, which change a step
+at a few named points (the methods under "what a feature changes" below); features.py
+builds the engine a config asks for. A first reading can skip them all.
 """
 
 import dataclasses
-import functools
 import gc
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +50,6 @@ from nanopd.request import (
 from nanopd.runner import Draw, Lane, ModelRunner, PromptScore, StepOutput
 from nanopd.sampler import bad_word_bans
 from nanopd.scheduler import Batch, Scheduler
-from nanopd.speculate import Drafted, Speculator, load_draft
 
 
 def logprob_entry(token: int, token_logprob: float, rank: int, top_values: list[float], top_ids: list[int],
@@ -65,7 +63,7 @@ def logprob_entry(token: int, token_logprob: float, rank: int, top_values: list[
 
 def banned_tokens(eos_ids: set[int], seq: Sequence, before: list[int] = ()
                   ) -> tuple[list[int], list[tuple[int, int]]]:
-    """The tokens seq's next token (after the drafts `before`) may not be: before
+    """The tokens seq's next token (after the tokens ahead `before`) may not be: before
     min_tokens, EOS and the stop ids; a bad word's last token where the output ends in the
     rest of it. And the bad words' bans that wait for a PENDING last token
     (sampler.bad_word_bans)."""
@@ -78,6 +76,58 @@ def banned_tokens(eos_ids: set[int], seq: Sequence, before: list[int] = ()
     words, if_pending = bad_word_bans(params.bad_words_token_ids,
                                       seq.token_ids[seq.num_prompt_tokens:] + list(before))
     return banned + words, if_pending
+
+
+def record_logprobs(seq: Sequence, token: int, token_logprob: float, rank: int,
+                    top_values: list[float], top_ids: list[int]) -> None:
+    """The chosen token's and the top k's logprobs and ranks (their text is added at output)."""
+    seq.logprobs.append(logprob_entry(token, token_logprob, rank, top_values, top_ids,
+                                      seq.request.params.logprobs))
+    seq.cumulative_logprob += token_logprob
+
+def record_prompt_logprobs(step: "LaunchedStep") -> None:
+    """Each prompt token the step scored: its entry, as an output token's, appended to its
+    request's prompt_logprobs (steps finish in launch order: the entries in prompt order)."""
+    scored = iter(step.output.scored())
+    for req, targets in step.scored:
+        for token, (token_logprob, rank, top_values, top_ids) in zip(targets, scored):
+            req.prompt_logprobs.append(logprob_entry(token, token_logprob, rank, top_values, top_ids,
+                                                     req.params.prompt_logprobs))
+
+
+def found_stop_string(seq: Sequence, new_text: str) -> bool:
+    """Whether the text new_text added to seq's output completes a stop string; if so,
+    stop_reason is the string and text_end where the output's text ends (before the
+    string unless include_stop_str_in_output). A stop string may span tokens: it is
+    looked for in the new text and the few characters before it, the earliest first."""
+    params, text = seq.request.params, seq.detokenizer.text
+    start = max(0, len(text) - len(new_text) - max(map(len, params.stop)) + 1)
+    found = min(((at, s) for s in params.stop if (at := text.find(s, start)) >= 0), default=None)
+    if found is None:
+        return False
+    at, seq.stop_reason = found
+    seq.text_end = at + len(found[1]) * params.include_stop_str_in_output
+    return True
+
+
+def plan_prompt_scores(batch: Batch) -> list[PromptScore]:
+    """The prompt positions this step scores for prompt_logprobs: position p of a prompt
+    chunk, up to the prompt's last but one, against prompt token p + 1 (the last
+    position's logits are the first output token's draw). A chunk's last position scores
+    the next chunk's first token, so no position is lost or doubled at a border; a prompt
+    recomputed after preemption scores none again (Request.num_prompt_scored)."""
+    scores = []
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
+        req = seq.request
+        if not req.scores_prompt:
+            continue
+        first = max(seq.num_computed, req.num_prompt_scored)
+        end = min(seq.num_computed + n, seq.num_prompt_tokens - 1)
+        if first < end:
+            scores.append(PromptScore(i, first - seq.num_computed, seq.token_ids[first + 1:end + 1],
+                                      req.params.prompt_logprobs))
+            req.num_prompt_scored = end
+    return scores
 
 
 @dataclass
@@ -108,10 +158,11 @@ class LaunchedStep:
     shape: StepShape
     lane: Lane                           # where it runs
     output: StepOutput | None = None
-    targets: list[tuple[Sequence, int]] = field(default_factory=list)   # per draw: where its token goes
+    # per ordinary draw (those after the first num_extra): where its token goes
+    targets: list[tuple[Sequence, int]] = field(default_factory=list)
     launched_at: float = field(default_factory=time.perf_counter)
-    drafted: dict[Sequence, Drafted] = field(default_factory=dict)   # the sequences whose drafts it checks
-    num_checks: int = 0                  # its first draws check drafts (speculate.py:Drafted)
+    num_extra: int = 0                   # its first draws are a feature's (Engine._extra_draws)
+    extra: object = None                 # ... and that feature's record of them
     # prompt_logprobs: per request, the prompt tokens it scores, in order
     scored: list[tuple[Request, list[int]]] = field(default_factory=list)
 
@@ -127,13 +178,15 @@ WARM_UP = [SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0, logpro
 
 
 class Engine:
-    has_lanes = False   # SplitEngine (lanes.py): steps on the two lanes of an SM split
-    runner_class = ModelRunner   # ... whose runner has them (lanes.py:SplitRunner)
+    features: tuple[str, ...] = ()   # the config's features this engine serves (EngineConfig.features)
+    scheduler_class = Scheduler      # a feature's engine may bring its own scheduler and runner
+    runner_class = ModelRunner
 
     def __init__(self, cfg: EngineConfig):
-        if cfg.splits_sms and not self.has_lanes:
-            raise ValueError("sm_split and split_menu are a split worker's: lanes.py:SplitEngine "
-                             "(lanes.make_engine picks it)")
+        missing = [f for f in cfg.features() if f not in self.features]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} asks for a feature this engine lacks: "
+                             "nanopd.features.make_engine(cfg) builds the engine a config asks for")
         cfg.validate()
         torch.manual_seed(cfg.seed)   # vLLM's seed: where requests without a seed of their own draw from
         self.model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
@@ -143,20 +196,14 @@ class Engine:
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         eos = config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        spec = cfg.speculative_config
-        draft = (load_draft(spec.model, self.model, cfg.seed + 1)
-                 if spec is not None and spec.method == "draft_model" else None)
-        self.runner = self.runner_class(self.model, cfg, draft)
-        self.scheduler = Scheduler(BlockManager(self.runner.num_blocks, cfg.block_size,
-                                                enable_prefix_caching=cfg.enable_prefix_caching),
-                                   cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        # (a function of the EOS ids, not a method: a speculator holding the engine would make
-        # a cycle, which the frozen heap below would keep from the collector)
-        banned = functools.partial(banned_tokens, self.eos_ids)
-        self.speculator = Speculator(spec, self.runner, self.scheduler, banned) if spec is not None else None
+        self.runner = self.runner_class(self.model, cfg)
+        self.scheduler = self.scheduler_class(BlockManager(self.runner.num_blocks, cfg.block_size,
+                                                           enable_prefix_caching=cfg.enable_prefix_caching),
+                                              cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.requests: dict[int, Request] = {}      # submitted, output not yet taken
         self.in_flight: LaunchedStep | None = None   # launched, its tokens not yet taken
         self._request_ids = itertools.count()
+        self._plug_in()
         if self.model.device.type == "cuda":
             self._warm_up()
         # What is built so far (the model, its graphs, the tokenizer) lives as long as the
@@ -192,6 +239,45 @@ class Engine:
     def bm(self) -> BlockManager:
         """The block manager, for inspection: the scheduler owns every block's lifetime."""
         return self.scheduler.bm
+
+    # -- what a feature changes (speculate.py, lanes.py): these points of a step
+
+    def _plug_in(self) -> None:
+        """Set up what a feature adds, before the warm-up's first step (nothing here)."""
+
+    def _before_schedule(self) -> None:
+        """Work before a step is scheduled (nothing here)."""
+
+    def _after_schedule(self, batch: Batch) -> None:
+        """Work once a step's batch is chosen (nothing here)."""
+
+    def _extra_draws(self, batch: Batch, done: list[int], plan: list[tuple[int, int]], step: "LaunchedStep"
+                     ) -> tuple[list[Draw], Callable[[StepOutput], None] | None]:
+        """Draws to make before the ordinary ones (plan, per draw (row, j)), recording what
+        they are for in step.extra; and more work on the step's output on the device (the
+        runner's `after`). None here."""
+        return [], None
+
+    def _host_needs_now(self, step: "LaunchedStep") -> bool:
+        """Whether the host must take step's tokens before the next step is scheduled, giving
+        up the overlap: beam search chooses on the host."""
+        return bool(step.beams)
+
+    def _take_tokens(self, step: "LaunchedStep", tokens: list[int], logprobs: dict) -> None:
+        """Fill each target of the step with its sampled token (tokens: every draw's)."""
+        extra = step.num_extra
+        for k, ((seq, index), token) in enumerate(zip(step.targets, tokens[extra:])):
+            self._take_sampled(seq, index, token, extra + k, logprobs)
+
+    def _take_sampled(self, seq: Sequence, index: int, token: int, draw: int, logprobs: dict) -> None:
+        """seq's PENDING token at index is `token`, sampled by draw: in its place, then its
+        logprobs and stop check (unless seq stopped one step earlier: the token is void)."""
+        if seq.status == Status.FINISHED:
+            return
+        seq.token_ids[index] = token
+        if index == len(seq.token_ids) - 1:   # no later step has sampled after it yet
+            seq.pending_row = None
+        self._take_token(seq, index, draw, logprobs)
 
     # -- requests in
 
@@ -238,12 +324,6 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.in_flight is not None
 
-    def set_split(self, split: tuple[int, int] | None) -> None:
-        """Run the next steps on this SM split (lanes.py:SplitEngine); this engine has no split menu."""
-        if split is not None:
-            raise ValueError(f"sm_split {tuple(split)} is not in this engine's split menu (none): "
-                             "pass one of those, or list it in split_menu")
-
     # -- one step: launch it, then finish the previous one while the device computes
 
     def step(self) -> list[int]:
@@ -251,13 +331,10 @@ class Engine:
         sampled tokens were copied to the host meanwhile: the host's bookkeeping overlaps
         the device's work instead of leaving it idle. Returns the ids of the requests that
         finished (a prefill_only one: prefilled and parked). A step that raises ends the
-        requests it carried with that error; the engine goes on serving the others.
-        With speculative decoding a step ends before the next is scheduled when a sequence
-        will draft in the next (a draft needs the token before it on the host)."""
-        drafting = self.speculator.draft() if self.speculator else []
+        requests it carried with that error; the engine goes on serving the others."""
+        self._before_schedule()
         batch = self.scheduler.schedule()
-        if drafting:
-            self.speculator.unscheduled(drafting, batch)
+        self._after_schedule(batch)
         if self._restart_beams() + len(batch.seqs) == 0 and self.in_flight is None:
             return self._end_unschedulable()
         try:
@@ -266,10 +343,7 @@ class Engine:
         except Exception as e:  # noqa: BLE001 (the requests end with it; nothing else is lost)
             return self._fail_step([batch], e)
         self.in_flight = launched
-        # Chosen on the host, now: beams; drafts (the sequence's next tokens depend on them);
-        # and any step before a sequence drafts (a draft needs the token before it).
-        if launched is not None and (launched.beams or launched.drafted
-                                     or self.speculator and self.speculator.drafts_next_step()):
+        if launched is not None and self._host_needs_now(launched):
             finished += self._finish(launched)
             self.in_flight = None
         return [r.request_id for r in finished]
@@ -297,30 +371,25 @@ class Engine:
         """Run the model on the batch on lane and sample on the device; each sampled sequence
         gets a PENDING token, filled in by _finish (from previous, the lane's step in flight,
         where a sequence's last token is still PENDING)."""
-        done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new))
-                if n == s.num_pending + len(s.drafts)]
+        # the rows whose last token this step computes (a prompt's last chunk, a decode)
+        done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if n >= s.num_pending]
         seqs = [batch.seqs[i] for i in done]
         step = LaunchedStep(batch, seqs, [s for s in seqs if s.request.beam_width], step_shape(batch), lane)
         beam_rows = [i for i in done if batch.seqs[i].request.beam_width]
         plan, draws = self._plan_draws(batch, done)
-        checks, rounds = [], None
-        if self.speculator:
-            step.drafted, checks = self.speculator.plan_checks(batch, done, plan)
-            rounds = self.speculator.rounds(batch, step.drafted) if step.drafted else None
-        step.num_checks = len(checks)
+        extra, after = self._extra_draws(batch, done, plan, step)
+        step.num_extra = len(extra)
         beam_k = 2 * max((s.request.beam_width for s in step.beams), default=0)
-        scores = self._plan_prompt_scores(batch)
+        scores = plan_prompt_scores(batch)
         step.scored = [(batch.seqs[s.row].request, s.targets) for s in scores]
-        step.output = self.runner.run(batch, checks + draws, beam_rows, beam_k,
-                                      previous.output.tokens if previous else None, lane, scores, rounds)
-        if step.drafted:
-            self.speculator.launched(step.drafted)
+        step.output = self.runner.run(batch, extra + draws, beam_rows, beam_k,
+                                      previous.output.tokens if previous else None, lane, scores, after)
         self.scheduler.computed(batch)
         targets = [batch.seqs[i] if j == 0 else self.fork(batch.seqs[i], j, d.generator)
                    for (i, j), d in zip(plan, draws)]
         for k, seq in enumerate(targets):
             seq.token_ids.append(PENDING)
-            seq.pending_row = step.num_checks + k
+            seq.pending_row = step.num_extra + k
             step.targets.append((seq, len(seq.token_ids) - 1))
         return step
 
@@ -329,13 +398,13 @@ class Engine:
         draw (row, j) and its Draw. n > 1: a prompt's only sequence is forked once its first
         token is sampled, and each child j draws its own first token from the same logits,
         with its own generator. This runs for every sequence of every step: a request that
-        adjusts no logits (Request.adjusts) costs one plain Draw."""
+        adjusts no logits (Request.adjusts) costs one plain Draw. A sequence with tokens ahead
+        (Batch.ahead) draws after the last of them, counting them as its own."""
         plan, draws = [], []
         for i in done:
             seq = batch.seqs[i]
             req = seq.request
-            # a branch's draws are checks (Speculator.plan_checks)
-            if req.beam_width or seq.trunk is not None:
+            if req.beam_width:
                 continue
             for j in range(req.params.n if seq.num_outputs == 0 else 1):
                 g = seq.generator if j == 0 else seeded_generator(req.params, j, self.model.device)
@@ -343,56 +412,22 @@ class Engine:
                 if not req.adjusts:   # most draws: plain
                     draws.append(Draw(i, req.params, g))
                     continue
-                before = list(seq.drafts) if seq.drafts else None   # drafted: after its last draft
-                draws.append(Draw(i, req.params, g, seq, j > 0, *banned_tokens(self.eos_ids, seq, seq.drafts),
-                                  before=before))
+                before = batch.ahead.get(seq)
+                banned = banned_tokens(self.eos_ids, seq, before or ())
+                draws.append(Draw(i, req.params, g, seq, j > 0, *banned, before=before))
         return plan, draws
-
-    def _plan_prompt_scores(self, batch: Batch) -> list[PromptScore]:
-        """The prompt positions this step scores for prompt_logprobs: position p of a prompt
-        chunk, up to the prompt's last but one, against prompt token p + 1 (the last
-        position's logits are the first output token's draw). A chunk's last position scores
-        the next chunk's first token, so no position is lost or doubled at a border; a prompt
-        recomputed after preemption scores none again (Request.num_prompt_scored)."""
-        scores = []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new)):
-            req = seq.request
-            if not req.scores_prompt:
-                continue
-            first = max(seq.num_computed, req.num_prompt_scored)
-            end = min(seq.num_computed + n, seq.num_prompt_tokens - 1)
-            if first < end:
-                scores.append(PromptScore(i, first - seq.num_computed, seq.token_ids[first + 1:end + 1],
-                                          req.params.prompt_logprobs))
-                req.num_prompt_scored = end
-        return scores
 
     def _finish(self, step: LaunchedStep) -> list[Request]:
         """Fill a launched step's PENDING tokens, record logprobs, stop sequences, advance
         beams. Returns the requests that finished."""
         tokens, logprobs = step.output.collect()
-        checked, tokens = tokens[:step.num_checks], tokens[step.num_checks:]
         if step.scored:
-            self._record_prompt_logprobs(step)
+            record_prompt_logprobs(step)
         now = time.perf_counter()
         for seq in step.seqs:
             if seq.request.metrics.first_token_time is None:
                 seq.request.metrics.first_token_time = now
-        counted: list[tuple[Sequence, list[int]]] = []   # penalized drafted sequences: what they kept
-        later = step.output.later_rounds() if step.drafted else []   # per batch row (runner.py:Rounds)
-        for k, ((seq, index), token) in enumerate(zip(step.targets, tokens)):
-            if seq.status == Status.FINISHED:   # it stopped one step earlier: this token is void
-                continue
-            drafted, draw = step.drafted.get(seq) if step.drafted else None, step.num_checks + k
-            if drafted is not None:
-                rounds = later[step.batch.seqs.index(seq)] if later else ()
-                self._take_drafted(seq, index, drafted, checked, token, draw, logprobs, counted, rounds)
-                continue
-            seq.token_ids[index] = token   # most tokens: one, in its place
-            if index == len(seq.token_ids) - 1:   # no later step has sampled after it yet
-                seq.pending_row = None
-            self._take_token(seq, index, draw, logprobs)
-        self.runner.token_counts.count_kept(counted, self.runner.upload)
+        self._take_tokens(step, tokens, logprobs)
         for seq, candidates in zip(step.beams, step.output.beams):
             k = 2 * seq.request.beam_width
             seq.beam_candidates = list(zip(candidates[0][:k], candidates[1][:k]))
@@ -401,27 +436,8 @@ class Engine:
     def _take_token(self, seq: Sequence, index: int, draw: int, logprobs: dict) -> None:
         """seq's token at index, sampled by draw, is known: its logprobs, then its stop check."""
         if draw in logprobs:
-            self._record_logprobs(seq, seq.token_ids[index], *logprobs[draw])
+            record_logprobs(seq, seq.token_ids[index], *logprobs[draw])
         self._check_stop(seq, index)
-
-    def _take_drafted(self, seq: Sequence, index: int, drafted: Drafted, checked: list[int], token: int,
-                      draw: int, logprobs: dict, counted: list[tuple[Sequence, list[int]]],
-                      later: list[list[int]]) -> None:
-        """A drafted sequence's step ended: the drafts it kept and the token after them, in
-        each of its rounds (Speculator.keep), take the PENDING token's place, each taken in
-        turn until one stops it."""
-        # draws: each kept token's
-        kept, draws = self.speculator.keep(seq, drafted, checked, token, draw, later)
-        if seq.request.params.penalized:   # its draws were not counted: what it kept is
-            counted.append((seq, kept))
-        seq.token_ids[index:index + 1] = kept
-        if index + len(kept) == len(seq.token_ids):   # no later step has sampled after it yet
-            seq.pending_row = None
-        self.scheduler.drafts_checked(seq)
-        for at, sampled_by in zip(range(index, index + len(kept)), draws):
-            self._take_token(seq, at, sampled_by, logprobs)
-            if seq.status == Status.FINISHED:
-                break
 
     def _finished(self, step: LaunchedStep, now: float) -> list[Request]:
         """The requests that finished with step: a sequence of theirs stopped, or a beam
@@ -440,22 +456,6 @@ class Engine:
 
     # -- stops, logprobs
 
-    def _record_logprobs(self, seq: Sequence, token: int, token_logprob: float, rank: int,
-                         top_values: list[float], top_ids: list[int]) -> None:
-        """The chosen token's and the top k's logprobs and ranks (their text is added at output)."""
-        seq.logprobs.append(logprob_entry(token, token_logprob, rank, top_values, top_ids,
-                                          seq.request.params.logprobs))
-        seq.cumulative_logprob += token_logprob
-
-    def _record_prompt_logprobs(self, step: LaunchedStep) -> None:
-        """Each prompt token the step scored: its entry, as an output token's, appended to its
-        request's prompt_logprobs (steps finish in launch order: the entries in prompt order)."""
-        scored = iter(step.output.scored())
-        for req, targets in step.scored:
-            for token, (token_logprob, rank, top_values, top_ids) in zip(targets, scored):
-                req.prompt_logprobs.append(logprob_entry(token, token_logprob, rank, top_values, top_ids,
-                                                         req.params.prompt_logprobs))
-
     def _check_stop(self, seq: Sequence, index: int) -> None:
         """Finish seq if its token at index ends it (from min_tokens on: EOS, a stop token, a
         stop string completed in the text; or max_tokens); a later token, already sampled
@@ -465,7 +465,7 @@ class Engine:
         new_text = self._add_text(seq, index) if params.stop else ""
         if num_outputs >= params.min_tokens and (token in self.eos_ids and not params.ignore_eos
                                                  or token in params.stop_token_ids
-                                                 or new_text and self._found_stop_string(seq, new_text)):
+                                                 or new_text and found_stop_string(seq, new_text)):
             seq.finish_reason = "stop"
             if token in params.stop_token_ids:
                 seq.stop_reason = token
@@ -487,20 +487,6 @@ class Engine:
             seq.detokenizer = Detokenizer(self.tokenizer, seq.token_ids[seq.num_prompt_tokens:index],
                                           seq.request.params.skip_special_tokens)
         return seq.detokenizer.add(seq.token_ids[index])
-
-    def _found_stop_string(self, seq: Sequence, new_text: str) -> bool:
-        """Whether the text new_text added to seq's output completes a stop string; if so,
-        stop_reason is the string and text_end where the output's text ends (before the
-        string unless include_stop_str_in_output). A stop string may span tokens: it is
-        looked for in the new text and the few characters before it, the earliest first."""
-        params, text = seq.request.params, seq.detokenizer.text
-        start = max(0, len(text) - len(new_text) - max(map(len, params.stop)) + 1)
-        found = min(((at, s) for s in params.stop if (at := text.find(s, start)) >= 0), default=None)
-        if found is None:
-            return False
-        at, seq.stop_reason = found
-        seq.text_end = at + len(found[1]) * params.include_stop_str_in_output
-        return True
 
     # -- requests that end early: aborted, failed, or unable to run
 

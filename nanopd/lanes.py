@@ -134,15 +134,10 @@ def wait_for(lane: Lane, step: LaunchedStep | None) -> None:
         (lane.stream or torch.cuda.current_stream()).wait_event(step.output.ready)
 
 
-def make_engine(cfg: EngineConfig) -> Engine:
-    """The engine a config asks for: a SplitEngine if it names splits, else an Engine."""
-    return SplitEngine(cfg) if cfg.splits_sms else Engine(cfg)
-
-
 class SplitEngine(Engine):
     """An Engine whose steps run on the two lanes of an SM split (None: the whole GPU).
     Its in_flight is the decode lane's step; prefill_in_flight the prefill lane's."""
-    has_lanes = True
+    features = ("sm_split",)
     runner_class = SplitRunner
 
     def __init__(self, cfg: EngineConfig):

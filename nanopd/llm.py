@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from nanopd.config import EngineConfig
 from nanopd.engine import Engine
+from nanopd.features import make_engine
 from nanopd.request import (
     BeamSearchOutput,
     BeamSearchParams,
@@ -89,7 +90,8 @@ class LLM:
             if given:
                 raise ValueError(f"{', '.join(given)} only apply with a policy (collocated, disaggregated, "
                                  "adaptive); without one, LLM is a single engine on `device`")
-            self.backend: Engine | CentralScheduler = one_engine(EngineConfig(model=model, **engine_settings))
+            self.backend: Engine | CentralScheduler = make_engine(EngineConfig(model=model,
+                                                                               **engine_settings))
             return
         self._start_cluster(EngineConfig(model=model, **engine_settings), policy, cluster_settings, profile)
 
@@ -400,15 +402,6 @@ def cluster_defaults() -> dict:
     setting is not the engine's: a plain LLM loads none of the cluster's modules."""
     from nanopd.cluster import ClusterConfig
     return {f.name: f.default for f in dataclasses.fields(ClusterConfig) if f.name != "policy"}
-
-
-def one_engine(cfg: EngineConfig) -> Engine:
-    """LLM's engine without a policy: a split worker's (lanes.py, loaded for it) where cfg
-    splits the SMs."""
-    if not cfg.splits_sms:
-        return Engine(cfg)
-    from nanopd.lanes import make_engine
-    return make_engine(cfg)
 
 
 def check_settings(settings: dict) -> None:

@@ -76,7 +76,7 @@ class SendKV:
 class SetRole:
     """This worker's part of the regime from now on (roles.py): its role and, for a split
     worker (the disaggregated policy's on one device), the SMs its prefills and its decodes
-    run on (engine.set_split; None: unsplit). Frozen: the cluster's role map holds these."""
+    run on (a split engine's set_split; None: unsplit). Frozen: the cluster's role map holds these."""
     role: str
     sm_split: tuple[int, int] | None = None
 

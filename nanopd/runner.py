@@ -12,8 +12,7 @@ than a small step takes on the GPU:
     attention themselves, since its grid depends on the batch's sequences ("piecewise"
     graphs, as vLLM does); bigger steps keep the GPU busy long enough to run eagerly.
 A token the host has not received yet (PENDING, see engine.py) is read on the device from
-the previous step's sampled tokens. A drafting step may check its drafts in several rounds
-before the host reads them, each later round's drafts and inputs made on the device (Rounds).
+the previous step's sampled tokens.
 """
 
 import contextlib
@@ -116,11 +115,11 @@ class Draw:
     banned: Iterable[int] = ()          # tokens it may not be (min_tokens, bad_words)
     # (token, t): banned if seq's last token, PENDING on the host, is t (a bad word's rest ends there)
     banned_if_pending: Iterable[tuple[int, int]] = ()
-    # after which of the row's new tokens (-1: the last; drafts: each, speculate.py)
+    # after which of the row's new tokens (-1: the last; Batch.ahead's: each)
     position: int = -1
-    noise_of: int = -1                  # a speculative branch's: the draw whose sampling noise it reuses
-    # A drafted sequence's draw: the drafts before its position, which its penalties count as
-    # the sequence's own; its token is counted only once kept (Engine._finish).
+    noise_of: int = -1                  # the draw whose sampling noise it reuses (sampler.sample), if any
+    # A draw among a sequence's tokens ahead (Batch.ahead): those before its position, which
+    # its penalties count as the sequence's own; its token is counted only once kept.
     before: list[int] | None = None
 
 
@@ -133,40 +132,6 @@ class PromptScore:
     first: int
     targets: list[int]
     k: int
-
-
-def attention_rows(seq: Sequence, n: int) -> list[tuple[int, int]]:
-    """(first position, query length) of each attention row of a decode with drafts
-    (speculate.py): its n new tokens are rows of their own, one token each, attending up to
-    their own position. So the decode kernel and the decode graphs verify them as they
-    decode, rather than as a prompt chunk (prefill tiles, in a mixed step). Any other
-    sequence's n new tokens are one row (ModelRunner.prepare)."""
-    return [(seq.num_computed + i, 1) for i in range(n)]
-
-
-# (history [B, W] int64: row b's tokens in its first lengths[b], lengths [B], k) -> drafts [B, k]
-DeviceDraft = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
-
-
-@dataclass
-class Rounds:
-    """A drafting step's rounds after its first (speculate.py: Speculator.rounds). Every
-    sequence of the step checks k drafts a round; each round after the first takes, on the
-    device, what the round before kept (the drafts up to the first one the sampled tokens
-    disagree with, then the token sampled there), drafts k more after it and checks them."""
-    count: int          # rounds in all, the first included
-    k: int
-    draft: DeviceDraft
-
-
-@dataclass
-class DraftRow:
-    """A row of a draft model's pass (ModelRunner.draft_next), as prepare reads a sequence."""
-    token_ids: list[int]
-    num_computed: int
-    block_table: list[int]
-    pending_row: None = None
-    drafts: tuple = ()
 
 
 @dataclass
@@ -202,8 +167,7 @@ class StepOutput:
     prompt_host: list[torch.Tensor] = field(default_factory=list)   # prompt logprobs (see scored)
     beams: list[tuple[list[int], list[float]]] = field(default_factory=list)   # per beam row: (ids, logprobs)
     ready: torch.cuda.Event | None = None   # the host copies have landed
-    # [rounds - 1, seqs, 2k + 1] on the host: each later round's drafts, then its k + 1 sampled tokens
-    rounds: torch.Tensor | None = None
+    more: torch.Tensor | None = None        # on the host: what run's `after` sent home
 
     def done(self) -> bool:
         """Whether the copies have landed (collect would not wait)."""
@@ -221,12 +185,6 @@ class StepOutput:
         tokens, *logprobs = [t.tolist() for t in self.host] or [[]]
         return tokens, dict(zip(self.logprob_draws, zip(*logprobs)))
 
-    def later_rounds(self) -> list[list[list[int]]]:
-        """Wait for the copies: per sequence (batch row), each later round's drafts then its
-        sampled tokens (Rounds); [] without later rounds."""
-        self.wait()
-        return [] if self.rounds is None else self.rounds.transpose(0, 1).tolist()
-
     def scored(self) -> list[tuple[float, int, list[float], list[int]]]:
         """Wait for the copies: per prompt position scored (the run's PromptScores' targets,
         in order), as collect's logprobs."""
@@ -237,24 +195,26 @@ class StepOutput:
 class ModelRunner:
     """Owns the model and its KV cache; turns a Batch into sampled tokens."""
 
-    def __init__(self, model: CausalLM, cfg: EngineConfig, draft: CausalLM | None = None):
-        self.model, self.cfg, self.device, self.draft = model, cfg, model.device, draft
+    def __init__(self, model: CausalLM, cfg: EngineConfig):
+        self.model, self.cfg, self.device = model, cfg, model.device
         if self.device.type == "cuda":   # the streams, graphs and memory queries below mean this device
             torch.cuda.set_device(self.device)
         self.max_blocks_per_seq = cdiv(cfg.max_model_len, cfg.block_size)
         try:
             self.num_blocks = self._check_fits(cfg.num_kv_blocks or self._blocks_that_fit())
-            self.kv_cache = allocate_kv_cache(self.num_blocks, model.num_layers, model.num_kv_heads,
-                                              cfg.block_size, model.head_dim, model.dtype, self.device)
-            # A draft model's K/V (speculate.py:DraftModel): its own cache, the same block ids.
-            self.draft_cache = None if draft is None else allocate_kv_cache(
-                self.num_blocks, draft.num_layers, draft.num_kv_heads, cfg.block_size, draft.head_dim,
-                draft.dtype, self.device)
+            self.caches = self._allocate_caches()
+            self.kv_cache = self.caches[0]
             self._set_up_steps()
         except torch.OutOfMemoryError as e:
             raise ValueError(f"these engine settings need more memory than {self.device} has "
                              f"({str(e).splitlines()[0]}): lower max_num_seqs, max_num_batched_tokens or "
                              "num_kv_blocks, or raise gpu_memory_utilization") from None
+
+    def _allocate_caches(self) -> list[torch.Tensor]:
+        """The KV caches, all under the same block ids: the model's (here the only one)."""
+        m, cfg = self.model, self.cfg
+        return [allocate_kv_cache(self.num_blocks, m.num_layers, m.num_kv_heads, cfg.block_size, m.head_dim,
+                                  m.dtype, self.device)]
 
     def _set_up_steps(self) -> None:
         """The pinned buffers, the penalties' token counts and (unless enforce_eager) the
@@ -308,7 +268,7 @@ class ModelRunner:
         width = max(map(len, tables))
         kept, fresh = self.lane.packed, {}
         rows = []
-        for t in tables:   # a table may come twice (a sequence's drafts): kept or just packed
+        for t in tables:   # a table may come twice (a row a token ahead): kept or just packed
             copy, packed = fresh.get(id(t)) or kept.get(id(t)) or (None, b"")
             if copy != t:
                 copy, packed = list(t), pack(t)
@@ -323,7 +283,7 @@ class ModelRunner:
         A PENDING token id is taken, on the device, from prev_tokens (the sampled tokens of
         the step still running), so the host never waits for it."""
         ids, positions, slots, tables, q_lens, ctx, fills = [], [], [], [], [], [], []
-        bs = self.cfg.block_size
+        bs, ahead = self.cfg.block_size, batch.ahead
         for seq, n in zip(batch.seqs, batch.num_new):
             start, last = seq.num_computed, len(seq.token_ids) - 1
             if seq.pending_row is not None and start <= last < start + n:
@@ -333,15 +293,14 @@ class ModelRunner:
                 positions.append(start)
                 slots.append(seq.block_table[start // bs] * bs + start % bs)
             else:
-                ids += (seq.token_ids[start:] + seq.drafts)[:n] if seq.drafts else \
+                ids += (seq.token_ids[start:] + ahead[seq])[:n] if seq in ahead else \
                     seq.token_ids[start:start + n]
                 positions += range(start, start + n)
                 slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            if seq.drafts:   # rows of their own (most steps have none)
-                for q_start, q_len in attention_rows(seq, n):
-                    tables.append(seq.block_table)
-                    q_lens.append(q_len)
-                    ctx.append(q_start)
+            if ahead and seq in ahead:   # a row a token, each attending up to its own position
+                tables += [seq.block_table] * n
+                q_lens += [1] * n
+                ctx += range(start, start + n)
             else:
                 tables.append(seq.block_table)
                 q_lens.append(n)
@@ -364,17 +323,18 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch, draws: list[Draw], beam_rows: list[int] = (), beam_k: int = 0,
             prev_tokens: torch.Tensor | None = None, lane: Lane | None = None,
-            scores: list[PromptScore] = (), rounds: Rounds | None = None) -> StepOutput:
+            scores: list[PromptScore] = (), after: Callable[[StepOutput], None] | None = None) -> StepOutput:
         """Run the model on the batch and sample: a token per draw, and for each of beam_rows
         its beam_k best continuations (read at once: beam search chooses on the host); the
         prompt logprobs of scores. prev_tokens: the running step's sampled tokens (see
         prepare). lane: where (the whole GPU unless a split's lane); everything the step
-        allocates is that stream's. rounds: a drafting step's later rounds (Rounds)."""
+        allocates is that stream's. after: more work on the step's output, launched before
+        its copies are marked landed (it may send a tensor home in out.more)."""
         self.lane = lane = lane or self.full_gpu
         with lane.running():
             out = self._run(batch, draws, beam_rows, beam_k, prev_tokens, lane, scores)
-            if rounds is not None:
-                self._later_rounds(batch, out, rounds, lane)
+            if after is not None:
+                after(out)
             if self.device.type == "cuda":
                 out.ready = torch.cuda.Event(enable_timing=True)   # timing: workers.py times steps by it
                 out.ready.record()
@@ -399,60 +359,6 @@ class ModelRunner:
         if draws:
             self._sample(logits, [at[d.row, d.position] for d in draws], draws, out, prev_tokens)
         return out
-
-    def _later_rounds(self, batch: Batch, out: StepOutput, rounds: Rounds, lane: Lane) -> None:
-        """A drafting step's rounds after its first, all on the device, no host sync: each
-        keeps what the round before kept, drafts, checks (Rounds). Its draws were a check
-        per draft of each sequence, in batch order, then a token after each one's last
-        draft. Each round's drafts and sampled tokens go home together at the end (out.rounds)."""
-        seqs, k, bs = batch.seqs, rounds.k, self.cfg.block_size
-        width = max(len(s.token_ids) for s in seqs) + rounds.count * (k + 1)
-        history = self.upload([t for s in seqs for t in s.token_ids + [0] * (width - len(s.token_ids))],
-                              torch.int64).view(len(seqs), width)   # [B, W]
-        tables = self._upload_many(self._packed_tables([s.block_table for s in seqs]))[0].view(len(seqs), -1)
-        lengths = self.upload([len(s.token_ids) for s in seqs], torch.int64)
-        drafts = self.upload([t for s in seqs for t in s.drafts], torch.int64).view(len(seqs), k)
-        checks = len(seqs) * k
-        # [B, k + 1]: after the last token and each draft
-        sampled = torch.cat([out.tokens[:checks].view(-1, k), out.tokens[checks:].view(-1, 1)], 1)
-        ahead = torch.arange(k + 1, device=history.device)
-        params = [s.request.params for s in seqs for _ in range(k + 1)]
-        done = []
-        for _ in range(rounds.count - 1):
-            accepted = (drafts == sampled[:, :k]).long().cumprod(1).sum(1)          # [B]
-            history.scatter_(1, lengths[:, None] + ahead, sampled)   # the kept ones: the first accepted + 1
-            lengths = lengths + accepted + 1
-            drafts = rounds.draft(history, lengths, k)
-            positions = (lengths - 1)[:, None] + ahead                             # [B, k+1]
-            ids = torch.cat([history.gather(1, positions[:, :1]), drafts], 1)
-            slots = tables.gather(1, positions // bs) * bs + positions % bs
-            hidden = self._rerun(batch, ids.flatten(), positions.flatten(), slots.flatten().int(),
-                                 tables.repeat_interleave(k + 1, 0), lane)
-            sampled = sample(self.model.compute_logits(hidden), params, [None] * len(params),
-                             self.upload).view(-1, k + 1)
-            done.append(torch.cat([drafts, sampled], 1))
-        out.rounds = self.to_host(torch.stack(done))
-
-    def _rerun(self, batch: Batch, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-               tables: torch.Tensor, lane: Lane) -> torch.Tensor:
-        """The batch's step again (a later round: _later_rounds) on new tokens, a token a row
-        attending up to its own position: on the decode graph its first round replayed,
-        whose static block tables and query starts still hold, else eagerly."""
-        n = len(ids)
-        graph_bs = next((b for b in lane.sizes if b >= n), None)
-        if graph_bs is not None:
-            graph, hidden = lane.graphs[graph_bs]
-            st = self.static
-            for name, t in (("ids", ids), ("pos", positions), ("slots", slots), ("ctx", positions)):
-                st[name][:n].copy_(t)
-            graph.replay()
-            return hidden[:n]
-        meta = AttentionMetadata(
-            slot_mapping=slots, block_tables=tables, ctx_lens=positions.int(), max_q_len=1, num_decodes=n,
-            cu_q_lens=torch.arange(n + 1, dtype=torch.int32, device=ids.device),
-            num_splits=kernels.choose_num_splits(n, self.model.num_kv_heads, 1, self.cfg.max_model_len,
-                                                 self.device))
-        return self.model(ids, positions, self.kv_cache, meta)
 
     def _sample(self, logits: torch.Tensor, src: list[int], draws: list[Draw], out: StepOutput,
                 prev_tokens: torch.Tensor | None) -> None:
@@ -524,13 +430,13 @@ class ModelRunner:
 
     def _forward(self, batch: Batch, prev_tokens: torch.Tensor | None, lane: Lane) -> torch.Tensor:
         """Hidden states [tokens, hidden] after the batch's new tokens (a decode graph's: after
-        each row's, drafts included)."""
+        each row's, the tokens ahead included)."""
         self.copy_blocks(batch.copies)
         num_tokens = sum(batch.num_new)
-        one_token_rows = max(batch.num_new) == 1 or all(n == 1 or s.drafts
+        one_token_rows = max(batch.num_new) == 1 or all(n == 1 or s in batch.ahead
                                                         for s, n in zip(batch.seqs, batch.num_new))
         graph_bs = next((b for b in lane.sizes if b >= num_tokens), None)
-        # decodes, and their drafts (attention_rows): a token a row
+        # decodes, and the tokens ahead of them (Batch.ahead): a token a row
         if graph_bs is not None and one_token_rows:
             return self._replay(batch, lane.graphs[graph_bs], prev_tokens)
         ids, positions, meta = self.prepare(batch, prev_tokens)
@@ -550,30 +456,13 @@ class ModelRunner:
         return hidden[self.upload(tokens)]
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: block src to dst for each pair (src, dst), in every cache (the draft
-        model's too); a step's before its model runs, a draft model's slots outside a step."""
+        """Copy-on-write: block src to dst for each pair (src, dst), in every cache; a step's
+        before its model runs."""
         if not copies:
             return
         pairs = self.upload([b for pair in copies for b in pair]).view(-1, 2)
-        for cache in (self.kv_cache, self.draft_cache):
-            if cache is not None:
-                kernels.copy_blocks(cache, pairs)
-
-    @torch.inference_mode()
-    def draft_next(self, tokens: list[list[int]], starts: list[int], tables: list[list[int]]) -> list[int]:
-        """The draft model's greedy next token after each row: row r computes tokens[r] from
-        position starts[r] on (the K/V before it in its draft cache), under block table
-        tables[r]. Waits for the device."""
-        # one-token rows first
-        order = sorted(range(len(tokens)), key=lambda r: len(tokens[r]) - starts[r] > 1)
-        rows = [DraftRow(tokens[r], starts[r], tables[r]) for r in order]
-        batch = Batch(rows, [len(row.token_ids) - row.num_computed for row in rows])
-        ids, positions, meta = self.prepare(batch)
-        last = self.upload(list(itertools.accumulate(batch.num_new)), torch.int64) - 1
-        hidden = self.draft(ids, positions, self.draft_cache, meta)[last]
-        ahead = self.draft.compute_logits(hidden).argmax(-1).tolist()
-        at = {r: j for j, r in enumerate(order)}
-        return [ahead[at[r]] for r in range(len(tokens))]
+        for cache in self.caches:
+            kernels.copy_blocks(cache, pairs)
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """Start copying t to the host; the result is valid once the device reaches this point."""
@@ -701,7 +590,7 @@ class ModelRunner:
         (graph, hidden), st = captured, self.static
         bs = len(hidden)
         ids, positions, meta = self.prepare(batch, prev_tokens)
-        n = len(ids)   # rows: a sequence's drafts are rows of their own (attention_rows)
+        n = len(ids)   # rows: the tokens ahead of a sequence are rows of their own (Batch.ahead)
         width = meta.block_tables.shape[1]
         self._stage_tokens(ids, positions, meta.slot_mapping, bs)
         st["tables"][:n, :width].copy_(meta.block_tables)
@@ -740,9 +629,9 @@ class ModelRunner:
     # -- KV cache sizing
 
     def _bytes_per_block(self) -> int:
-        """A block's K/V in every cache: the model's, and a draft model's."""
-        return sum(kv_bytes_per_block(m.num_layers, m.num_kv_heads, self.cfg.block_size, m.head_dim, m.dtype)
-                   for m in (self.model, self.draft) if m is not None)
+        """A block's K/V in every cache (here the model's only)."""
+        m = self.model
+        return kv_bytes_per_block(m.num_layers, m.num_kv_heads, self.cfg.block_size, m.head_dim, m.dtype)
 
     def _check_fits(self, num_blocks: int) -> int:
         """num_blocks, or a ValueError naming num_kv_blocks if a cache that size cannot fit in

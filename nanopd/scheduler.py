@@ -31,6 +31,9 @@ class Batch:
     # (src, dst) blocks to copy before the model runs, and the sequence each copy is for
     copies: list[tuple[int, int]] = field(default_factory=list)
     copied_for: list[Sequence] = field(default_factory=list)
+    # sequence -> tokens computed after its own (a decode's last), each an attention row of
+    # its own, as a decode's: guesses the step checks, not the sequence's yet. Most steps: none.
+    ahead: dict[Sequence, list[int]] = field(default_factory=dict)
 
     def add(self, seq: Sequence, n: int, copies: list[tuple[int, int]] = ()) -> None:
         self.seqs.append(seq)
@@ -98,17 +101,11 @@ class Scheduler:
             # preempted for an earlier one, or the other lane's
             if seq.status != Status.RUNNING or seq in busy:
                 continue
-            # A decode's drafts (speculate.py) are checked in its step, as many as the budget holds.
-            pending = seq.num_pending
-            n = min(pending + len(seq.drafts), budget)
-            if seq.drafts:
-                del seq.drafts[max(0, n - pending):]
+            n = min(self._wanted(seq), budget)
             n = self._append_slots(seq, n, batch, busy) if n else 0
             if n == 0:
                 continue
-            budget -= n
-            if seq.branches:
-                budget -= self._schedule_branches(seq, n, batch, budget)
+            budget -= n + self._scheduled(seq, n, batch, budget - n)
         # Then new (or preempted) sequences, first come first served, while budget and seats remain.
         while prompts and self.waiting and budget > 0:
             seq = self.waiting[0]
@@ -139,18 +136,32 @@ class Scheduler:
         req = seq.request
         return 1 if seq.num_outputs else max(req.params.n, req.beam_width)
 
+    # -- what a feature's scheduler (speculate.py) changes: a running sequence's tokens
+
+    def _wanted(self, seq: Sequence) -> int:
+        """The tokens seq would compute this step: those before its next token."""
+        return seq.num_pending
+
+    def _scheduled(self, seq: Sequence, n: int, batch: Batch, budget: int) -> int:
+        """seq was given n of its tokens, budget tokens are left: the tokens of the step that
+        more work for it took (none here)."""
+        return 0
+
+    def _shed(self, seq: Sequence) -> int:
+        """The cache is full: tokens of seq's that may go before anyone is preempted (none here)."""
+        return 0
+
     def _append_slots(self, seq: Sequence, n: int, batch: Batch, busy: set[Sequence]) -> int:
         """Room for seq's next n tokens (and its copy-on-write pairs), and seq in the batch;
-        the tokens placed. While the cache is full, seq's drafts go first (drafts are worth no
-        preemption), then the newest running sequences not yet in this batch nor busy are
-        preempted (a beam search whole, out of the batch too). 0 if seq itself had to go."""
+        the tokens placed. While the cache is full, what seq may shed goes first, then the
+        newest running sequences not yet in this batch nor busy are preempted (a beam
+        search whole, out of the batch too). 0 if seq itself had to go."""
         while True:
             try:
                 copies = self.bm.append_slots(seq.block_table, seq.num_computed, seq.num_computed + n)
             except OutOfBlocks:
-                if seq.drafts:
-                    n -= len(seq.drafts)
-                    seq.drafts = []
+                if shed := self._shed(seq):
+                    n -= shed
                     continue
                 self.preempt(next(s for s in reversed(self.running) if s not in batch.seqs and s not in busy),
                              batch)
@@ -167,66 +178,6 @@ class Scheduler:
             seq.num_computed += n
             known = len(seq.token_ids) - (seq.pending_row is not None)
             self.bm.cache_computed_blocks(seq.block_table, seq.token_ids, min(seq.num_computed, known))
-
-    def drafts_checked(self, seq: Sequence) -> None:
-        """A drafted sequence's step has ended and its tokens are known: K/V counts up to
-        the last, the blocks past its tokens (rejected drafts') go back, and the blocks now
-        known enter the prefix cache. A rejected draft's slot in its last block is written
-        again when its position comes."""
-        seq.num_computed = len(seq.token_ids) - 1
-        self.bm.truncate(seq.block_table, len(seq.token_ids))
-        self.bm.cache_computed_blocks(seq.block_table, seq.token_ids, seq.num_computed)
-
-    def reserve_slots(self, seq: Sequence, end: int) -> list[tuple[int, int]] | None:
-        """Make seq's positions up to end writable (a branch's, or those a draft model's
-        passes write before the step is scheduled): the copy-on-write pairs, or None if the
-        blocks are not free (drafts are worth no preemption)."""
-        try:
-            return self.bm.append_slots(seq.block_table, seq.num_computed, end)
-        except OutOfBlocks:
-            return None
-
-    # -- speculative branches: more candidates of one drafted sequence, for one step (speculate.py)
-
-    def branch(self, trunk: Sequence, drafts: list[int]) -> None:
-        """Check drafts on a branch of trunk: a sequence sharing every block of it
-        (copy-on-write), in no queue, scheduled right after trunk, gone after the step."""
-        branch = Sequence(trunk.request, trunk.index, list(trunk.token_ids), trunk.num_prompt_tokens,
-                          arrival=trunk.arrival, status=Status.RUNNING,
-                          block_table=self.bm.fork(trunk.block_table), num_computed=trunk.num_computed,
-                          drafts=drafts, trunk=trunk)
-        trunk.branches.append(branch)
-
-    def _schedule_branches(self, trunk: Sequence, n: int, batch: Batch, budget: int) -> int:
-        """trunk's branches, scheduled with it (n tokens), each checking no more drafts than
-        trunk does (its draws share trunk's noise at each depth: engine.py), while the budget
-        and free blocks hold: a branch is worth no preemption. The others are dropped; the
-        tokens taken."""
-        kept, used = [], 0
-        for branch in trunk.branches:
-            m = min(1 + len(branch.drafts), n, budget - used)
-            if m < 2:
-                continue
-            copies = self.reserve_slots(branch, branch.num_computed + m)
-            if copies is None:
-                continue
-            del branch.drafts[m - 1:]
-            batch.add(branch, m, copies)
-            kept.append(branch)
-            used += m
-        self.drop_branches(trunk, keep=kept)
-        return used
-
-    def take_branch(self, trunk: Sequence, branch: Sequence) -> None:
-        """branch's drafts won: trunk takes its blocks (and branch trunk's, to be dropped)."""
-        trunk.block_table, branch.block_table = branch.block_table, trunk.block_table
-
-    def drop_branches(self, trunk: Sequence, keep: list[Sequence] = ()) -> None:
-        """Free trunk's branches but those in keep."""
-        for branch in trunk.branches:
-            if branch not in keep:
-                self.bm.free(branch.block_table)
-        trunk.branches = list(keep)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child runs from now on, sharing every block of parent (copy-on-write). It joins
@@ -301,15 +252,12 @@ class Scheduler:
             self.restarted.append(req)
             return
         self.bm.free(seq.block_table)
-        self.drop_branches(seq)
-        seq.num_computed = seq.draft_computed = 0
-        seq.drafts = []   # guesses checked by a decode step: a recomputed prompt has none
+        seq.num_computed = 0
         self.running.remove(seq)
         self.add(seq)
 
     def finish(self, seq: Sequence, free: bool = True) -> None:
         """Retire seq; free=False keeps its blocks (a prefill worker's, until handed off)."""
-        self.drop_branches(seq)
         if free:
             self.bm.free(seq.block_table)
         (self.running if seq.status == Status.RUNNING else self.waiting).remove(seq)

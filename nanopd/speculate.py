@@ -43,9 +43,12 @@ sequences' sampling needs the host between tokens (chains) and every one drafted
 their slots are reserved for every round up front, and what a stop token or max_tokens
 ends inside a round is dropped, as a plain step's token after a stop is.
 
-The engine calls its Speculator at five points of a step: draft (before scheduling),
-plan_checks (the step's check draws, before launching), rounds (its later rounds, if any),
-launched, and keep (when the step's tokens are back: what each drafted sequence keeps).
+Speculation plugs into the plain engine as three subclasses at the end of this file:
+SpecScheduler (a drafted decode's tokens ahead, its branches), SpecRunner (the draft model,
+the later rounds) and SpecEngine, which calls its Speculator at five points of a step:
+draft (before scheduling), plan_checks (the step's check draws, before launching), rounds
+(its later rounds, if any), launched, and keep (when the step's tokens are back: what each
+drafted sequence keeps).
 
 Drafters (vLLM's `speculative_config` methods):
   ngram        prompt lookup: the tokens that followed the latest earlier occurrence of
@@ -56,16 +59,22 @@ Drafters (vLLM's `speculative_config` methods):
   draft_model  a smaller model's greedy tokens (DraftModel).
 """
 
+import functools
+import itertools
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from nanopd.config import SpeculativeConfig
-from nanopd.model import CausalLM, load_model
-from nanopd.request import Sequence
-from nanopd.runner import DeviceDraft, Draw, ModelRunner, Rounds
+from nanopd import gpu_kernels as kernels
+from nanopd.config import EngineConfig, SpeculativeConfig
+from nanopd.engine import Engine, LaunchedStep, banned_tokens
+from nanopd.kv_cache import OutOfBlocks, allocate_kv_cache, kv_bytes_per_block
+from nanopd.model import AttentionMetadata, CausalLM, load_model
+from nanopd.request import Sequence, Status
+from nanopd.runner import Draw, Lane, ModelRunner, StepOutput
+from nanopd.sampler import sample
 from nanopd.scheduler import Batch, Scheduler
 
 
@@ -77,6 +86,21 @@ def load_draft(name: str, target: CausalLM, seed: int) -> CausalLM:
                          f"{draft.config.vocab_size} tokens, the model {target.config.vocab_size}: "
                          "a draft must share the model's tokenizer")
     return draft
+
+
+# (history [B, W] int64: row b's tokens in its first lengths[b], lengths [B], k) -> drafts [B, k]
+DeviceDraft = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+@dataclass
+class Rounds:
+    """A drafting step's rounds after its first (Speculator.rounds). Every sequence of the
+    step checks k drafts a round; each round after the first takes, on the device, what the
+    round before kept (the drafts up to the first one the sampled tokens disagree with, then
+    the token sampled there), drafts k more after it and checks them (SpecRunner.later_rounds)."""
+    count: int          # rounds in all, the first included
+    k: int
+    draft: DeviceDraft
 
 
 # (the sequences, at most how many drafts each, branches) -> each one's candidates
@@ -155,7 +179,7 @@ class DraftModel:
     token, each next pass one draft. A prefix-cache hit shares blocks whose draft K/V the
     first pass writes again, the same values for the same tokens."""
 
-    def __init__(self, runner: ModelRunner, reserve: "Reserve"):
+    def __init__(self, runner: "SpecRunner", reserve: "Reserve"):
         self.runner, self.reserve = runner, reserve
 
     def __call__(self, seqs: list[Sequence], ks: list[int], branches: int) -> list[list[list[int]]]:
@@ -217,7 +241,7 @@ def ngram_drafter(cfg: SpeculativeConfig) -> PerSequence:
     return PerSequence(propose, on_device)
 
 
-Reserve = Callable[[Sequence, int], list[tuple[int, int]] | None]   # Scheduler.reserve_slots
+Reserve = Callable[[Sequence, int], list[tuple[int, int]] | None]   # SpecScheduler.reserve_slots
 DRAFTERS: dict[str, Callable[[SpeculativeConfig, ModelRunner, Reserve], Drafter]] = {   # a method's drafter
     "ngram": lambda cfg, runner, reserve: ngram_drafter(cfg),
     "draft_model": lambda cfg, runner, reserve: DraftModel(runner, reserve),
@@ -294,7 +318,8 @@ class Speculator:
     """Speculative decoding in the engine's step (engine.py): who drafts at a step, their
     drafts (the drafter's), the draws that check them, and what each sequence keeps."""
 
-    def __init__(self, spec: SpeculativeConfig, runner: ModelRunner, scheduler: Scheduler, banned: Banned):
+    def __init__(self, spec: SpeculativeConfig, runner: ModelRunner, scheduler: "SpecScheduler",
+                 banned: Banned):
         self.spec, self.scheduler, self.banned = spec, scheduler, banned
         self.max_model_len, self.vocab_size = runner.cfg.max_model_len, runner.model.config.vocab_size
         self.drafter = DRAFTERS[spec.method](spec, runner, scheduler.reserve_slots)
@@ -318,7 +343,7 @@ class Speculator:
         """A new step: drafts for the sequences that draft now, decoding, as many as
         max_tokens and max_model_len leave room for after the token the step samples anyway
         (the scheduler checks as many as the step's budget holds): the longest candidate on
-        the sequence, each other on a branch (Scheduler.branch). Finding none counts as a
+        the sequence, each other on a branch (SpecScheduler.branch). Finding none counts as a
         miss. The sequences given drafts."""
         self.num_steps += 1
         seqs, rooms = [], []
@@ -341,7 +366,7 @@ class Speculator:
 
     def unscheduled(self, drafting: list[Sequence], batch: Batch) -> None:
         """Drafted sequences the step did not schedule (no budget) drop their drafts (a preempted
-        one has dropped them already: Scheduler.preempt)."""
+        one has dropped them already: SpecScheduler.preempt)."""
         for seq in set(drafting) - set(batch.seqs):
             seq.drafts = []
             self.scheduler.drop_branches(seq)
@@ -396,7 +421,7 @@ class Speculator:
         return draws
 
     def rounds(self, batch: Batch, drafted: dict[Sequence, Drafted]) -> Rounds | None:
-        """The step's later rounds on the device (num_rounds in all: runner.py:Rounds), or None:
+        """The step's later rounds on the device (num_rounds in all: Rounds), or None:
         only where the drafter also drafts on the device and every sequence of the batch
         checks k drafts, needs nothing of the host between its tokens (chains) and has room
         for as many more; each one's slots for them reserved (None if the blocks are not free)."""
@@ -461,3 +486,297 @@ class Speculator:
         metrics.spec_accepted_tokens += accepted
         metrics.spec_steps += 1 + len(later)
         return kept, draws
+
+
+def later_rounds(out: StepOutput) -> list[list[list[int]]]:
+    """Wait for a step's copies: per sequence (batch row), each later round's drafts then its
+    sampled tokens (SpecRunner.later_rounds sent them home in out.more); [] without later rounds."""
+    out.wait()
+    return [] if out.more is None else out.more.transpose(0, 1).tolist()
+
+
+# ----------------------------------------------------------------------------- the scheduler's side
+
+
+class SpecScheduler(Scheduler):
+    """The Scheduler, with a drafted decode's drafts scheduled after its last token (Batch.ahead,
+    as many as the budget holds) and its branches right after it."""
+
+    def _wanted(self, seq: Sequence) -> int:
+        return seq.num_pending + len(seq.drafts)
+
+    def _scheduled(self, seq: Sequence, n: int, batch: Batch, budget: int) -> int:
+        """seq's drafts that the n tokens hold go ahead of it in the batch; then its branches."""
+        if seq.drafts:
+            del seq.drafts[max(0, n - seq.num_pending):]
+            if seq.drafts:
+                batch.ahead[seq] = seq.drafts
+        return self._schedule_branches(seq, n, batch, budget) if seq.branches else 0
+
+    def _shed(self, seq: Sequence) -> int:
+        """Drafts are worth no preemption: they go first."""
+        shed, seq.drafts = len(seq.drafts), []
+        return shed
+
+    def preempt(self, seq: Sequence, batch: Batch | None = None) -> None:
+        """A recomputed prompt has no drafts, no branches, no draft K/V."""
+        if not seq.request.beam_width:
+            self.drop_branches(seq)
+            seq.drafts, seq.draft_computed = [], 0
+        super().preempt(seq, batch)
+
+    def finish(self, seq: Sequence, free: bool = True) -> None:
+        self.drop_branches(seq)
+        super().finish(seq, free)
+
+    def drafts_checked(self, seq: Sequence) -> None:
+        """A drafted sequence's step has ended and its tokens are known: K/V counts up to
+        the last, the blocks past its tokens (rejected drafts') go back, and the blocks now
+        known enter the prefix cache. A rejected draft's slot in its last block is written
+        again when its position comes."""
+        seq.num_computed = len(seq.token_ids) - 1
+        self.bm.truncate(seq.block_table, len(seq.token_ids))
+        self.bm.cache_computed_blocks(seq.block_table, seq.token_ids, seq.num_computed)
+
+    def reserve_slots(self, seq: Sequence, end: int) -> list[tuple[int, int]] | None:
+        """Make seq's positions up to end writable (a branch's, or those a draft model's
+        passes write before the step is scheduled): the copy-on-write pairs, or None if the
+        blocks are not free (drafts are worth no preemption)."""
+        try:
+            return self.bm.append_slots(seq.block_table, seq.num_computed, end)
+        except OutOfBlocks:
+            return None
+
+    # -- branches: more candidates of one drafted sequence, for one step
+
+    def branch(self, trunk: Sequence, drafts: list[int]) -> None:
+        """Check drafts on a branch of trunk: a sequence sharing every block of it
+        (copy-on-write), in no queue, scheduled right after trunk, gone after the step."""
+        branch = Sequence(trunk.request, trunk.index, list(trunk.token_ids), trunk.num_prompt_tokens,
+                          arrival=trunk.arrival, status=Status.RUNNING,
+                          block_table=self.bm.fork(trunk.block_table), num_computed=trunk.num_computed,
+                          drafts=drafts, trunk=trunk)
+        trunk.branches.append(branch)
+
+    def _schedule_branches(self, trunk: Sequence, n: int, batch: Batch, budget: int) -> int:
+        """trunk's branches, scheduled with it (n tokens), each checking no more drafts than
+        trunk does (its draws share trunk's noise at each depth: Speculator), while the budget
+        and free blocks hold: a branch is worth no preemption. The others are dropped; the
+        tokens taken."""
+        kept, used = [], 0
+        for branch in trunk.branches:
+            m = min(1 + len(branch.drafts), n, budget - used)
+            if m < 2:
+                continue
+            copies = self.reserve_slots(branch, branch.num_computed + m)
+            if copies is None:
+                continue
+            del branch.drafts[m - 1:]
+            batch.add(branch, m, copies)
+            batch.ahead[branch] = branch.drafts
+            kept.append(branch)
+            used += m
+        self.drop_branches(trunk, keep=kept)
+        return used
+
+    def take_branch(self, trunk: Sequence, branch: Sequence) -> None:
+        """branch's drafts won: trunk takes its blocks (and branch trunk's, to be dropped)."""
+        trunk.block_table, branch.block_table = branch.block_table, trunk.block_table
+
+    def drop_branches(self, trunk: Sequence, keep: list[Sequence] = ()) -> None:
+        """Free trunk's branches but those in keep."""
+        for branch in trunk.branches:
+            if branch not in keep:
+                self.bm.free(branch.block_table)
+        trunk.branches = list(keep)
+
+
+# ----------------------------------------------------------------------------- the runner's side
+
+
+@dataclass(eq=False)
+class DraftRow:
+    """A row of a draft model's pass (SpecRunner.draft_next), as prepare reads a sequence."""
+    token_ids: list[int]
+    num_computed: int
+    block_table: list[int]
+    pending_row: None = None
+
+
+class SpecRunner(ModelRunner):
+    """The ModelRunner, with a draft model's own KV cache under the same block ids (draft_model)
+    and a drafting step's later rounds on the device (Rounds)."""
+
+    def __init__(self, model: CausalLM, cfg: EngineConfig):
+        spec = cfg.speculative_config
+        self.draft = load_draft(spec.model, model, cfg.seed + 1) if spec.method == "draft_model" else None
+        super().__init__(model, cfg)
+
+    def _allocate_caches(self) -> list[torch.Tensor]:
+        caches, d = super()._allocate_caches(), self.draft
+        if d is not None:
+            caches.append(allocate_kv_cache(self.num_blocks, d.num_layers, d.num_kv_heads,
+                                            self.cfg.block_size, d.head_dim, d.dtype, self.device))
+        return caches
+
+    def _bytes_per_block(self) -> int:
+        d = self.draft
+        return super()._bytes_per_block() + (0 if d is None else kv_bytes_per_block(
+            d.num_layers, d.num_kv_heads, self.cfg.block_size, d.head_dim, d.dtype))
+
+    @torch.inference_mode()
+    def draft_next(self, tokens: list[list[int]], starts: list[int], tables: list[list[int]]) -> list[int]:
+        """The draft model's greedy next token after each row: row r computes tokens[r] from
+        position starts[r] on (the K/V before it in its draft cache), under block table
+        tables[r]. Waits for the device."""
+        # one-token rows first
+        order = sorted(range(len(tokens)), key=lambda r: len(tokens[r]) - starts[r] > 1)
+        rows = [DraftRow(tokens[r], starts[r], tables[r]) for r in order]
+        batch = Batch(rows, [len(row.token_ids) - row.num_computed for row in rows])
+        ids, positions, meta = self.prepare(batch)
+        last = self.upload(list(itertools.accumulate(batch.num_new)), torch.int64) - 1
+        hidden = self.draft(ids, positions, self.caches[1], meta)[last]
+        ahead = self.draft.compute_logits(hidden).argmax(-1).tolist()
+        at = {r: j for j, r in enumerate(order)}
+        return [ahead[at[r]] for r in range(len(tokens))]
+
+
+    def later_rounds(self, batch: Batch, out: StepOutput, rounds: Rounds) -> None:
+        """A drafting step's rounds after its first (run's `after`), all on the device, no host
+        sync: each keeps what the round before kept, drafts, checks (Rounds). Its draws were
+        a check per draft of each sequence, in batch order, then a token after each one's
+        last draft. Each round's drafts and sampled tokens go home together at the end (out.more)."""
+        seqs, k, bs, lane = batch.seqs, rounds.k, self.cfg.block_size, self.lane
+        width = max(len(s.token_ids) for s in seqs) + rounds.count * (k + 1)
+        history = self.upload([t for s in seqs for t in s.token_ids + [0] * (width - len(s.token_ids))],
+                              torch.int64).view(len(seqs), width)   # [B, W]
+        tables = self._upload_many(self._packed_tables([s.block_table for s in seqs]))[0].view(len(seqs), -1)
+        lengths = self.upload([len(s.token_ids) for s in seqs], torch.int64)
+        drafts = self.upload([t for s in seqs for t in batch.ahead[s]], torch.int64).view(len(seqs), k)
+        checks = len(seqs) * k
+        # [B, k + 1]: after the last token and each draft
+        sampled = torch.cat([out.tokens[:checks].view(-1, k), out.tokens[checks:].view(-1, 1)], 1)
+        ahead = torch.arange(k + 1, device=history.device)
+        params = [s.request.params for s in seqs for _ in range(k + 1)]
+        done = []
+        for _ in range(rounds.count - 1):
+            accepted = (drafts == sampled[:, :k]).long().cumprod(1).sum(1)          # [B]
+            history.scatter_(1, lengths[:, None] + ahead, sampled)   # the kept ones: the first accepted + 1
+            lengths = lengths + accepted + 1
+            drafts = rounds.draft(history, lengths, k)
+            positions = (lengths - 1)[:, None] + ahead                             # [B, k+1]
+            ids = torch.cat([history.gather(1, positions[:, :1]), drafts], 1)
+            slots = tables.gather(1, positions // bs) * bs + positions % bs
+            hidden = self._rerun(batch, ids.flatten(), positions.flatten(), slots.flatten().int(),
+                                 tables.repeat_interleave(k + 1, 0), lane)
+            sampled = sample(self.model.compute_logits(hidden), params, [None] * len(params),
+                             self.upload).view(-1, k + 1)
+            done.append(torch.cat([drafts, sampled], 1))
+        out.more = self.to_host(torch.stack(done))
+
+    def _rerun(self, batch: Batch, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               tables: torch.Tensor, lane: Lane) -> torch.Tensor:
+        """The batch's step again (a later round: later_rounds) on new tokens, a token a row
+        attending up to its own position: on the decode graph its first round replayed,
+        whose static block tables and query starts still hold, else eagerly."""
+        n = len(ids)
+        graph_bs = next((b for b in lane.sizes if b >= n), None)
+        if graph_bs is not None:
+            graph, hidden = lane.graphs[graph_bs]
+            st = self.static
+            for name, t in (("ids", ids), ("pos", positions), ("slots", slots), ("ctx", positions)):
+                st[name][:n].copy_(t)
+            graph.replay()
+            return hidden[:n]
+        meta = AttentionMetadata(
+            slot_mapping=slots, block_tables=tables, ctx_lens=positions.int(), max_q_len=1, num_decodes=n,
+            cu_q_lens=torch.arange(n + 1, dtype=torch.int32, device=ids.device),
+            num_splits=kernels.choose_num_splits(n, self.model.num_kv_heads, 1, self.cfg.max_model_len,
+                                                 self.device))
+        return self.model(ids, positions, self.kv_cache, meta)
+
+
+# ----------------------------------------------------------------------------- the engine's side
+
+
+class SpecEngine(Engine):
+    """The Engine, speculating (speculative_config): its Speculator drafts before a step is
+    scheduled, adds the draws that check the drafts, and says what each drafted sequence
+    keeps. A step that checks drafts, or after which a sequence drafts, ends before the next
+    is scheduled (a draft needs the token before it on the host)."""
+    features = ("speculative_config",)
+    scheduler_class = SpecScheduler
+    runner_class = SpecRunner
+
+    def _plug_in(self) -> None:
+        # (a function of the EOS ids, not a method: a speculator holding the engine would make
+        # a cycle, which the engine's frozen heap would keep from the collector)
+        banned = functools.partial(banned_tokens, self.eos_ids)
+        self.speculator = Speculator(self.cfg.speculative_config, self.runner, self.scheduler, banned)
+        self.drafting: list[Sequence] = []   # the sequences given drafts for the step being scheduled
+
+    def _before_schedule(self) -> None:
+        self.drafting = self.speculator.draft()
+
+    def _after_schedule(self, batch: Batch) -> None:
+        if self.drafting:
+            self.speculator.unscheduled(self.drafting, batch)
+            self.drafting = []
+
+    def _plan_draws(self, batch: Batch, done: list[int]) -> tuple[list[tuple[int, int]], list[Draw]]:
+        """The ordinary draws; a branch's draws are checks (Speculator.plan_checks)."""
+        return super()._plan_draws(batch, [i for i in done if batch.seqs[i].trunk is None])
+
+    def _extra_draws(self, batch: Batch, done: list[int], plan: list[tuple[int, int]], step: LaunchedStep
+                     ) -> tuple[list[Draw], Callable[[StepOutput], None] | None]:
+        """The checks of the step's drafts (step.extra: the drafted sequences), and its later
+        rounds on the device, if any."""
+        drafted, checks = self.speculator.plan_checks(batch, done, plan)
+        if not drafted:
+            return [], None
+        step.extra = drafted
+        rounds = self.speculator.rounds(batch, drafted)
+        self.speculator.launched(drafted)
+        return checks, None if rounds is None else functools.partial(self.runner.later_rounds, batch,
+                                                                     rounds=rounds)
+
+    def _host_needs_now(self, step: LaunchedStep) -> bool:
+        """Also a step that checks drafts (what follows depends on what it keeps), and any
+        step after which a sequence drafts (a draft needs the token before it)."""
+        return (super()._host_needs_now(step) or step.extra is not None
+                or self.speculator.drafts_next_step())
+
+    def _take_tokens(self, step: LaunchedStep, tokens: list[int], logprobs: dict) -> None:
+        """A drafted sequence takes what it kept (_take_drafted); the others their token."""
+        drafted, extra = step.extra, step.num_extra
+        if drafted is None:
+            return super()._take_tokens(step, tokens, logprobs)
+        checked, later = tokens[:extra], later_rounds(step.output)   # later: per batch row (Rounds)
+        counted: list[tuple[Sequence, list[int]]] = []   # penalized drafted sequences: what they kept
+        for k, ((seq, index), token) in enumerate(zip(step.targets, tokens[extra:])):
+            d = drafted.get(seq)
+            if d is None or seq.status == Status.FINISHED:
+                self._take_sampled(seq, index, token, extra + k, logprobs)
+                continue
+            rounds = later[step.batch.seqs.index(seq)] if later else ()
+            self._take_drafted(seq, index, d, checked, token, extra + k, logprobs, counted, rounds)
+        self.runner.token_counts.count_kept(counted, self.runner.upload)
+
+    def _take_drafted(self, seq: Sequence, index: int, drafted: Drafted, checked: list[int], token: int,
+                      draw: int, logprobs: dict, counted: list[tuple[Sequence, list[int]]],
+                      later: list[list[int]]) -> None:
+        """A drafted sequence's step ended: the drafts it kept and the token after them, in
+        each of its rounds (Speculator.keep), take the PENDING token's place, each taken in
+        turn until one stops it."""
+        # draws: each kept token's
+        kept, draws = self.speculator.keep(seq, drafted, checked, token, draw, later)
+        if seq.request.params.penalized:   # its draws were not counted: what it kept is
+            counted.append((seq, kept))
+        seq.token_ids[index:index + 1] = kept
+        if index + len(kept) == len(seq.token_ids):   # no later step has sampled after it yet
+            seq.pending_row = None
+        self.scheduler.drafts_checked(seq)
+        for at, sampled_by in zip(range(index, index + len(kept)), draws):
+            self._take_token(seq, at, sampled_by, logprobs)
+            if seq.status == Status.FINISHED:
+                break

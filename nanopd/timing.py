@@ -126,7 +126,8 @@ def measure_engine(engine, lengths: list[int], batches: list[int], chunks: list[
     out = {"lengths": lengths, "prefill_ms": prefill, "batches": batches, "decode_ms": decode,
            "context": context, "kv_batches": kv_batches, "long_context": long_context, "long_decode_ms": long,
            "chunks": chunks, "extra_ms": [m - alone for m in mixed]}
-    if engine.has_lanes and any(decode.stream is not None for _, decode in engine.runner.splits.values()):
+    splits = engine.runner.splits.values() if "sm_split" in engine.features else ()
+    if any(decode.stream is not None for _, decode in splits):
         out["splits"] = measure_splits(engine, lengths, batches, context, gamma_batch, reps)
     return out
 

@@ -53,8 +53,9 @@ from nanopd.controller import (
     snapshot,
 )
 from nanopd.engine import Engine, LaunchedStep
+from nanopd.features import make_engine
 from nanopd.kv_cache import cdiv
-from nanopd.lanes import SplitEngine, SplitLane, make_engine
+from nanopd.lanes import SplitEngine, SplitLane
 from nanopd.messages import (
     Abort,
     Configured,
@@ -250,6 +251,9 @@ class Worker:
 
     def _set_split(self, sm_split: tuple[int, int] | None) -> None:
         if sm_split != self.sm_split:   # a new split repartitions the device: only on a change
+            if not isinstance(self.engine, SplitEngine):
+                raise ValueError(f"sm_split {tuple(sm_split)} is not in this engine's split menu (none): "
+                                 "a split worker's engine has one (split_menu)")
             self.engine.set_split(sm_split)
             self.sm_split = sm_split
 
@@ -405,7 +409,7 @@ class Worker:
         reported: its time is its checks' (speculate.py: rounds), not a decode step's."""
         now = time.perf_counter()
         ended = collected.output.ready if collected is not None and collected.output else None
-        if collected is not None and self.last_collected is not None and not collected.drafted:
+        if collected is not None and self.last_collected is not None and collected.extra is None:
             at, before = self.last_collected
             ms = before.elapsed_time(ended) if before is not None and ended is not None else (now - at) * 1e3
             s = collected.shape

@@ -37,8 +37,7 @@ import time
 import torch
 
 from nanopd import LLM, SamplingParams
-from nanopd.runner import DeviceDraft
-from nanopd.speculate import PerSequence
+from nanopd.speculate import DeviceDraft, PerSequence
 from tools.microbench import launch_wait_ms, time_ms
 
 
