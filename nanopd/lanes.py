@@ -64,11 +64,11 @@ class SplitRunner(ModelRunner):
     cfg.split_menu: two streams on disjoint SMs each, smsplit.py) beside the whole GPU's,
     and the whole GPU without graphs (full_gpu_eager: prompts with nothing to decode)."""
 
-    def __init__(self, model: CausalLM, cfg: EngineConfig, draft: CausalLM | None = None):
+    def __init__(self, model: CausalLM, cfg: EngineConfig):
         self.menu = [tuple(s) for s in dict.fromkeys([cfg.sm_split, *cfg.split_menu]) if s]   # as asked
         # (these keep the driver's objects)
         self.split_lanes = [make_lanes(model.device, Split(*s)) for s in self.menu]
-        super().__init__(model, cfg, draft)
+        super().__init__(model, cfg)
 
     def _set_up_steps(self) -> None:
         """Each split of the menu, under the SM counts the driver gave: its prefill lane and
