@@ -122,8 +122,7 @@ from nanopd import model as qwen
 from nanopd import router as router_mod
 from nanopd.config import EngineConfig, resolve_dtype
 from nanopd.costmodel import CostModel, HardwareParams, SplitParams, WorkerLoad
-from nanopd.engine import Engine
-from nanopd.features import make_engine
+from nanopd.engine import Engine, make_engine
 from nanopd.kv_cache import (
     BlockManager,
     OutOfBlocks,
@@ -2437,7 +2436,7 @@ def test_a_poll_hands_the_lock_on_only_while_another_call_runs(hf, llm, monkeypa
     assert llm.callers == 0 and all_blocks_free(llm)
 
 
-# ======================== features.py: the features that plug into the plain engine
+# ====================== engine.py, config.py: the features that plug into the plain engine
 
 
 @ENGINE

@@ -82,6 +82,14 @@ def speculative_config(value) -> SpeculativeConfig | None:
     return cfg
 
 
+# The features that plug into the plain engine: the setting that asks for one -> the Engine
+# subclass serving it, in a file of its own, which engine.py:make_engine loads only then.
+FEATURES = {
+    "speculative_config": "nanopd.speculate:SpecEngine",   # drafts checked in a step, branches, rounds
+    "sm_split": "nanopd.lanes:SplitEngine",                # a step on two lanes of disjoint SMs
+}
+
+
 @dataclass
 class EngineConfig:
     model: str = "tiny"                # preset name or HF checkpoint folder
@@ -111,9 +119,17 @@ class EngineConfig:
 
     def features(self) -> list[str]:
         """The settings of this config that ask for more than the plain engine (engine.py):
-        each names a feature that plugs into it (features.py)."""
+        each names a feature that plugs into it (FEATURES)."""
         asked = {"speculative_config": self.speculative_config is not None, "sm_split": self.splits_sms}
         return [name for name, on in asked.items() if on]
+
+    def engine_class(self) -> str | None:
+        """Where the engine this config asks for is ("module:class"); None: the plain Engine."""
+        asked = self.features()
+        if len(asked) > 1:
+            self.validate()   # it names the settings that exclude each other
+            raise ValueError(f"{' and '.join(asked)} cannot be served together")
+        return FEATURES[asked[0]] if asked else None
 
     def validate(self) -> None:
         """Raise a ValueError naming the first bad setting."""

@@ -15,12 +15,13 @@ How a step works:
 
 Parallel sampling (n > 1) prefills the prompt once and forks the sequence (copy-on-write).
 Features beyond the plain engine are subclasses in files of their own, which change a step
-at a few named points (the methods under "what a feature changes" below); features.py
-builds the engine a config asks for. A first reading can skip them all.
+at a few named points (the methods under "what a feature changes" below); make_engine
+builds the engine a config asks for (config.py:FEATURES). A first reading can skip them all.
 """
 
 import dataclasses
 import gc
+import importlib
 import itertools
 import time
 from collections.abc import Callable
@@ -28,7 +29,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanopd import beams
 from nanopd.config import EngineConfig
 from nanopd.kv_cache import BlockManager
 from nanopd.model import Detokenizer, load_model, load_tokenizer
@@ -186,7 +186,7 @@ class Engine:
         missing = [f for f in cfg.features() if f not in self.features]
         if missing:
             raise ValueError(f"{', '.join(missing)} asks for a feature this engine lacks: "
-                             "nanopd.features.make_engine(cfg) builds the engine a config asks for")
+                             "make_engine(cfg) builds the engine a config asks for")
         cfg.validate()
         torch.manual_seed(cfg.seed)   # vLLM's seed: where requests without a seed of their own draw from
         self.model = load_model(cfg.model, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
@@ -240,7 +240,7 @@ class Engine:
         """The block manager, for inspection: the scheduler owns every block's lifetime."""
         return self.scheduler.bm
 
-    # -- what a feature changes (speculate.py, lanes.py): these points of a step
+    # -- what a feature changes (config.py:FEATURES): these points of a step
 
     def _plug_in(self) -> None:
         """Set up what a feature adds, before the warm-up's first step (nothing here)."""
@@ -448,6 +448,7 @@ class Engine:
         for req in touched:
             if req.beam_width and not req.finished and all(s.beam_candidates is not None for s in req.seqs
                                                            if s.status != Status.FINISHED):
+                from nanopd import beams  # loaded by the first beam search, not by plain serving
                 beams.advance(req, self.eos_ids, self.fork, self._end)
             if req.finished and req.metrics.finish_time is None and req.request_id in self.requests:
                 req.metrics.finish_time = now
@@ -614,3 +615,13 @@ class Engine:
                            else self._decoded(req.prompt_logprobs))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.metrics,
                              finished=req.finished, error=req.error, prompt_logprobs=prompt_logprobs)
+
+
+def make_engine(cfg: EngineConfig) -> Engine:
+    """The engine cfg asks for: the plain Engine, or the subclass serving the feature it names
+    (config.py:FEATURES), whose file is loaded only then."""
+    where = cfg.engine_class()
+    if where is None:
+        return Engine(cfg)
+    module, name = where.split(":")
+    return getattr(importlib.import_module(module), name)(cfg)

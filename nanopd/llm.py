@@ -33,8 +33,7 @@ import jinja2
 from tqdm import tqdm
 
 from nanopd.config import EngineConfig
-from nanopd.engine import Engine
-from nanopd.features import make_engine
+from nanopd.engine import Engine, make_engine
 from nanopd.request import (
     BeamSearchOutput,
     BeamSearchParams,

@@ -52,8 +52,7 @@ from nanopd.controller import (
     Recent,
     snapshot,
 )
-from nanopd.engine import Engine, LaunchedStep
-from nanopd.features import make_engine
+from nanopd.engine import Engine, LaunchedStep, make_engine
 from nanopd.kv_cache import cdiv
 from nanopd.lanes import SplitEngine, SplitLane
 from nanopd.messages import (
