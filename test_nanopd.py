@@ -102,6 +102,7 @@ from nanopd import (
     TextPrompt,
     TokensPrompt,
     controller,
+    costmodel,
     hosts,
     kv_cache,
     messages,
@@ -121,7 +122,15 @@ from nanopd import gpu_kernels as kernels
 from nanopd import model as qwen
 from nanopd import router as router_mod
 from nanopd.config import EngineConfig, resolve_dtype
-from nanopd.costmodel import CostModel, HardwareParams, SplitParams, WorkerLoad
+from nanopd.costmodel import (
+    WHOLE,
+    CostModel,
+    HardwareParams,
+    LeastSquares,
+    SplitParams,
+    StepModel,
+    WorkerLoad,
+)
 from nanopd.engine import Engine, make_engine
 from nanopd.kv_cache import (
     BlockManager,
@@ -4416,14 +4425,14 @@ def test_the_cost_model_alone_predicts_a_request_under_each_configuration_it_ran
     assert list(router.model_errors) == [pytest.approx(abs(expected - measured) / measured)]
 
 
-@pytest.mark.parametrize("clip", [router_mod.OUTLIER_CLIP, math.inf])
+@pytest.mark.parametrize("clip", [costmodel.OUTLIER_CLIP, math.inf])
 def test_a_few_stalled_steps_do_not_carry_the_step_model_away(clip, monkeypatch):
     """Decode steps by a known model (1% noise), 3% of them stalled by 250 ms (the host
     waited on something else), from a profile of the right shape at 0.7x its level: the
     whole GPU's refit still lands within 2% of the true beta, slope and kv. Without the clip
     on outlying residuals (clip inf) the stalls carry the level off by more than 5% (10%
     with this seed)."""
-    monkeypatch.setattr(router_mod, "OUTLIER_CLIP", clip)
+    monkeypatch.setattr(costmodel, "OUTLIER_CLIP", clip)
     truth = HardwareParams(alpha=0.05, beta=9.0, batch_thresh=16, slope=0.2, gamma=0.03, transfer_rate=0.004,
                            kv=3e-5)
     router, rng = Router(dataclasses.replace(truth, beta=6.3, slope=0.14, kv=2.1e-5, gamma=0.021)), \
@@ -4904,35 +4913,74 @@ CTL_PARAMS = HardwareParams(alpha=0.03, beta=8.0, batch_thresh=16, slope=0.2, ga
                             splits={"84/48": SplitParams(6.0, 0.05, 1e-6, 11.0, 16, 0.3, 2e-3)})
 
 
-def test_the_step_model_recovers_the_coefficients_of_timed_steps():
-    """Steps timed on the whole GPU, on a split's decode lane and on its prefill lane, from
-    known coefficients with a little noise, learned by a StepModel seeded far from them
-    (twice the profile): each place's fit is torch's least squares on its steps (the prior's
-    pull made negligible, no forgetting), and within 2% of the generating coefficients."""
+def test_the_fitter_is_weighted_least_squares_pulled_toward_its_prior():
+    """LeastSquares online, with forgetting f and a prior: its theta is the solution of the
+    normal equations written out here, sum f^age x x^T + W against sum f^age x y + W theta0
+    (W = prior_weight / (|theta0| + floor)^2 on the diagonal), where that is nonnegative; in
+    batch (LeastSquares.fit) torch's least squares."""
     rng = random.Random(0)
-    truth = {("whole", None): [3.0, 2.2, 0.5, 0.002, 0.04], ("decode", "84/48"): [4.0, 0.7, 0.003],
-             ("prefill", "84/48"): [2.0, 0.06, 2e-6]}
-    seeded = dataclasses.replace(CTL_PARAMS, beta=6.0, slope=1.0, kv=0.004, gamma=0.08, splits={
-        "84/48": SplitParams(4.0, 0.12, 4e-6, 8.0, 16, 1.4, 0.006)})
-    model = controller.StepModel(seeded, forget=1.0, prior_weight=1e-9)
-    rows = {place: ([], []) for place in truth}
+    truth, theta0, floor = [3.0, 0.5, 0.002], [1.0, 1.0, 0.0], [0.1, 0.1, 1e-3]
+    fit = LeastSquares(theta0, floor, forget=0.9, prior_weight=2.0)
+    xtx, xty, rows, ys = torch.zeros(3, 3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64), [], []
+    for _ in range(60):
+        x = [1.0, rng.uniform(0, 40), rng.uniform(0, 5000)]
+        y = sum(t * v for t, v in zip(truth, x)) * (1 + rng.gauss(0, 0.01))
+        fit.observe(x, y)
+        v = torch.tensor(x, dtype=torch.float64)
+        xtx, xty = 0.9 * xtx + torch.outer(v, v), 0.9 * xty + v * y
+        rows.append(x)
+        ys.append(y)
+    w = torch.tensor([2.0 / (abs(t) + f) ** 2 for t, f in zip(theta0, floor)], dtype=torch.float64)
+    reference = torch.linalg.solve(xtx + torch.diag(w), xty + w * torch.tensor(theta0, dtype=torch.float64))
+    assert fit.theta == pytest.approx(reference.tolist(), rel=1e-6)
+    a, y = torch.tensor(rows, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64)
+    reference = torch.linalg.lstsq(a, y[:, None]).solution[:, 0]
+    assert LeastSquares.fit(rows, ys) == pytest.approx(reference.tolist(), rel=1e-6)
+
+
+def test_the_step_model_learns_each_places_level_of_the_profiles_shape():
+    """Steps timed on the whole GPU, on a split's decode lane and on its prefill lane, each
+    place at its own multiple of the profile's model of it (1% noise): the step model
+    learns each multiple (within 1%), predicts each place's steps at that multiple of the
+    profile's terms written out here, and writes the levelled terms into a HardwareParams
+    (StepModel.apply), leaving its prefill rate alone."""
+    rng = random.Random(0)
+    levels = {WHOLE: 1.3, ("decode", "84/48"): 0.8, ("prefill", "84/48"): 1.6}
+    p, s = CTL_PARAMS, CTL_PARAMS.splits["84/48"]
+
+    def profiled(place, d, c, n):
+        if place == WHOLE:
+            return p.beta + p.slope * max(0, d - p.batch_thresh) + p.kv * c + p.gamma * n
+        if place[0] == "decode":
+            return s.beta + s.slope * max(0, d - s.batch_thresh) + s.kv * c
+        return s.alpha0 + s.alpha * n + s.alpha2 * n * n
+    model = StepModel(CTL_PARAMS)
     for _ in range(300):
-        for place, theta in truth.items():
-            d, c, p = rng.randint(1, 64), rng.randint(0, 20000), rng.choice([0, rng.randint(1, 2048)])
-            d = 0 if place[0] == "prefill" else d
-            split = None if place[1] is None else (84, 48)
-            x = model.features(place, d, c, p)
-            y = sum(t * v for t, v in zip(theta, x)) * (1 + rng.gauss(0, 0.001))
-            model.observe(d, c, p, y, split)
-            rows[place][0].append(x)
-            rows[place][1].append(y)
-    for place, theta in truth.items():
-        xs = torch.tensor(rows[place][0], dtype=torch.float64)
-        ys = torch.tensor(rows[place][1], dtype=torch.float64)
-        reference = torch.linalg.lstsq(xs, ys[:, None]).solution[:, 0].tolist()
-        assert model.fits[place].theta == pytest.approx(reference, rel=1e-4, abs=1e-9)
-        assert model.fits[place].theta == pytest.approx(theta, rel=0.02, abs=1e-7)
-    assert model.error < 0.05   # its predictions, each made before the step was learned
+        for place, k in levels.items():
+            d, c, n = rng.randint(1, 64), rng.randint(0, 20000), rng.choice([0, rng.randint(1, 2048)])
+            if place[0] == "prefill":
+                d, c, n = 0, 0, rng.randint(1, 2048)
+            elif place[0] == "decode":
+                n = 0
+            model.observe(d, c, n, k * profiled(place, d, c, n) * (1 + rng.gauss(0, 0.01)),
+                          None if place == WHOLE else (84, 48))
+    for place, k in levels.items():
+        assert model.level(place) == pytest.approx(k, rel=0.01)
+        for d, c, n in ((1, 100, 0), (40, 9000, 0), (40, 9000, 700), (0, 0, 1500)):
+            n = n if place[0] != "decode" else 0
+            assert model.predict(place, d, c, n) == pytest.approx(
+                max(1e-3, model.level(place) * profiled(place, d, c, n)), rel=1e-12)
+    written = dataclasses.replace(CTL_PARAMS, splits={"84/48": dataclasses.replace(s)})
+    model.apply(written)
+    k = {place: model.level(place) for place in levels}
+    assert (written.beta, written.slope, written.kv, written.gamma) == pytest.approx(
+        [k[WHOLE] * v for v in (p.beta, p.slope, p.kv, p.gamma)])
+    lane = written.splits["84/48"]
+    assert (lane.beta, lane.slope, lane.kv) == pytest.approx([k[("decode", "84/48")] * v
+                                                              for v in (s.beta, s.slope, s.kv)])
+    assert (lane.alpha0, lane.alpha, lane.alpha2) == pytest.approx([k[("prefill", "84/48")] * v
+                                                                    for v in (s.alpha0, s.alpha, s.alpha2)])
+    assert (written.alpha0, written.alpha, written.alpha2) == (p.alpha0, p.alpha, p.alpha2)
 
 
 def record(arr: float, left: int, out: int, admitted: bool, length: int, phase: str = "prompt",
@@ -4942,7 +4990,7 @@ def record(arr: float, left: int, out: int, admitted: bool, length: int, phase: 
             "steps": [], "ttft": None, "end": None, **more}
 
 
-def brute_step_ms(model: "controller.StepModel", place: tuple, d: int, c: int, p: int) -> float:
+def brute_step_ms(model: StepModel, place: tuple, d: int, c: int, p: int) -> float:
     return max(1e-3, model.predict(place, d, c, p))
 
 
@@ -4950,7 +4998,7 @@ def random_slo(rng: random.Random) -> tuple[float, float] | None:
     return rng.choice([None, (rng.uniform(0.2, 2.0), rng.uniform(0.01, 0.05))])
 
 
-def brute_forecast(model: "controller.StepModel", config: "controller.Config", snap: "controller.Snapshot",
+def brute_forecast(model: StepModel, config: "controller.Config", snap: "controller.Snapshot",
                    slo: tuple[float, float] | None) -> tuple[float, float | None]:
     """The forecast's rules, run per request and per step: (the sum of the time each request
     spends in the system to the end of the last step plus what it still needs, the SLO share)."""
@@ -5106,7 +5154,7 @@ def random_snapshot(rng: random.Random) -> "controller.Snapshot":
                                rate, rng.uniform(50, 2500), rng.uniform(1, 150))
 
 
-def brute_keeps_up(model: "controller.StepModel", config: "controller.Config",
+def brute_keeps_up(model: StepModel, config: "controller.Config",
                    snap: "controller.Snapshot") -> bool:
     """The whole GPU, or a split whose prefill lane prefills the recent arrivals' prompt
     tokens (rate x mean prompt per ms) at least MAX_LOAD times as fast as they come: its
@@ -5114,45 +5162,56 @@ def brute_keeps_up(model: "controller.StepModel", config: "controller.Config",
     if config.sm_split is None:
         return True
     chunk = min(config.budget, snap.step_tokens)
-    a0, a1, a2 = model.fits[("prefill", controller.split_key(config.sm_split))].theta
+    lane = model.p.splits[controller.split_key(config.sm_split)]   # a controller's model: no level of its own
+    a0, a1, a2 = lane.alpha0, lane.alpha, lane.alpha2
     return snap.rate * snap.mean_prompt * (a0 + a1 * chunk + a2 * chunk * chunk) / chunk < controller.MAX_LOAD
 
 
-def test_the_step_models_timer_is_its_fits_sum_over_the_features():
+def test_the_step_models_timer_is_its_level_times_the_features():
     """At every place (the whole GPU, a split's decode and prefill lanes), after random steps
-    learned there, the timer the forecast calls per step gives the fit's own theta .
-    features (LeastSquares.predict), at least 1 µs, for decodes below and past the knee,
-    with and without prompt tokens."""
+    learned there, the timer the forecast calls per step gives the place's level times the
+    profile's coefficients . the features (costmodel.step_features, prefill_features), at
+    least 1 µs, for decodes below and past the knee, with and without prompt tokens."""
     rng = random.Random(3)
-    model = controller.StepModel(CTL_PARAMS)
+    model = StepModel(CTL_PARAMS)
     for _ in range(40):
-        d, c, p = rng.randint(0, 64), rng.randint(0, 40000), rng.choice([0, rng.randint(1, 4096)])
+        d, c, p = rng.choice([0, rng.randint(1, 64)]), rng.randint(0, 40000), rng.randint(1, 4096)
         model.observe(d, c, p, rng.uniform(2, 40), rng.choice([None, (84, 48)]))
-    for place in model.fits:
+    s = CTL_PARAMS.splits["84/48"]
+    thetas = {WHOLE: [CTL_PARAMS.beta, CTL_PARAMS.beta, CTL_PARAMS.slope, CTL_PARAMS.kv, CTL_PARAMS.gamma],
+              ("decode", "84/48"): [s.beta, s.beta, s.slope, s.kv, 0.0],
+              ("prefill", "84/48"): [s.alpha0, s.alpha, s.alpha2]}
+    assert set(model.levels) == set(thetas)
+    for place, theta in thetas.items():
         timer = model.timer(place)
+        thresh = s.batch_thresh if place[1] else CTL_PARAMS.batch_thresh
         for _ in range(50):
             d, c, p = rng.randint(0, 64), rng.randint(0, 40000), rng.choice([0, rng.randint(1, 4096)])
             if place[0] == "prefill":
-                d, c = 0, 0
-            reference = max(1e-3, model.fits[place].predict(model.features(place, d, c, p)))
+                d, c, x = 0, 0, costmodel.prefill_features(p)
+            else:
+                x = costmodel.step_features(d, c, p if place == WHOLE else 0, thresh)
+                p = p if place == WHOLE else 0
+            reference = max(1e-3, model.level(place) * sum(t * v for t, v in zip(theta, x)))
             assert timer(d, c, p) == pytest.approx(reference, rel=1e-12), (place, d, c, p)
 
 
 def test_the_step_models_uncertainty_is_its_error_shrunk_toward_the_untried_one():
-    """On a fixed model (prior_weight inf: predictions stay the profile's) steps timed 25%
-    slower than predicted on the whole GPU: its uncertainty there is UNTRIED_ERROR before any
-    step, then (n x 0.2 + ERROR_PRIOR_STEPS x UNTRIED_ERROR) / (n + ERROR_PRIOR_STEPS) (a
-    measured 1.25 x prediction is 0.2 off the measure), computed here from the counts; a
-    split's lanes, untried, stay at UNTRIED_ERROR."""
-    model = controller.StepModel(CTL_PARAMS, prior_weight=math.inf)
-    whole, lane = ("whole", None), ("decode", "84/48")
-    assert model.uncertainty(whole) == model.uncertainty(lane) == controller.UNTRIED_ERROR
+    """A controller scoring its step model (which it does not refit: the router learns the
+    steps) on steps timed 25% slower than predicted on the whole GPU: its uncertainty there
+    is UNTRIED_ERROR before any step, then (n x 0.2 + ERROR_PRIOR_STEPS x UNTRIED_ERROR) /
+    (n + ERROR_PRIOR_STEPS) (a measured 1.25 x prediction is 0.2 off the measure), computed
+    here from the counts; a split's lanes, untried, stay at UNTRIED_ERROR."""
+    ctl = controller.Controller(CTL_PARAMS, 8192, [(84, 48)])
+    whole, lane = WHOLE, ("decode", "84/48")
+    assert ctl.uncertainty(whole) == ctl.uncertainty(lane) == controller.UNTRIED_ERROR
     for n in range(1, 41):
-        predicted = model.predict(whole, 8, 800, 64)
-        model.observe(8, 800, 64, predicted * 1.25)
+        predicted = ctl.model.predict(whole, 8, 800, 64)
+        ctl.timed(8, 800, 64, predicted * 1.25)
         k = controller.ERROR_PRIOR_STEPS
-        assert model.uncertainty(whole) == pytest.approx((n * 0.2 + k * controller.UNTRIED_ERROR) / (n + k))
-    assert model.uncertainty(lane) == controller.UNTRIED_ERROR
+        assert ctl.uncertainty(whole) == pytest.approx((n * 0.2 + k * controller.UNTRIED_ERROR) / (n + k))
+    assert ctl.uncertainty(lane) == controller.UNTRIED_ERROR
+    assert ctl.error == pytest.approx(0.2)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -5161,7 +5220,7 @@ def test_the_forecast_agrees_with_a_simulation_per_request_and_step(seed):
     budget), with and without an SLO: the forecast (a heap of decode ends, a step counter) and
     a plain simulation of each request at each step give the same latency sum and SLO share."""
     rng = random.Random(seed)
-    model = controller.StepModel(CTL_PARAMS)
+    model = StepModel(CTL_PARAMS)
     for _ in range(8):
         snap, slo = random_snapshot(rng), random_slo(rng)
         for config in controller.menu(snap.step_tokens, snap.seats, [(84, 48)]):
@@ -5189,7 +5248,7 @@ def test_a_backlogs_forecast_is_near_simulating_every_request_to_its_end(seed, m
     decodes = [controller.Decode(rng.randint(1, 150), rng.randint(500, 2500))
                for _ in range(rng.randint(8, 64))]
     snap = controller.Snapshot(0.0, prompts, decodes, 256, 8192)
-    model = controller.StepModel(H200_LIKE)
+    model = StepModel(H200_LIKE)
     configs = controller.menu(8192, 256, [])
     forecast = {c: controller.forecast(model, c, snap).latency_ms for c in configs}
     monkeypatch.setattr(controller, "HORIZON_MS", 1e12)
@@ -5267,20 +5326,21 @@ def test_the_controller_keeps_its_configuration_while_forecasts_differ_by_less_t
     assert kept and changes   # both cases came up
 
 
-def test_a_later_control_with_an_infinite_prior_weight_holds_the_step_model_to_its_params():
-    """A controller whose step model has learned steps far from its prior, then configured
-    with other params at an infinite prior weight (a worker's second Control): it predicts
-    those params' steps exactly (beta + slope x decodes past the knee + gamma x prompt, by
-    hand), and more steps do not move it; its SLO is the new one."""
-    learned = HardwareParams(alpha=0.1, beta=1.0, batch_thresh=0, slope=0.1, gamma=0.001, transfer_rate=0.0)
+def test_a_controllers_step_model_is_its_params_until_the_next_control():
+    """A controller predicts the steps of the params it was given (beta + slope x decodes past
+    the knee + gamma x prompt, by hand), however far off the steps its worker times (they
+    are scored, not learned: the router learns them), until a later Control gives it
+    others, whose steps it then predicts; its SLO is the new one."""
+    given = HardwareParams(alpha=0.1, beta=1.0, batch_thresh=0, slope=0.1, gamma=0.001, transfer_rate=0.0)
     fixed = HardwareParams(alpha=0.1, beta=5.0, batch_thresh=0, slope=3.0, gamma=0.05, transfer_rate=0.0)
-    ctl = controller.Controller(learned, 1024)
+    ctl = controller.Controller(given, 1024)
     for _ in range(50):
-        ctl.model.observe(6, 1200, 500, 3.0)
-    ctl.configure(fixed, (100.0, 0.06), math.inf)
+        ctl.timed(6, 1200, 500, 3.0)
+    assert ctl.model.predict(WHOLE, 6, 1200, 500) == pytest.approx(1.0 + 0.1 * 6 + 0.001 * 500)
+    ctl.configure(fixed, (100.0, 0.06))
     for _ in range(2):
-        assert ctl.model.predict(("whole", None), 6, 1200, 500) == pytest.approx(5.0 + 3.0 * 6 + 0.05 * 500)
-        ctl.model.observe(6, 1200, 500, 3.0)
+        assert ctl.model.predict(WHOLE, 6, 1200, 500) == pytest.approx(5.0 + 3.0 * 6 + 0.05 * 500)
+        ctl.timed(6, 1200, 500, 3.0)
     assert ctl.slo == (100.0, 0.06)
 
 
@@ -5321,7 +5381,7 @@ def test_the_adaptive_workers_controller_cuts_its_budget_when_long_prompts_come_
     with make_cluster(hf, "adaptive", 1, profile=False, max_num_batched_tokens=1024, max_num_seqs=8,
                       num_kv_blocks=512) as llm:
         cluster = llm.cluster
-        cluster.workers.send(0, messages.Control(params, slo, prior_weight=math.inf))
+        cluster.workers.send(0, messages.Control(params, slo))
         # the router's parameters, sent every PLAN_INTERVAL_S (and its SLO, none), would replace
         # this model and SLO: held off for the test
         cluster.controlled_at = math.inf
@@ -6101,7 +6161,7 @@ def test_profiler_cli_measures_the_workers_and_caches(tmp_path):
 @settings(max_examples=200, deadline=None)
 @given(k=st.integers(1, 3), rows=st.integers(2, 8), data=st.data())
 def test_least_squares_is_the_best_nonnegative_fit(k, rows, data):
-    """profiler.least_squares on any data: every coefficient >= 0, and the KKT conditions
+    """LeastSquares.fit (the profiler's fits) on any data: every coefficient >= 0, and the KKT conditions
     of the constrained problem hold (the gradient vanishes where a coefficient is positive
     and points outward where it is zero), so no nonnegative coefficients fit better; and
     it fits no worse than 1,000 random nonnegative ones."""
@@ -6110,7 +6170,7 @@ def test_least_squares_is_the_best_nonnegative_fit(k, rows, data):
     values = st.one_of(st.just(0.0), st.floats(1e-6, 100), st.floats(-100, -1e-6))
     columns = [data.draw(st.lists(values, min_size=rows, max_size=rows)) for _ in range(k)]
     ys = data.draw(st.lists(values, min_size=rows, max_size=rows))
-    coef = profiler.least_squares(columns, ys)
+    coef = LeastSquares.fit([list(row) for row in zip(*columns)], ys)
     a, y, c = torch.tensor(columns, dtype=torch.float64).T, torch.tensor(ys, dtype=torch.float64), \
         torch.tensor(coef, dtype=torch.float64)
     assert (c >= 0).all()
@@ -7971,7 +8031,7 @@ def test_simulate_serves_through_the_schedulers_steps_what_the_forecasts_rules_g
     rng, model = random.Random(budget), controller.StepModel(H200_LIKE)
     specs = [Spec(0.0, [rng.randrange(1 << 20) for _ in range(rng.randint(20, 700))], rng.randint(1, 40))
              for _ in range(24)]
-    times = StepTimes(model.fits[("whole", None)].theta, H200_LIKE.batch_thresh)
+    times = StepTimes(model.coefficients(WHOLE)[0], H200_LIKE.batch_thresh)
     served, held = serve(specs, times, seats=8, step_tokens=1024, budget=budget)
     assert list(held) == [budget]
     assert sorted(s.output_len for s in served) == sorted(s.max_tokens for s in specs)
@@ -8006,7 +8066,7 @@ def test_simulate_serves_a_schedule_of_one_budget_as_that_budget_held_fixed():
     rng, model = random.Random(9), controller.StepModel(H200_LIKE)
     specs = [Spec(rng.uniform(0, 0.2), [rng.randrange(1 << 20) for _ in range(rng.randint(20, 700))],
                   rng.randint(1, 40)) for _ in range(24)]
-    times = StepTimes(model.fits[("whole", None)].theta, H200_LIKE.batch_thresh)
+    times = StepTimes(model.coefficients(WHOLE)[0], H200_LIKE.batch_thresh)
     for budget in (64, 256):
         fixed = serve(specs, times, seats=8, step_tokens=1024, budget=budget)
         assert serve(specs, times, seats=8, step_tokens=1024, schedule=lambda clock, b=budget: b) == fixed

@@ -3,9 +3,10 @@ its SM split (a split engine's, lanes.py) and its token budget per step (the sch
 token_budget: decodes and prompt chunks together), from the state its engine holds now.
 
   Config       a configuration: (sm_split or None, tokens per step)
-  StepModel    a step's ms from its shape and where it ran (the whole GPU, a split's decode
-               lane, a split's prefill lane): seeded from the profile (costmodel.py's
-               HardwareParams), refitted by least squares on the engine's own timed steps
+  StepModel    a step's ms from its shape and where it ran (costmodel.py's: the whole GPU, a
+               split's decode lane, a split's prefill lane), as the router learned it and the
+               cluster sends it (messages.py:Control); scored here on the engine's own timed
+               steps (Controller.timed), which say how far it may be trusted at each place
   Snapshot     what the engine holds now: prompts queued, decodes running, recent arrivals
   forecast     one configuration over the next HORIZON_S, step by step, as the scheduler
                would run it (chunked prefill, first come first served, seats)
@@ -23,9 +24,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
-from nanopd.costmodel import HardwareParams, split_key
+from nanopd.costmodel import WHOLE, HardwareParams, Place, StepModel, place_of, split_key
 from nanopd.request import Status
 
 CONTROL_INTERVAL_S = 0.25  # how often a worker with prompt work chooses its configuration
@@ -43,152 +42,18 @@ SWITCH_MS = 2.25           # a split change drains the steps in flight: every re
 MIN_DWELL_S = 0.5          # a split taken is kept this long (a budget change costs nothing)
 MAX_LOAD = 0.9             # a split whose prefill lane prefills the arrivals' prompt tokens at less than
                            # 1 / this of their rate falls behind for as long as they last: not weighed
-FORGET = 0.98              # a step model's weight on the steps before the last (it tracks drift)
-PRIOR_WEIGHT = 1.0         # the profile's pull on a fit: a coefficient off by its own size costs 1 ms^2
 RECENT_S = 1.0             # the arrivals the rate and mean prompt length are measured over
 RECENT_ENDS = 64           # finished requests the output lengths are measured over
 UNTRIED_ERROR = 0.3        # a place's step model error before it has run steps there (the profile
                            # measured a split's lanes beside its own prompts, not the load's)
 ERROR_PRIOR_STEPS = 16     # ... weighed as this many steps' errors, against those it has run
+ERROR_STEPS = 100          # the errors are running means over about this many steps
 
 
 @dataclass(frozen=True)
 class Config:
     sm_split: tuple[int, int] | None
     budget: int
-
-
-# ----------------------------------------------------------------------------- the step model
-
-
-@dataclass
-class LeastSquares:
-    """y ~ theta . x, refitted on every observation kept (with forgetting) and pulled toward a
-    prior theta0: theta minimises sum f^age (x . theta - y)^2 + sum_i w_i (theta_i - theta0_i)^2,
-    with w_i = prior_weight / (|theta0_i| + floor_i)^2. Solved from the normal equations; an
-    infinite prior_weight keeps theta0."""
-    theta0: list[float]
-    floor: list[float]
-    forget: float = FORGET
-    prior_weight: float = PRIOR_WEIGHT
-    xtx: torch.Tensor = None
-    xty: torch.Tensor = None
-    theta: list[float] = field(default_factory=list)
-
-    def __post_init__(self):
-        k = len(self.theta0)
-        self.xtx, self.xty = torch.zeros(k, k, dtype=torch.float64), torch.zeros(k, dtype=torch.float64)
-        self.theta = list(self.theta0)
-
-    def observe(self, x: list[float], y: float) -> None:
-        if math.isinf(self.prior_weight):   # the prior alone
-            return
-        v = torch.tensor(x, dtype=torch.float64)
-        self.xtx = self.forget * self.xtx + torch.outer(v, v)
-        self.xty = self.forget * self.xty + v * y
-        w = torch.tensor([self.prior_weight / (abs(t) + f) ** 2 for t, f in zip(self.theta0, self.floor)],
-                         dtype=torch.float64)
-        theta = torch.linalg.solve(self.xtx + torch.diag(w), self.xty + w * torch.tensor(self.theta0,
-                                                                                          dtype=torch.float64))
-        self.theta = theta.clamp(min=0.0).tolist()   # a negative cost would make a busy step look fast
-
-    def predict(self, x: list[float]) -> float:
-        return sum(t * v for t, v in zip(self.theta, x))
-
-
-class StepModel:
-    """A step's ms, per place it ran: the whole GPU (decodes d holding c tokens of context,
-    prompt tokens p beside them: beta + slope max(0, d - batch_thresh) + kv c + gamma p, with
-    beta its own for steps that carry prompt tokens: they run other code, piece by piece,
-    where a decode step replays one CUDA graph), a
-    split's decode lane (the lane's beta, slope, kv) and a split's prefill lane (a chunk of p
-    tokens: alpha0 + alpha p + alpha2 p^2). Each is seeded from the profile and refitted on
-    the steps the worker timed there (workers.py:Worker._time_step); error is the running
-    mean of |predicted - measured| / measured, each step predicted before it is learned;
-    errors hold it per place, which uncertainty reads."""
-
-    def __init__(self, params: HardwareParams, forget: float = FORGET, prior_weight: float = PRIOR_WEIGHT):
-        self.forget, self.prior_weight = forget, prior_weight
-        self.fits: dict[tuple[str, str | None], LeastSquares] = {}
-        self.error, self.observed = 0.0, 0
-        self.errors: dict[tuple[str, str | None], tuple[float, int]] = {}   # place -> (mean error, steps)
-        self.seed(params)
-
-    def seed(self, params: HardwareParams) -> None:
-        """Take params as the prior (the profile, or the router's refit of it): the fits keep
-        what they learned, pulled toward the new prior from now on."""
-        self.p = params
-        priors = {("whole", None): ([params.beta, params.beta, params.slope, params.kv, params.gamma],
-                                    [1e-1, 1e-1, 1e-3, 1e-6, 1e-4])}
-        for key, s in params.splits.items():
-            priors[("decode", key)] = ([s.beta, s.slope, s.kv], [1e-1, 1e-3, 1e-6])
-            priors[("prefill", key)] = ([s.alpha0, s.alpha, s.alpha2], [1e-1, 1e-4, 1e-9])
-        for place, (theta0, floor) in priors.items():
-            fit = self.fits.get(place)
-            if fit is None:
-                self.fits[place] = LeastSquares(theta0, floor, self.forget, self.prior_weight)
-            else:
-                fit.theta0 = theta0
-                if math.isinf(fit.prior_weight):   # the prior alone, from now on
-                    fit.theta = list(theta0)
-
-    def features(self, place: tuple[str, str | None], decodes: int, context: int, prompt: int) -> list[float]:
-        lane, key = place
-        if lane == "prefill":
-            return [1.0, prompt, prompt * prompt]
-        thresh = self.p.batch_thresh if key is None else self.p.splits[key].batch_thresh
-        x = [max(0.0, decodes - thresh), context]
-        if lane == "whole":   # (beta of a decode step, beta of a step with prompt tokens, ...)
-            return [float(prompt == 0), float(prompt > 0), *x, prompt]
-        return [1.0, *x]
-
-    @staticmethod
-    def place(decodes: int, sm_split: tuple[int, int] | None) -> tuple[str, str | None]:
-        """Where a timed step ran: on the whole GPU, or on a lane of sm_split (decodes 0: its
-        prefill lane's chunk)."""
-        if sm_split is None:
-            return ("whole", None)
-        return ("prefill" if decodes == 0 else "decode", split_key(sm_split))
-
-    def predict(self, place: tuple[str, str | None], decodes: int, context: int, prompt: int) -> float:
-        return self.timer(place)(decodes, context, prompt)
-
-    def timer(self, place: tuple[str, str | None]) -> Callable[[int, float, int], float]:
-        """predict at place as a function of (decodes, context, prompt), the fit's terms read
-        out once: a forecast calls it at every step it simulates. The fit's theta . features
-        (a test checks), at least 1 µs (time moves on)."""
-        theta, (lane, key) = self.fits[place].theta, place
-        if lane == "prefill":
-            a0, a1, a2 = theta
-            return lambda d, c, p: max(1e-3, a0 + a1 * p + a2 * p * p)
-        thresh = self.p.batch_thresh if key is None else self.p.splits[key].batch_thresh
-        if lane == "whole":
-            decode_beta, mixed_beta, slope, kv, gamma = theta
-            return lambda d, c, p: max(1e-3, ((mixed_beta + gamma * p) if p else decode_beta)
-                                       + slope * max(0.0, d - thresh) + kv * c)
-        beta, slope, kv = theta
-        return lambda d, c, p: max(1e-3, beta + slope * max(0.0, d - thresh) + kv * c)
-
-    def observe(self, decodes: int, context: int, prompt: int, ms: float,
-                sm_split: tuple[int, int] | None = None) -> None:
-        """Learn a step the worker timed (a split the profile did not measure: nothing)."""
-        place = self.place(decodes, sm_split)
-        if place not in self.fits or ms <= 0:
-            return
-        x = self.features(place, decodes, context, prompt)
-        miss = abs(self.fits[place].predict(x) - ms) / ms
-        self.observed += 1
-        self.error += (miss - self.error) / min(self.observed, 100)
-        mean, n = self.errors.get(place, (0.0, 0))
-        self.errors[place] = (mean + (miss - mean) / min(n + 1, 100), n + 1)
-        self.fits[place].observe(x, ms)
-
-    def uncertainty(self, place: tuple[str, str | None]) -> float:
-        """How far off a step predicted there may be, relative: the place's mean error,
-        shrunk toward UNTRIED_ERROR while it has run few steps (ERROR_PRIOR_STEPS' worth)."""
-        mean, n = self.errors.get(place, (0.0, 0))
-        n = min(n, 100)
-        return (n * mean + ERROR_PRIOR_STEPS * UNTRIED_ERROR) / (n + ERROR_PRIOR_STEPS)
 
 
 # ----------------------------------------------------------------------------- what the worker sees
@@ -427,7 +292,7 @@ def lane_load(model: StepModel, config: Config, snap: Snapshot) -> float:
 def run_whole(model: StepModel, config: Config, sim: Sim) -> tuple[float, float]:
     """Steps on the whole GPU, each taking every decode and a chunk of the queue; (a decode
     step's ms at the end, and a step's with a chunk of what is still queued)."""
-    ms_of = model.timer(("whole", None))
+    ms_of = model.timer(WHOLE)
     while sim.now < HORIZON_MS:
         tokens, done = sim.take(config.budget, len(sim.heap))
         if not tokens:   # decodes alone until an arrival or a decode's end changes the step
@@ -457,7 +322,7 @@ def run_split(model: StepModel, config: Config, sim: Sim) -> tuple[float, float,
     a tie. (A decode step's ms at the end, a chunk's of what is queued, the prompts a chunk in
     flight at the end completes with when it ends.)"""
     key = split_key(config.sm_split)
-    whole, lane_d, lane_p = (model.timer(p) for p in (("whole", None), ("decode", key), ("prefill", key)))
+    whole, lane_d, lane_p = (model.timer(p) for p in (WHOLE, ("decode", key), ("prefill", key)))
     t_p, t_d, chunk, step = 0.0, math.inf, None, None   # chunk: the prompts it completes; step: (ms, d)
     while min(t_p, t_d) < HORIZON_MS:
         if t_p <= t_d:   # the prefill lane is free: the chunk in flight ends, the next starts
@@ -539,17 +404,17 @@ def full_step_ms(model: StepModel, config: Config, snap: Snapshot) -> float:
     if config.sm_split is None:
         queued = sum(p.tokens_left for p in snap.prompts)
         prompt = max(0, min(queued, min(config.budget, snap.step_tokens) - decodes))
-        return model.predict(("whole", None), decodes, context, prompt)
+        return model.predict(WHOLE, decodes, context, prompt)
     return model.predict(("decode", split_key(config.sm_split)), decodes, context, 0)
 
 
-def places(config: Config) -> set[tuple[str, str | None]]:
+def places(config: Config) -> set[Place]:
     """The step models a configuration's forecast reads: a split's lanes, and the whole GPU
     (where a split's decodes step while no prompt is in flight)."""
     if config.sm_split is None:
-        return {("whole", None)}
+        return {WHOLE}
     key = split_key(config.sm_split)
-    return {("whole", None), ("decode", key), ("prefill", key)}
+    return {WHOLE, ("decode", key), ("prefill", key)}
 
 
 def menu(step_tokens: int, seats: int, splits: list[tuple[int, int]]) -> list[Config]:
@@ -566,8 +431,8 @@ class Controller:
     split, BUDGET_MARGIN for another budget on the same one; a split change also pays
     SWITCH_MS for each request present, and a split is kept MIN_DWELL_S.
     A configuration is weighed as the model is sure of it: its forecast is made worse by the
-    uncertainty of the step models it reads that the current one does not (StepModel.
-    uncertainty: a split's lanes before they have run, or once they have run badly), so a
+    uncertainty of the step models it reads that the current one does not (uncertainty: a
+    split's lanes before they have run, or once they have run badly), so a
     budget change on the same place needs only its margin, and a move to a split lane the
     model knows little of needs a gain larger than the model's error there.
     Under an SLO, only configurations whose full step (full_step_ms) stays within the TPOT
@@ -576,23 +441,41 @@ class Controller:
 
     def __init__(self, params: HardwareParams, step_tokens: int, splits: list[tuple[int, int]] = (),
                  slo: tuple[float, float] | None = None, margin: float = MARGIN,
-                 budget_margin: float = BUDGET_MARGIN, prior_weight: float = PRIOR_WEIGHT):
-        self.model = StepModel(params, prior_weight=prior_weight)
+                 budget_margin: float = BUDGET_MARGIN):
+        self.model = StepModel(params)   # the router's: it learns the steps, this controller reads them
+        self.error, self.observed = 0.0, 0   # the model's running mean relative error, over the steps timed
+        self.errors: dict[Place, tuple[float, int]] = {}   # ... per place: (mean error, steps)
         self.slo, self.margin, self.budget_margin = slo, margin, budget_margin
         self.splits = [tuple(s) for s in splits]
         self.step_tokens = step_tokens
         self.default = Config(None, min(max(BUDGETS), step_tokens))
         self.current, self.split_since = self.default, -math.inf
 
-    def configure(self, params: HardwareParams, slo: tuple[float, float] | None,
-                  prior_weight: float | None = None) -> None:
-        """A new prior (the router refitted the profile), SLO and, if given, the prior's weight."""
-        if prior_weight is not None:
-            self.model.prior_weight = prior_weight
-            for fit in self.model.fits.values():
-                fit.prior_weight = prior_weight
+    def configure(self, params: HardwareParams, slo: tuple[float, float] | None) -> None:
+        """The router's step model as it refitted it now (its parameters), and the SLO."""
         self.model.seed(params)
         self.slo = slo
+
+    def timed(self, decodes: int, context: int, prompt: int, ms: float,
+              sm_split: tuple[int, int] | None = None) -> None:
+        """Score the step model on a step this worker timed (workers.py:Worker._timed): the
+        running mean of |predicted - measured| / measured, over all and per place. The
+        router learns the step (router.py:Router.observe_step); here it is only scored."""
+        place = place_of(decodes, sm_split)
+        if not self.model.knows(place) or ms <= 0:
+            return
+        miss = abs(self.model.predict(place, decodes, context, prompt) - ms) / ms
+        self.observed += 1
+        self.error += (miss - self.error) / min(self.observed, ERROR_STEPS)
+        mean, n = self.errors.get(place, (0.0, 0))
+        self.errors[place] = (mean + (miss - mean) / min(n + 1, ERROR_STEPS), n + 1)
+
+    def uncertainty(self, place: Place) -> float:
+        """How far off a step predicted there may be, relative: the place's mean error,
+        shrunk toward UNTRIED_ERROR while it has run few steps (ERROR_PRIOR_STEPS' worth)."""
+        mean, n = self.errors.get(place, (0.0, 0))
+        n = min(n, ERROR_STEPS)
+        return (n * mean + ERROR_PRIOR_STEPS * UNTRIED_ERROR) / (n + ERROR_PRIOR_STEPS)
 
     def options(self, snap: Snapshot) -> list[Config]:
         """The menu (the splits the profile measured, less those whose prefill lane falls
@@ -617,7 +500,7 @@ class Controller:
             if config.sm_split != self.current.sm_split:
                 f.latency_ms += SWITCH_MS * present
             new = places(config) - places(self.current)
-            doubt = max((self.model.uncertainty(p) for p in new), default=0.0)
+            doubt = max((self.uncertainty(p) for p in new), default=0.0)
             f.latency_ms *= 1 + doubt
             f.met = None if f.met is None else f.met * (1 - doubt)
             forecasts.append(f)

@@ -84,13 +84,10 @@ class SetRole:
 @dataclass
 class Control:
     """Choose this worker's configuration (SM split, prompt budget per step) from now on with a
-    controller of its own (controller.py), its step model seeded from params (the profile, or
-    the router's refit of it: sent again as it refits), for the SLO (ttft_s, tpot_s) if any.
-    prior_weight: how firmly the step model holds to params against the engine's own steps
-    (controller.py:LeastSquares; infinite: params alone; None: the controller's default)."""
+    controller of its own (controller.py), its step model the one params give (the profile, or
+    the router's refit of it: sent again as it refits), for the SLO (ttft_s, tpot_s) if any."""
     params: object   # a costmodel.HardwareParams (not imported: the file map has costmodel.py after this)
     slo: tuple[float, float] | None = None
-    prior_weight: float | None = None
 
 
 @dataclass

@@ -87,6 +87,7 @@ class RoleState:
     """A role's predicted steady state, per worker in it."""
     decodes: float = 0.0         # N, sequences decoding
     step_ms: float = 0.0         # a decode step without prompt tokens
+    context: float = 0.0         # a decoding sequence's mean tokens of context
     tpot_ms: float = 0.0         # the mean time between a request's tokens there
     wait_ms: float = 0.0         # a prompt's mean wait before its prefill starts
     busy: float = 0.0            # the prompt server's utilization (rho, or u)
@@ -152,7 +153,7 @@ def prefill_queue(cost: CostModel, rate: float, prompt_lens: list[int]) -> tuple
     this is within 20% from 10% to 80% load (test_nanopd.py); past that it errs high for
     prompts all of one length, whose steps vary least."""
     p = cost.p
-    work = [p.alpha * n + p.alpha2 * n * n for n in prompt_lens]
+    work = [cost.prefill_work_ms(n) for n in prompt_lens]
     rho = rate * sum(work) / len(work)
     if rho >= 1:
         return math.inf, rho
@@ -218,7 +219,8 @@ def both_state(cost: CostModel, lam_p: float, lam_d: float, mix: Mix, mean_l: fl
     n, load = decode_state(cost, lam_d, mean_o, mean_l + mean_o / 2, min(u, MAX_PREFILL_SHARE), seats)
     step = cost.decode_step_ms(n, n * (mean_l + mean_o / 2))
     s_mean, s_sq = p.gamma * mean_l, p.gamma ** 2 * sum(x * x for x in mix.prompt_lens) / len(mix.prompt_lens)
-    return RoleState(decodes=n, step_ms=step, tpot_ms=step / (1 - u) if u < 1 else math.inf,
+    return RoleState(decodes=n, step_ms=step, context=mean_l + mean_o / 2,
+                     tpot_ms=step / (1 - u) if u < 1 else math.inf,
                      wait_ms=mg1_wait(lam_p, s_mean, s_sq)[0] if u < 1 else math.inf, busy=u,
                      load=max(load, u / MAX_PREFILL_SHARE))
 
@@ -242,7 +244,7 @@ def request_outcomes(cost: CostModel, regime: Regime, mix: Mix, roles: dict[str,
     for n, out in zip(mix.prompt_lens, mix.output_lens):
         classes = []
         if both:
-            ttft = both.wait_ms + both.step_ms + cost.p.gamma * n
+            ttft = both.wait_ms + cost.step_ms(both.decodes, both.decodes * both.context, n)
             classes += [(local, ttft, 0.0, both.tpot_ms, both),
                         (moved_from_both, ttft, 1.0, moved_tpot, both)]
         if pre:

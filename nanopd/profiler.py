@@ -43,7 +43,15 @@ import triton
 
 from nanopd.cluster import CentralScheduler, ClusterConfig, default_devices
 from nanopd.config import EngineConfig
-from nanopd.costmodel import CostModel, HardwareParams, SplitParams
+from nanopd.costmodel import (
+    CostModel,
+    HardwareParams,
+    LeastSquares,
+    SplitParams,
+    prefill_features,
+    prefill_time,
+    step_time,
+)
 from nanopd.kv_cache import cdiv
 
 CACHE = Path.home() / ".cache" / "nanopd"
@@ -67,35 +75,16 @@ def relative_rms(pred: list[float], ys: list[float]) -> float:
     return (sum(((p - y) / y) ** 2 for p, y in zip(pred, ys)) / len(ys)) ** 0.5
 
 
-def least_squares(columns: list[list[float]], ys: list[float]) -> list[float]:
-    """The coefficients c >= 0 minimising |ys - sum_i c_i columns_i|^2: a cost or a rate is
-    never negative, so the fit is constrained rather than clamped afterwards. Exact for the
-    few columns a fit here has: at the optimum the positive coefficients are the
-    unconstrained least squares of their own columns, so it is the best, among all subsets
-    of columns, of the subset fits that come out nonnegative."""
-    y = torch.tensor(ys, dtype=torch.float64)
-    a = torch.tensor(columns, dtype=torch.float64).T   # [points, columns]
-    best, best_err = [0.0] * len(columns), float(y @ y)
-    for subset in itertools.chain.from_iterable(itertools.combinations(range(len(columns)), k)
-                                                for k in range(1, len(columns) + 1)):
-        coef = torch.linalg.lstsq(a[:, subset], y[:, None]).solution[:, 0]
-        err = float(((a[:, subset] @ coef - y) ** 2).sum())
-        if bool((coef >= 0).all()) and err < best_err:
-            best, best_err = [0.0] * len(columns), err
-            for i, c in zip(subset, coef.tolist()):
-                best[i] = c
-    return best
-
-
 def fit_prefill(lengths: list[int], ms: list[float]) -> tuple[float, float, float, float]:
     """(alpha0, alpha, alpha2, error) for ms = alpha0 + alpha * L (+ alpha2 * L^2 when that
     halves the error and adds over 5% at the longest length), all >= 0. Fitted by relative
     error: short prefills matter as much as long ones."""
     def solve(quadratic: bool) -> tuple[list[float], float]:
-        columns = [[1.0] * len(lengths), lengths] + ([[n * n for n in lengths]] if quadratic else [])
-        coef = least_squares([[c / y for c, y in zip(col, ms)] for col in columns], [1.0] * len(ms))
+        terms = 3 if quadratic else 2   # of prefill_features: 1, L, L^2
+        coef = LeastSquares.fit([[x / y for x in prefill_features(n)[:terms]] for n, y in zip(lengths, ms)],
+                                [1.0] * len(ms))
         coef += [0.0] * (3 - len(coef))
-        return coef, relative_rms([coef[0] + coef[1] * n + coef[2] * n * n for n in lengths], ms)
+        return coef, relative_rms([prefill_time(coef, n) for n in lengths], ms)
     (linear, err), (quadratic, err2) = solve(False), solve(True)
     longest = max(lengths)
     matters = quadratic[2] * longest ** 2 > 0.05 * ms[lengths.index(longest)]   # not just fitting noise
@@ -112,16 +101,16 @@ def fit_knee(batches: list[int], ms: list[float],
     jump between starts."""
     fits = []
     for knee in batches:
-        excess = [max(0, b - knee) for b in batches]
-        beta, slope = least_squares([[1.0] * len(batches), excess], ms)
-        fits.append((beta, float(knee), slope, relative_rms([beta + slope * e for e in excess], ms)))
+        beta, slope = LeastSquares.fit([[1.0, max(0, b - knee)] for b in batches], ms)
+        steps = [step_time((beta, beta, slope, 0.0, 0.0), knee, b, 0, 0) for b in batches]
+        fits.append((beta, float(knee), slope, relative_rms(steps, ms)))
     best = min(f[3] for f in fits)
     return max((f for f in fits if f[3] <= best + tolerance), key=lambda f: f[1])
 
 
 def fit_gamma(chunks: list[int], extra_ms: list[float]) -> tuple[float, float]:
     """(gamma >= 0, error): extra step time = gamma * chunk tokens."""
-    (gamma,) = least_squares([chunks], extra_ms)
+    (gamma,) = LeastSquares.fit([[c] for c in chunks], extra_ms)
     return gamma, relative_rms([gamma * c for c in chunks], [max(e, 1e-9) for e in extra_ms])
 
 
@@ -133,8 +122,8 @@ def fit(timings: dict, handoffs: list[tuple[int, int, float, float]]) -> Profile
     short = dict(zip(timings["batches"], timings["decode_ms"]))
     extra_context = timings["long_context"] - timings["context"]
     pairs = list(zip(timings["kv_batches"], timings["long_decode_ms"]))
-    (kv,) = least_squares([[b * extra_context for b, _ in pairs]],
-                          [t - short[b] for b, t in pairs]) if pairs else (0.0,)
+    (kv,) = LeastSquares.fit([[b * extra_context] for b, _ in pairs],
+                             [t - short[b] for b, t in pairs]) if pairs else (0.0,)
     beta, knee, slope, e_decode = fit_knee(timings["batches"],
                                            [t - kv * b * timings["context"]
                                             for b, t in zip(timings["batches"], timings["decode_ms"])])

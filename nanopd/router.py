@@ -6,8 +6,9 @@ is faster.
                           generate, given its prompt length and max_tokens
   Router                  picks the cheapest path, then learns from what each request
                           (Observation) and each step really cost: the predictor is
-                          updated, and the cost model's parameters are refitted by
-                          recursive least squares (RecursiveLeastSquares)
+                          updated, the prefill and transfer rates are refitted
+                          (costmodel.py:LeastSquares) and every step's time is learned
+                          (costmodel.py:StepModel)
 
 Why one path beats the other (the rule gamma / transfer_rate > batch_thresh / load, and
 the interference a prefill costs the decodes beside it) is costmodel.py's docstring and
@@ -15,7 +16,6 @@ docs/router.md.
 """
 
 import collections
-import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -23,7 +23,16 @@ from statistics import NormalDist
 
 import torch
 
-from nanopd.costmodel import HISTORY, CostModel, HardwareParams, WorkerLoad, split_key
+from nanopd.costmodel import (
+    HISTORY,
+    OUTLIER_CLIP,
+    CostModel,
+    HardwareParams,
+    LeastSquares,
+    StepModel,
+    WorkerLoad,
+    split_key,
+)
 
 # ----------------------------------------------------------------------------- output lengths
 
@@ -120,52 +129,14 @@ class OutputLengthPredictor:
 # ----------------------------------------------------------------------------- learning the parameters
 
 
-OUTLIER_CLIP = 4.0        # a refit moves by at most this many typical residuals per observation
-SCALE_WEIGHT = 0.05       # ... the typical residual: an average of the last ~20 (RecursiveLeastSquares)
-PRIOR_SCALE = 0.1         # ... before any is seen: this share of what the profile predicts
+FORGET = 0.995   # the prefill and transfer fits' weight on the requests before the last (~200: tracks drift)
 
 
-class RecursiveLeastSquares:
-    """y ~ theta . x, refitted after every observation (with forgetting, so it tracks drift).
-    The prior on theta is the start-up profile, with a standard deviation as large as each
-    parameter (or `floor`, for parameters profiled as 0): a few consistent observations
-    are enough to move it.
-    A residual far larger than the typical one (a step the host stalled, which no term
-    of the model explains) moves the fit only as far as OUTLIER_CLIP typical residuals
-    would (Huber's robust regression, in its recursive form): one long stall among short
-    steps would otherwise carry a lane's beta far above its steps and leave it there.
-    The first residual is clipped too, against PRIOR_SCALE of the profile's prediction
-    (where that is not 0): the first step on a split just taken is often a stall, and
-    taken whole it would set both the fit and the typical residual far off."""
-
-    def __init__(self, theta: list[float], floor: list[float], forget: float = 0.995):
-        self.theta = torch.tensor(theta, dtype=torch.float64)
-        self.P = torch.diag((self.theta.abs() + torch.tensor(floor, dtype=torch.float64)) ** 2)
-        self.forget = forget
-        self.scale: float | None = None   # the typical |residual| lately (None: none seen yet)
-
-    def update(self, x: list[float], y: float) -> None:
-        x = torch.tensor(x, dtype=torch.float64)
-        px = self.P @ x
-        gain = px / (self.forget + x @ px)
-        predicted = float(x @ self.theta)
-        if self.scale is None and predicted:   # before any residual: a share of the prediction
-            self.scale = PRIOR_SCALE * abs(predicted)
-        residual = y - predicted
-        if self.scale is not None:
-            bound = OUTLIER_CLIP * self.scale
-            residual = min(max(residual, -bound), bound)
-        self.scale = abs(residual) if self.scale is None \
-            else (1 - SCALE_WEIGHT) * self.scale + SCALE_WEIGHT * abs(residual)
-        self.theta = self.theta + gain * residual
-        self.P = (self.P - torch.outer(gain, px)) / self.forget
-        self.P = (self.P + self.P.T) / 2   # rounding would otherwise let it drift from symmetric
-
-    def physical(self) -> list[float]:
-        """The estimate as the cost model uses it: every cost and rate >= 0 (noise can carry
-        the unconstrained estimate below zero, and a negative cost would make a busy worker
-        look fast)."""
-        return self.theta.clamp(min=0.0).tolist()
+def online_fit(theta0: list[float], floor: list[float]) -> LeastSquares:
+    """A refit of the profile's theta0 on the requests: the profile as prior, with a standard
+    deviation as large as each parameter (or floor, for parameters profiled as 0): a few
+    consistent observations are enough to move it; with forgetting, clipped outliers."""
+    return LeastSquares(theta0, floor, FORGET, 1.0, OUTLIER_CLIP)
 
 
 @dataclass
@@ -200,17 +171,17 @@ class Router:
                                requests routed to a worker with no seat free, whose
                                wait says how soon a seat frees, not how fast prefill is)
                                transfer = transfer_rate * L    (disaggregated only)
-      every step a worker ran: step = k (beta + slope * excess + kv * context + gamma * prefill)
-    where excess = max(0, decodes - batch_thresh), context the tokens of context its decodes
-    read and prefill the prompt tokens computed beside them: the profiler's own models, their
-    level k refitted on live traffic, their shape as profiled (_level). A request's decode
-    time is not fitted as a whole: the load it was routed under (a snapshot) only estimates
-    the load it decodes under, so the router learns the steps' level from steps, whose
-    shapes are exact. batch_thresh and alpha2 stay as profiled. A split worker's lanes
-    learn from its steps alone: its prompt chunks rescale the prefill lane's model (a
-    request's wait there is mostly the chunk ahead of it, not its own prefill), its decode
-    steps on the lane the decode lane's (on the whole GPU, with no prompt beside, they
-    rescale the whole GPU's)."""
+      every step a worker ran: the step model (costmodel.py:StepModel), the profiler's own
+                               model of the place it ran at, its level refitted
+    both by costmodel.py:LeastSquares. A request's decode time is not fitted as a whole:
+    the load it was routed under (a snapshot) only estimates the load it decodes under, so
+    the router learns the steps' level from steps, whose shapes are exact. batch_thresh
+    stays as profiled. A split worker's lanes learn from its steps alone: its prompt chunks
+    rescale the prefill lane's model (a request's wait there is mostly the chunk ahead of
+    it, not its own prefill), its decode steps on the lane the decode lane's (on the whole
+    GPU, with no prompt beside, they rescale the whole GPU's). The steps are learned here,
+    centrally, and nowhere else: every worker's controller reads the refit as the cluster
+    sends it (messages.py:Control)."""
 
     def __init__(self, params: HardwareParams, predictor: OutputLengthPredictor | None = None,
                  slo: tuple[float, float] | None = None):
@@ -218,11 +189,10 @@ class Router:
         self.slo = slo   # (TTFT s, TPOT s): route for goodput instead of latency
         self.predictor = predictor or OutputLengthPredictor()
         p = params
-        self.fit_prefill = RecursiveLeastSquares([p.alpha0, p.alpha], [1e-1, 1e-3])
-        self.fit_transfer = RecursiveLeastSquares([p.transfer_rate], [1e-4])
-        self.fit_links: dict[str, RecursiveLeastSquares] = {}
-        self.levels: dict[str, RecursiveLeastSquares] = {}   # "whole GPU", "P/D prefill", "P/D decode"
-        self.profiled = CostModel(copy.deepcopy(params))   # the models those levels scale
+        self.fit_prefill = online_fit([p.alpha0, p.alpha], [1e-1, 1e-3])
+        self.fit_transfer = online_fit([p.transfer_rate], [1e-4])
+        self.fit_links: dict[str, LeastSquares] = {}
+        self.steps = StepModel(params)   # the step model, the one learner of steps (its profile a copy)
         # the last HISTORY requests' errors (a server runs for days: a window, not every request)
         self.errors = collections.deque(maxlen=HISTORY)         # |route()'s prediction - measured| / measured
         self.model_errors = collections.deque(maxlen=HISTORY)   # the same with the true output length
@@ -296,13 +266,13 @@ class Router:
         # Not from a request that waited for a seat (that says how soon one frees), nor from
         # a split worker's (its prefill lane learns from its chunks, observe_step).
         if o.load_prefill.decode_batch < o.load_prefill.seats and self.measured_split(o.load_prefill) is None:
-            self.fit_prefill.update([1.0, n], o.prefill_ms - p.alpha2 * self.cost.squares(o.load_prefill,
+            self.fit_prefill.observe([1.0, n], o.prefill_ms - p.alpha2 * self.cost.squares(o.load_prefill,
                                                                                          o.prompt_len))
-            p.alpha0, p.alpha = self.fit_prefill.physical()
+            p.alpha0, p.alpha = self.fit_prefill.theta
         if o.prefill_worker != o.decode_worker:
-            self.fit_transfer.update([o.prompt_len], o.transfer_ms)
+            self.fit_transfer.observe([o.prompt_len], o.transfer_ms)
             self._refit_link(o)
-        (p.transfer_rate,) = self.fit_transfer.physical()
+        (p.transfer_rate,) = self.fit_transfer.theta
 
     def _refit_link(self, o: Observation) -> None:
         """A pair's own rate, where the profiler measured pairs apart (links): each pair has
@@ -310,49 +280,14 @@ class Router:
         key, p = f"{o.prefill_worker}>{o.decode_worker}", self.cost.p
         if key not in p.links:
             return
-        fit = self.fit_links.setdefault(key, RecursiveLeastSquares([p.links[key]], [1e-4]))
-        fit.update([o.prompt_len], o.transfer_ms)
-        (p.links[key],) = fit.physical()
+        fit = self.fit_links.setdefault(key, online_fit([p.links[key]], [1e-4]))
+        fit.observe([o.prompt_len], o.transfer_ms)
+        (p.links[key],) = fit.theta
 
     def observe_step(self, decodes: int, context_tokens: int, prefill_tokens: int, ms: float,
                      sm_split: tuple[int, int] | None = None) -> None:
-        """Learn from one step a worker timed. sm_split: it ran on a lane of that split,
-        whose model it rescales (_rescale_lane): a chunk of prompts (decodes 0) the prefill
-        lane's, decodes the decode lane's. On the whole GPU, steps without decodes say
-        nothing (its prefill rate is learned from requests)."""
-        p = self.cost.p
-        if sm_split is not None:
-            if split_key(sm_split) in p.splits and (decodes or prefill_tokens):
-                self._rescale_lane(sm_split, decodes, context_tokens, prefill_tokens, ms)
-            return
-        if decodes == 0:
-            return
-        shape = self.profiled.p
-        k = self._level("whole GPU", self.profiled.step_ms(decodes, context_tokens, prefill_tokens), ms)
-        p.beta, p.slope, p.kv, p.gamma = k * shape.beta, k * shape.slope, k * shape.kv, k * shape.gamma
-
-    def _level(self, place: str, profiled_ms: float, ms: float) -> float:
-        """The factor a place's steps take against the profile's model of them (profiled_ms:
-        its prediction of this step), refitted with this one. One factor, not the terms one
-        by one: live traffic holds the batch and the context near where the load keeps them,
-        where the terms (beta, slope, kv, gamma) cannot be told apart, and a fit of each,
-        clamped to >= 0, drove them apart (on the whole GPU slope went to 0 and kv to 2.8x;
-        a split lane's steps were predicted many times too long). What live traffic changes
-        is the level (the host's pace, how hard the other lane presses on the memory
-        bandwidth); the shape in batch and context is what the profiler measured."""
-        fit = self.levels.setdefault(place, RecursiveLeastSquares([1.0], [0.0]))
-        fit.update([profiled_ms], ms)
-        return fit.physical()[0]
-
-    def _rescale_lane(self, split: tuple[int, int], decodes: int, context_tokens: int, prefill_tokens: int,
-                      ms: float) -> None:
-        """A lane's step rescales the profile's model of that lane (_level)."""
-        key = split_key(split)
-        s, shape = self.cost.p.splits[key], self.profiled.p.splits[key]
-        if decodes == 0:
-            k = self._level(f"{key} prefill", shape.alpha0 + shape.alpha * prefill_tokens, ms)
-            s.alpha0, s.alpha = k * shape.alpha0, k * shape.alpha
-        else:
-            lane = self.profiled.on_split(split)
-            k = self._level(f"{key} decode", lane.decode_step_ms(decodes, context_tokens), ms)
-            s.beta, s.slope, s.kv = k * shape.beta, k * shape.slope, k * shape.kv
+        """Learn from one step a worker timed (StepModel.observe: the level of the place it ran
+        at, a split's lane or the whole GPU) and take the step terms it gives into the cost
+        model (StepModel.apply)."""
+        self.steps.observe(decodes, context_tokens, prefill_tokens, ms, sm_split)
+        self.steps.apply(self.cost.p)

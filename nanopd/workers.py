@@ -45,7 +45,6 @@ import torch.multiprocessing as mp
 from nanopd.config import EngineConfig
 from nanopd.controller import (
     CONTROL_INTERVAL_S,
-    PRIOR_WEIGHT,
     REACT_S,
     Config,
     Controller,
@@ -238,11 +237,10 @@ class Worker:
                 self._set_split(msg.sm_split)
             case Control() if self.controller is None:
                 splits = list(self.engine.runner.splits) if isinstance(self.engine, SplitEngine) else []
-                weight = PRIOR_WEIGHT if msg.prior_weight is None else msg.prior_weight
-                self.controller = Controller(msg.params, self.engine.cfg.max_num_batched_tokens, splits,
-                                             msg.slo, prior_weight=weight)
+                budget = self.engine.cfg.max_num_batched_tokens
+                self.controller = Controller(msg.params, budget, splits, msg.slo)
             case Control():
-                self.controller.configure(msg.params, msg.slo, msg.prior_weight)
+                self.controller.configure(msg.params, msg.slo)
             case SendKV():
                 self.transport.send(msg.dst, self.engine.runner.kv_cache, msg.runs)
             case Measure():
@@ -283,7 +281,7 @@ class Worker:
         if config != before:
             self.engine.scheduler.token_budget = config.budget
             self._set_split(config.sm_split)
-            self.reports.append(Configured(config.sm_split, config.budget, c.model.error))
+            self.reports.append(Configured(config.sm_split, config.budget, c.error))
 
     def _request_failed(self, msg, error: Exception) -> None:
         """Handling msg raised: the request it is about ends here, with the error (an
@@ -420,13 +418,13 @@ class Worker:
                 self._timed(StepTimed(0, 0, p.shape.prefill_tokens, p.ms, p.split))
 
     def _timed(self, step: StepTimed) -> None:
-        """A timed step: reported to the router (adaptive), learned by the controller's step model."""
+        """A timed step: reported to the router (adaptive), which learns it; the controller
+        scores its step model on it."""
         if self.report_steps:
             self.reports.append(step)
         if self.controller is not None:
             split = None if step.sm_split is None else tuple(step.sm_split)
-            self.controller.model.observe(step.decodes, step.context_tokens, step.prefill_tokens, step.ms,
-                                          split)
+            self.controller.timed(step.decodes, step.context_tokens, step.prefill_tokens, step.ms, split)
 
 
 # ----------------------------------------------------------------------------- the process

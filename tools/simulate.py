@@ -5,7 +5,8 @@ kv_cache.py) one step at a time, each step taking the ms that StepTimes, fitted 
 squares on every whole-GPU step the run's workers timed, gives its shape; under each budget
 of the controller's menu held fixed, and under the controller (controller.py), which chooses
 every CONTROL_INTERVAL_S from the scheduler's state as an adaptive worker's does, its step
-model seeded from the run's profile and refitted on the simulated steps. Printed per load:
+model the run's profile, refitted on the simulated steps as the router refits it and sent
+every PLAN_INTERVAL_S as the cluster sends it. Printed per load:
 each configuration's E2E p50 / p99, TTFT and TPOT p50 / p99 (s, ms), and the controller's
 E2E against the best fixed budget's; under an SLO (--ttft-slo, --tpot-slo) each one's share
 within it and, over the rates, goodput; with --phase-oracle on the phased workload, the best
@@ -20,20 +21,20 @@ extrapolates.
 """
 
 import argparse
+import copy
 import itertools
 import math
 import statistics
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from nanopd.controller import CONTROL_INTERVAL_S, Controller, Recent, menu, snapshot
-from nanopd.costmodel import HardwareParams
+from nanopd.costmodel import HardwareParams, LeastSquares, StepModel, step_features, step_time
 from nanopd.engine import StepShape, step_shape
 from nanopd.kv_cache import BlockManager, cdiv
+from nanopd.planner import PLAN_INTERVAL_S
 from nanopd.request import Request, RequestMetrics, SamplingParams, Sequence
 from nanopd.scheduler import Scheduler
 from tools.calibrate import read_results
@@ -44,20 +45,16 @@ GOODPUT_SHARE = 0.9   # a rate's requests within the SLO for it to count toward 
 
 @dataclass
 class StepTimes:
-    """A whole-GPU step's ms by its shape: theta . (1 if no prompt token, 1 if any, decodes
-    past knee, context tokens, prompt tokens), the whole-GPU step model's terms
-    (controller.py:StepModel), each its own base for a decode step and a mixed one."""
+    """A whole-GPU step's ms by its shape: costmodel.py's step_time, its theta (a decode
+    step's base, a mixed step's, per decode past the knee, per context token, per prompt
+    token) fitted by costmodel.py's LeastSquares on a run's steps."""
     theta: list[float]
     knee: float
     batches: tuple[int, int] = (0, 0)   # the fewest and most decodes of the steps it was fitted on
 
-    def features(self, decodes: int, context: int, prompt: int) -> list[float]:
-        return [float(prompt == 0), float(prompt > 0), max(0.0, decodes - self.knee), float(context),
-                float(prompt)]
-
     def ms(self, shape: StepShape) -> float:
-        x = self.features(shape.decodes, shape.context_tokens, shape.prefill_tokens)
-        return max(1e-3, sum(t * v for t, v in zip(self.theta, x)))
+        return max(1e-3, step_time(self.theta, self.knee, shape.decodes, shape.context_tokens,
+                                   shape.prefill_tokens))
 
     @staticmethod
     def fit(steps: list[list], knee: float) -> "StepTimes":
@@ -66,11 +63,8 @@ class StepTimes:
         rows = [(d, c, p, ms) for _, _, d, c, p, ms, split in steps if split is None and d and ms > 0]
         if len(rows) < 5:
             raise ValueError(f"{len(rows)} whole-GPU steps with decodes recorded: too few to fit")
-        times = StepTimes([], knee, (min(r[0] for r in rows), max(r[0] for r in rows)))
-        x = torch.tensor([times.features(d, c, p) for d, c, p, _ in rows], dtype=torch.float64)
-        y = torch.tensor([ms for *_, ms in rows], dtype=torch.float64)
-        times.theta = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist()
-        return times
+        theta = LeastSquares.fit([step_features(d, c, p, knee) for d, c, p, _ in rows], [r[3] for r in rows])
+        return StepTimes(theta, knee, (min(r[0] for r in rows), max(r[0] for r in rows)))
 
 
 @dataclass
@@ -88,6 +82,34 @@ def make_scheduler(specs: list, seats: int, step_tokens: int) -> Scheduler:
     return Scheduler(BlockManager(seats * cdiv(longest, BLOCK_SIZE) + 64, BLOCK_SIZE), seats, step_tokens)
 
 
+@dataclass
+class Adaptive:
+    """The controller as an adaptive worker runs it: it chooses every CONTROL_INTERVAL_S from
+    the scheduler's state and scores its step model on every step, which the router learns
+    (StepModel.observe, learner) and sends the controller refitted every PLAN_INTERVAL_S (the
+    cluster's Control)."""
+    controller: Controller
+    learner: StepModel = field(init=False)
+    chosen_at: float = -math.inf
+    told_at: float = 0.0
+
+    def __post_init__(self):
+        self.learner = StepModel(self.controller.model.p)
+
+    def choose(self, sched: Scheduler, recent: Recent, clock: float) -> None:
+        if clock - self.chosen_at >= CONTROL_INTERVAL_S:
+            self.chosen_at = clock
+            sched.token_budget = self.controller.choose(snapshot(sched, recent, clock)).budget
+
+    def timed(self, shape: StepShape, ms: float, clock: float) -> None:
+        self.controller.timed(shape.decodes, shape.context_tokens, shape.prefill_tokens, ms)
+        self.learner.observe(shape.decodes, shape.context_tokens, shape.prefill_tokens, ms)
+        if clock - self.told_at >= PLAN_INTERVAL_S:
+            self.told_at, refit = clock, copy.deepcopy(self.controller.model.p)
+            self.learner.apply(refit)
+            self.controller.configure(refit, self.controller.slo)
+
+
 def serve(specs: list, times: StepTimes, seats: int, step_tokens: int, budget: int | None = None,
           controller: Controller | None = None,
           schedule: Callable[[float], int] | None = None) -> tuple[list[Served], Counter]:
@@ -98,7 +120,8 @@ def serve(specs: list, times: StepTimes, seats: int, step_tokens: int, budget: i
     sched = make_scheduler(specs, seats, step_tokens)
     sched.token_budget = budget
     arrivals, recent, served = deque(sorted(specs, key=lambda s: s.arrival)), Recent(), []
-    clock, chosen_at, first, ids, held = 0.0, -math.inf, {}, itertools.count(), Counter()
+    clock, first, ids, held = 0.0, {}, itertools.count(), Counter()
+    adaptive = None if controller is None else Adaptive(controller)
     while arrivals or sched.has_work():
         while arrivals and arrivals[0].arrival <= clock:
             spec = arrivals.popleft()
@@ -109,8 +132,8 @@ def serve(specs: list, times: StepTimes, seats: int, step_tokens: int, budget: i
         if not sched.has_work():
             clock = arrivals[0].arrival
             continue
-        if controller is not None and clock - chosen_at >= CONTROL_INTERVAL_S:
-            chosen_at, sched.token_budget = clock, controller.choose(snapshot(sched, recent, clock)).budget
+        if adaptive is not None:
+            adaptive.choose(sched, recent, clock)
         if schedule is not None:
             sched.token_budget = schedule(clock)
         batch = sched.schedule()
@@ -119,8 +142,8 @@ def serve(specs: list, times: StepTimes, seats: int, step_tokens: int, budget: i
         ms = times.ms(shape)
         sched.computed(batch)
         clock += ms / 1e3
-        if controller is not None and shape.decodes:
-            controller.model.observe(shape.decodes, shape.context_tokens, shape.prefill_tokens, ms)
+        if adaptive is not None:
+            adaptive.timed(shape, ms, clock)
         for seq in batch.seqs:
             if seq.num_pending == 0:   # its next token is chosen
                 served += token_chosen(sched, seq, clock, first, recent)
