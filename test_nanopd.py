@@ -8464,6 +8464,38 @@ def test_the_file_map_lists_every_module_and_the_imports_make_no_circle():
             assert not used & (tools | front), f"{name} imports {sorted(used & (tools | front))}"
 
 
+PLAIN_PATH = """
+import sys, os
+from nanopd import LLM
+ran = set()
+
+def trace(frame, event, arg):   # every call into a function of nanoPD's (module bodies excluded)
+    code = frame.f_code
+    if event == "call" and "/nanopd/" in code.co_filename and code.co_name != "<module>":
+        ran.add(os.path.basename(code.co_filename))
+    return None
+
+sys.settrace(trace)
+LLM("tiny").generate(["Hi"], use_tqdm=False)
+sys.settrace(None)
+print(sorted(m for m in sys.modules if m.startswith("nanopd")))
+print(sorted(ran))
+"""
+
+
+def test_the_plain_generate_imports_at_most_12_modules_and_runs_code_in_at_most_10():
+    """LLM("tiny").generate(["Hi"]) loads only what the plain engine needs (no feature's,
+    cluster's or server's module) and calls functions of at most 10 of nanoPD's modules,
+    traced call by call in a fresh interpreter."""
+    run = subprocess.run([sys.executable, "-c", PLAIN_PATH], check=False, capture_output=True, text=True,
+                         cwd=HERE, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    imported, ran = (ast.literal_eval(line) for line in run.stdout.strip().splitlines()[-2:])
+    assert len(imported) <= 12 and len(ran) <= 10, (imported, ran)
+    features = {"speculate", "lanes", "beams", "cluster", "workers", "server", "profiler", "router"}
+    assert not features & {m.removeprefix("nanopd.") for m in imported}
+
+
 def test_no_function_is_longer_than_60_lines_outside_triton_kernels():
     long = []
     for path in MODULES:
