@@ -293,7 +293,7 @@ def beam_tokens(out: request.BeamSearchOutput, ids: list[int]) -> list[list[int]
 
 
 def run_engine(engine: Engine, requests, max_steps: int = 500) -> list[request.RequestOutput]:
-    """Submit (prompt, params) requests, or (prompt, params, beam_width), to the engine and
+    """Submit (prompt, params) requests to the engine and
     step it until they all finish."""
     reqs = [engine.submit(*r) for r in requests]
     for _ in range(max_steps):
@@ -3577,13 +3577,12 @@ def test_adaptive_speculates_and_speculation_on_a_split_worker_is_refused_before
 
 
 # ======================================================= beams.py: beam search
-# Against HF's num_beams search: any width, with EOS, widths side by side, a small cache,
-# beams that fit only one request at a time; and the engine's net under the livelock
-# that preempting one beam alone would cause.
+# Against HF's num_beams search: any width, with EOS, a small cache, beams that do not fit
+# all at once; and the engine's net under a livelock.
 
 
 @ENGINE
-@pytest.mark.parametrize("width", [2, 3])
+@pytest.mark.parametrize("width", [1, 2, 4])
 def test_beam_search_matches_hf(hf, llm, width):
     """Beams (vLLM's BeamSearchSequence: prompt and output tokens) equal HF's num_beams
     search, best first; each cum_logprob is the HF sum; each step's logprobs are HF's
@@ -3626,79 +3625,42 @@ def test_beam_search_with_eos_matches_hf(hf, tmp_path):
 
 
 @ENGINE
-def test_beam_search_requests_of_different_widths_in_one_step(hf):
-    """Two beam requests of widths 1 and 4 stepping together each get HF's beams."""
-    engine, a, b = make_llm(hf.path).engine, prompt(9, seed=3), prompt(12, seed=4)
-    ra = engine.submit(a, SamplingParams(temperature=0.0, max_tokens=6), beam_width=1)
-    rb = engine.submit(b, SamplingParams(temperature=0.0, max_tokens=6), beam_width=4)
-    for _ in range(100):
-        if not engine.has_unfinished():
-            break
-        engine.step()
-    assert [c.token_ids for c in engine.output(ra).outputs] == hf.beams(a, 1, 6)
-    assert [c.token_ids for c in engine.output(rb).outputs] == hf.beams(b, 4, 6)
-
-
-@ENGINE
-def test_beam_search_in_a_small_cache_finishes_or_is_rejected(hf):
-    """Beams that cannot all fit in the KV cache either finish (HF's beams) or are rejected."""
-    engine, p = make_llm(hf.path, num_kv_blocks=4).engine, prompt(15, seed=1)
-    try:
-        req = engine.submit(p, SamplingParams(temperature=0.0, max_tokens=8), beam_width=3)
-    except ValueError as e:
-        assert "block" in str(e)
-        return
-    for _ in range(200):
-        if not engine.has_unfinished():
-            break
-        engine.step()
-    assert not engine.has_unfinished(), "beam search made no progress in 200 steps"
-    assert [c.token_ids for c in engine.output(req).outputs] == hf.beams(p, 3, 8)
+def test_beam_search_in_a_small_cache_finishes_with_hfs_beams(hf):
+    """Beams are plain requests of one token each step: in a cache of 4 blocks, a width-3
+    search of a 15-token prompt still ends with HF's beams, and gives every block back."""
+    llm, p = make_llm(hf.path, num_kv_blocks=4), prompt(15, seed=1)
+    out = llm.beam_search([p], request.BeamSearchParams(beam_width=3, max_tokens=8))[0]
+    assert out.error is None and beam_tokens(out, p) == hf.beams(p, 3, 8)
+    assert all_blocks_free(llm)
 
 
 @ENGINE
 def test_beam_searches_that_cannot_fit_together_take_turns(hf):
-    """Two beam searches of width 2 whose beams fit in the cache one request at a time, not
-    both (each needs 7 of 10 blocks): the newer is preempted whole and restarted, and both
-    end with HF's beams. Preempting one beam alone left each request's beams waiting on
-    blocks the other's held, and the engine spun forever."""
-    engine = make_llm(hf.path, num_kv_blocks=10, max_model_len=64).engine
+    """Two beam searches of width 2 whose beams do not all fit in the cache at once (each
+    beam's request needs 3 of 10 blocks): the engine queues what does not fit, and both end
+    with HF's beams, every block back."""
+    llm = make_llm(hf.path, num_kv_blocks=10, max_model_len=64)
     prompts = [prompt(40, seed=81), prompt(40, seed=82)]
     with deadline(120):
-        outs = run_engine(engine, [(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), 2)
-                                   for p in prompts], max_steps=2000)
-    assert [[c.token_ids for c in o.outputs] for o in outs] == [hf.beams(p, 2, 8) for p in prompts]
-    assert engine.scheduler.num_preemptions > 0 and engine.bm.num_free_blocks == engine.bm.num_blocks
+        outs = llm.beam_search(prompts, request.BeamSearchParams(beam_width=2, max_tokens=8, ignore_eos=True))
+    assert [beam_tokens(o, p) for o, p in zip(outs, prompts)] == [hf.beams(p, 2, 8) for p in prompts]
+    assert all_blocks_free(llm)
 
 
 @ENGINE
 def test_a_step_that_can_make_no_progress_ends_what_holds_the_engine(hf, monkeypatch):
-    """The safety net under any livelock: with beams preempted one at a time again, and forks
-    running last (as before), the scheduler reaches a state no step changes. The engine
+    """The safety net under any livelock: with a scheduler that never gives a running
+    sequence its next token, no step changes anything once the prompts are in. The engine
     then ends the requests holding it with an error naming the settings, instead of
     spinning, and serves the next request."""
-    def preempt_one_beam(self, seq, batch=None):
-        self.num_preemptions += 1
-        self.bm.free(seq.block_table)
-        seq.num_computed = 0
-        self.running.remove(seq)
-        self.add(seq)
-
-    def fork_last(self, parent, child):   # and forks run last, the first to be preempted
-        child.block_table = self.bm.fork(parent.block_table)
-        child.status = request.Status.RUNNING
-        self.running.append(child)
-
-    monkeypatch.setattr(scheduler.Scheduler, "preempt", preempt_one_beam)
-    monkeypatch.setattr(scheduler.Scheduler, "fork", fork_last)
+    monkeypatch.setattr(scheduler.Scheduler, "_wanted", lambda self, seq: 0)
     llm = make_llm(hf.path, num_kv_blocks=10, max_model_len=64)
     with deadline(120):
-        outs = llm.beam_search([prompt(40, seed=81), prompt(40, seed=82)],
-                               request.BeamSearchParams(beam_width=2, max_tokens=8, ignore_eos=True))
+        outs = llm.generate([prompt(40, seed=81), prompt(40, seed=82)], SamplingParams(max_tokens=8))
     errors = [o.error for o in outs if o.error is not None]
     assert errors and all("no step could make progress" in str(e) and "num_kv_blocks" in str(e)
                           for e in errors)
-    assert all_blocks_free(llm) and not llm.engine.requests
+    monkeypatch.undo()
     assert tokens(generate(llm, [PROMPTS[1]], max_tokens=4)) == [hf.greedy(PROMPTS[1], 4)]
 
 

@@ -63,7 +63,7 @@ from nanopd.messages import (
     Tokens,
     ToWorker,
 )
-from nanopd.model import load_config, load_tokenizer
+from nanopd.model import eos_ids, load_config, load_tokenizer
 from nanopd.planner import PLAN_INTERVAL_S, Planner, regimes
 from nanopd.request import NewTokens, RequestMetrics, RequestOutput, SamplingParams, check_request, tokenize
 from nanopd.roles import ROLES, RoleMap
@@ -282,7 +282,7 @@ class CentralScheduler:
         self.cfg.validate()
         config = load_config(self.cfg.model)
         self.cfg.max_model_len = min(self.cfg.max_model_len, config.max_position_embeddings)
-        self.vocab_size = config.vocab_size
+        self.vocab_size, self.eos_ids = config.vocab_size, eos_ids(config)
         self.tokenizer = load_tokenizer(self.cfg.tokenizer or self.cfg.model)
         self.steered = POLICIES[cluster.policy].steered
         # Workers time every step for the router under a steered policy, and where asked (bench.py).
@@ -463,13 +463,11 @@ class CentralScheduler:
 
     # -- requests
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, beam_width: int = 0,
-               length_penalty: float = 1.0) -> int:
+    def submit(self, prompt: str | list[int], params: SamplingParams) -> int:
         """Validate (ValueError, as the single engine) and dispatch a request; its id."""
         text, ids = tokenize(prompt, self.tokenizer)
-        ids, params = check_request(ids, params, beam_width, self.vocab_size, self.tokenizer, self.cfg,
-                                    self.room, length_penalty)
-        t = self.requests.track(text, ids, params, beam_width, length_penalty)
+        ids, params = check_request(ids, params, self.vocab_size, self.tokenizer, self.cfg, self.room)
+        t = self.requests.track(text, ids, params)
         self.telemetry.arrived(time.perf_counter(), len(ids))
         if self.planner is not None and self.router is not None:
             predicted = self.router.predictor.predict(len(ids), params.max_tokens).mean
@@ -477,7 +475,7 @@ class CentralScheduler:
         # n > 1 runs on one engine (its samples fork off one prefill) unless it may be handed
         # off: an Import carries one sequence, so each sample is then a request of its own.
         may_move = self.steered or any(self.roles.role(w).hands_off for w in self.roles.parts)
-        for r in (self.requests.split_samples(t) if may_move and params.n > 1 and not beam_width else [t]):
+        for r in (self.requests.split_samples(t) if may_move and params.n > 1 else [t]):
             self._dispatch(r)
         return t.request_id
 
@@ -492,7 +490,7 @@ class CentralScheduler:
                                                       f"(dead: {self.liveness.summary()})"))
         if path is not None:
             w, t.decode_worker = path
-        elif self.router is not None and not t.beam_width:
+        elif self.router is not None:
             loads = self.worker_loads(live)
             blocks = cdiv(len(t.prompt_token_ids) + t.params.max_tokens, self.cfg.block_size)
             w, t.decode_worker, predicted = self.router.route(len(t.prompt_token_ids), t.params.max_tokens,
@@ -500,13 +498,11 @@ class CentralScheduler:
             t.metrics.routed = (predicted, loads[w], loads[t.decode_worker])
         else:
             w = self._least_loaded(takers)
-            # Beam search runs whole on one worker (its beams fork and die every step).
-            t.decode_worker = None if self.roles.role(w).hands_off and not t.beam_width else w
+            t.decode_worker = None if self.roles.role(w).hands_off else w
         t.worker = t.prefill_worker = w
         t.phase = "prefill"
         self.workers.send(w, Submit(t.request_id, t.prompt_token_ids, t.params,
-                                    prefill_only=t.decode_worker != w,
-                                    beam_width=t.beam_width, length_penalty=t.length_penalty))
+                                    prefill_only=t.decode_worker != w))
 
     # -- reports from the workers
 
@@ -647,12 +643,12 @@ class CentralScheduler:
 
     def new_tokens(self) -> dict[int, NewTokens]:
         """Output tokens of the running single-completion requests since the last call, with
-        their logprobs if asked, as Engine.new_tokens gives them (n > 1 and beams report their
+        their logprobs if asked, as Engine.new_tokens gives them (n > 1 reports its
         completions when done): what a stream shows. A request restarted elsewhere shows
         tokens again past those it showed."""
         new = {}
         for t in self.requests.active.values():
-            if not (t.beam_width or t.params.n > 1 or t.samples) and len(t.tokens) > t.shown:
+            if not (t.params.n > 1 or t.samples) and len(t.tokens) > t.shown:
                 logprobs = None if t.params.logprobs is None else t.logprobs[t.shown:]
                 new[t.request_id], t.shown = NewTokens(t.tokens[t.shown:], logprobs), len(t.tokens)
         return new

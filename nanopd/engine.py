@@ -6,12 +6,11 @@ device.
 How a step works:
   1. Scheduler.schedule (scheduler.py) picks this step's work.
   2. ModelRunner.run (runner.py) runs the model on it and samples on the device: a token
-     for every sequence whose last token was computed (or, in beam search, its candidate
-     continuations).
+     for every sequence whose last token was computed.
   3. The host takes the tokens, checks stop conditions and retires finished requests.
   Steps overlap: the host takes step N's tokens (stop checks, outputs) after launching
   step N+1, which reads them on the device (PENDING ids), so the GPU is not left idle
-  while Python does its bookkeeping. Beam search, which chooses on the host, waits.
+  while Python does its bookkeeping.
 
 Parallel sampling (n > 1) prefills the prompt once and forks the sequence (copy-on-write).
 Features beyond the plain engine are subclasses in files of their own, which change a step
@@ -31,7 +30,7 @@ import torch
 
 from nanopd.config import EngineConfig
 from nanopd.kv_cache import BlockManager
-from nanopd.model import Detokenizer, load_model, load_tokenizer
+from nanopd.model import Detokenizer, eos_ids, load_model, load_tokenizer
 from nanopd.request import (
     PENDING,
     CompletionOutput,
@@ -154,7 +153,6 @@ class LaunchedStep:
     """A step whose sampled tokens are still on their way to the host (see Engine.step)."""
     batch: Batch
     seqs: list[Sequence]                 # the sequences whose last token this step computed
-    beams: list[Sequence]                # ... those in beam search: the host picks their tokens
     shape: StepShape
     lane: Lane                           # where it runs
     output: StepOutput | None = None
@@ -194,8 +192,7 @@ class Engine:
         cfg.max_model_len = min(cfg.max_model_len, config.max_position_embeddings)
         self.cfg = cfg
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
-        eos = config.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.eos_ids = eos_ids(config)
         self.runner = self.runner_class(self.model, cfg)
         self.scheduler = self.scheduler_class(BlockManager(self.runner.num_blocks, cfg.block_size,
                                                            enable_prefix_caching=cfg.enable_prefix_caching),
@@ -260,8 +257,8 @@ class Engine:
 
     def _host_needs_now(self, step: "LaunchedStep") -> bool:
         """Whether the host must take step's tokens before the next step is scheduled, giving
-        up the overlap: beam search chooses on the host."""
-        return bool(step.beams)
+        up the overlap (never here)."""
+        return False
 
     def _take_tokens(self, step: "LaunchedStep", tokens: list[int], logprobs: dict) -> None:
         """Fill each target of the step with its sampled token (tokens: every draw's)."""
@@ -281,15 +278,14 @@ class Engine:
 
     # -- requests in
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, beam_width: int = 0,
-               length_penalty: float = 1.0, request_id: int | None = None, prefill_only: bool = False) -> int:
+    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: int | None = None,
+               prefill_only: bool = False) -> int:
         """Validate and queue a request; its id. A bad one raises ValueError and changes nothing."""
         text, ids = tokenize(prompt, self.tokenizer)
-        ids, params = check_request(ids, params, beam_width, self.model.config.vocab_size, self.tokenizer,
-                                    self.cfg, self.bm.num_blocks - self.bm.watermark_blocks, length_penalty)
+        ids, params = check_request(ids, params, self.model.config.vocab_size, self.tokenizer, self.cfg,
+                                    self.bm.num_blocks - self.bm.watermark_blocks)
         req = Request(next(self._request_ids) if request_id is None else request_id, text, ids, params,
-                      RequestMetrics(time.perf_counter()), beam_width=beam_width,
-                      length_penalty=length_penalty, prefill_only=prefill_only)
+                      RequestMetrics(time.perf_counter()), prefill_only=prefill_only)
         self._add_seq(req, 0, list(ids))   # first: if it raises, nothing is registered
         self.requests[req.request_id] = req
         return req.request_id
@@ -335,7 +331,7 @@ class Engine:
         self._before_schedule()
         batch = self.scheduler.schedule()
         self._after_schedule(batch)
-        if self._restart_beams() + len(batch.seqs) == 0 and self.in_flight is None:
+        if not batch.seqs and self.in_flight is None:
             return self._end_unschedulable()
         try:
             launched = self._launch(batch, self.runner.full_gpu, self.in_flight) if batch.seqs else None
@@ -356,17 +352,6 @@ class Engine:
         time.sleep(timeout)
         return []
 
-    def _restart_beams(self) -> int:
-        """Beam searches the scheduler preempted whole start again from their prompt, in
-        their place in the queue; how many."""
-        restarted, self.scheduler.restarted = self.scheduler.restarted, []
-        for req in restarted:
-            for seq in req.seqs:
-                self.runner.token_counts.forget(seq)
-            req.seqs, req.beams_done = [], []
-            self._add_seq(req, 0, list(req.prompt_token_ids))
-        return len(restarted)
-
     def _launch(self, batch: Batch, lane: Lane, previous: LaunchedStep | None) -> LaunchedStep:
         """Run the model on the batch on lane and sample on the device; each sampled sequence
         gets a PENDING token, filled in by _finish (from previous, the lane's step in flight,
@@ -374,16 +359,14 @@ class Engine:
         # the rows whose last token this step computes (a prompt's last chunk, a decode)
         done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new)) if n >= s.num_pending]
         seqs = [batch.seqs[i] for i in done]
-        step = LaunchedStep(batch, seqs, [s for s in seqs if s.request.beam_width], step_shape(batch), lane)
-        beam_rows = [i for i in done if batch.seqs[i].request.beam_width]
+        step = LaunchedStep(batch, seqs, step_shape(batch), lane)
         plan, draws = self._plan_draws(batch, done)
         extra, after = self._extra_draws(batch, done, plan, step)
         step.num_extra = len(extra)
-        beam_k = 2 * max((s.request.beam_width for s in step.beams), default=0)
         scores = plan_prompt_scores(batch)
         step.scored = [(batch.seqs[s.row].request, s.targets) for s in scores]
-        step.output = self.runner.run(batch, extra + draws, beam_rows, beam_k,
-                                      previous.output.tokens if previous else None, lane, scores, after)
+        prev_tokens = previous.output.tokens if previous else None
+        step.output = self.runner.run(batch, extra + draws, prev_tokens, lane, scores, after)
         self.scheduler.computed(batch)
         targets = [batch.seqs[i] if j == 0 else self.fork(batch.seqs[i], j, d.generator)
                    for (i, j), d in zip(plan, draws)]
@@ -394,7 +377,7 @@ class Engine:
         return step
 
     def _plan_draws(self, batch: Batch, done: list[int]) -> tuple[list[tuple[int, int]], list[Draw]]:
-        """The tokens to sample after the sequences batch.seqs[done] (beams excepted): per
+        """The tokens to sample after the sequences batch.seqs[done]: per
         draw (row, j) and its Draw. n > 1: a prompt's only sequence is forked once its first
         token is sampled, and each child j draws its own first token from the same logits,
         with its own generator. This runs for every sequence of every step: a request that
@@ -404,8 +387,6 @@ class Engine:
         for i in done:
             seq = batch.seqs[i]
             req = seq.request
-            if req.beam_width:
-                continue
             for j in range(req.params.n if seq.num_outputs == 0 else 1):
                 g = seq.generator if j == 0 else seeded_generator(req.params, j, self.model.device)
                 plan.append((i, j))
@@ -418,8 +399,8 @@ class Engine:
         return plan, draws
 
     def _finish(self, step: LaunchedStep) -> list[Request]:
-        """Fill a launched step's PENDING tokens, record logprobs, stop sequences, advance
-        beams. Returns the requests that finished."""
+        """Fill a launched step's PENDING tokens, record logprobs, stop sequences. Returns the
+        requests that finished."""
         tokens, logprobs = step.output.collect()
         if step.scored:
             record_prompt_logprobs(step)
@@ -428,9 +409,6 @@ class Engine:
             if seq.request.metrics.first_token_time is None:
                 seq.request.metrics.first_token_time = now
         self._take_tokens(step, tokens, logprobs)
-        for seq, candidates in zip(step.beams, step.output.beams):
-            k = 2 * seq.request.beam_width
-            seq.beam_candidates = list(zip(candidates[0][:k], candidates[1][:k]))
         return self._finished(step, now)
 
     def _take_token(self, seq: Sequence, index: int, draw: int, logprobs: dict) -> None:
@@ -440,16 +418,11 @@ class Engine:
         self._check_stop(seq, index)
 
     def _finished(self, step: LaunchedStep, now: float) -> list[Request]:
-        """The requests that finished with step: a sequence of theirs stopped, or a beam
-        search ended (beams.advance, once every live beam has its candidates)."""
+        """The requests that finished with step: a sequence of theirs stopped (and, n > 1, its
+        siblings had)."""
         touched = {s.request: None for s, _ in step.targets if s.status == Status.FINISHED}
-        touched.update({s.request: None for s in step.beams})
         finished = []
         for req in touched:
-            if req.beam_width and not req.finished and all(s.beam_candidates is not None for s in req.seqs
-                                                           if s.status != Status.FINISHED):
-                from nanopd import beams  # loaded by the first beam search, not by plain serving
-                beams.advance(req, self.eos_ids, self.fork, self._end)
             if req.finished and req.metrics.finish_time is None and req.request_id in self.requests:
                 req.metrics.finish_time = now
                 finished.append(req)
@@ -571,11 +544,11 @@ class Engine:
 
     def new_tokens(self) -> dict[int, NewTokens]:
         """Output tokens of the running single-completion requests since the last call, with
-        their logprobs if asked: what a stream shows (n > 1 and beams report their
+        their logprobs if asked: what a stream shows (n > 1 reports its
         completions when done)."""
         new = {}
         for req in self.requests.values():
-            if req.beam_width or req.params.n > 1 or req.parked:
+            if req.params.n > 1 or req.parked:
                 continue
             seq = req.seqs[0]
             # output tokens known (the last may be PENDING)
@@ -604,13 +577,12 @@ class Engine:
     def output(self, request_id: int) -> RequestOutput:
         """A finished request's output (none but its .error if it failed); the engine forgets it."""
         req = self.requests.pop(request_id)
-        want_lp = req.params.logprobs is not None or req.beam_width > 0
-        seqs = [] if req.error else req.seqs if req.beam_width else sorted(req.seqs, key=lambda s: s.index)
-        outs = [CompletionOutput(i if req.beam_width else s.index, s.output_ids, self._text(s),
-                                 s.finish_reason, s.cumulative_logprob if want_lp else None,
-                                 self._decoded(s.logprobs) if want_lp else None,
-                                 s.stop_reason)
-                for i, s in enumerate(seqs)]
+        want_lp = req.params.logprobs is not None
+        seqs = [] if req.error else sorted(req.seqs, key=lambda s: s.index)
+        outs = [CompletionOutput(s.index, s.output_ids, self._text(s), s.finish_reason,
+                                 s.cumulative_logprob if want_lp else None,
+                                 self._decoded(s.logprobs) if want_lp else None, s.stop_reason)
+                for s in seqs]
         prompt_logprobs = (None if req.error or req.prompt_logprobs is None
                            else self._decoded(req.prompt_logprobs))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.metrics,

@@ -239,7 +239,7 @@ class SplitEngine(Engine):
         prefill lane only when there is nothing to decode. The lanes leave each other's
         sequences alone (busy)."""
         idle = self.in_flight is None and self.prefill_in_flight is None   # nothing will land that frees room
-        restarted, finished, batches, launched = self._restart_beams(), [], [], None
+        finished, batches, launched = [], [], None
         try:
             finished += self._take_landed_chunk()
             prompts = self.scheduler.schedule(decodes=False, busy=sequences_of(self.in_flight)) \
@@ -250,18 +250,16 @@ class SplitEngine(Engine):
             # the decode step the chunk waits for: it may write blocks freed since
             written_by = self.in_flight
             launched = self._launch_decodes(decodes, prompts) if decodes.seqs else None
-            finished += self._launch_prompts(prompts, written_by) if prompts.seqs else []
+            if prompts.seqs:
+                self._launch_prompts(prompts, written_by)
             finished += self._finish(self.in_flight) if self.in_flight else []
             self.in_flight = launched
-            if launched is not None and launched.beams:   # beam search chooses on the host, now
-                finished += self._finish(launched)
-                self.in_flight = None
         except Exception as e:  # noqa: BLE001 (the requests end with it; nothing else is lost)
             return self._fail_step(batches, e, launched)
         if self.in_flight is None and self.prefill_in_flight is not None:   # nothing to decode meanwhile
             self.prefill_in_flight.output.wait()
         ended = [r.request_id for r in finished]
-        if idle and restarted + sum(len(b.seqs) for b in batches) == 0:
+        if idle and sum(len(b.seqs) for b in batches) == 0:
             ended += self._end_unschedulable()
         return ended
 
@@ -287,19 +285,14 @@ class SplitEngine(Engine):
             self.decode_waits_for_prefill = False
         return self._launch(decodes, lane, self.in_flight)
 
-    def _launch_prompts(self, prompts: Batch, written_by: LaunchedStep | None) -> list[Request]:
+    def _launch_prompts(self, prompts: Batch, written_by: LaunchedStep | None) -> None:
         """The prefill lane's next chunk (on the whole GPU, eagerly, while nothing decodes).
         The decode step in flight (written_by) may still write blocks the host has freed (a
-        sequence that just stopped): the chunk waits for it on the device before it starts.
-        The requests it finished, if beam search made the host take its tokens now."""
+        sequence that just stopped): the chunk waits for it on the device before it starts."""
         prefill_lane, _ = self.runner.splits[self.split]
         lane = prefill_lane if self._decoding() else self.runner.full_gpu_eager
         wait_for(lane, written_by)
         self.prefill_in_flight = self._launch(prompts, lane, None)
-        if not self.prefill_in_flight.beams:
-            return []
-        step, self.prefill_in_flight = self.prefill_in_flight, None   # beam search chooses on the host, now
-        return self._finish(step)
 
     def _decoding(self) -> bool:
         """Whether a decode step is in flight or a running sequence is past its prompt."""

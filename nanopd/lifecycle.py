@@ -25,8 +25,6 @@ class RequestRecord:
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
-    beam_width: int = 0
-    length_penalty: float = 1.0
     worker: int | None = None          # where it runs now (its decode worker once handed off)
     prefill_worker: int | None = None
     decode_worker: int | None = None   # where it goes after its prefill (None: the least loaded then)
@@ -50,13 +48,11 @@ class RequestLedger:
         self.ended: list[int] = []            # ids ended since the last poll, wherever they ended
         self._ids = itertools.count()
 
-    def track(self, prompt: str | None, ids: list[int], params: SamplingParams, beam_width: int = 0,
-              length_penalty: float = 1.0, metrics: RequestMetrics | None = None, parent: int | None = None
-              ) -> RequestRecord:
+    def track(self, prompt: str | None, ids: list[int], params: SamplingParams,
+              metrics: RequestMetrics | None = None, parent: int | None = None) -> RequestRecord:
         """A new active request."""
         t = RequestRecord(next(self._ids), prompt, ids, params,
-                          metrics or RequestMetrics(time.perf_counter()),
-                          beam_width, length_penalty, parent=parent)
+                          metrics or RequestMetrics(time.perf_counter()), parent=parent)
         self.active[t.request_id] = t
         return t
 

@@ -37,12 +37,12 @@ from nanopd.engine import Engine, make_engine
 from nanopd.request import (
     BeamSearchOutput,
     BeamSearchParams,
-    BeamSearchSequence,
     RequestMetrics,
     RequestOutput,
     SamplingParams,
     encode,
     prompt_of,
+    tokenize,
 )
 
 if TYPE_CHECKING:   # a plain LLM loads none of the cluster's modules: they load with a policy
@@ -199,10 +199,13 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         params.validate()
-        sampling = SamplingParams(max_tokens=params.max_tokens, ignore_eos=params.ignore_eos, temperature=0.0)
-        extra = {"beam_width": params.beam_width, "length_penalty": params.length_penalty}
-        outs = self._run([(p, sampling, extra) for p in as_prompt_list(prompts)], use_tqdm)
-        return [beam_search_output(o, self.get_tokenizer()) for o in outs]
+        from nanopd import beams  # loaded by the first beam search, not by LLM
+        tokenizer = self.get_tokenizer()
+        prompts = [tokenize(p, tokenizer)[1] for p in as_prompt_list(prompts)]
+        def generate(token_prompts: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
+            return self._run([(p, step, {}) for p in token_prompts], use_tqdm=False)
+        return beams.search(generate, prompts, params, self.backend.eos_ids, tokenizer,
+                            self.backend.cfg.max_model_len)
 
     def _run(self, work: list[tuple], use_tqdm: bool) -> list[RequestOutput]:
         """Submit every (prompt, params, extra), then poll until each has ended. A bad
@@ -283,17 +286,6 @@ class LLM:
             return self.backend.output(request_id)
         except Exception as e:  # noqa: BLE001 (this request fails, alone)
             return failed_output(None, e)
-
-
-def beam_search_output(out: RequestOutput, tokenizer) -> BeamSearchOutput:
-    """A beam search's RequestOutput as vLLM's BeamSearchOutput: each beam's tokens are the
-    prompt's and its own, its text their decode (vLLM's LLM.beam_search: special tokens kept)."""
-    beams = []
-    for c in out.outputs:
-        tokens = out.prompt_token_ids + c.token_ids
-        beams.append(BeamSearchSequence(tokens, c.logprobs, c.cumulative_logprob, tokenizer.decode(tokens),
-                                        c.finish_reason, c.stop_reason))
-    return BeamSearchOutput(beams, error=out.error)
 
 
 def checked_conversations(messages) -> list[list[dict]]:

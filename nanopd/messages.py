@@ -25,8 +25,6 @@ class Submit:
     prompt_token_ids: list[int]
     params: SamplingParams
     prefill_only: bool = False
-    beam_width: int = 0
-    length_penalty: float = 1.0
 
 
 @dataclass

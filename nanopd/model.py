@@ -287,6 +287,12 @@ def load_config(name_or_path: str) -> PretrainedConfig:
     return config
 
 
+def eos_ids(config: PretrainedConfig) -> set[int]:
+    """The checkpoint's end-of-sequence token ids (its config may name one, several or none)."""
+    eos = config.eos_token_id
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
 def checkpoint_files(folder: Path) -> list[Path]:
     """The safetensors files: those the shard index names, else every *.safetensors."""
     index = folder / "model.safetensors.index.json"

@@ -372,9 +372,8 @@ def check_token_ids(params: SamplingParams, vocab: int) -> None:
             raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
 
-def check_request(ids: list[int], params: SamplingParams, beam_width: int, vocab: int, tokenizer,
-                  cfg: EngineConfig, room_blocks: int, length_penalty: float = 1.0
-                  ) -> tuple[list[int], SamplingParams]:
+def check_request(ids: list[int], params: SamplingParams, vocab: int, tokenizer, cfg: EngineConfig,
+                  room_blocks: int) -> tuple[list[int], SamplingParams]:
     """The request's prompt (its last truncate_prompt_tokens, if set) and its own copy of
     params (SamplingParams.normalized, with bad_words tokenized by tokenizer), or a
     ValueError naming what is wrong with them; room_blocks is the KV cache's size less its
@@ -385,8 +384,6 @@ def check_request(ids: list[int], params: SamplingParams, beam_width: int, vocab
     params._bad_words_token_ids = bad_words_token_ids(params.bad_words or [], tokenizer) or None
     if params.truncate_prompt_tokens is not None:
         ids = ids[-params.truncate_prompt_tokens:]
-    check_int("beam_width", beam_width, low=0)
-    check_real("length_penalty", length_penalty)
     if not ids:
         raise ValueError("the prompt is empty")
     if min(ids) < 0 or max(ids) >= vocab:
@@ -402,17 +399,13 @@ def check_request(ids: list[int], params: SamplingParams, beam_width: int, vocab
     for name in ("logprobs", "prompt_logprobs"):
         if getattr(params, name) is not None and getattr(params, name) > vocab:
             raise ValueError(f"{name}={getattr(params, name)} exceeds the vocabulary size ({vocab})")
-    width = max(params.n, beam_width)
-    if width > cfg.max_num_seqs:
-        raise ValueError(f"{'beam_width' if beam_width else 'n'}={width} exceeds "
-                         f"max_num_seqs ({cfg.max_num_seqs})")
-    # Beams advance together, so all of them must fit at once (full prompt blocks are
-    # shared; each beam owns the rest). Samples of n > 1 progress independently: one must fit.
+    if params.n > cfg.max_num_seqs:
+        raise ValueError(f"n={params.n} exceeds max_num_seqs ({cfg.max_num_seqs})")
+    # Samples of n > 1 progress independently: one must fit.
     bs = cfg.block_size
-    shared = len(ids) // bs if beam_width else 0
-    need = shared + (beam_width or 1) * (cdiv(len(ids) + params.max_tokens, bs) - shared)
+    need = cdiv(len(ids) + params.max_tokens, bs)
     if need > room_blocks:
-        at_fault = "prompt" if (beam_width or 1) * cdiv(len(ids) + 1, bs) > room_blocks else "max_tokens"
+        at_fault = "prompt" if cdiv(len(ids) + 1, bs) > room_blocks else "max_tokens"
         raise ValueError(f"{at_fault}: the request needs {need} KV blocks, more than the whole cache holds "
                          f"({room_blocks})")
     return ids, params
@@ -455,7 +448,6 @@ class Sequence:
     detokenizer: Detokenizer | None = None   # its output's text, kept while stop strings are watched
     text_end: int | None = None         # stopped by a stop string: where its text ends
     generator: torch.Generator | None = None
-    beam_candidates: list[tuple[int, float]] | None = None   # beam search: (token, logprob)
     # While the step that sampled this sequence's last token is still running, that token
     # is a placeholder (PENDING) on the host, and the next step reads it on the device
     # from row `pending_row` of that step's sampled tokens.
@@ -499,10 +491,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
-    beam_width: int = 0                 # > 0: beam search instead of sampling
-    length_penalty: float = 1.0
     seqs: list[Sequence] = field(default_factory=list)        # live and finished completions
-    beams_done: list[Sequence] = field(default_factory=list)  # beam search: finished hypotheses
     prefill_only: bool = False          # a prefill worker's: stop after the first token, keep the blocks
     num_streamed: int = 0               # output tokens already handed out by Engine.new_tokens
     error: Exception | None = None      # why it ended without its completions

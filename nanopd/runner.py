@@ -31,7 +31,7 @@ from nanopd.config import EngineConfig
 from nanopd.kv_cache import allocate_kv_cache, blocks_for_memory, cdiv, kv_bytes_per_block
 from nanopd.model import AttentionMetadata, CausalLM
 from nanopd.request import SamplingParams, Sequence
-from nanopd.sampler import TokenCounts, beam_candidates, sample, token_logprobs
+from nanopd.sampler import TokenCounts, sample, token_logprobs
 from nanopd.scheduler import Batch
 
 # Token counts of the piecewise graphs: a step is padded to the next one. Below ~128 tokens
@@ -165,7 +165,6 @@ class StepOutput:
     host: list[torch.Tensor] = field(default_factory=list)   # tokens, then logprobs (see collect)
     logprob_draws: list[int] = field(default_factory=list)    # draws that report logprobs
     prompt_host: list[torch.Tensor] = field(default_factory=list)   # prompt logprobs (see scored)
-    beams: list[tuple[list[int], list[float]]] = field(default_factory=list)   # per beam row: (ids, logprobs)
     ready: torch.cuda.Event | None = None   # the host copies have landed
     more: torch.Tensor | None = None        # on the host: what run's `after` sent home
 
@@ -321,18 +320,17 @@ class ModelRunner:
         return ids, positions, meta
 
     @torch.inference_mode()
-    def run(self, batch: Batch, draws: list[Draw], beam_rows: list[int] = (), beam_k: int = 0,
-            prev_tokens: torch.Tensor | None = None, lane: Lane | None = None,
-            scores: list[PromptScore] = (), after: Callable[[StepOutput], None] | None = None) -> StepOutput:
-        """Run the model on the batch and sample: a token per draw, and for each of beam_rows
-        its beam_k best continuations (read at once: beam search chooses on the host); the
-        prompt logprobs of scores. prev_tokens: the running step's sampled tokens (see
-        prepare). lane: where (the whole GPU unless a split's lane); everything the step
-        allocates is that stream's. after: more work on the step's output, launched before
-        its copies are marked landed (it may send a tensor home in out.more)."""
+    def run(self, batch: Batch, draws: list[Draw], prev_tokens: torch.Tensor | None = None,
+            lane: Lane | None = None, scores: list[PromptScore] = (),
+            after: Callable[[StepOutput], None] | None = None) -> StepOutput:
+        """Run the model on the batch and sample: a token per draw; the prompt logprobs of
+        scores. prev_tokens: the running step's sampled tokens (see prepare). lane: where
+        (the whole GPU unless a split's lane); everything the step allocates is that
+        stream's. after: more work on the step's output, launched before its copies are
+        marked landed (it may send a tensor home in out.more)."""
         self.lane = lane = lane or self.full_gpu
         with lane.running():
-            out = self._run(batch, draws, beam_rows, beam_k, prev_tokens, lane, scores)
+            out = self._run(batch, draws, prev_tokens, lane, scores)
             if after is not None:
                 after(out)
             if self.device.type == "cuda":
@@ -340,22 +338,19 @@ class ModelRunner:
                 out.ready.record()
             return out
 
-    def _run(self, batch: Batch, draws: list[Draw], beam_rows: list[int], beam_k: int,
-             prev_tokens: torch.Tensor | None, lane: Lane, scores: list[PromptScore]) -> StepOutput:
+    def _run(self, batch: Batch, draws: list[Draw], prev_tokens: torch.Tensor | None, lane: Lane,
+             scores: list[PromptScore]) -> StepOutput:
         hidden = self._forward(batch, prev_tokens, lane)   # launched: the host's work below overlaps it
         # (row, position): the logits computed are those of the tokens sampled after and of
         # the prompt positions scored, only (a prompt chunk's others are never needed)
         scored = [(s.row, s.first + i) for s in scores for i in range(len(s.targets))]
-        wanted = sorted({(d.row, d.position) for d in draws} | {(r, -1) for r in beam_rows} | set(scored))
+        wanted = sorted({(d.row, d.position) for d in draws} | set(scored))
         # [len(wanted), vocab]
         logits = self.model.compute_logits(self._hidden_of(batch, hidden, wanted))
         at = {w: i for i, w in enumerate(wanted)}
         out = StepOutput()
         if scores:
             self._score_prompts(logits, [at[w] for w in scored], scores, out)
-        if beam_rows:
-            values, ids = beam_candidates(logits[[at[r, -1] for r in beam_rows]], beam_k)
-            out.beams = list(zip(ids.tolist(), values.tolist()))
         if draws:
             self._sample(logits, [at[d.row, d.position] for d in draws], draws, out, prev_tokens)
         return out

@@ -1,5 +1,5 @@
-"""Sampling on the device: from a step's logits to its tokens, their logprobs and beam
-search's candidates, and the per-sequence token counts the penalties read. The model
+"""Sampling on the device: from a step's logits to its tokens and their logprobs, and the
+per-sequence token counts the penalties read. The model
 runner (runner.py) calls these; nothing here waits for the device, so the host can run
 ahead while the GPU samples.
 """
@@ -80,13 +80,6 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int
     top = lp.topk(max(1, k), -1)
     chosen = lp.gather(1, tokens[:, None])
     return chosen[:, 0], (lp > chosen).sum(-1) + 1, top.values, top.indices
-
-
-def beam_candidates(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Beam search's candidate continuations of each row: the k most likely tokens' logprobs
-    and ids [R, k]."""
-    top = torch.log_softmax(logits.float(), -1).topk(k, -1)
-    return top.values, top.indices
 
 
 def bad_word_bans(words: list[list[int]], outputs: list[int]) -> tuple[list[int], list[tuple[int, int]]]:

@@ -5,9 +5,7 @@ Each step the Scheduler takes the running decodes first, then unfinished prompt 
 (chunked prefill), then waiting sequences first come first served, under a token budget
 (max_num_batched_tokens) and a seat limit (max_num_seqs). When the KV cache runs out it
 preempts the newest running sequence: its blocks are freed and it is recomputed later,
-through the prefix cache where possible. A beam search request is preempted whole: its
-beams advance together, so one beam recomputing alone could hold blocks its siblings
-wait for; it restarts from its prompt (scheduler.restarted, which the engine rebuilds).
+through the prefix cache where possible.
 The engine (engine.py) turns the Batch into a model step and tells the scheduler what was
 computed, forked and finished.
 """
@@ -18,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nanopd.kv_cache import BlockManager, OutOfBlocks
-from nanopd.request import Request, Sequence, Status
+from nanopd.request import Sequence, Status
 
 # ----------------------------------------------------------------------------- scheduler
 
@@ -42,13 +40,6 @@ class Batch:
             self.copies.append(pair)
             self.copied_for.append(seq)
 
-    def drop(self, req: Request) -> None:
-        """Take req's sequences out (it was preempted whole while the batch was being built)."""
-        keep = [i for i, s in enumerate(self.seqs) if s.request is not req]
-        self.seqs, self.num_new = [self.seqs[i] for i in keep], [self.num_new[i] for i in keep]
-        kept = [i for i, s in enumerate(self.copied_for) if s.request is not req]
-        self.copies, self.copied_for = [self.copies[i] for i in kept], [self.copied_for[i] for i in kept]
-
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
@@ -60,7 +51,6 @@ class Scheduler:
         self.importing = 0                         # seats held by imports whose KV is being copied in
         self.imports_waiting: list[int] = []       # arrival orders of imports waiting for seats, oldest first
         self.token_budget: int | None = None       # tokens per step, if cut (controller.py)
-        self.restarted: list[Request] = []         # beam searches preempted whole: the engine restarts them
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -132,9 +122,8 @@ class Scheduler:
         return bool(self.imports_waiting) and self.imports_waiting[0] < seq.arrival
 
     def _seats(self, seq: Sequence) -> int:
-        """Running sequences this one will become: n > 1 and beams fork after the prompt."""
-        req = seq.request
-        return 1 if seq.num_outputs else max(req.params.n, req.beam_width)
+        """Running sequences this one will become: n > 1 forks after the prompt."""
+        return 1 if seq.num_outputs else seq.request.params.n
 
     # -- what a feature's scheduler (speculate.py) changes: a running sequence's tokens
 
@@ -154,8 +143,8 @@ class Scheduler:
     def _append_slots(self, seq: Sequence, n: int, batch: Batch, busy: set[Sequence]) -> int:
         """Room for seq's next n tokens (and its copy-on-write pairs), and seq in the batch;
         the tokens placed. While the cache is full, what seq may shed goes first, then the
-        newest running sequences not yet in this batch nor busy are preempted (a beam
-        search whole, out of the batch too). 0 if seq itself had to go."""
+        newest running sequences not yet in this batch nor busy are preempted. 0 if seq
+        itself had to go."""
         while True:
             try:
                 copies = self.bm.append_slots(seq.block_table, seq.num_computed, seq.num_computed + n)
@@ -163,8 +152,7 @@ class Scheduler:
                 if shed := self._shed(seq):
                     n -= shed
                     continue
-                self.preempt(next(s for s in reversed(self.running) if s not in batch.seqs and s not in busy),
-                             batch)
+                self.preempt(next(s for s in reversed(self.running) if s not in batch.seqs and s not in busy))
                 if seq.status != Status.RUNNING:
                     return 0
                 continue
@@ -235,22 +223,9 @@ class Scheduler:
         """Give blocks back that no running sequence holds (a parked or dropped import's)."""
         self.bm.free(block_table)
 
-    def preempt(self, seq: Sequence, batch: Batch | None = None) -> None:
-        """Free the sequence's blocks; it is recomputed when readmitted (recompute preemption).
-        A beam search's sequence takes its whole request with it, out of batch too: every
-        beam is finished and the engine restarts the request from its prompt (its beams
-        would otherwise come back one at a time, each recomputed without sharing, and wait
-        on each other)."""
+    def preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks; it is recomputed when readmitted (recompute preemption)."""
         self.num_preemptions += 1
-        req = seq.request
-        if req.beam_width:
-            for s in req.seqs:
-                if s.status != Status.FINISHED:
-                    self.finish(s)
-            if batch is not None:
-                batch.drop(req)
-            self.restarted.append(req)
-            return
         self.bm.free(seq.block_table)
         seq.num_computed = 0
         self.running.remove(seq)

@@ -249,12 +249,11 @@ DRAFTERS: dict[str, Callable[[SpeculativeConfig, ModelRunner, Reserve], Drafter]
 
 
 def can_speculate(seq: Sequence) -> bool:
-    """Whether seq's drafts can be checked: its request searches no beams and decodes here
-    (a prefill worker's parks after its first token). Logprobs come from the draw that
+    """Whether seq's drafts can be checked: its request decodes here (a prefill worker's
+    parks after its first token). Logprobs come from the draw that
     sampled each kept token; penalties and min_tokens bans at a depth count the drafts
     before it (Speculator.plan_checks)."""
-    req = seq.request
-    return not req.beam_width and not req.prefill_only
+    return not seq.request.prefill_only
 
 
 def chains(seq: Sequence) -> bool:
@@ -518,12 +517,11 @@ class SpecScheduler(Scheduler):
         shed, seq.drafts = len(seq.drafts), []
         return shed
 
-    def preempt(self, seq: Sequence, batch: Batch | None = None) -> None:
+    def preempt(self, seq: Sequence) -> None:
         """A recomputed prompt has no drafts, no branches, no draft K/V."""
-        if not seq.request.beam_width:
-            self.drop_branches(seq)
-            seq.drafts, seq.draft_computed = [], 0
-        super().preempt(seq, batch)
+        self.drop_branches(seq)
+        seq.drafts, seq.draft_computed = [], 0
+        super().preempt(seq)
 
     def finish(self, seq: Sequence, free: bool = True) -> None:
         self.drop_branches(seq)

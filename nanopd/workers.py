@@ -218,8 +218,8 @@ class Worker:
     def _handle(self, msg) -> None:
         match msg:
             case Submit():   # the central scheduler checked it first; this worker's cache may be smaller
-                self.engine.submit(msg.prompt_token_ids, msg.params, msg.beam_width, msg.length_penalty,
-                                   request_id=msg.request_id, prefill_only=msg.prefill_only)
+                self.engine.submit(msg.prompt_token_ids, msg.params, request_id=msg.request_id,
+                                   prefill_only=msg.prefill_only)
                 self.recent.arrived(time.perf_counter(), len(msg.prompt_token_ids),
                                     1 if msg.prefill_only else msg.params.max_tokens)
             case Import():
