@@ -103,6 +103,7 @@ from nanopd import (
     TokensPrompt,
     controller,
     costmodel,
+    handoff,
     hosts,
     kv_cache,
     messages,
@@ -260,6 +261,12 @@ def hf(tmp_path_factory) -> Reference:
 def make_llm(path, **kwargs) -> LLM:
     kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": 256, "max_num_seqs": 16, "device": DEVICE, **kwargs}
     return LLM(str(path), dtype="float32", **kwargs)
+
+
+def worker_engine(path, **kwargs) -> Engine:
+    """A worker's engine (handoff.py: it parks and imports), with make_llm's settings."""
+    kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": 256, "max_num_seqs": 16, "device": DEVICE, **kwargs}
+    return handoff.worker_engine(EngineConfig(model=str(path), dtype="float32", **kwargs))
 
 
 @pytest.fixture(scope="module")
@@ -1417,7 +1424,7 @@ def test_imports_in_flight_hold_their_seats(hf):
     """Seats (max_num_seqs) count the sequences whose KV is being copied in: while two
     imports hold both seats no prompt is admitted; a cancelled import frees its seat and
     blocks, and the prompt then runs to HF's greedy tokens."""
-    engine = make_llm(hf.path, max_num_seqs=2).engine
+    engine = worker_engine(hf.path, max_num_seqs=2)
     tables = [engine.scheduler.start_import(prompt(9, seed=90 + i), request.arrival_order())[0]
               for i in range(2)]
     assert engine.scheduler.start_import(prompt(9, seed=92), request.arrival_order()) is None   # no seat left
@@ -1457,7 +1464,7 @@ def test_seats_go_first_come_first_served_between_prompts_and_imports(hf):
     """One seat, taken. A prompt that came before an import gets the seat first, and an
     import that came before a prompt does."""
     for prompt_first in (True, False):
-        engine = make_llm(hf.path, max_num_seqs=1).engine
+        engine = worker_engine(hf.path, max_num_seqs=1)
         busy = engine.submit(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3))
         engine.step()
         if prompt_first:
@@ -1489,7 +1496,7 @@ def test_imports_take_seats_in_arrival_order_and_a_dropped_one_holds_nothing_up(
     """Two seats, two imports queued: the later gets no seat while the earlier waits, even
     with seats free; dropped while waiting, the earlier holds up neither the later import
     nor a prompt that arrived after it."""
-    engine = make_llm(hf.path, max_num_seqs=2).engine
+    engine = worker_engine(hf.path, max_num_seqs=2)
     first, second = request.arrival_order(), request.arrival_order()
     engine.scheduler.queue_import(first)
     engine.scheduler.queue_import(second)
@@ -2799,10 +2806,12 @@ SPLIT = (SPLITS[1].prefill_sms, SPLITS[1].decode_sms)
 OTHER_SPLIT = (SPLITS[-1].prefill_sms, SPLITS[-1].decode_sms)
 
 
-def split_engine(hf, **kwargs) -> Engine:
+def split_engine(hf, worker: bool = False, **kwargs) -> Engine:
+    """A split engine (a worker's, with the handoff, if worker)."""
     kwargs = {"block_size": BLOCK_SIZE, "num_kv_blocks": 256, "max_num_seqs": 16, "device": DEVICE,
               "sm_split": SPLIT, "split_menu": (OTHER_SPLIT,), "max_num_batched_tokens": 24, **kwargs}
-    return make_engine(EngineConfig(model=str(hf.path), dtype="float32", **kwargs))
+    cfg = EngineConfig(model=str(hf.path), dtype="float32", **kwargs)
+    return handoff.worker_engine(cfg) if worker else make_engine(cfg)
 
 
 def lane_log(monkeypatch, eng: Engine) -> list[tuple[str, set, set, bool]]:
@@ -3696,8 +3705,8 @@ def test_handoff_moves_the_prompt_kv_byte_for_byte(hf, transport):
     prefill worker's and hold HF's K/V; the decode worker then continues HF's greedy tokens;
     the Release frees the prefill worker's blocks."""
     out = Reports()
-    pre = in_process_worker(make_llm(hf.path).engine, transport=transport, reports=out)
-    dec_engine = make_llm(hf.path).engine
+    pre = in_process_worker(worker_engine(hf.path), transport=transport, reports=out)
+    dec_engine = worker_engine(hf.path)
     dec = in_process_worker(dec_engine, 1, {0: pre.engine.runner.kv_cache}, transport, out)
     squatter, _ = dec_engine.scheduler.allocate(prompt(40, seed=71))   # so the decode side's block ids differ
     ids = prompt(29, seed=70)   # 3 full blocks of 8 and a partial one
@@ -3744,7 +3753,7 @@ def test_a_failed_copy_frees_its_blocks_and_is_reported(hf, monkeypatch):
     """A copy that ends in an error (the distributed transport's source went away) never
     joins the batch: the blocks it was copying into are freed, and the decode worker
     reports PullFailed naming the source, for the central scheduler to retry."""
-    dec = in_process_worker(make_llm(hf.path).engine, 1)
+    dec = in_process_worker(worker_engine(hf.path), 1)
     monkeypatch.setattr(dec.transport, "pull",
                         lambda *args: transport.Pull(0, error="RuntimeError: reset by peer"))
     ids = prompt(29, seed=73)
@@ -3766,7 +3775,7 @@ def test_a_handoff_nobody_pulls_is_released_after_the_timeout(hf, monkeypatch):
     """A prefill worker frees a parked request's blocks once the handoff timeout passes,
     and says so ("expired"), so a lost decode worker cannot leak them."""
     monkeypatch.setattr(workers, "HANDOFF_TIMEOUT_S", 0.2)
-    pre = in_process_worker(make_llm(hf.path).engine)
+    pre = in_process_worker(worker_engine(hf.path))
     pre.inbox.put(messages.Submit(0, prompt(20, seed=72), SamplingParams(temperature=0.0, max_tokens=4),
                                   prefill_only=True))
     events = []
@@ -3788,7 +3797,7 @@ def test_a_handoff_nobody_pulls_is_released_after_the_timeout(hf, monkeypatch):
 def test_a_worker_rejects_a_bad_request_and_lives_on(hf):
     """A request a worker cannot take (here: too long for its max_model_len) is reported
     back as rejected, with the reason, and the worker goes on serving the next one."""
-    worker = in_process_worker(make_llm(hf.path, max_model_len=64).engine)
+    worker = in_process_worker(worker_engine(hf.path, max_model_len=64))
     worker.inbox.put(messages.Submit(0, prompt(60, seed=73), SamplingParams(temperature=0.0, max_tokens=10)))
     worker.inbox.put(messages.Submit(1, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4)))
     events = []
@@ -3805,7 +3814,7 @@ def test_a_worker_rejects_a_bad_request_and_lives_on(hf):
 def test_a_worker_whose_step_fails_reports_the_error_and_lives_on(hf, monkeypatch):
     """In a worker, a step that raises ends its requests with the error (reported Done with
     .error), not the worker: the next request is served with HF's greedy tokens."""
-    worker = in_process_worker(make_llm(hf.path).engine)
+    worker = in_process_worker(worker_engine(hf.path))
     check = worker.engine._check_stop
     monkeypatch.setattr(worker.engine, "_check_stop",
                         lambda seq, i: (_ for _ in ()).throw(RuntimeError("fault"))
@@ -3832,7 +3841,7 @@ def test_a_worker_whose_step_fails_reports_the_error_and_lives_on(hf, monkeypatc
 def test_abort_frees_a_request_wherever_it_is(hf):
     """Abort ends a request running, another parked after its prefill: both are forgotten
     and every block comes back."""
-    worker = in_process_worker(make_llm(hf.path).engine)
+    worker = in_process_worker(worker_engine(hf.path))
     worker.inbox.put(messages.Submit(0, PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=50)))
     worker.inbox.put(messages.Submit(1, PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=8),
                                      prefill_only=True))
@@ -3853,7 +3862,7 @@ def test_set_role_sets_the_sm_split_only_when_it_changes(hf, monkeypatch):
     engine.set_split when it becomes, changes or stops being a split, not on a role change
     alone; the token budget stays the scheduler's (no cap). A plain engine has no split
     menu: asking it for a split fails the worker, with a ValueError saying so."""
-    worker = in_process_worker(make_llm(hf.path).engine)
+    worker = in_process_worker(worker_engine(hf.path))
     splits = []
     monkeypatch.setattr(workers, "SplitEngine", Engine)   # the plain engine stands in for a split one
     monkeypatch.setattr(worker.engine, "set_split", splits.append, raising=False)
@@ -3876,7 +3885,8 @@ def test_a_split_worker_reports_where_each_decode_step_ran(hf):
     whole GPU says None; both occur (the prompts come and go); no decode step reports
     prompt tokens (prompts run on the other lane). The prompt chunks are reported apart
     (decodes 0), each with the lane it ran on, and their tokens add up to the prompts'."""
-    worker = workers.Worker(0, split_engine(hf), queue.Queue(), Reports(), {}, "p2p", report_steps=True)
+    worker = workers.Worker(0, split_engine(hf, worker=True), queue.Queue(), Reports(), {}, "p2p",
+                            report_steps=True)
     eng, on_decode_lane = worker.engine, []
     launch = eng._launch
 
@@ -3908,7 +3918,7 @@ def test_an_import_dropped_while_it_waits_for_a_seat_holds_no_prompt_up(hf):
     """One seat, taken: an Import arrives and waits for it, then a prompt. The Import is
     dropped (its source died) before it got the seat: the prompt, which would have waited
     for it, gets the seat and HF's greedy tokens."""
-    worker = in_process_worker(make_llm(hf.path, max_num_seqs=1).engine)
+    worker = in_process_worker(worker_engine(hf.path, max_num_seqs=1))
     worker.inbox.put(messages.Submit(0, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8)))
     worker.step(wait=False)
     ids = prompt(9, seed=74)

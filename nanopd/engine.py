@@ -278,14 +278,13 @@ class Engine:
 
     # -- requests in
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: int | None = None,
-               prefill_only: bool = False) -> int:
+    def submit(self, prompt: str | list[int], params: SamplingParams, request_id: int | None = None) -> int:
         """Validate and queue a request; its id. A bad one raises ValueError and changes nothing."""
         text, ids = tokenize(prompt, self.tokenizer)
         ids, params = check_request(ids, params, self.model.config.vocab_size, self.tokenizer, self.cfg,
                                     self.bm.num_blocks - self.bm.watermark_blocks)
         req = Request(next(self._request_ids) if request_id is None else request_id, text, ids, params,
-                      RequestMetrics(time.perf_counter()), prefill_only=prefill_only)
+                      RequestMetrics(time.perf_counter()))
         self._add_seq(req, 0, list(ids))   # first: if it raises, nothing is registered
         self.requests[req.request_id] = req
         return req.request_id
@@ -296,14 +295,6 @@ class Engine:
         req.seqs.append(seq)
         self.scheduler.add(seq)
         return seq
-
-    def add_imported(self, seq: Sequence) -> None:
-        """A request prefilled elsewhere, whose KV is in seq's blocks (workers.py copied it in
-        on a seat the scheduler gave it), joins the decodes."""
-        # our own parked record gives way to the decoding one
-        self.requests.pop(seq.request.request_id, None)
-        self.requests[seq.request.request_id] = seq.request
-        self.scheduler.finish_import(seq)
 
     def fork(self, seq: Sequence, index: int, generator: torch.Generator | None = None) -> Sequence:
         """A running child sharing every block of seq (copy-on-write); its own generator
@@ -326,7 +317,7 @@ class Engine:
         """Schedule and launch a batch, then finish the step launched before it, whose
         sampled tokens were copied to the host meanwhile: the host's bookkeeping overlaps
         the device's work instead of leaving it idle. Returns the ids of the requests that
-        finished (a prefill_only one: prefilled and parked). A step that raises ends the
+        finished. A step that raises ends the
         requests it carried with that error; the engine goes on serving the others."""
         self._before_schedule()
         batch = self.scheduler.schedule()
@@ -445,13 +436,16 @@ class Engine:
                 seq.stop_reason = token
         elif num_outputs >= params.max_tokens:
             seq.finish_reason = "length"
-        elif not seq.request.prefill_only:
+        else:
             return
+        self._stop(seq, index)
+
+    def _stop(self, seq: Sequence, index: int, free: bool = True) -> None:
+        """seq ends with its token at index (a later one, sampled by the step running now, is
+        dropped); free=False keeps its blocks."""
         del seq.token_ids[index + 1:]
         seq.pending_row = None
-        # A prefill worker's request ends after its first token with finish_reason None
-        # (parked): its blocks stay until a decode worker has pulled them (release).
-        self._end(seq, free=seq.finish_reason is not None)
+        self._end(seq, free=free)
 
     def _add_text(self, seq: Sequence, index: int) -> str:
         """Detokenize seq's output up to its token at index; the text that token added. The
@@ -465,8 +459,8 @@ class Engine:
     # -- requests that end early: aborted, failed, or unable to run
 
     def abort(self, request_ids: list[int]) -> None:
-        """End these requests now and forget them, wherever they are (waiting, running,
-        parked); their blocks go back. A step in flight drops their tokens."""
+        """End these requests now and forget them, wherever they are (waiting, running, or
+        held by a feature's engine); their blocks go back. A step in flight drops their tokens."""
         for request_id in request_ids:
             req = self.requests.pop(request_id, None)
             if req is not None:
@@ -475,22 +469,14 @@ class Engine:
         if step is not None and all(s.request.request_id not in self.requests for s in step.sequences()):
             self.in_flight = None   # nothing left to take from it
 
-    def release(self, request_id: int) -> None:
-        """Forget a parked request and free its blocks (its KV has been copied, or never will be)."""
-        req = self.requests.get(request_id)
-        if req is not None and req.parked:
-            self._retire(req)
-            del self.requests[request_id]
-
     def _end_unschedulable(self) -> list[int]:
-        """Nothing was scheduled, nothing is in flight: unless an import or a handoff will
-        free seats or blocks (workers.py), no later step can differ from this one. End the
-        requests that hold the engine still, with an error saying what they need, rather
-        than spin: the running ones if any (none of them could compute), else the first in
-        the queue (it cannot fit even in an empty engine). Their ids."""
+        """Nothing was scheduled, nothing is in flight: no later step can differ from this
+        one (unless a feature's engine says more will come). End the requests that hold the
+        engine still, with an error saying what they need, rather than spin: the running
+        ones if any (none of them could compute), else the first in the queue (it cannot fit
+        even in an empty engine). Their ids."""
         sched = self.scheduler
-        if not sched.has_work() or sched.importing or sched.imports_waiting \
-                or any(r.parked for r in self.requests.values()):
+        if not sched.has_work():
             return []
         stuck = {s.request: None for s in sched.running} or {sched.waiting[0].request: None}
         bm, cfg = self.bm, self.cfg
@@ -531,12 +517,10 @@ class Engine:
         for seq in req.seqs:
             if seq.status != Status.FINISHED:
                 self._end(seq)
-        if req.parked:
-            self.scheduler.free(req.seqs[0].block_table)
 
     def _end(self, seq: Sequence, free: bool = True) -> None:
-        """seq is finished: the scheduler retires it (free=False keeps its blocks, a parked
-        prefill's), and its token counts, if the penalties kept any, go back."""
+        """seq is finished: the scheduler retires it (free=False keeps its blocks), and its
+        token counts, if the penalties kept any, go back."""
         self.scheduler.finish(seq, free=free)
         self.runner.token_counts.forget(seq)
 
@@ -548,7 +532,7 @@ class Engine:
         completions when done)."""
         new = {}
         for req in self.requests.values():
-            if req.params.n > 1 or req.parked:
+            if req.params.n > 1:
                 continue
             seq = req.seqs[0]
             # output tokens known (the last may be PENDING)
@@ -589,11 +573,15 @@ class Engine:
                              finished=req.finished, error=req.error, prompt_logprobs=prompt_logprobs)
 
 
-def make_engine(cfg: EngineConfig) -> Engine:
+def engine_class(cfg: EngineConfig) -> type[Engine]:
     """The engine cfg asks for: the plain Engine, or the subclass serving the feature it names
     (config.py:FEATURES), whose file is loaded only then."""
     where = cfg.engine_class()
     if where is None:
-        return Engine(cfg)
+        return Engine
     module, name = where.split(":")
-    return getattr(importlib.import_module(module), name)(cfg)
+    return getattr(importlib.import_module(module), name)
+
+
+def make_engine(cfg: EngineConfig) -> Engine:
+    return engine_class(cfg)(cfg)

@@ -48,8 +48,6 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()   # ordered by arrival: first come, first served
         self.running: list[Sequence] = []          # in admission order; the last is preempted first
-        self.importing = 0                         # seats held by imports whose KV is being copied in
-        self.imports_waiting: list[int] = []       # arrival orders of imports waiting for seats, oldest first
         self.token_budget: int | None = None       # tokens per step, if cut (controller.py)
         self.num_preemptions = 0
 
@@ -81,8 +79,7 @@ class Scheduler:
             pending = s.num_pending
             if pending > 1:
                 chunks.append(s)
-            elif pending == 1 and s.num_outputs < s.request.params.max_tokens \
-                    and not (s.request.prefill_only and s.num_outputs):
+            elif pending == 1 and s.num_outputs < s.request.params.max_tokens:
                 todo.append(s)
         todo = (todo if decodes else []) + (chunks if prompts else [])
         for seq in todo:
@@ -100,9 +97,8 @@ class Scheduler:
         while prompts and self.waiting and budget > 0:
             seq = self.waiting[0]
             reuse = not seq.request.scores_prompt   # prompt logprobs: every position computed
-            if len(self.running) + self.importing + self._seats(seq) > self.max_num_seqs \
-                    or not self.bm.can_allocate(seq.token_ids, reuse) or self._import_first(seq) \
-                    or seq in busy:
+            if self._seats_held() + self._seats(seq) > self.max_num_seqs \
+                    or not self.bm.can_allocate(seq.token_ids, reuse) or not self._admits(seq) or seq in busy:
                 break
             self.waiting.popleft()
             seq.block_table, seq.num_computed = self.bm.allocate(seq.token_ids, reuse)
@@ -117,9 +113,13 @@ class Scheduler:
             budget -= n
         return batch
 
-    def _import_first(self, seq: Sequence) -> bool:
-        """An import that arrived before seq is waiting for a seat: it goes first."""
-        return bool(self.imports_waiting) and self.imports_waiting[0] < seq.arrival
+    def _seats_held(self) -> int:
+        """Seats taken: by the running sequences (a feature's scheduler may hold more)."""
+        return len(self.running)
+
+    def _admits(self, seq: Sequence) -> bool:
+        """Whether seq, first in the queue, may take a seat now (yes, if one is free)."""
+        return True
 
     def _seats(self, seq: Sequence) -> int:
         """Running sequences this one will become: n > 1 forks after the prompt."""
@@ -180,47 +180,8 @@ class Scheduler:
         None if they do not fit (beside the watermark)."""
         return self.bm.allocate(token_ids) if self.bm.can_allocate(token_ids) else None
 
-    def queue_import(self, order: int) -> None:
-        """An import arrived `order`-th (request.arrival_order) and waits for a seat: the
-        prompts that arrive after it wait for it, and so do the imports."""
-        bisect.insort(self.imports_waiting, order)
-
-    def forget_import(self, order: int) -> None:
-        """An import that was waiting for a seat will not start (dropped, or started now)."""
-        if order in self.imports_waiting:
-            self.imports_waiting.remove(order)
-
-    def start_import(self, token_ids: list[int], order: int, block_table: list[int] | None = None
-                     ) -> tuple[list[int], int] | None:
-        """A seat, and blocks, for a sequence whose K/V is about to be copied in from another
-        worker (block_table given: it is already here), which arrived `order`-th (see
-        request.arrival_order). None while none is free, or while a prompt or a queued
-        import that arrived earlier waits for a seat: seats go first come, first served.
-        A queued import that gets its seat leaves the queue."""
-        if len(self.running) + self.importing >= self.max_num_seqs:
-            return None
-        if self.waiting and self.waiting[0].arrival < order:   # a prompt that came first goes first
-            return None
-        if self.imports_waiting and self.imports_waiting[0] < order:   # so does an import
-            return None
-        room = (block_table, 0) if block_table is not None else self.allocate(token_ids)
-        if room is not None:
-            self.importing += 1
-            self.forget_import(order)
-        return room
-
-    def cancel_import(self, block_table: list[int]) -> None:
-        self.importing -= 1
-        self.free(block_table)
-
-    def finish_import(self, seq: Sequence) -> None:
-        """The imported sequence's K/V is in its block table: it joins the decodes."""
-        self.importing -= 1
-        seq.status = Status.RUNNING
-        self.running.append(seq)
-
     def free(self, block_table: list[int]) -> None:
-        """Give blocks back that no running sequence holds (a parked or dropped import's)."""
+        """Give blocks back that no running sequence holds (allocate's)."""
         self.bm.free(block_table)
 
     def preempt(self, seq: Sequence) -> None:

@@ -51,7 +51,8 @@ from nanopd.controller import (
     Recent,
     snapshot,
 )
-from nanopd.engine import Engine, LaunchedStep, make_engine
+from nanopd.engine import Engine, LaunchedStep
+from nanopd.handoff import worker_engine
 from nanopd.kv_cache import cdiv
 from nanopd.lanes import SplitEngine, SplitLane
 from nanopd.messages import (
@@ -459,7 +460,7 @@ def worker_main(spec: WorkerSpec, inbox, outbox, readers: list, share_queue) -> 
         else:
             # several workers share the cores (or OMP_NUM_THREADS's)
             torch.set_num_threads(max(1, torch.get_num_threads() // 4))
-        engine = make_engine(spec.cfg)
+        engine = worker_engine(spec.cfg)
         peers = _share_caches(spec, engine.runner.kv_cache, readers, share_queue)
         if spec.group is not None:   # the workers' process group, for the transport's sends and receives
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=spec.group,
