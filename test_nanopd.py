@@ -1953,7 +1953,7 @@ def test_host_tensor_is_torch_tensor_of_the_list(dtype):
 
 def test_block_tables_uploaded_are_the_tables_of_this_step(llm):
     """prepare keeps each table's packed bytes from the step before (runner.py:
-    ModelRunner._packed_tables); the tables it uploads are still the sequences' tables, padded
+    Lane.pack_tables); the tables it uploads are still the sequences' tables, padded
     with zeros, as torch.tensor builds them: after a block written in place (copy-on-write),
     one appended, one freed, and a table whose list object is new but whose contents are not."""
     batch = timing.fake_batch(llm.engine, 3, 40, 1)

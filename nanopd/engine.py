@@ -46,8 +46,8 @@ from nanopd.request import (
     seeded_generator,
     tokenize,
 )
-from nanopd.runner import Draw, Lane, ModelRunner, PromptScore, StepOutput
-from nanopd.sampler import bad_word_bans
+from nanopd.runner import Lane, ModelRunner, PromptScore, StepOutput
+from nanopd.sampler import Draw, bad_word_bans
 from nanopd.scheduler import Batch, Scheduler
 
 

@@ -20,7 +20,7 @@ import gc
 import itertools
 import os
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,8 +30,8 @@ from nanopd import gpu_kernels as kernels
 from nanopd.config import EngineConfig
 from nanopd.kv_cache import allocate_kv_cache, blocks_for_memory, cdiv, kv_bytes_per_block
 from nanopd.model import AttentionMetadata, CausalLM
-from nanopd.request import SamplingParams, Sequence
-from nanopd.sampler import TokenCounts, sample, token_logprobs
+from nanopd.request import SamplingParams
+from nanopd.sampler import Draw, TokenCounts, adjust_logits, sample, token_logprobs
 from nanopd.scheduler import Batch
 
 # Token counts of the piecewise graphs: a step is padded to the next one. Below ~128 tokens
@@ -104,25 +104,6 @@ class PinnedRing:
         return pinned
 
 
-@dataclass(slots=True)   # one per sequence per step: slots make it cheap to build
-class Draw:
-    """One token to sample in a step: after which of the batch's sequences, and how."""
-    row: int                            # index into Batch.seqs
-    params: SamplingParams
-    generator: torch.Generator | None = None
-    seq: Sequence | None = None         # that sequence, if its request adjusts its logits (Request.adjusts)
-    child: bool = False                 # the token starts a child forked from seq (n > 1), not seq's own
-    banned: Iterable[int] = ()          # tokens it may not be (min_tokens, bad_words)
-    # (token, t): banned if seq's last token, PENDING on the host, is t (a bad word's rest ends there)
-    banned_if_pending: Iterable[tuple[int, int]] = ()
-    # after which of the row's new tokens (-1: the last; Batch.ahead's: each)
-    position: int = -1
-    noise_of: int = -1                  # the draw whose sampling noise it reuses (sampler.sample), if any
-    # A draw among a sequence's tokens ahead (Batch.ahead): those before its position, which
-    # its penalties count as the sequence's own; its token is counted only once kept.
-    before: list[int] | None = None
-
-
 @dataclass
 class PromptScore:
     """Prompt logprobs a step computes (prompt_logprobs): the new tokens of batch row `row`
@@ -148,7 +129,7 @@ class Lane:
     # step of another stream to end (a prompt chunk's tokens land only after the whole chunk).
     uploads: PinnedRing | None = None
     downloads: PinnedRing | None = None
-    # id(block table) -> (a copy of it, its bytes): the tables of its last step (ModelRunner._packed_tables)
+    # id(block table) -> (a copy of it, its bytes): the tables of its last step (pack_tables)
     packed: dict[int, tuple[list[int], bytes]] = field(default_factory=dict)
 
     @contextlib.contextmanager
@@ -156,6 +137,25 @@ class Lane:
         """Launch (or capture) on this lane: its stream."""
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             yield
+
+    def pack_tables(self, tables: list[list[int]]) -> bytes:
+        """The block tables as the bytes of one int32 array [len(tables), width], each padded
+        with zeros to the longest. A decode's table gains a block only once in block_size
+        steps, so each table's bytes are kept from the step before and reused while the table
+        still equals the copy kept beside them (in packed, by the list's id): comparing
+        two lists is a C loop over pointers, and packing 256 tables of 64 ints anew every step
+        was most of prepare's time."""
+        width = max(map(len, tables))
+        kept, fresh = self.packed, {}
+        rows = []
+        for t in tables:   # a table may come twice (a row a token ahead): kept or just packed
+            copy, packed = fresh.get(id(t)) or kept.get(id(t)) or (None, b"")
+            if copy != t:
+                copy, packed = list(t), pack(t)
+            fresh[id(t)] = copy, packed
+            rows += (packed, bytes(4 * (width - len(t))))
+        self.packed = fresh
+        return b"".join(rows)
 
 
 @dataclass
@@ -257,24 +257,6 @@ class ModelRunner:
         t = self._to_device(torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.int32))
         return list(t.split([len(c) // 4 for c in chunks]))
 
-    def _packed_tables(self, tables: list[list[int]]) -> bytes:
-        """The block tables as the bytes of one int32 array [len(tables), width], each padded
-        with zeros to the longest. A decode's table gains a block only once in block_size
-        steps, so each table's bytes are kept from the step before and reused while the table
-        still equals the copy kept beside them (in the lane's packed, by the list's id): comparing
-        two lists is a C loop over pointers, and packing 256 tables of 64 ints anew every step
-        was most of prepare's time."""
-        width = max(map(len, tables))
-        kept, fresh = self.lane.packed, {}
-        rows = []
-        for t in tables:   # a table may come twice (a row a token ahead): kept or just packed
-            copy, packed = fresh.get(id(t)) or kept.get(id(t)) or (None, b"")
-            if copy != t:
-                copy, packed = list(t), pack(t)
-            fresh[id(t)] = copy, packed
-            rows += (packed, bytes(4 * (width - len(t))))
-        self.lane.packed = fresh
-        return b"".join(rows)
 
     def prepare(self, batch: Batch, prev_tokens: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -306,7 +288,7 @@ class ModelRunner:
                 ctx.append(start)
         cu = list(itertools.accumulate(q_lens, initial=0))
         ids, positions, slots, cu, ctx, flat_tables, fills = self._upload_many(
-            ids, positions, slots, cu, ctx, self._packed_tables(tables), fills)
+            ids, positions, slots, cu, ctx, self.lane.pack_tables(tables), fills)
         if len(fills):
             dst, src = fills.view(-1, 2).unbind(1)
             ids[dst] = prev_tokens[src].to(ids.dtype)
@@ -360,7 +342,7 @@ class ModelRunner:
         """Sample draw k from logits row src[k] (after its penalties and bans); logprobs,
         of the model's own logits, where asked; start the copies home."""
         row_logits = logits if src == list(range(len(logits))) else logits[self.upload(src)]
-        x, counted = self._adjust(row_logits, draws, prev_tokens)
+        x, counted = adjust_logits(row_logits, draws, prev_tokens, self.upload, self.token_counts)
         out.tokens = sample(x, [d.params for d in draws], [d.generator for d in draws], self.upload,
                             [(k, d.noise_of) for k, d in enumerate(draws) if d.noise_of >= 0])
         if counted is not None:   # the penalised sequences' own new tokens join their counts
@@ -380,48 +362,6 @@ class ModelRunner:
         rows, targets = self._upload_many(src, [t for s in scores for t in s.targets])
         values = token_logprobs(logits[rows.long()], targets.long(), max(s.k for s in scores))
         out.prompt_host = [self.to_host(t) for t in values]
-
-    def _adjust(self, logits: torch.Tensor, draws: list[Draw], prev_tokens: torch.Tensor | None
-                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The logits the draws sample from [D, vocab]: the model's, or a float32 copy changed
-        in vLLM's order: the tokens outside allowed_token_ids, the bad words' and min_tokens'
-        banned tokens at -inf, logit_bias added, then every penalty of the step in one launch.
-        Also (draws, statistics rows) of the penalised draws whose token is their sequence's own."""
-        adjusted = [k for k, d in enumerate(draws) if d.seq is not None]   # most steps: none
-        allowed = [(k, t) for k in adjusted for t in draws[k].params.allowed_token_ids or ()]
-        bans = [(k, t) for k in adjusted for t in draws[k].banned]
-        pending = [(k, t, draws[k].seq.pending_row, last) for k in adjusted
-                   for t, last in draws[k].banned_if_pending]
-        bias = [(k, t, b) for k in adjusted for t, b in (draws[k].params.logit_bias or {}).items()]
-        penalized = [k for k in adjusted if draws[k].params.penalized]
-        if not (allowed or bans or pending or bias or penalized):
-            return logits, None
-        x, counted, inf = logits.to(torch.float32, copy=True), None, float("-inf")
-        if allowed:
-            at = self.upload(allowed, torch.int64)
-            outside = torch.zeros_like(x, dtype=torch.bool)
-            outside[at[:, 0]] = True
-            outside[at[:, 0], at[:, 1]] = False
-            x.masked_fill_(outside, inf)
-        if bans:
-            at = self.upload(bans, torch.int64)
-            x[at[:, 0], at[:, 1]] = inf
-        if pending:   # -inf where the PENDING token is the word's (adding: two words may share a token)
-            at = self.upload(pending, torch.int64)
-            hit = prev_tokens[at[:, 2]].long() == at[:, 3]
-            x.index_put_((at[:, 0], at[:, 1]), torch.where(hit, inf, 0.0), accumulate=True)
-        if bias:
-            at = self.upload([(k, t) for k, t, _ in bias], torch.int64)
-            x.index_put_((at[:, 0], at[:, 1]), self.upload([b for *_, b in bias], torch.float32),
-                         accumulate=True)
-        if penalized:
-            rows = self.token_counts.penalize(x, penalized, [draws[k].seq for k in penalized],
-                                              [draws[k].params for k in penalized], prev_tokens, self.upload,
-                                              [draws[k].before or [] for k in penalized])
-            own = [j for j, k in enumerate(penalized) if not draws[k].child and draws[k].before is None]
-            counted = (self.upload([penalized[j] for j in own], torch.int64),
-                       rows[self.upload(own, torch.int64)])
-        return x, counted
 
     def _forward(self, batch: Batch, prev_tokens: torch.Tensor | None, lane: Lane) -> torch.Tensor:
         """Hidden states [tokens, hidden] after the batch's new tokens (a decode graph's: after
@@ -509,16 +449,6 @@ class ModelRunner:
     def _capture_lane_graphs(self, pool) -> None:
         """The graphs of lanes beside the whole GPU's, in pool (none here; lanes.py:SplitRunner's)."""
 
-    def _capture(self, fn: Callable[[], object], pool, stream: torch.cuda.Stream):
-        """(graph, fn's output) of fn, run once first to compile and warm up outside the
-        capture, and replayed once after it: a graph's first launch also uploads it to the
-        device, a cost for start-up rather than for the first step that replays it."""
-        fn()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool, stream=stream, capture_error_mode="thread_local"):
-            out = fn()
-        graph.replay()
-        return graph, out
 
     def _compile_split_variants(self) -> None:
         """Run the model once at batch 1 with every split-K factor a step may choose (powers
@@ -543,7 +473,7 @@ class ModelRunner:
                 ctx_lens=st["ctx"][:bs], max_q_len=1, num_decodes=bs,
                 num_splits=kernels.choose_num_splits(bs, self.model.num_kv_heads, 1, self.cfg.max_model_len,
                                                      self.device))
-            graph, hidden = self._capture(
+            graph, hidden = capture(
                 lambda bs=bs, meta=meta: self.model(st["ids"][:bs], st["pos"][:bs], self.kv_cache, meta),
                 pool, stream)
             pool = graph.pool()
@@ -572,7 +502,7 @@ class ModelRunner:
                       disable=None):
             graphs = []
             for i in range(m.num_layers + 1):
-                graph, _ = self._capture(lambda i=i, t=t: piece(i, t), pool, stream)
+                graph, _ = capture(lambda i=i, t=t: piece(i, t), pool, stream)
                 pool = graph.pool()
                 graphs.append(graph)
             self.piece_graphs[t] = graphs
@@ -631,14 +561,8 @@ class ModelRunner:
     def _check_fits(self, num_blocks: int) -> int:
         """num_blocks, or a ValueError naming num_kv_blocks if a cache that size cannot fit in
         the device's free memory (on a CPU, the machine's available memory)."""
-        need = num_blocks * self._bytes_per_block()
-        if self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0]
-        elif hasattr(os, "sysconf") and "SC_AVPHYS_PAGES" in os.sysconf_names:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        else:
-            return num_blocks
-        if need > free:
+        need, free = num_blocks * self._bytes_per_block(), free_memory(self.device)
+        if free is not None and need > free:
             raise ValueError(f"num_kv_blocks={num_blocks} needs {need / 2**30:.1f} GiB of KV cache; "
                              f"{self.device} has {free / 2**30:.1f} GiB free")
         return num_blocks
@@ -649,42 +573,69 @@ class ModelRunner:
         return 0
 
     def _blocks_that_fit(self) -> int:
-        cfg, m, per_block = self.cfg, self.model, self._bytes_per_block()
-        if self.device.type != "cuda":   # CPU: a fixed 256 MiB, enough for tests and demos
+        """On a GPU, the blocks that what gpu_memory_utilization leaves after the largest step
+        holds; on a CPU, a fixed 256 MiB's (enough for tests and demos)."""
+        cfg, per_block = self.cfg, self._bytes_per_block()
+        if self.device.type != "cuda":
             return max(blocks_for_memory(1 << 28, per_block), self.max_blocks_per_seq + 1)
-        # Profile the largest step (a full token budget, and logits for every seat), then
-        # give the cache what is left of gpu_memory_utilization.
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        n = cfg.max_num_batched_tokens
-        scratch = allocate_kv_cache(cdiv(n, cfg.block_size), m.num_layers, m.num_kv_heads, cfg.block_size,
-                                    m.head_dim, m.dtype, self.device)
-        with torch.inference_mode():
-            ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            meta = AttentionMetadata(
-                slot_mapping=torch.arange(n, dtype=torch.int32, device=self.device),
-                block_tables=torch.arange(scratch.shape[0], dtype=torch.int32, device=self.device)[None],
-                cu_q_lens=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-                ctx_lens=torch.zeros(1, dtype=torch.int32, device=self.device), max_q_len=n)
-            hidden = m(ids, ids, scratch, meta)
-            peak = torch.cuda.max_memory_allocated() - before - scratch.nbytes
-            torch.cuda.reset_peak_memory_stats()
-            rows, held = min(cfg.max_num_seqs, n), torch.cuda.memory_allocated()
-            logits = m.compute_logits(hidden[:1].expand(rows, -1))
-            sample(logits, [SamplingParams(temperature=1.0, top_p=0.9)] * rows, [None] * rows)
-            sampling = torch.cuda.max_memory_allocated() - held   # logits and sampling for every seat
-        peak = max(peak, held - before - scratch.nbytes + sampling)
-        del scratch, hidden, logits
-        torch.cuda.empty_cache()
+        peak, sampling = largest_step_bytes(self.model, cfg)
         free, total = torch.cuda.mem_get_info()
         # Each stream keeps the memory of its biggest step for itself (the caching allocator
-        # pools per stream): the whole GPU's, and any other lanes' (lanes.py:SplitRunner).
+        # pools per stream): the whole GPU's, and any other lanes' (a split runner's).
         reserve = peak + self._other_streams_reserve(peak, sampling)
-        budget = cfg.gpu_memory_utilization * total - (total - free) - reserve
-        num = blocks_for_memory(int(budget), per_block)
+        num = blocks_for_memory(int(cfg.gpu_memory_utilization * total - (total - free) - reserve), per_block)
         if num < self.max_blocks_per_seq:
             raise ValueError(f"only {num} KV blocks fit in gpu_memory_utilization="
                              f"{cfg.gpu_memory_utilization}; one max_model_len sequence needs "
                              f"{self.max_blocks_per_seq}")
         return num
+
+
+def free_memory(device: torch.device) -> int | None:
+    """The bytes free on the device (on a CPU, the machine's available memory; None: unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if hasattr(os, "sysconf") and "SC_AVPHYS_PAGES" in os.sysconf_names:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return None
+
+
+@torch.inference_mode()
+def largest_step_bytes(m: CausalLM, cfg: EngineConfig) -> tuple[int, int]:
+    """The GPU memory the largest step takes beside the weights: (a full token budget's
+    prefill, or the logits and sampling of every seat after it, whichever is more; the
+    latter alone), measured by running them once."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before, n, dev = torch.cuda.memory_allocated(), cfg.max_num_batched_tokens, m.device
+    scratch = allocate_kv_cache(cdiv(n, cfg.block_size), m.num_layers, m.num_kv_heads, cfg.block_size,
+                                m.head_dim, m.dtype, dev)
+    ids = torch.zeros(n, dtype=torch.long, device=dev)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, dtype=torch.int32, device=dev),
+        block_tables=torch.arange(scratch.shape[0], dtype=torch.int32, device=dev)[None],
+        cu_q_lens=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        ctx_lens=torch.zeros(1, dtype=torch.int32, device=dev), max_q_len=n)
+    hidden = m(ids, ids, scratch, meta)
+    peak = torch.cuda.max_memory_allocated() - before - scratch.nbytes
+    torch.cuda.reset_peak_memory_stats()
+    rows, held = min(cfg.max_num_seqs, n), torch.cuda.memory_allocated()
+    logits = m.compute_logits(hidden[:1].expand(rows, -1))
+    sample(logits, [SamplingParams(temperature=1.0, top_p=0.9)] * rows, [None] * rows)
+    sampling = torch.cuda.max_memory_allocated() - held   # logits and sampling for every seat
+    peak = max(peak, held - before - scratch.nbytes + sampling)
+    del scratch, hidden, logits
+    torch.cuda.empty_cache()
+    return peak, sampling
+
+
+def capture(fn: Callable[[], object], pool, stream: torch.cuda.Stream):
+    """(graph, fn's output) of fn, run once first to compile and warm up outside the
+    capture, and replayed once after it: a graph's first launch also uploads it to the
+    device, a cost for start-up rather than for the first step that replays it."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool, stream=stream, capture_error_mode="thread_local"):
+        out = fn()
+    graph.replay()
+    return graph, out

@@ -1,10 +1,12 @@
-"""Sampling on the device: from a step's logits to its tokens and their logprobs, and the
-per-sequence token counts the penalties read. The model
+"""Sampling on the device: what a step samples (Draw), the logits each draw samples from
+(adjust_logits: bans, bias, penalties), its tokens and their logprobs, and the per-sequence
+token counts the penalties read. The model
 runner (runner.py) calls these; nothing here waits for the device, so the host can run
 ahead while the GPU samples.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -13,6 +15,25 @@ from nanopd.request import PENDING, SamplingParams, Sequence
 
 # host list -> tensor on the device (ModelRunner.upload)
 Upload = Callable[[list, torch.dtype], torch.Tensor]
+
+
+@dataclass(slots=True)   # one per sequence per step: slots make it cheap to build
+class Draw:
+    """One token to sample in a step: after which of the batch's sequences, and how."""
+    row: int                            # index into Batch.seqs
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    seq: Sequence | None = None         # that sequence, if its request adjusts its logits (Request.adjusts)
+    child: bool = False                 # the token starts a child forked from seq (n > 1), not seq's own
+    banned: Iterable[int] = ()          # tokens it may not be (min_tokens, bad_words)
+    # (token, t): banned if seq's last token, PENDING on the host, is t (a bad word's rest ends there)
+    banned_if_pending: Iterable[tuple[int, int]] = ()
+    # after which of the row's new tokens (-1: the last; Batch.ahead's: each)
+    position: int = -1
+    noise_of: int = -1                  # the draw whose sampling noise it reuses (sampler.sample), if any
+    # A draw among a sequence's tokens ahead (Batch.ahead): those before its position, which
+    # its penalties count as the sequence's own; its token is counted only once kept.
+    before: list[int] | None = None
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -80,6 +101,49 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int
     top = lp.topk(max(1, k), -1)
     chosen = lp.gather(1, tokens[:, None])
     return chosen[:, 0], (lp > chosen).sum(-1) + 1, top.values, top.indices
+
+
+def adjust_logits(logits: torch.Tensor, draws: list[Draw], prev_tokens: torch.Tensor | None, upload: Upload,
+                  counts: "TokenCounts") -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The logits the draws sample from [D, vocab]: the model's, or a float32 copy changed
+    in vLLM's order: the tokens outside allowed_token_ids, the bad words' and min_tokens'
+    banned tokens at -inf, logit_bias added, then every penalty of the step in one launch.
+    Also (draws, statistics rows) of the penalised draws whose token is their sequence's own."""
+    adjusted = [k for k, d in enumerate(draws) if d.seq is not None]   # most steps: none
+    allowed = [(k, t) for k in adjusted for t in draws[k].params.allowed_token_ids or ()]
+    bans = [(k, t) for k in adjusted for t in draws[k].banned]
+    pending = [(k, t, draws[k].seq.pending_row, last) for k in adjusted
+               for t, last in draws[k].banned_if_pending]
+    bias = [(k, t, b) for k in adjusted for t, b in (draws[k].params.logit_bias or {}).items()]
+    penalized = [k for k in adjusted if draws[k].params.penalized]
+    if not (allowed or bans or pending or bias or penalized):
+        return logits, None
+    x, counted, inf = logits.to(torch.float32, copy=True), None, float("-inf")
+    if allowed:
+        at = upload(allowed, torch.int64)
+        outside = torch.zeros_like(x, dtype=torch.bool)
+        outside[at[:, 0]] = True
+        outside[at[:, 0], at[:, 1]] = False
+        x.masked_fill_(outside, inf)
+    if bans:
+        at = upload(bans, torch.int64)
+        x[at[:, 0], at[:, 1]] = inf
+    if pending:   # -inf where the PENDING token is the word's (adding: two words may share a token)
+        at = upload(pending, torch.int64)
+        hit = prev_tokens[at[:, 2]].long() == at[:, 3]
+        x.index_put_((at[:, 0], at[:, 1]), torch.where(hit, inf, 0.0), accumulate=True)
+    if bias:
+        at = upload([(k, t) for k, t, _ in bias], torch.int64)
+        x.index_put_((at[:, 0], at[:, 1]), upload([b for *_, b in bias], torch.float32),
+                     accumulate=True)
+    if penalized:
+        rows = counts.penalize(x, penalized, [draws[k].seq for k in penalized],
+                                          [draws[k].params for k in penalized], prev_tokens, upload,
+                                          [draws[k].before or [] for k in penalized])
+        own = [j for j, k in enumerate(penalized) if not draws[k].child and draws[k].before is None]
+        counted = (upload([penalized[j] for j in own], torch.int64),
+                   rows[upload(own, torch.int64)])
+    return x, counted
 
 
 def bad_word_bans(words: list[list[int]], outputs: list[int]) -> tuple[list[int], list[tuple[int, int]]]:

@@ -73,8 +73,8 @@ from nanopd.engine import Engine, LaunchedStep, banned_tokens
 from nanopd.kv_cache import OutOfBlocks, allocate_kv_cache, kv_bytes_per_block
 from nanopd.model import AttentionMetadata, CausalLM, load_model
 from nanopd.request import Sequence, Status
-from nanopd.runner import Draw, Lane, ModelRunner, StepOutput
-from nanopd.sampler import sample
+from nanopd.runner import Lane, ModelRunner, StepOutput
+from nanopd.sampler import Draw, sample
 from nanopd.scheduler import Batch, Scheduler
 
 
@@ -648,7 +648,7 @@ class SpecRunner(ModelRunner):
         width = max(len(s.token_ids) for s in seqs) + rounds.count * (k + 1)
         history = self.upload([t for s in seqs for t in s.token_ids + [0] * (width - len(s.token_ids))],
                               torch.int64).view(len(seqs), width)   # [B, W]
-        tables = self._upload_many(self._packed_tables([s.block_table for s in seqs]))[0].view(len(seqs), -1)
+        tables = self._upload_many(lane.pack_tables([s.block_table for s in seqs]))[0].view(len(seqs), -1)
         lengths = self.upload([len(s.token_ids) for s in seqs], torch.int64)
         drafts = self.upload([t for s in seqs for t in batch.ahead[s]], torch.int64).view(len(seqs), k)
         checks = len(seqs) * k

@@ -13,7 +13,8 @@ from typing import Self
 import torch
 
 from nanopd.request import Request, RequestMetrics, SamplingParams, Sequence
-from nanopd.runner import Draw, StepOutput
+from nanopd.runner import StepOutput
+from nanopd.sampler import Draw
 from nanopd.scheduler import Batch
 
 GREEDY = SamplingParams(temperature=0.0)   # greedy, whatever SamplingParams' defaults are
