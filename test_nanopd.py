@@ -2335,7 +2335,7 @@ def test_ctrl_c_while_submitting_aborts_everything_the_call_submitted(hf, monkey
         timer.cancel()
         signal.signal(signal.SIGINT, old)
     engine = llm.engine
-    assert all_blocks_free(llm) and not engine.requests and not engine.has_unfinished() and not llm.ended
+    assert all_blocks_free(llm) and not engine.requests and not engine.has_unfinished() and not llm.held
     assert tokens(generate(llm, [PROMPTS[1]], max_tokens=5)) == [hf.greedy(PROMPTS[1], 5)]
 
 
@@ -2416,7 +2416,7 @@ def test_two_threads_generating_on_one_llm_each_get_their_own_outputs(hf, llm):
     assert not errors
     assert results == {"a": [hf.greedy(p, 6) for p in PROMPTS[:2] * 3],
                        "b": [hf.greedy(p, 6) for p in PROMPTS[2:] * 3]}
-    assert all_blocks_free(llm) and not llm.engine.requests and not llm.ended
+    assert all_blocks_free(llm) and not llm.engine.requests and not llm.held
 
 
 @ENGINE
