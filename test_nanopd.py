@@ -119,6 +119,7 @@ from nanopd import (
 )
 from nanopd import cluster as cluster_mod
 from nanopd import gpu_kernels as kernels
+from nanopd import llm as llm_mod
 from nanopd import model as qwen
 from nanopd import router as router_mod
 from nanopd.config import EngineConfig, resolve_dtype
@@ -6984,7 +6985,7 @@ def test_the_servers_kv_usage_is_read_now_and_of_live_workers_only(pair_llm):
         assert during > 0 and usage(url) == 0.0
     beats = {0: messages.Heartbeat(0, 100), 1: messages.Heartbeat(75, 100), 2: messages.Heartbeat(25, 100)}
     workers = types.SimpleNamespace(telemetry=types.SimpleNamespace(status=beats), dead={0: "killed"})
-    assert server.kv_usage(workers) == pytest.approx((0.25 + 0.75) / 2)
+    assert server.kv_usage(types.SimpleNamespace(cluster=workers)) == pytest.approx((0.25 + 0.75) / 2)
 
 
 def test_the_server_wants_its_key_but_for_health_and_is_503_when_full(pair_llm):
@@ -7105,10 +7106,11 @@ def test_200_concurrent_streaming_clients_each_get_their_own_complete_stream(pai
 
 
 class ScriptedBackend:
-    """A backend (not an Engine: the engine loop polls it even idle) whose new tokens come
-    from a script, one entry per poll once `go` is set: {submit order: ids}."""
+    """A cluster-like backend (polled on the HTTP loop, even idle) whose new tokens come
+    from a script, one entry per poll once `go` is set: {submit order: ids}; each token's
+    text is its id in brackets."""
     def __init__(self, script: list[dict[int, list[int]]]):
-        self.script, self.ids, self.go = script, [], threading.Event()
+        self.script, self.ids, self.go, self.text = script, [], threading.Event(), {}
         self.telemetry = types.SimpleNamespace(status={}, configured={})   # what /metrics reads
         self.roles = types.SimpleNamespace(names=dict)
 
@@ -7120,31 +7122,43 @@ class ScriptedBackend:
         time.sleep(timeout)
         return []
 
-    def new_tokens(self) -> dict:
+    def new_tokens(self, text: bool = False) -> dict:
         if not self.go.is_set() or not self.script:
             return {}
-        return {self.ids[k]: request.NewTokens(ids) for k, ids in self.script.pop(0).items()}
+        new = {}
+        for k, ids in self.script.pop(0).items():
+            self.text[k] = self.text.get(k, "") + "".join(f"<{i}>" for i in ids)
+            new[self.ids[k]] = request.NewTokens(ids, None, self.text[k] if text else None)
+        return new
+
+    def abort(self, request_ids: list[int]) -> None:
+        pass
+
+
+def scripted_loop(backend: ScriptedBackend):
+    """The server's engine loop on backend, through the driver LLM gives a cluster."""
+    from nanopd import server
+    return server.EngineLoop(llm_mod.Driver(backend, steps=False), 8)
 
 
 def test_the_server_hands_out_a_steps_first_tokens_before_its_other_tokens():
     """Two streams on one queue; the backend gives the first a token, then in one poll the
     first its second token and the second its first, in that order: the second's first
-    token reaches the handlers before the first's second token."""
-    from nanopd import server
+    token reaches the handlers before the first's second token, each with its text."""
     backend = ScriptedBackend([{0: [5]}, {0: [6], 1: [7]}])
 
     async def main() -> list:
-        loop, events = server.EngineLoop(backend, 8), asyncio.Queue()
+        loop, events = scripted_loop(backend), asyncio.Queue()
         try:
             params = request.SamplingParams(max_tokens=4)
             streams = [loop.submit(i, [1], params, events, True) for i in range(2)]
             await asyncio.gather(*(s.accepted for s in streams))
             backend.go.set()
             got = [await asyncio.wait_for(events.get(), 30) for _ in range(3)]
-            return [(streams.index(s), kind, value.ids) for s, kind, value in got]
+            return [(streams.index(s), update.ids, update.text, out) for s, update, out in got]
         finally:
             await loop.close()
-    assert asyncio.run(main()) == [(0, "tokens", [5]), (1, "tokens", [7]), (0, "tokens", [6])]
+    assert asyncio.run(main()) == [(0, [5], "<5>", None), (1, [7], "<7>", None), (0, [6], "<6>", None)]
 
 
 def test_the_server_hands_out_a_polls_events_a_slice_per_turn_of_its_loop_in_order():
@@ -7156,18 +7170,20 @@ def test_the_server_hands_out_a_polls_events_a_slice_per_turn_of_its_loop_in_ord
     from nanopd import server
 
     async def main() -> tuple[int, list]:
-        el, aloop = server.EngineLoop(ScriptedBackend([]), 8), asyncio.get_running_loop()
+        el, aloop = scripted_loop(ScriptedBackend([])), asyncio.get_running_loop()
         queue_: asyncio.Queue = asyncio.Queue()
+
+        def tokens(stream: server.Stream, token: int) -> tuple:
+            return stream, llm_mod.Update(0, [token]), None
         try:
             params = request.SamplingParams(max_tokens=4)
             streams = [server.Stream(i, params, queue_, aloop.create_future()) for i in range(101)]
-            el.hand_out([], [(streams[i], "tokens", request.NewTokens([i])) for i in range(100)])
+            el.hand_out([], [tokens(streams[i], i) for i in range(100)])
             seen = []
             aloop.call_soon(lambda: seen.append(queue_.qsize()))
-            el.hand_out([(streams[100], "tokens", request.NewTokens([100]))],
-                        [(streams[i], "tokens", request.NewTokens([1000 + i])) for i in range(100)])
+            el.hand_out([tokens(streams[100], 100)], [tokens(streams[i], 1000 + i) for i in range(100)])
             got = [await asyncio.wait_for(queue_.get(), 30) for _ in range(201)]
-            return seen[0], [value.ids[0] for _, _, value in got]
+            return seen[0], [update.ids[0] for _, update, _ in got]
         finally:
             await el.close()
     seen, got = asyncio.run(main())
@@ -7184,7 +7200,7 @@ def test_an_idle_cluster_is_polled_seldom_and_a_submit_brings_the_next_poll_forw
     from nanopd import server
 
     async def main() -> tuple[float, float]:
-        loop = server.EngineLoop(ScriptedBackend([]), 8)
+        loop = scripted_loop(ScriptedBackend([]))
         try:
             while not loop.idle:
                 await asyncio.sleep(0.01)
