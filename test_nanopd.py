@@ -7477,7 +7477,7 @@ def test_bench_bad_arguments_are_a_one_line_error(args):
 
 
 class SlowFrontEnd:
-    """A cluster whose submit takes 50 ms and whose requests end at once: a client loop
+    """A backend whose submit takes 50 ms and whose requests end at once: a client loop
     that falls behind its arrivals."""
     def __init__(self):
         self.ended, self.outputs = [], {}
@@ -7506,8 +7506,8 @@ def test_bench_counts_latency_from_the_arrival_when_the_client_falls_behind():
     says the client was behind by 50k ms."""
     import bench
     specs = [bench.Spec(0.0, [1, 2], 1) for _ in range(6)]
-    results, _ = bench.serve(type("LLM", (), {"cluster": SlowFrontEnd()}), "collocated", "fixed",
-                             0.0, specs, "")
+    results, _ = bench.serve(type("LLM", (), {"driver": llm_mod.Driver(SlowFrontEnd(), steps=False)}),
+                             "collocated", "fixed", 0.0, specs, "")
     assert len(results) == 6
     for k, r in enumerate(results):   # in submit order: each ended at once
         assert r.ttft >= 0.05 * (k + 1) and r.e2e >= 0.05 * (k + 1) and r.lag >= 0.05 * k
@@ -7515,7 +7515,7 @@ def test_bench_counts_latency_from_the_arrival_when_the_client_falls_behind():
 
 
 class HeldFrontEnd:
-    """A cluster that holds each request HOLD_S seconds from its submit, by its clock
+    """A backend that holds each request HOLD_S seconds from its submit, by its clock
     (its metrics say it ended then, and poll hands it back no sooner), and counts how many
     it held at once."""
     HOLD_S = 0.2
@@ -7552,8 +7552,8 @@ def test_bench_under_a_concurrency_cap_holds_that_many_and_counts_from_each_send
     import bench
     front = HeldFrontEnd()
     specs = [bench.Spec(0.0, [1, 2], 1) for _ in range(6)]
-    results, seconds = bench.serve(type("LLM", (), {"cluster": front}), "collocated", "fixed", 0.0, specs, "",
-                                   concurrency=2)
+    driven = type("LLM", (), {"driver": llm_mod.Driver(front, steps=False)})
+    results, seconds = bench.serve(driven, "collocated", "fixed", 0.0, specs, "", concurrency=2)
     assert len(results) == 6 and front.most == 2 and seconds >= 3 * front.HOLD_S
     for r in results:
         assert r.e2e == pytest.approx(front.HOLD_S + r.lag, abs=1e-9) and r.lag < front.HOLD_S
