@@ -6803,6 +6803,36 @@ def test_streamed_logprobs_come_with_their_tokens_and_add_up_to_the_whole_answer
         assert [t.model_dump() for t in streamed] == [t.model_dump() for t in whole] and len(whole) == 6
 
 
+def test_a_watched_request_streams_the_engines_own_text_held_back_before_a_stop_string(pair_llm, monkeypatch):
+    """LLM.updates with watch (what the server and the CLI stream), a stop string of three
+    letters, so that it spans tokens: the running updates' text is the engine's stop check's
+    own (one Detokenizer a request: the text is decoded once), shows nothing of the stop
+    string before the end (the driver holds its first letters back), and with the last
+    update the ids and texts add up to the output, which is LLM.generate's: the greedy text
+    cut before the stop string."""
+    from nanopd import engine as engine_mod
+    made = []
+
+    class Counted(qwen.Detokenizer):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            super().__init__(*args, **kwargs)
+    monkeypatch.setattr(engine_mod, "Detokenizer", Counted)
+    whole = generate(pair_llm, ["abcd"], max_tokens=16)[0].outputs[0].text
+    at = next(i for i in range(7, len(whole) - 3, 2) if whole.find(whole[i:i + 3]) == i)   # its first place
+    params = SamplingParams(temperature=0.0, max_tokens=16, stop=[whole[at:at + 3]])
+    want = pair_llm.generate(["abcd"], params, use_tqdm=False)[0]
+    assert want.outputs[0].text == whole[:at]
+    made.clear()
+    updates = [u for _, u in pair_llm.updates([("abcd", params, {})], watch=True)]
+    running, last = updates[:-1], updates[-1]
+    assert len(made) == 1 and len(running) > 1 and all(u.output is None for u in running)
+    assert whole[:at].startswith("".join(u.text for u in running))
+    assert "".join(u.text for u in updates) == last.output.outputs[0].text == whole[:at]
+    ids = last.output.outputs[0].token_ids
+    assert [t for u in updates for t in u.ids] == ids == want.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "nope", "prompt": "ab"}, 400, "model"),
     ({"model": "pairs", "prompt": "ab", "temperature": "hot"}, 400, "temperature"),
