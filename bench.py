@@ -138,9 +138,10 @@ def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec], desc:
     when it is sent, and a loop that falls behind (its polls take longer than the gaps
     between arrivals) must not hide that wait. Each request's lag says how far behind the
     loop was. Under a cap, a request is sent when a seat frees, and counts from then (as
-    vLLM's benchmark with --max-concurrency)."""
+    vLLM's benchmark with --max-concurrency). The LLM's driver runs it (llm.py:Driver: the
+    one that runs LLM.generate and the server)."""
     from nanopd import SamplingParams
-    cluster, pending, results, seats = llm.cluster, {}, [], concurrency or len(specs)
+    driver, pending, results, seats = llm.driver, {}, [], concurrency or len(specs)
     start, i = time.perf_counter(), 0
     with tqdm(total=len(specs), desc=desc, leave=False, disable=None) as bar:   # only on a terminal
         while i < len(specs) or pending:
@@ -148,12 +149,12 @@ def serve(llm, policy: str, workload: str, rate: float, specs: list[Spec], desc:
             while i < len(specs) and specs[i].arrival <= now and len(pending) < seats:
                 # perf_counter's clock, as the metrics' times
                 sent = start + specs[i].arrival if concurrency is None else time.perf_counter()
-                rid = cluster.submit(specs[i].prompt_ids, SamplingParams(
+                rid = driver.submit(specs[i].prompt_ids, SamplingParams(
                     temperature=0.0, max_tokens=specs[i].max_tokens, ignore_eos=True))
                 pending[rid] = specs[i], sent
                 i += 1
-            for rid in cluster.poll(0.002):
-                (spec, sent), out = pending.pop(rid), cluster.output(rid)
+            for update in driver.poll(0.002):   # none watched: each is a request's end
+                (spec, sent), out = pending.pop(update.request_id), update.output
                 m, n = out.metrics, len(out.outputs[0].token_ids) if out.outputs else 0
                 routed = {}
                 if m.routed is not None:

@@ -120,6 +120,7 @@ from nanopd import (
 )
 from nanopd import cluster as cluster_mod
 from nanopd import gpu_kernels as kernels
+from nanopd import llm as llm_mod
 from nanopd import model as qwen
 from nanopd import router as router_mod
 from nanopd.config import EngineConfig, resolve_dtype
@@ -2350,7 +2351,7 @@ def test_ctrl_c_while_submitting_aborts_everything_the_call_submitted(hf, monkey
         timer.cancel()
         signal.signal(signal.SIGINT, old)
     engine = llm.engine
-    assert all_blocks_free(llm) and not engine.requests and not engine.has_unfinished() and not llm.ended
+    assert all_blocks_free(llm) and not engine.requests and not engine.has_unfinished() and not llm.held
     assert tokens(generate(llm, [PROMPTS[1]], max_tokens=5)) == [hf.greedy(PROMPTS[1], 5)]
 
 
@@ -2431,7 +2432,7 @@ def test_two_threads_generating_on_one_llm_each_get_their_own_outputs(hf, llm):
     assert not errors
     assert results == {"a": [hf.greedy(p, 6) for p in PROMPTS[:2] * 3],
                        "b": [hf.greedy(p, 6) for p in PROMPTS[2:] * 3]}
-    assert all_blocks_free(llm) and not llm.engine.requests and not llm.ended
+    assert all_blocks_free(llm) and not llm.engine.requests and not llm.held
 
 
 @ENGINE
@@ -6853,6 +6854,36 @@ def test_streamed_logprobs_come_with_their_tokens_and_add_up_to_the_whole_answer
         assert [t.model_dump() for t in streamed] == [t.model_dump() for t in whole] and len(whole) == 6
 
 
+def test_a_watched_request_streams_the_engines_own_text_held_back_before_a_stop_string(pair_llm, monkeypatch):
+    """LLM.updates with watch (what the server and the CLI stream), a stop string of three
+    letters, so that it spans tokens: the running updates' text is the engine's stop check's
+    own (one Detokenizer a request: the text is decoded once), shows nothing of the stop
+    string before the end (the driver holds its first letters back), and with the last
+    update the ids and texts add up to the output, which is LLM.generate's: the greedy text
+    cut before the stop string."""
+    from nanopd import engine as engine_mod
+    made = []
+
+    class Counted(qwen.Detokenizer):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            super().__init__(*args, **kwargs)
+    monkeypatch.setattr(engine_mod, "Detokenizer", Counted)
+    whole = generate(pair_llm, ["abcd"], max_tokens=16)[0].outputs[0].text
+    at = next(i for i in range(7, len(whole) - 3, 2) if whole.find(whole[i:i + 3]) == i)   # its first place
+    params = SamplingParams(temperature=0.0, max_tokens=16, stop=[whole[at:at + 3]])
+    want = pair_llm.generate(["abcd"], params, use_tqdm=False)[0]
+    assert want.outputs[0].text == whole[:at]
+    made.clear()
+    updates = [u for _, u in pair_llm.updates([("abcd", params)], watch=True)]
+    running, last = updates[:-1], updates[-1]
+    assert len(made) == 1 and len(running) > 1 and all(u.output is None for u in running)
+    assert whole[:at].startswith("".join(u.text for u in running))
+    assert "".join(u.text for u in updates) == last.output.outputs[0].text == whole[:at]
+    ids = last.output.outputs[0].token_ids
+    assert [t for u in updates for t in u.ids] == ids == want.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"model": "nope", "prompt": "ab"}, 400, "model"),
     ({"model": "pairs", "prompt": "ab", "temperature": "hot"}, 400, "temperature"),
@@ -7035,7 +7066,7 @@ def test_the_servers_kv_usage_is_read_now_and_of_live_workers_only(pair_llm):
         assert during > 0 and usage(url) == 0.0
     beats = {0: messages.Heartbeat(0, 100), 1: messages.Heartbeat(75, 100), 2: messages.Heartbeat(25, 100)}
     workers = types.SimpleNamespace(telemetry=types.SimpleNamespace(status=beats), dead={0: "killed"})
-    assert server.kv_usage(workers) == pytest.approx((0.25 + 0.75) / 2)
+    assert server.kv_usage(types.SimpleNamespace(cluster=workers)) == pytest.approx((0.25 + 0.75) / 2)
 
 
 def test_the_server_wants_its_key_but_for_health_and_is_503_when_full(pair_llm):
@@ -7156,10 +7187,11 @@ def test_200_concurrent_streaming_clients_each_get_their_own_complete_stream(pai
 
 
 class ScriptedBackend:
-    """A backend (not an Engine: the engine loop polls it even idle) whose new tokens come
-    from a script, one entry per poll once `go` is set: {submit order: ids}."""
+    """A cluster-like backend (polled on the HTTP loop, even idle) whose new tokens come
+    from a script, one entry per poll once `go` is set: {submit order: ids}; each token's
+    text is its id in brackets."""
     def __init__(self, script: list[dict[int, list[int]]]):
-        self.script, self.ids, self.go = script, [], threading.Event()
+        self.script, self.ids, self.go, self.text = script, [], threading.Event(), {}
         self.telemetry = types.SimpleNamespace(status={}, configured={})   # what /metrics reads
         self.roles = types.SimpleNamespace(names=dict)
 
@@ -7171,31 +7203,43 @@ class ScriptedBackend:
         time.sleep(timeout)
         return []
 
-    def new_tokens(self) -> dict:
+    def new_tokens(self, text: bool = False) -> dict:
         if not self.go.is_set() or not self.script:
             return {}
-        return {self.ids[k]: request.NewTokens(ids) for k, ids in self.script.pop(0).items()}
+        new = {}
+        for k, ids in self.script.pop(0).items():
+            self.text[k] = self.text.get(k, "") + "".join(f"<{i}>" for i in ids)
+            new[self.ids[k]] = request.NewTokens(ids, None, self.text[k] if text else None)
+        return new
+
+    def abort(self, request_ids: list[int]) -> None:
+        pass
+
+
+def scripted_loop(backend: ScriptedBackend):
+    """The server's engine loop on backend, through the driver LLM gives a cluster."""
+    from nanopd import server
+    return server.EngineLoop(llm_mod.Driver(backend, steps=False), 8)
 
 
 def test_the_server_hands_out_a_steps_first_tokens_before_its_other_tokens():
     """Two streams on one queue; the backend gives the first a token, then in one poll the
     first its second token and the second its first, in that order: the second's first
-    token reaches the handlers before the first's second token."""
-    from nanopd import server
+    token reaches the handlers before the first's second token, each with its text."""
     backend = ScriptedBackend([{0: [5]}, {0: [6], 1: [7]}])
 
     async def main() -> list:
-        loop, events = server.EngineLoop(backend, 8), asyncio.Queue()
+        loop, events = scripted_loop(backend), asyncio.Queue()
         try:
             params = request.SamplingParams(max_tokens=4)
             streams = [loop.submit(i, [1], params, events, True) for i in range(2)]
             await asyncio.gather(*(s.accepted for s in streams))
             backend.go.set()
             got = [await asyncio.wait_for(events.get(), 30) for _ in range(3)]
-            return [(streams.index(s), kind, value.ids) for s, kind, value in got]
+            return [(streams.index(s), update.ids, update.text, out) for s, update, out in got]
         finally:
             await loop.close()
-    assert asyncio.run(main()) == [(0, "tokens", [5]), (1, "tokens", [7]), (0, "tokens", [6])]
+    assert asyncio.run(main()) == [(0, [5], "<5>", None), (1, [7], "<7>", None), (0, [6], "<6>", None)]
 
 
 def test_the_server_hands_out_a_polls_events_a_slice_per_turn_of_its_loop_in_order():
@@ -7207,18 +7251,20 @@ def test_the_server_hands_out_a_polls_events_a_slice_per_turn_of_its_loop_in_ord
     from nanopd import server
 
     async def main() -> tuple[int, list]:
-        el, aloop = server.EngineLoop(ScriptedBackend([]), 8), asyncio.get_running_loop()
+        el, aloop = scripted_loop(ScriptedBackend([])), asyncio.get_running_loop()
         queue_: asyncio.Queue = asyncio.Queue()
+
+        def tokens(stream: server.Stream, token: int) -> tuple:
+            return stream, llm_mod.Update(0, [token]), None
         try:
             params = request.SamplingParams(max_tokens=4)
             streams = [server.Stream(i, params, queue_, aloop.create_future()) for i in range(101)]
-            el.hand_out([], [(streams[i], "tokens", request.NewTokens([i])) for i in range(100)])
+            el.hand_out([], [tokens(streams[i], i) for i in range(100)])
             seen = []
             aloop.call_soon(lambda: seen.append(queue_.qsize()))
-            el.hand_out([(streams[100], "tokens", request.NewTokens([100]))],
-                        [(streams[i], "tokens", request.NewTokens([1000 + i])) for i in range(100)])
+            el.hand_out([tokens(streams[100], 100)], [tokens(streams[i], 1000 + i) for i in range(100)])
             got = [await asyncio.wait_for(queue_.get(), 30) for _ in range(201)]
-            return seen[0], [value.ids[0] for _, _, value in got]
+            return seen[0], [update.ids[0] for _, update, _ in got]
         finally:
             await el.close()
     seen, got = asyncio.run(main())
@@ -7235,7 +7281,7 @@ def test_an_idle_cluster_is_polled_seldom_and_a_submit_brings_the_next_poll_forw
     from nanopd import server
 
     async def main() -> tuple[float, float]:
-        loop = server.EngineLoop(ScriptedBackend([]), 8)
+        loop = scripted_loop(ScriptedBackend([]))
         try:
             while not loop.idle:
                 await asyncio.sleep(0.01)
@@ -7512,7 +7558,7 @@ def test_bench_bad_arguments_are_a_one_line_error(args):
 
 
 class SlowFrontEnd:
-    """A cluster whose submit takes 50 ms and whose requests end at once: a client loop
+    """A backend whose submit takes 50 ms and whose requests end at once: a client loop
     that falls behind its arrivals."""
     def __init__(self):
         self.ended, self.outputs = [], {}
@@ -7541,8 +7587,8 @@ def test_bench_counts_latency_from_the_arrival_when_the_client_falls_behind():
     says the client was behind by 50k ms."""
     import bench
     specs = [bench.Spec(0.0, [1, 2], 1) for _ in range(6)]
-    results, _ = bench.serve(type("LLM", (), {"cluster": SlowFrontEnd()}), "collocated", "fixed",
-                             0.0, specs, "")
+    results, _ = bench.serve(type("LLM", (), {"driver": llm_mod.Driver(SlowFrontEnd(), steps=False)}),
+                             "collocated", "fixed", 0.0, specs, "")
     assert len(results) == 6
     for k, r in enumerate(results):   # in submit order: each ended at once
         assert r.ttft >= 0.05 * (k + 1) and r.e2e >= 0.05 * (k + 1) and r.lag >= 0.05 * k
@@ -7550,7 +7596,7 @@ def test_bench_counts_latency_from_the_arrival_when_the_client_falls_behind():
 
 
 class HeldFrontEnd:
-    """A cluster that holds each request HOLD_S seconds from its submit, by its clock
+    """A backend that holds each request HOLD_S seconds from its submit, by its clock
     (its metrics say it ended then, and poll hands it back no sooner), and counts how many
     it held at once."""
     HOLD_S = 0.2
@@ -7587,8 +7633,8 @@ def test_bench_under_a_concurrency_cap_holds_that_many_and_counts_from_each_send
     import bench
     front = HeldFrontEnd()
     specs = [bench.Spec(0.0, [1, 2], 1) for _ in range(6)]
-    results, seconds = bench.serve(type("LLM", (), {"cluster": front}), "collocated", "fixed", 0.0, specs, "",
-                                   concurrency=2)
+    driven = type("LLM", (), {"driver": llm_mod.Driver(front, steps=False)})
+    results, seconds = bench.serve(driven, "collocated", "fixed", 0.0, specs, "", concurrency=2)
     assert len(results) == 6 and front.most == 2 and seconds >= 3 * front.HOLD_S
     for r in results:
         assert r.e2e == pytest.approx(front.HOLD_S + r.lag, abs=1e-9) and r.lag < front.HOLD_S

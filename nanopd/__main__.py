@@ -5,6 +5,7 @@ it comes; `python -m nanopd serve MODEL ...` starts the OpenAI-compatible server
 
 import argparse
 import dataclasses
+import itertools
 import json
 import sys
 import time
@@ -15,10 +16,9 @@ import torch
 
 from nanopd.cluster import ClusterConfig
 from nanopd.config import EngineConfig
-from nanopd.engine import Engine
 from nanopd.llm import LLM
-from nanopd.model import PRESETS, Detokenizer
-from nanopd.request import NewTokens, SamplingParams
+from nanopd.model import PRESETS
+from nanopd.request import SamplingParams, encode
 
 
 def serve_main(argv: list[str]) -> None:
@@ -126,25 +126,22 @@ def main() -> None:
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed)   # before the model: a bad flag is one line
-        engine = Engine(EngineConfig(model=args.model, dtype=args.dtype))
-        request_id = engine.submit(args.prompt, params)
+        llm = LLM(args.model, dtype=args.dtype)
+        # its updates as they come (llm.py:Driver), the first once it is submitted and running
+        updates = llm.updates([(args.prompt, params)], watch=True)
+        start, (_, first) = time.perf_counter(), next(updates)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    prompt_len = len(engine.requests[request_id].prompt_token_ids)
+    engine, prompt_len = llm.engine, len(encode(args.prompt, llm.get_tokenizer()))
     random = " (random weights: the text means nothing)" if args.model in PRESETS else ""
     print(f"{args.model}{random} on {engine.model.device} ({engine.model.dtype}), "
           f"{engine.runner.num_blocks} KV blocks; prompt: {prompt_len} tokens")
-    ids, text, start = [], Detokenizer(engine.tokenizer), time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
-        for token in engine.new_tokens().get(request_id, NewTokens([])).ids:
-            ids.append(token)
-            print(text.add(token), end="", flush=True)
-    # what the detokenizer still held back: a last character left incomplete
-    print(engine.tokenizer.decode(ids, skip_special_tokens=True)[len(text.text):], end="")
+    generated = 0
+    for _, update in itertools.chain([(0, first)], updates):   # the last has what the others held back
+        print(update.text, end="", flush=True)
+        generated += len(update.ids)
     elapsed = time.perf_counter() - start
-    print(f"\n[{len(ids)} tokens in {elapsed:.2f} s: {len(ids) / elapsed:.1f} tokens/s]")
-
+    print(f"\n[{generated} tokens in {elapsed:.2f} s: {generated / elapsed:.1f} tokens/s]")
 
 if __name__ == "__main__":
     try:

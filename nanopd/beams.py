@@ -51,10 +51,10 @@ def search(generate: Generate, prompts: list[list[int]], params: BeamSearchParam
            tokenizer, max_model_len: int) -> list[BeamSearchOutput]:
     """Each prompt's params.beam_width best beams, best first, every step one generate call
     for all live beams of all prompts."""
-    for p in prompts:
+    for i, p in enumerate(prompts):
         if len(p) + params.max_tokens > max_model_len:
-            raise ValueError(f"max_tokens ({params.max_tokens}) with the prompt's {len(p)} tokens exceeds "
-                             f"max_model_len ({max_model_len})")
+            raise ValueError(f"prompt {i}: max_tokens ({params.max_tokens}) + the prompt ({len(p)} tokens) "
+                             f"exceeds max_model_len ({max_model_len})")
     k = params.beam_width
     searches = [Search(len(p), [Beam(list(p))]) for p in prompts]
     step = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * k, ignore_eos=True)

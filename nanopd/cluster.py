@@ -63,7 +63,7 @@ from nanopd.messages import (
     Tokens,
     ToWorker,
 )
-from nanopd.model import eos_ids, load_config, load_tokenizer
+from nanopd.model import Detokenizer, eos_ids, load_config, load_tokenizer
 from nanopd.planner import PLAN_INTERVAL_S, Planner, regimes
 from nanopd.request import NewTokens, RequestMetrics, RequestOutput, SamplingParams, check_request, tokenize
 from nanopd.roles import ROLES, RoleMap
@@ -641,16 +641,23 @@ class CentralScheduler:
         else:
             self.requests.fail(t, RuntimeError(why))
 
-    def new_tokens(self) -> dict[int, NewTokens]:
+    def new_tokens(self, text: bool = False) -> dict[int, NewTokens]:
         """Output tokens of the running single-completion requests since the last call, with
-        their logprobs if asked, as Engine.new_tokens gives them (n > 1 reports its
-        completions when done): what a stream shows. A request restarted elsewhere shows
-        tokens again past those it showed."""
+        their logprobs if asked, and with text=True each one's text so far (decoded here as
+        they come), as Engine.new_tokens gives them (n > 1 reports its completions when
+        done): what a stream shows. A request restarted elsewhere shows tokens again
+        past those it showed."""
         new = {}
         for t in self.requests.active.values():
             if not (t.params.n > 1 or t.samples) and len(t.tokens) > t.shown:
+                ids, skip = t.tokens[t.shown:], t.params.skip_special_tokens
                 logprobs = None if t.params.logprobs is None else t.logprobs[t.shown:]
-                new[t.request_id], t.shown = NewTokens(t.tokens[t.shown:], logprobs), len(t.tokens)
+                if text:
+                    t.text = t.text or Detokenizer(self.tokenizer, skip_special_tokens=skip)
+                    for token in ids:
+                        t.text.add(token)
+                so_far = t.text.text if text else None
+                new[t.request_id], t.shown = NewTokens(ids, logprobs, so_far), len(t.tokens)
         return new
 
     def output(self, request_id: int) -> RequestOutput:

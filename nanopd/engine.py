@@ -526,10 +526,11 @@ class Engine:
 
     # -- outputs
 
-    def new_tokens(self) -> dict[int, NewTokens]:
+    def new_tokens(self, text: bool = False) -> dict[int, NewTokens]:
         """Output tokens of the running single-completion requests since the last call, with
-        their logprobs if asked: what a stream shows (n > 1 reports its
-        completions when done)."""
+        their logprobs if asked, and with text=True each one's text so far (what a stream
+        shows; a worker's reports leave it to the central process). n > 1 reports its
+        completions when done."""
         new = {}
         for req in self.requests.values():
             if req.params.n > 1:
@@ -540,8 +541,21 @@ class Engine:
             if known > req.num_streamed:
                 ids = seq.token_ids[seq.num_prompt_tokens + req.num_streamed:seq.num_prompt_tokens + known]
                 logprobs = None if req.params.logprobs is None else seq.logprobs[req.num_streamed:known]
-                new[req.request_id], req.num_streamed = NewTokens(ids, logprobs), known
+                so_far = self._text_so_far(seq, known) if text else None
+                new[req.request_id], req.num_streamed = NewTokens(ids, logprobs, so_far), known
         return new
+
+    def _text_so_far(self, seq: Sequence, known: int) -> str:
+        """The text of seq's first known output tokens (cut where a stop string ended it).
+        Stop strings keep it already (their check decodes each token as it comes,
+        _add_text): it is decoded once."""
+        if seq.detokenizer is None:
+            skip = seq.request.params.skip_special_tokens
+            seq.detokenizer = Detokenizer(self.tokenizer, skip_special_tokens=skip)
+        detok, start = seq.detokenizer, seq.num_prompt_tokens
+        for token in seq.token_ids[start + len(detok.ids):start + known]:
+            detok.add(token)
+        return detok.text[:seq.text_end]
 
     def _text(self, seq: Sequence) -> str:
         """The completion's text: cut where its stop string was found, else its tokens decoded

@@ -14,6 +14,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from nanopd.model import Detokenizer
 from nanopd.request import Logprob, RequestMetrics, RequestOutput, SamplingParams
 
 
@@ -32,6 +33,7 @@ class RequestRecord:
     tokens: list[int] = field(default_factory=list)   # streamed so far
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)   # theirs, if it asked for logprobs
     shown: int = 0                     # of them, handed out by CentralScheduler.new_tokens
+    text: Detokenizer | None = None    # their text, when new_tokens was asked for it
     output: RequestOutput | None = None
     retried: bool = False
     samples: list[int] = field(default_factory=list)  # n > 1 split into samples (when it may be handed off)

@@ -18,8 +18,6 @@ profiler.py). Both offer submit / poll / output, and LLM drives either with one 
 
 import contextlib
 import dataclasses
-import difflib
-import functools
 import inspect
 import itertools
 import numbers
@@ -27,9 +25,9 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Self
 
-import jinja2
 from tqdm import tqdm
 
 from nanopd.config import EngineConfig
@@ -64,35 +62,34 @@ class LLM:
     rather than latency (docs/planner.md). A worker silent for worker_timeout_s is treated
     as dead (docs/workers.md). join="HOST:PORT" serves on workers torchrun starts on other
     hosts (hosts.py), over the distributed transport. vLLM's keywords that change nothing
-    here (VLLM_KEYWORDS: trust_remote_code, tensor_parallel_size=1, ...) are taken."""
+    here (keywords.py: trust_remote_code, tensor_parallel_size=1, ...) are taken."""
 
     def __init__(self, model: str = "tiny", policy: str | None = None, *,
                  profile: "HardwareParams | bool | None" = None, **settings):
-        settings = without_vllm_keywords(settings)
-        check_settings(settings)
+        engine_settings = {k: v for k, v in settings.items() if k in ENGINE_SETTINGS}
+        cluster_settings = {}   # a plain LLM (an engine's settings alone) loads none of keywords.py
+        if policy is not None or profile is not None or len(engine_settings) < len(settings):
+            from nanopd.keywords import cluster_settings as checked
+            keywords = [k for k in inspect.signature(LLM).parameters if k not in ("model", "settings")]
+            cluster_settings = checked(settings, ENGINE_SETTINGS, keywords, policy, profile)
         self.closed = False
         self.request_counter = itertools.count()   # names each request, as vLLM's LLM does
-        # One caller at a time drives the backend (see _run); reentrant, so that a close() on
-        # the thread that holds it (an exit mid-call) does not wait on itself.
+        # One caller at a time drives the backend (see updates); reentrant, so that a close()
+        # on the thread that holds it (an exit mid-call) does not wait on itself.
         self.lock = threading.RLock()
         # how many calls are between their first submit and their last output: a poll hands the
         # lock on only when another one waits (time.sleep(0) sleeps for Linux's timer slack,
         # 50 us by default, and after a step that drafts the GPU waits through it)
         self.callers, self.callers_lock = 0, threading.Lock()
-        self.ended: dict[int, RequestOutput] = {}   # outputs polled for another caller's requests
+        self.held: dict[int, list[Update]] = {}   # updates polled for another caller's requests
         self.profile_s = 0.0   # the seconds adaptive's profile took at start-up (measured, or read back)
-        engine_settings = {k: v for k, v in settings.items() if k in ENGINE_SETTINGS}
-        cluster_settings = {k: v for k, v in settings.items() if k not in ENGINE_SETTINGS}
         if policy is None:
-            given = [k for k, v in cluster_settings.items() if v != cluster_defaults()[k]]
-            given += ["profile"] if profile is not None else []
-            if given:
-                raise ValueError(f"{', '.join(given)} only apply with a policy (collocated, disaggregated, "
-                                 "adaptive); without one, LLM is a single engine on `device`")
             self.backend: Engine | CentralScheduler = make_engine(EngineConfig(model=model,
                                                                                **engine_settings))
-            return
-        self._start_cluster(EngineConfig(model=model, **engine_settings), policy, cluster_settings, profile)
+        else:
+            cfg = EngineConfig(model=model, **engine_settings)
+            self._start_cluster(cfg, policy, cluster_settings, profile)
+        self.driver = Driver(self.backend, steps=policy is None)
 
     def _start_cluster(self, cfg: EngineConfig, policy: str, settings: dict,
                        profile: "HardwareParams | bool | None") -> None:
@@ -155,7 +152,7 @@ class LLM:
         .error. Each request keeps its own copy of its params."""
         prompts = as_prompt_list(prompts)
         per_prompt = params_per_prompt(sampling_params, len(prompts))
-        return self._run([(p, sp, {}) for p, sp in zip(prompts, per_prompt)], use_tqdm)
+        return self._run(list(zip(prompts, per_prompt)), use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -163,6 +160,7 @@ class LLM:
         """generate on conversations ([{"role": ..., "content": ...}, ...], or a list of them)
         rendered by the tokenizer's chat template (or chat_template, a Jinja template), as
         vLLM's LLM.chat: the rendered text is the prompt, tokenized without special tokens."""
+        from nanopd.chat import checked_conversations
         texts = [self.render_chat(c, chat_template, add_generation_prompt)
                  for c in checked_conversations(messages)]
         tokenizer = self.get_tokenizer()
@@ -177,18 +175,9 @@ class LLM:
         """One conversation's prompt text, by the tokenizer's chat template (or chat_template):
         what chat and the server's /v1/chat/completions prompt with. A ValueError names a bad
         message or template (its first word the field at fault), or says that there is no template."""
-        (conversation,) = checked_conversations([conversation])
-        tokenizer = self.get_tokenizer()
-        if (chat_template or getattr(tokenizer, "chat_template", None)) is None:
-            raise ValueError(f"the tokenizer of {self.backend.cfg.model} has no chat template: pass "
-                             "chat_template=... (a Jinja template, as in the tokenizer_config.json of chat "
-                             "models)")
-        try:   # transformers' templates are Jinja: its errors are a bad template, or messages it refuses
-            return tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
-        except jinja2.TemplateError as e:
-            at_fault = "chat_template" if chat_template is not None else "messages: the chat template failed"
-            raise ValueError(f"{at_fault}: {type(e).__name__}: {e}") from None
+        from nanopd.chat import render  # the templates' module loads with the first chat, not with LLM
+        return render(conversation, self.get_tokenizer(), self.backend.cfg.model, chat_template,
+                      add_generation_prompt)
 
     def beam_search(self, prompts: list, params: BeamSearchParams, *,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -200,78 +189,91 @@ class LLM:
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         params.validate()
         from nanopd import beams  # loaded by the first beam search, not by LLM
-        tokenizer = self.get_tokenizer()
-        prompts = [tokenize(p, tokenizer)[1] for p in as_prompt_list(prompts)]
+        tokenizer, ids = self.get_tokenizer(), []
+        for i, p in enumerate(as_prompt_list(prompts)):
+            try:
+                ids.append(tokenize(p, tokenizer)[1])
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
+
         def generate(token_prompts: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
-            return self._run([(p, step, {}) for p in token_prompts], use_tqdm=False)
-        return beams.search(generate, prompts, params, self.backend.eos_ids, tokenizer,
+            return self._run([(p, step) for p in token_prompts], use_tqdm=False)
+        return beams.search(generate, ids, params, self.backend.eos_ids, tokenizer,
                             self.backend.cfg.max_model_len)
 
     def _run(self, work: list[tuple], use_tqdm: bool) -> list[RequestOutput]:
-        """Submit every (prompt, params, extra), then poll until each has ended. A bad
-        request (a ValueError at submit) fails the call with a ValueError naming its prompt,
-        as in vLLM; any other error at submit (a dead cluster) is that request's .error. If
-        this call fails or is interrupted at any point (Ctrl-C), every request it submitted
-        that is still running is aborted: the engine is left empty and usable. Several threads may call it at
-        once: each submits and polls under the lock, and whoever polls keeps the outputs
-        for the call that asked (self.ended)."""
+        """Each (prompt, params) of work's output, in work's order (updates)."""
+        outputs = [None] * len(work)
+        # disable=None: the bar shows only on a terminal
+        with tqdm(total=len(work), desc="generating",
+                  disable=True if not use_tqdm or len(work) < 2 else None) as bar:
+            for i, update in self.updates(work):
+                outputs[i] = update.output
+                bar.update()
+        return outputs
+
+    def updates(self, work: list[tuple], watch: bool = False) -> Iterator[tuple[int, "Update"]]:
+        """Submit every (prompt, params) of work, then yield (its index, an update) as
+        they come until each has ended (Driver): its output, and with watch its tokens and
+        text as they come. A bad request (a ValueError at submit) fails the call with a
+        ValueError naming its prompt, as in vLLM; any other error at submit (a dead cluster)
+        is that request's .error. Outputs are named "0", "1", ... in submission order. If the
+        call fails, is interrupted (Ctrl-C) or left by its consumer, every request it
+        submitted that still runs is aborted: the backend is left empty and usable. Several
+        threads may call it at once: each submits and polls under the lock, and whoever polls
+        keeps the updates of the others' requests for them (self.held)."""
         if self.closed:
             raise RuntimeError("this LLM is closed: create a new LLM(...) to generate again")
-        outputs, ids = [None] * len(work), {}
-        names = [str(next(self.request_counter)) for _ in work]
+        ids, names, failed = {}, [str(next(self.request_counter)) for _ in work], []
         # a Ctrl-C lands between submits and steps, never inside one
         with self.calling(), interrupts_held() as safe_point:
             try:
-                for i, (prompt, params, extra) in enumerate(work):
+                for i, (prompt, params) in enumerate(work):
                     with self.lock:   # an id is recorded once it exists
                         try:
-                            ids[self.backend.submit(prompt, params, **extra)] = i
+                            ids[self.driver.submit(prompt, params, watch)] = i
                         except ValueError as e:   # a bad request: the call fails, as in vLLM
                             raise ValueError(f"prompt {i}: {e}") from e
                         except Exception as e:  # noqa: BLE001 (this request fails, alone)
-                            outputs[i] = failed_output(prompt, e)
+                            failed.append((i, Update(-1, output=failed_output(prompt, e))))
                     safe_point()
-                self._wait(ids, outputs, use_tqdm, safe_point)
-                for out, name in zip(outputs, names):   # the backend's own ids stay inside it
-                    out.request_id = name
+                for i, update in itertools.chain(failed, self._wait(ids, safe_point)):
+                    if update.output is not None:   # the backend's own ids stay inside it
+                        update.output.request_id = names[i]
+                    yield i, update
             except BaseException:
                 if self.closed:   # close() released everything
                     raise
                 with self.lock:
-                    mine = [r for r in ids if outputs[ids[r]] is None]
-                    self.backend.abort(mine)
-                    for r in mine:
-                        self.ended.pop(r, None)
+                    self.driver.abort(list(ids))
+                    for r in ids:
+                        self.held.pop(r, None)
                 raise
-        return outputs
 
-    def _wait(self, ids: dict[int, int], outputs: list, use_tqdm: bool,
-              safe_point: Callable[[], None]) -> None:
-        """Poll until every request of ids (request id -> index) has its output; a held
-        Ctrl-C is taken at safe_point, between steps (interrupts_held)."""
-        pending = set(ids)
-        # disable=None: the bar shows only on a terminal
-        with tqdm(total=len(ids), desc="generating",
-                  disable=True if not use_tqdm or len(ids) < 2 else None) as bar:
-            while pending:
-                with self.lock:
-                    if self.closed:
-                        raise RuntimeError(f"this LLM was closed (close() on another thread) while "
-                                           f"{len(pending)} of this call's requests ran")
-                    for request_id in self.backend.poll(0.05):
-                        self.ended[request_id] = self.output_of(request_id)
-                    done = pending & self.ended.keys()
-                    for request_id in done:
-                        outputs[ids[request_id]] = self.ended.pop(request_id)
-                pending -= done
-                bar.update(len(done))
-                safe_point()
-                if self.callers > 1:
-                    time.sleep(0)   # let a thread waiting for the lock have it
+    def _wait(self, ids: dict[int, int], safe_point: Callable[[], None]) -> Iterator[tuple[int, "Update"]]:
+        """Poll until every request of ids (request id -> index) has ended and left ids,
+        yielding (index, update) for theirs; a held Ctrl-C is taken at safe_point."""
+        while ids:
+            with self.lock:
+                if self.closed:
+                    raise RuntimeError(f"this LLM was closed (close() on another thread) while "
+                                       f"{len(ids)} of this call's requests ran")
+                mine = [u for r in [r for r in self.held if r in ids] for u in self.held.pop(r)]
+                for update in self.driver.poll(0.05):
+                    if update.request_id in ids:
+                        mine.append(update)
+                    else:
+                        self.held.setdefault(update.request_id, []).append(update)
+            for update in mine:
+                i = ids[update.request_id] if update.output is None else ids.pop(update.request_id)
+                yield i, update
+            safe_point()
+            if self.callers > 1:
+                time.sleep(0)   # let a thread waiting for the lock have it
 
     @contextlib.contextmanager
     def calling(self) -> Iterator[None]:
-        """Counts a call of _run while it runs (self.callers)."""
+        """Counts a call of updates while it runs (self.callers)."""
         with self.callers_lock:
             self.callers += 1
         try:
@@ -280,46 +282,86 @@ class LLM:
             with self.callers_lock:
                 self.callers -= 1
 
-    def output_of(self, request_id: int) -> RequestOutput:
-        """The backend's output of an ended request; one it cannot build ends with that error."""
-        try:
-            return self.backend.output(request_id)
-        except Exception as e:  # noqa: BLE001 (this request fails, alone)
-            return failed_output(None, e)
+
+@dataclass
+class Update:
+    """What a poll brought one request (Driver.poll): a watched request's tokens since its
+    last update, their logprobs entries (if it asked for them) and the text they add; its
+    last update has its output (and what of it the others had not shown)."""
+    request_id: int
+    ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+    text: str = ""
+    output: RequestOutput | None = None
 
 
-def checked_conversations(messages) -> list[list[dict]]:
-    """chat's messages as a list of conversations, each message {"role": str, "content": str}
-    (content given as OpenAI's text parts, [{"type": "text", "text": ...}], joined by
-    newlines, as vLLM does); or a ValueError naming the conversation and the message."""
-    if not isinstance(messages, list | tuple) or not messages:
-        raise ValueError("messages must be a non-empty list of messages or of conversations, "
-                         f"got {messages!r}")
-    conversations = [messages] if isinstance(messages[0], dict) else messages
-    out = []
-    for c, conversation in enumerate(conversations):
-        if not isinstance(conversation, list | tuple) or not conversation:
-            raise ValueError(f"conversation {c} must be a non-empty list of messages, got {conversation!r}")
-        out.append([checked_message(m, f"conversation {c}, message {i}") for i, m in enumerate(conversation)])
-    return out
+@dataclass
+class Shown:
+    """What a watched request's updates have shown: tokens, and characters of its text.
+    While it runs, its last `hold` characters wait (the longest stop string's length less
+    one: a stop string may be starting there, and its output is cut before one)."""
+    hold: int
+    tokens: int = 0
+    chars: int = 0
+
+    def update(self, request_id: int, ids: list[int], logprobs: list | None, text: str, end: int,
+               output: RequestOutput | None = None) -> Update:
+        """An update of ids, their logprobs, and text[:end] (of the request's so far) past what was shown."""
+        update = Update(request_id, ids, logprobs, text[self.chars:end], output)
+        self.tokens, self.chars = self.tokens + len(ids), max(self.chars, end)
+        return update
 
 
-def checked_message(message, where: str) -> dict:
-    """One chat message as {"role", "content"} strings (chat's check, checked_conversations)."""
-    if not isinstance(message, dict):
-        raise ValueError(f"{where} must be a dict with 'role' and 'content', got {type(message).__name__}")
-    role, content = message.get("role"), message.get("content")
-    if not isinstance(role, str) or not role:
-        raise ValueError(f"{where} needs a 'role' (a non-empty string such as 'user'), got {role!r}")
-    if isinstance(content, list | tuple):
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-            raise ValueError(f"{where}: content parts must be {{'type': 'text', 'text': str}} "
-                             "(the model takes text only)")
-        content = "\n".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise ValueError(f"{where} needs a 'content' string (or a list of text parts), got {content!r}")
-    return {**message, "content": content}
+class Driver:
+    """The one way to run a backend (an Engine, or a cluster's CentralScheduler: both take
+    submit, poll, new_tokens, output and abort) and receive each request's updates as they
+    come, for LLM's calls, the server (server.py:EngineLoop) and the benchmark (bench.py).
+    A watched request's text is the backend's (new_tokens), held back where a stop string
+    may start, as vLLM's. steps: whether a poll steps the device (an engine: the server
+    gives it a thread of its own) or only reads the workers' reports."""
+
+    def __init__(self, backend: "Engine | CentralScheduler", steps: bool):
+        self.backend, self.steps = backend, steps
+        self.watched: dict[int, Shown] = {}
+
+    def submit(self, prompt: str | list[int] | dict, params: SamplingParams, watch: bool = False) -> int:
+        """A new request's id; watched (a request of one completion), it has an update
+        whenever tokens come, not only at its end."""
+        request_id = self.backend.submit(prompt, params)
+        if watch:
+            stops = [params.stop] if isinstance(params.stop, str) else params.stop or []
+            self.watched[request_id] = Shown(max(map(len, stops), default=1) - 1)
+        return request_id
+
+    def abort(self, request_ids: list[int]) -> None:
+        self.backend.abort(request_ids)
+        for request_id in request_ids:
+            self.watched.pop(request_id, None)
+
+    def poll(self, timeout: float) -> list[Update]:
+        """Poll the backend once (an engine steps; an idle one waits timeout): the watched
+        requests' new tokens, then each ended request's last update (one whose output the
+        backend cannot build ends with that error)."""
+        ended, updates = self.backend.poll(timeout), []
+        if self.watched:
+            done = set(ended)
+            for request_id, new in self.backend.new_tokens(text=True).items():
+                shown = self.watched.get(request_id)
+                if shown is not None and request_id not in done:   # an ended one's output shows it all
+                    updates.append(shown.update(request_id, new.ids, new.logprobs, new.text,
+                                                len(new.text) - shown.hold))
+        for request_id in ended:
+            try:
+                out = self.backend.output(request_id)
+            except Exception as e:  # noqa: BLE001 (this request fails, alone)
+                out = failed_output(None, e)
+            shown, c = self.watched.pop(request_id, None), out.outputs[0] if out.outputs else None
+            updates.append(Update(request_id, output=out) if shown is None or c is None else
+                           shown.update(request_id, c.token_ids[shown.tokens:],
+                                        c.logprobs and c.logprobs[shown.tokens:], c.text, len(c.text), out))
+        return updates
+
+
 
 
 def failed_output(prompt, error: Exception) -> RequestOutput:
@@ -360,52 +402,9 @@ def interrupts_held():
         take()
 
 
-# vLLM's LLM keywords that change nothing here: each one's values that nanoPD serves as vLLM
-# would, and (for a value it cannot serve) what it lacks.
-VLLM_KEYWORDS = {
-    "trust_remote_code": ((False, True), "runs no code from a checkpoint: Qwen3 is built in"),
-    "disable_log_stats": ((False, True), "logs no stats"),
-    "tensor_parallel_size": ((1,), ("has no tensor parallelism: a model runs whole on each device "
-                                    "(policy=... with devices=[...] serves on several)")),
-    "pipeline_parallel_size": ((1,), "has no pipeline parallelism: a model runs whole on each device"),
-    "enable_chunked_prefill": ((True,), "always chunks prefills (max_num_batched_tokens a step)"),
-    "quantization": ((None,), "has no quantized weights"),
-    "kv_cache_dtype": (("auto",), "keeps the KV cache in the model's dtype"),
-}
-
-
-def without_vllm_keywords(settings: dict) -> dict:
-    """settings less VLLM_KEYWORDS, each checked: a value nanoPD cannot serve is a ValueError
-    naming it and what nanoPD lacks."""
-    for name, (allowed, lacks) in VLLM_KEYWORDS.items():
-        value = settings.get(name, allowed[0])
-        if value not in allowed or type(value) not in {type(a) for a in allowed}:   # True is not 1 here
-            raise ValueError(f"{name}={value!r}: nanoPD {lacks} (it takes {' or '.join(map(repr, allowed))})")
-    return {k: v for k, v in settings.items() if k not in VLLM_KEYWORDS}
-
-
 ENGINE_SETTINGS = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
 
 
-@functools.cache
-def cluster_defaults() -> dict:
-    """Each cluster setting (ClusterConfig's fields) and its default, read only where a
-    setting is not the engine's: a plain LLM loads none of the cluster's modules."""
-    from nanopd.cluster import ClusterConfig
-    return {f.name: f.default for f in dataclasses.fields(ClusterConfig) if f.name != "policy"}
-
-
-def check_settings(settings: dict) -> None:
-    """A ValueError for a keyword LLM does not take, naming the nearest one it does."""
-    for name in settings:
-        if name not in ENGINE_SETTINGS and name not in cluster_defaults():
-            keywords = [k for k in inspect.signature(LLM).parameters if k not in ("model", "settings")]
-            near = difflib.get_close_matches(name, ENGINE_SETTINGS + list(cluster_defaults()) + keywords, n=1,
-                                             cutoff=0.5)
-            hint = f"; did you mean {near[0]!r}?" if near else ""
-            raise ValueError(f"LLM() got an unknown setting {name!r}{hint} (the settings are LLM's keywords, "
-                             f"ClusterConfig's fields: {', '.join(cluster_defaults())}, and EngineConfig's: "
-                             f"{', '.join(ENGINE_SETTINGS)})")
 
 
 def params_per_prompt(sampling_params, n: int) -> list:

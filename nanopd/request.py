@@ -255,9 +255,11 @@ class CompletionOutput:
 @dataclass
 class NewTokens:
     """A running request's output tokens since they were last handed out (Engine.new_tokens):
-    what a stream shows, with their logprobs entries if the request asked for logprobs."""
+    what a stream shows, with their logprobs entries if the request asked for logprobs, and
+    when asked its whole text so far (the stream shows what it adds: llm.py:Driver)."""
     ids: list[int]
     logprobs: list[dict[int, Logprob]] | None = None
+    text: str | None = None
 
 
 @dataclass
@@ -445,7 +447,7 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None   # the stop token id or stop string that finished it
-    detokenizer: Detokenizer | None = None   # its output's text, kept while stop strings are watched
+    detokenizer: Detokenizer | None = None   # its output's text, kept for stop strings or a stream
     text_end: int | None = None         # stopped by a stop string: where its text ends
     generator: torch.Generator | None = None
     # While the step that sampled this sequence's last token is still running, that token

@@ -3,20 +3,20 @@ and SGLang speak, so that OpenAI's client, a chat UI or a load tester can use it
 
   python -m nanopd serve MODEL [--policy ...] [--host] [--port] [--api-key] [any LLM setting]
 
-  EngineLoop   the LLM's backend beside the HTTP loop (an Engine on a thread of its own, a
-               CentralScheduler polled on the HTTP loop): it takes submits and aborts, polls
-               the backend, and hands each request its new tokens and then its output
-               (Stream, an asyncio queue)
-  TextStream   a stream's text as its tokens come, held back where a stop string may start
+  EngineLoop   the LLM's driver (llm.py:Driver) beside the HTTP loop (a backend that steps
+               the device on a thread of its own, a cluster polled on the HTTP loop): it
+               takes submits and aborts, polls, and hands each request its updates, its
+               tokens and their text as they come, then its output (Stream, an asyncio queue)
   make_app     FastAPI: /v1/completions and /v1/chat/completions (server-sent events with
                stream=true), /v1/models, /health and /metrics (Prometheus, vLLM's names)
 
 The HTTP loop never waits on a step: a handler submits and awaits its request's events; an
-engine's thread never waits on a client. n > 1 is n requests of one sample each, sample j
-seeded seed + j, as in LLM.generate. One rule for errors: whatever a client sends wrong is
-a 4xx in OpenAI's error body naming the field at fault, a 5xx is the server's own fault, and
-one request's failure never reaches another's stream. docs/server.md says what is and is
-not served.
+engine's thread never waits on a client. The text comes decoded from the backend (the
+driver's updates): the server decodes none. n > 1 is n requests of one sample each, sample
+j seeded seed + j, as in LLM.generate, so that each streams. One rule for errors: whatever
+a client sends wrong is a 4xx in OpenAI's error body naming the field at fault, a 5xx is the
+server's own fault, and one request's failure never reaches another's stream. docs/server.md
+says what is and is not served.
 """
 
 import asyncio
@@ -41,8 +41,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from nanopd.config import check_int, check_real
-from nanopd.engine import Engine
-from nanopd.model import Detokenizer
 from nanopd.request import CompletionOutput, RequestOutput, SamplingParams, encode
 
 # ----------------------------------------------------------------------------- the engine's thread
@@ -51,9 +49,10 @@ from nanopd.request import CompletionOutput, RequestOutput, SamplingParams, enco
 @dataclass(eq=False)
 class Stream:
     """One request's events, from the engine loop to its handler, on the queue it shares
-    with the other requests of the same HTTP call: (stream, "tokens", NewTokens) as they come,
-    then (stream, "end", RequestOutput). accepted resolves once the backend took it (or
-    refused it: its exception)."""
+    with the other requests of the same HTTP call: (stream, update, None) as its tokens come
+    (llm.py:Update: their ids, logprobs and text), then (stream, update, output) at its end
+    (update: what its tokens had not shown; None if it failed). accepted resolves once the
+    backend took it (or refused it: its exception)."""
     index: int                     # its choice in the response
     params: SamplingParams
     events: asyncio.Queue
@@ -85,16 +84,16 @@ HAND_OUT_SLICE = 32  # events handed to their handlers per turn of the HTTP loop
 
 
 class EngineLoop:
-    """The backend beside the HTTP loop. An Engine steps on the GPU, so it runs on a thread
-    of its own, taking commands (submit, abort, stop) from a queue between its polls. A
-    cluster (CentralScheduler) only reads its workers' reports, so it is polled on the HTTP
-    loop itself every TICK_S (IDLE_TICK_S with nothing to run), and commands are carried
-    out at once: no thread, no hand-over of the GIL between two threads on a request's way
-    in and its tokens' way out. Each poll hands out what came: each running request's new
-    tokens, each ended one's output."""
+    """The LLM's driver (llm.py:Driver) beside the HTTP loop. A backend whose polls step
+    the device (an Engine: driver.steps) runs on a thread of its own, taking commands
+    (submit, abort, stop) from a queue between its polls. A cluster's only read its
+    workers' reports, so it is polled on the HTTP loop itself every TICK_S (IDLE_TICK_S with
+    nothing to run), and commands are carried out at once: no thread, no hand-over of the
+    GIL between two threads on a request's way in and its tokens' way out. Each poll hands
+    out the driver's updates: each running request's tokens, each ended one's output."""
 
-    def __init__(self, backend, max_pending: int):
-        self.backend, self.max_pending = backend, max_pending
+    def __init__(self, driver, max_pending: int):
+        self.driver, self.max_pending = driver, max_pending
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[int, Stream] = {}   # request id -> its stream, while it runs
         self.pending = 0                       # requests submitted or queued to submit, not ended
@@ -103,9 +102,9 @@ class EngineLoop:
         self.running = 0                       # of the streams, those with a token (read by /metrics)
         self.closed = False                    # shutting down: no request is taken
         self.loop = asyncio.get_running_loop()   # the HTTP loop (made in the app's lifespan)
-        self.outbox: collections.deque = collections.deque()   # (stream, kind, value) not handed out yet
+        self.outbox: collections.deque = collections.deque()   # events not handed out yet
         self.handing_out = False
-        self.threaded = isinstance(backend, Engine)
+        self.threaded = driver.steps
         if self.threaded:
             self.thread = threading.Thread(target=self.run, name="nanopd-engine", daemon=True)
             self.thread.start()
@@ -162,7 +161,7 @@ class EngineLoop:
         worker takes prompts and one decodes."""
         if self.closed:
             return False
-        return self.thread.is_alive() if self.threaded else self.backend.can_serve()
+        return self.thread.is_alive() if self.threaded else self.driver.backend.can_serve()
 
     def tick(self) -> None:
         """One poll of a cluster, on the HTTP loop; the next one TICK_S later, or
@@ -198,7 +197,8 @@ class EngineLoop:
         match command:
             case ("submit", prompt, stream):
                 try:
-                    stream.request_id = self.backend.submit(prompt, stream.params)
+                    # every request watched: its first token counts it running (/metrics)
+                    stream.request_id = self.driver.submit(prompt, stream.params, watch=True)
                     self.streams[stream.request_id] = stream
                     self.on_loop(settle, stream.accepted, stream.request_id)
                 except Exception as e:  # noqa: BLE001 (a refused request: its handler answers it)
@@ -206,31 +206,31 @@ class EngineLoop:
                     self.on_loop(settle, stream.accepted, e)
             case ("abort", stream):
                 if self.streams.pop(stream.request_id, None) is not None:
-                    self.backend.abort([stream.request_id])
+                    self.driver.abort([stream.request_id])
                     self.ended(stream)
             case ("stop",):
                 return False
         return True
 
     def serve_once(self, timeout: float) -> None:
-        """One poll of the backend: what came for each request, handed over in one call to
+        """One poll of the driver: what came for each request, handed over in one call to
         the HTTP loop (one wake-up a step, not one per stream). First tokens go first: a
         first token is its request's TTFT, where the others add a little to a TPOT."""
-        ended, firsts, events = self.backend.poll(timeout), [], []
-        for request_id, new in self.backend.new_tokens().items():
-            stream = self.streams.get(request_id)
-            if stream is not None:
+        firsts, events = [], []
+        for update in self.driver.poll(timeout):
+            stream = self.streams.get(update.request_id)
+            if stream is None:
+                continue
+            if update.output is None:
                 self.running += not stream.first_token
                 if stream.streamed:
-                    (events if stream.first_token else firsts).append((stream, "tokens", new))
+                    (events if stream.first_token else firsts).append((stream, update, None))
                 stream.first_token = True
-        for request_id in ended:
-            stream = self.streams.pop(request_id, None)
-            out = self.backend.output(request_id)
-            if stream is not None:
-                self.ended(stream)
-                self.on_end(out)
-                events.append((stream, "end", out))
+                continue
+            del self.streams[update.request_id]
+            self.ended(stream)
+            self.on_end(update.output)
+            events.append((stream, update, update.output))
         if firsts or events:
             self.on_loop(self.hand_out, firsts, events)
 
@@ -244,7 +244,7 @@ class EngineLoop:
 
     def hand_out(self, firsts: list[tuple], events: list[tuple]) -> None:
         """On the HTTP loop: first tokens ahead of every event waiting, the others behind
-        them; then each (stream, kind, value) onto its stream's queue, HAND_OUT_SLICE per turn
+        them; then each event onto its stream's queue, HAND_OUT_SLICE per turn
         of the loop. Between slices the loop reads its sockets: a request arriving waits for
         a slice of a step's tokens to be written out, not for all 256 streams' of them."""
         self.outbox.extendleft(reversed(firsts))
@@ -255,8 +255,8 @@ class EngineLoop:
 
     def hand_out_slice(self) -> None:
         for _ in range(min(HAND_OUT_SLICE, len(self.outbox))):
-            stream, kind, value = self.outbox.popleft()
-            stream.events.put_nowait((stream, kind, value))
+            event = self.outbox.popleft()
+            event[0].events.put_nowait(event)
         self.handing_out = bool(self.outbox)
         if self.handing_out:   # the rest on the loop's next turn, after its sockets
             self.loop.call_soon(self.hand_out_slice)
@@ -272,54 +272,21 @@ class EngineLoop:
         is told to drop them, if it still can."""
         streams, self.streams = list(self.streams.values()), {}
         with contextlib.suppress(Exception):   # a backend that failed may fail again: nothing more to do
-            self.backend.abort([s.request_id for s in streams])
+            self.driver.abort([s.request_id for s in streams])
         for stream in streams:
             self.ended(stream)
-        ends = [(s, "end", RequestOutput(s.request_id, None, [], [], None, error=error)) for s in streams]
+        ends = [(s, None, RequestOutput(s.request_id, None, [], [], None, error=error)) for s in streams]
         self.on_loop(self.hand_out, [], ends)
 
 
-def kv_usage(backend) -> float:
+def kv_usage(llm) -> float:
     """The share of the KV cache's blocks in use now: the engine's, or the live workers'
     mean (their last heartbeats: a worker sends one at least every HEARTBEAT_S, idle too)."""
-    if isinstance(backend, Engine):
-        return 1.0 - backend.bm.num_free_blocks / max(1, backend.runner.num_blocks)
-    live = [h for w, h in backend.telemetry.status.items() if w not in backend.dead]
+    cluster = llm.cluster
+    if cluster is None:
+        return 1.0 - llm.engine.bm.num_free_blocks / max(1, llm.engine.runner.num_blocks)
+    live = [h for w, h in cluster.telemetry.status.items() if w not in cluster.dead]
     return sum(1.0 - h.free_blocks / max(1, h.num_blocks) for h in live) / max(1, len(live))
-
-
-# ----------------------------------------------------------------------------- text as it comes
-
-
-class TextStream:
-    """A request's text as its tokens come (model.py:Detokenizer), less what a stop string
-    could still claim: the text from a stop string found, and the last len(longest) - 1
-    characters, where one may be starting. The final text is the output's; what was held
-    back comes then."""
-
-    def __init__(self, tokenizer, params: SamplingParams):
-        self.detok = Detokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
-        stops = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
-        self.stops, self.hold = stops, max(map(len, stops), default=1) - 1
-        self.sent = 0   # characters handed out
-
-    def add(self, ids: list[int]) -> str:
-        for token in ids:
-            self.detok.add(token)
-        text = self.detok.text
-        # a stop string starting before sent - hold was whole in the text already, and found then
-        safe, start = len(text) - self.hold, max(0, self.sent - self.hold)
-        for stop in self.stops:
-            at = text.find(stop, start)
-            safe = min(safe, at) if at >= 0 else safe
-        return self.take(text[:max(safe, self.sent)])
-
-    def finish(self, text: str) -> str:
-        return self.take(text)
-
-    def take(self, text: str) -> str:
-        piece, self.sent = text[self.sent:], max(self.sent, len(text))
-        return piece
 
 
 # ----------------------------------------------------------------------------- the API's bodies
@@ -445,8 +412,8 @@ class Metrics:
     and, under the adaptive policy, its configuration (token budget, decode SMs: 0 for the
     whole GPU) as nanopd's."""
 
-    def __init__(self, loop: EngineLoop):
-        r, self.loop = CollectorRegistry(), loop
+    def __init__(self, loop: EngineLoop, llm):
+        r, self.loop, self.llm = CollectorRegistry(), loop, llm
         self.registry = r
         self.running = Gauge("vllm:num_requests_running", "Requests running (a token came)", registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests without a token yet", registry=r)
@@ -486,9 +453,10 @@ class Metrics:
         loop = self.loop
         self.running.set(loop.running)
         self.waiting.set(max(0, loop.pending - loop.running))
-        self.kv.set(kv_usage(loop.backend))
-        roles, configured = ({}, {}) if loop.threaded else (loop.backend.roles.names(),
-                                                            dict(loop.backend.telemetry.configured))
+        self.kv.set(kv_usage(self.llm))
+        cluster = self.llm.cluster
+        roles, configured = ({}, {}) if cluster is None else (cluster.roles.names(),
+                                                              dict(cluster.telemetry.configured))
         self.role.clear()
         for w, role in roles.items():
             self.role.labels(worker=str(w), role=role).set(1)
@@ -560,8 +528,8 @@ def make_app(llm, model_name: str | None = None, api_key: str | None = None,
     served = Served(llm, model_name or llm.backend.cfg.model, trust_request_chat_template)
 
     async def lifespan(app: FastAPI):
-        served.loop = EngineLoop(llm.backend, max_pending)
-        served.metrics = Metrics(served.loop)
+        served.loop = EngineLoop(llm.driver, max_pending)
+        served.metrics = Metrics(served.loop, llm)
         yield
         await served.loop.close()
     app = FastAPI(title="nanoPD", lifespan=lifespan)
@@ -833,9 +801,9 @@ async def wait_all(served: Served, request: Request, streams: list[Stream], even
     try:
         while len(outs) < len(streams):
             with contextlib.suppress(TimeoutError):
-                stream, kind, value = await asyncio.wait_for(events.get(), DISCONNECT_CHECK_S)
-                if kind == "end":
-                    stream.ended, outs[stream.index] = True, value
+                stream, _, out = await asyncio.wait_for(events.get(), DISCONNECT_CHECK_S)
+                if out is not None:
+                    stream.ended, outs[stream.index] = True, out
             if time.monotonic() - looked >= DISCONNECT_CHECK_S:   # tokens keep coming: look by the clock
                 looked = time.monotonic()
                 if await request.is_disconnected():
@@ -849,51 +817,45 @@ async def wait_all(served: Served, request: Request, streams: list[Stream], even
 
 @dataclass
 class StreamedChoice:
-    """What a streamed choice has shown so far: its text (TextStream), whether a piece went
-    out, and how many of its tokens' logprobs, whose text spans `at` characters."""
-    text: TextStream
+    """What a streamed choice has shown so far: whether a piece went out, and how many
+    characters its tokens' logprobs' texts span (the next one's offset)."""
     started: bool = False
-    entries: int = 0
     at: int = 0
 
 
 async def sse(served: Served, streams: list[Stream], events: asyncio.Queue, shape: Shape, head: dict,
               include_usage: bool, n: int) -> AsyncIterator[str]:
-    """The answer as server-sent events: each choice's text as it comes (TextStream) with
-    its tokens' logprobs, its end with its finish reason (and the logprobs not shown yet),
-    the usage if asked (n samples a prompt), [DONE]. A request that fails sends its error as
-    an event; a client that goes aborts them all."""
-    choices = {s: StreamedChoice(TextStream(served.tokenizer, s.params)) for s in streams}
+    """The answer as server-sent events: each choice's text as it comes (its updates') with
+    its tokens' logprobs, its end with its finish reason (and what was not shown yet), the
+    usage if asked (n samples a prompt), [DONE]. A request that fails sends its error as an
+    event; a client that goes aborts them all."""
+    choices = {s: StreamedChoice() for s in streams}
     outs = {}   # choice index -> its output
 
     def event(pieces: list[dict], **extra) -> str:
         return f"data: {json.dumps({**head, 'object': shape.chunk_object, 'choices': pieces, **extra})}\n\n"
 
-    def piece(stream: Stream, text: str, ids: list[int], entries: list | None, finish: str | None) -> dict:
-        """A choice's next piece: its text, and the logprobs of ids (its tokens not shown yet)."""
-        shown, lp = choices[stream], None
+    def piece(stream: Stream, update, finish: str | None) -> dict:
+        """A choice's next piece: an update's text, and its tokens' logprobs."""
+        shown, lp, tokenizer = choices[stream], None, served.tokenizer
         if stream.params.logprobs is not None:
-            lp = shape.logprobs(ids, entries, served.tokenizer, stream.params.logprobs, shown.at)
-            shown.entries += len(entries)
-            shown.at += sum(len(token_text(t, e[t], served.tokenizer)) for t, e in zip(ids, entries))
+            lp = shape.logprobs(update.ids, update.logprobs, tokenizer, stream.params.logprobs, shown.at)
+            shown.at += sum(len(token_text(t, e[t], tokenizer)) for t, e in zip(update.ids, update.logprobs))
         first, shown.started = not shown.started, True
-        return shape.piece(stream.index, text, first, finish, lp)
+        return shape.piece(stream.index, update.text, first, finish, lp)
     try:
         while len(outs) < len(streams):
-            stream, kind, value = await events.get()
-            if kind == "tokens":
-                text = choices[stream].text.add(value.ids)
-                if text or not choices[stream].started or value.logprobs:
-                    yield event([piece(stream, text, value.ids, value.logprobs, None)])
+            stream, update, out = await events.get()
+            if out is None:
+                if update.text or not choices[stream].started or update.logprobs:
+                    yield event([piece(stream, update, None)])
                 continue
-            stream.ended, outs[stream.index] = True, value
-            if value.error is not None:
-                error = refusal(value.error, shape.prompt_field)
+            stream.ended, outs[stream.index] = True, out
+            if out.error is not None:
+                error = refusal(out.error, shape.prompt_field)
                 yield f"data: {json.dumps(error_body(error.status, str(error), error.param))}\n\n"
                 continue
-            c, shown = value.outputs[0], choices[stream]
-            yield event([piece(stream, shown.text.finish(c.text), c.token_ids[shown.entries:],
-                               (c.logprobs or [])[shown.entries:], c.finish_reason)])
+            yield event([piece(stream, update, out.outputs[0].finish_reason)])
         if include_usage:
             yield event([], usage=usage_of([outs[s.index] for s in streams], n))
         yield "data: [DONE]\n\n"
