@@ -2221,9 +2221,9 @@ def test_prompt_logprobs_match_hf(hf, case):
     sched, preempted_mid_prompt = llm.engine.scheduler, []
     preempt = sched.preempt
 
-    def preempt_and_note(seq, batch=None):
+    def preempt_and_note(seq):
         preempted_mid_prompt.append(0 < seq.num_computed < seq.num_prompt_tokens)
-        preempt(seq, batch)
+        preempt(seq)
     sched.preempt = preempt_and_note
     outs = generate(llm, PROMPTS, max_tokens=20, prompt_logprobs=3)
     assert tokens(outs) == [hf.greedy(p, 20) for p in PROMPTS]
@@ -2285,10 +2285,9 @@ def deadline(seconds: float):
 
 @ENGINE
 def test_metrics_are_ordered(hf, llm):
-    """arrival <= first scheduled <= first token <= finish for every request, beams included."""
+    """arrival <= first scheduled <= first token <= finish for every request, n > 1 included."""
     outs = generate(llm, PROMPTS, max_tokens=5, n=2, temperature=1.0)
-    outs += run_engine(llm.engine, [(p, SamplingParams(temperature=0.0, max_tokens=4), 2)
-                                    for p in PROMPTS[:2]])
+    outs += run_engine(llm.engine, [(p, SamplingParams(temperature=0.0, max_tokens=4)) for p in PROMPTS[:2]])
     for o in outs:
         m = o.metrics
         assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finish_time
