@@ -308,6 +308,11 @@ class Engine:
         seq.request.seqs.append(child)
         return child
 
+    def set_token_budget(self, tokens: int | None) -> None:
+        """Cut every step to this many tokens, decodes and prompt chunks together, from the
+        next step on (None: max_num_batched_tokens again)."""
+        self.scheduler.token_budget = tokens
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.in_flight is not None
 
@@ -541,50 +546,53 @@ class Engine:
             if known > req.num_streamed:
                 ids = seq.token_ids[seq.num_prompt_tokens + req.num_streamed:seq.num_prompt_tokens + known]
                 logprobs = None if req.params.logprobs is None else seq.logprobs[req.num_streamed:known]
-                so_far = self._text_so_far(seq, known) if text else None
+                so_far = text_so_far(seq, known, self.tokenizer) if text else None
                 new[req.request_id], req.num_streamed = NewTokens(ids, logprobs, so_far), known
         return new
-
-    def _text_so_far(self, seq: Sequence, known: int) -> str:
-        """The text of seq's first known output tokens (cut where a stop string ended it).
-        Stop strings keep it already (their check decodes each token as it comes,
-        _add_text): it is decoded once."""
-        if seq.detokenizer is None:
-            skip = seq.request.params.skip_special_tokens
-            seq.detokenizer = Detokenizer(self.tokenizer, skip_special_tokens=skip)
-        detok, start = seq.detokenizer, seq.num_prompt_tokens
-        for token in seq.token_ids[start + len(detok.ids):start + known]:
-            detok.add(token)
-        return detok.text[:seq.text_end]
-
-    def _text(self, seq: Sequence) -> str:
-        """The completion's text: cut where its stop string was found, else its tokens decoded
-        (without the special tokens unless skip_special_tokens is False)."""
-        if isinstance(seq.stop_reason, str):
-            return seq.detokenizer.text[:seq.text_end]
-        skip = seq.request.params.skip_special_tokens
-        return self.tokenizer.decode(seq.output_ids, skip_special_tokens=skip)
-
-    def _decoded(self, logprobs: list[dict[int, Logprob] | None]) -> list[dict[int, Logprob] | None]:
-        """logprobs with each token's text (decoded alone, as vLLM's decoded_token)."""
-        decode = self.tokenizer.decode
-        return [None if entry is None else
-                {t: dataclasses.replace(lp, decoded_token=decode([t])) for t, lp in entry.items()}
-                for entry in logprobs]
 
     def output(self, request_id: int) -> RequestOutput:
         """A finished request's output (none but its .error if it failed); the engine forgets it."""
         req = self.requests.pop(request_id)
         want_lp = req.params.logprobs is not None
         seqs = [] if req.error else sorted(req.seqs, key=lambda s: s.index)
-        outs = [CompletionOutput(s.index, s.output_ids, self._text(s), s.finish_reason,
+        outs = [CompletionOutput(s.index, s.output_ids, completion_text(s, self.tokenizer), s.finish_reason,
                                  s.cumulative_logprob if want_lp else None,
-                                 self._decoded(s.logprobs) if want_lp else None, s.stop_reason)
+                                 decoded(s.logprobs, self.tokenizer) if want_lp else None, s.stop_reason)
                 for s in seqs]
         prompt_logprobs = (None if req.error or req.prompt_logprobs is None
-                           else self._decoded(req.prompt_logprobs))
+                           else decoded(req.prompt_logprobs, self.tokenizer))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.metrics,
                              finished=req.finished, error=req.error, prompt_logprobs=prompt_logprobs)
+
+
+def text_so_far(seq: Sequence, known: int, tokenizer) -> str:
+    """The text of seq's first known output tokens (cut where a stop string ended it).
+    Stop strings keep it already (their check decodes each token as it comes,
+    _add_text): it is decoded once."""
+    if seq.detokenizer is None:
+        skip = seq.request.params.skip_special_tokens
+        seq.detokenizer = Detokenizer(tokenizer, skip_special_tokens=skip)
+    detok, start = seq.detokenizer, seq.num_prompt_tokens
+    for token in seq.token_ids[start + len(detok.ids):start + known]:
+        detok.add(token)
+    return detok.text[:seq.text_end]
+
+
+def completion_text(seq: Sequence, tokenizer) -> str:
+    """The completion's text: cut where its stop string was found, else its tokens decoded
+    (without the special tokens unless skip_special_tokens is False)."""
+    if isinstance(seq.stop_reason, str):
+        return seq.detokenizer.text[:seq.text_end]
+    skip = seq.request.params.skip_special_tokens
+    return tokenizer.decode(seq.output_ids, skip_special_tokens=skip)
+
+
+def decoded(logprobs: list[dict[int, Logprob] | None], tokenizer) -> list[dict[int, Logprob] | None]:
+    """logprobs with each token's text (decoded alone, as vLLM's decoded_token)."""
+    decode = tokenizer.decode
+    return [None if entry is None else
+            {t: dataclasses.replace(lp, decoded_token=decode([t])) for t, lp in entry.items()}
+            for entry in logprobs]
 
 
 def engine_class(cfg: EngineConfig) -> type[Engine]:

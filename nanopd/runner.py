@@ -118,8 +118,8 @@ class PromptScore:
 @dataclass
 class Lane:
     """Where a step runs: a stream (None: the current one) and the decode graphs captured on
-    it. The whole GPU's lane also has the piece graphs for mixed steps. (A split worker's
-    lanes, lanes.py, are lanes of part of the GPU each.)"""
+    it. The whole GPU's lane also has the piece graphs for mixed steps. (A feature's runner
+    may have lanes of part of the GPU each.)"""
     stream: torch.cuda.Stream | None = None
     # batch -> graph
     graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = field(default_factory=dict)
@@ -447,7 +447,7 @@ class ModelRunner:
         torch.cuda.synchronize()
 
     def _capture_lane_graphs(self, pool) -> None:
-        """The graphs of lanes beside the whole GPU's, in pool (none here; lanes.py:SplitRunner's)."""
+        """The graphs of lanes beside the whole GPU's, in pool (none here)."""
 
 
     def _compile_split_variants(self) -> None:

@@ -48,7 +48,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()   # ordered by arrival: first come, first served
         self.running: list[Sequence] = []          # in admission order; the last is preempted first
-        self.token_budget: int | None = None       # tokens per step, if cut (controller.py)
+        self.token_budget: int | None = None       # tokens per step, if cut for a while (Engine.set_token_budget)
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -65,8 +65,8 @@ class Scheduler:
     def schedule(self, decodes: bool = True, prompts: bool = True,
                  busy: set[Sequence] = frozenset()) -> Batch:
         """This step's work: running decodes, unfinished prompt chunks and new sequences, or
-        (a split worker's lanes, engine.py) only the decodes or only the prompts. busy: the
-        sequences the other lane is computing now; they are neither scheduled nor preempted."""
+        only the decodes or only the prompts (an engine that steps them apart). busy: the
+        sequences another step is computing now; they are neither scheduled nor preempted."""
         # The step's tokens, decodes and prompt chunks together (vLLM's max_num_batched_tokens),
         # may be cut for a while (token_budget), so that a step carrying prompt tokens stays
         # short for the decodes beside it (Sarathi-Serve's token budget).
@@ -125,7 +125,7 @@ class Scheduler:
         """Running sequences this one will become: n > 1 forks after the prompt."""
         return 1 if seq.num_outputs else seq.request.params.n
 
-    # -- what a feature's scheduler (speculate.py) changes: a running sequence's tokens
+    # -- what a feature's scheduler changes: a running sequence's tokens, its seats
 
     def _wanted(self, seq: Sequence) -> int:
         """The tokens seq would compute this step: those before its next token."""

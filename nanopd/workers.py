@@ -280,7 +280,7 @@ class Worker:
             return
         config: Config = c.choose(snap)
         if config != before:
-            self.engine.scheduler.token_budget = config.budget
+            self.engine.set_token_budget(config.budget)
             self._set_split(config.sm_split)
             self.reports.append(Configured(config.sm_split, config.budget, c.error))
 
