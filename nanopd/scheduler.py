@@ -48,7 +48,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()   # ordered by arrival: first come, first served
         self.running: list[Sequence] = []          # in admission order; the last is preempted first
-        self.token_budget: int | None = None       # tokens per step, if cut for a while (Engine.set_token_budget)
+        self.token_budget: int | None = None       # tokens per step, if cut (Engine.set_token_budget)
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
