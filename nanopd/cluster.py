@@ -271,6 +271,50 @@ def configs_held(log: collections.deque[ConfigChange], w: int, start: float, end
             for (at, split, budget), until in zip(held, [h[0] for h in held[1:]] + [end])]
 
 
+def worker_config(cfg: EngineConfig, steered: bool, device: str, role: str) -> EngineConfig:
+    """A worker's engine config: the cluster's, on its device. A worker whose role only
+    ever prefills (a fixed policy's prefill worker) gets no drafter: drafts are made where
+    a request decodes, and a handoff moves the target's K/V only (a draft model's cache
+    catches up on the decode worker), so a draft model there would only take memory.
+    Workers on other hosts (hosts.py) build theirs from the cluster's config, drafter
+    and all."""
+    prefills_only = not steered and not ROLES[role].decodes
+    return replace(cfg, device=device, **({"speculative_config": None} if prefills_only else {}))
+
+
+def set_split_menu(cfg: EngineConfig, cluster: "ClusterConfig", steered: bool, devices: list[str],
+                   roles: list[str]) -> None:
+    """The SM splits the workers' engines are built for, set in cfg (their decode graphs are captured
+    at start-up): a steered policy's controllers may choose any of the default menu
+    (smsplit.default_menu); a fixed split worker runs on sm_split (default: the menu's
+    second, 3/8 of the SMs for decode: 84/48 on an H200). Speculative decoding and a split
+    exclude each other (config.py): a steered policy with speculation gets no menu, so its
+    controllers never split, and a fixed split worker with speculation is refused here,
+    before any worker starts."""
+    menu = default_menu(num_sms(torch.device(devices[0])) if str(devices[0]).startswith("cuda") else 0)
+    speculates = cfg.speculative_config is not None
+    if any(ROLES[r].splits_sms for r in roles) and cfg.sm_split is None:
+        if speculates:
+            raise ValueError(f"speculative_config with {cluster.policy} on {len(devices)} "
+                             "device(s): its worker would be a split worker, whose lanes do not "
+                             "speculate; use collocated or adaptive, or more devices")
+        cfg.sm_split = tuple(menu[1])
+    if steered and not cfg.split_menu and not speculates:
+        cfg.split_menu = tuple(tuple(s) for s in menu)
+
+
+def kv_sources(roles: RoleMap, n: int, steered: bool, transport: str) -> list[list[int]]:
+    """Whose KV cache each worker reads: under a steered policy every other worker's (the
+    roles change, and the router may move any request); else, if its role takes
+    handoffs, those of the workers whose role hands off."""
+    if not TRANSPORTS[transport].shares_caches:   # two-sided: nothing is shared
+        return [[] for _ in range(n)]
+    role = roles.role
+    return [[j for j in range(n)
+             if j != i and (steered or (role(i).takes_handoffs and role(j).hands_off))]
+            for i in range(n)]
+
+
 class CentralScheduler:
     """Serves requests on one worker process per entry of devices, under a policy (see the
     module's docstring). Under adaptive, `router` must be set before the first submit
@@ -325,58 +369,19 @@ class CentralScheduler:
             devices = [f"worker {w}" for w in range(self.workers.count)]   # named by their Ready
         n = len(devices)
         roles = POLICIES[cluster.policy].roles(n, cluster.num_prefill)
-        self._split_menu(devices, roles)
+        set_split_menu(self.cfg, cluster, self.steered, devices, roles)
         self.roles = RoleMap(roles, {w: self.cfg.sm_split for w, r in enumerate(roles)
                                      if ROLES[r].splits_sms})
         if not self.roles.takers(list(range(n))) or not self.roles.decoders(list(range(n))):
             raise ValueError(f"{cluster.policy} needs 1 <= num_prefill < the number of workers, "
                              f"got num_prefill={cluster.num_prefill} with {n} workers")
         if cluster.join is None:
-            configs = [self._worker_config(device, role) for device, role in zip(devices, roles)]
-            self.workers = WorkerProcesses(configs, self._sources(n), self.transport, self.times_steps,
+            configs = [worker_config(self.cfg, self.steered, d, role) for d, role in zip(devices, roles)]
+            sources = kv_sources(self.roles, n, self.steered, self.transport)
+            self.workers = WorkerProcesses(configs, sources, self.transport, self.times_steps,
                                            [f"nanopd-{self.roles.name(w)}-{w}" for w in range(n)])
             self._close = weakref.finalize(self, self.workers.close)   # it holds the workers, not this object
         self.liveness = Liveness(self.workers, list(devices), cluster.worker_timeout_s)
-
-    def _worker_config(self, device: str, role: str) -> EngineConfig:
-        """A worker's engine config: the cluster's, on its device. A worker whose role only
-        ever prefills (a fixed policy's prefill worker) gets no drafter: drafts are made where
-        a request decodes, and a handoff moves the target's K/V only (a draft model's cache
-        catches up on the decode worker), so a draft model there would only take memory.
-        Workers on other hosts (hosts.py) build theirs from the cluster's config, drafter
-        and all."""
-        prefills_only = not self.steered and not ROLES[role].decodes
-        return replace(self.cfg, device=device, **({"speculative_config": None} if prefills_only else {}))
-
-    def _split_menu(self, devices: list[str], roles: list[str]) -> None:
-        """The SM splits the workers' engines are built for (their decode graphs are captured
-        at start-up): a steered policy's controllers may choose any of the default menu
-        (smsplit.default_menu); a fixed split worker runs on sm_split (default: the menu's
-        second, 3/8 of the SMs for decode: 84/48 on an H200). Speculative decoding and a split
-        exclude each other (config.py): a steered policy with speculation gets no menu, so its
-        controllers never split, and a fixed split worker with speculation is refused here,
-        before any worker starts."""
-        menu = default_menu(num_sms(torch.device(devices[0])) if str(devices[0]).startswith("cuda") else 0)
-        speculates = self.cfg.speculative_config is not None
-        if any(ROLES[r].splits_sms for r in roles) and self.cfg.sm_split is None:
-            if speculates:
-                raise ValueError(f"speculative_config with {self.cluster_cfg.policy} on {len(devices)} "
-                                 "device(s): its worker would be a split worker, whose lanes do not "
-                                 "speculate; use collocated or adaptive, or more devices")
-            self.cfg.sm_split = tuple(menu[1])
-        if self.steered and not self.cfg.split_menu and not speculates:
-            self.cfg.split_menu = tuple(tuple(s) for s in menu)
-
-    def _sources(self, n: int) -> list[list[int]]:
-        """Whose KV cache each worker reads: under a steered policy every other worker's (the
-        roles change, and the router may move any request); else, if its role takes
-        handoffs, those of the workers whose role hands off."""
-        if not TRANSPORTS[self.transport].shares_caches:   # two-sided: nothing is shared
-            return [[] for _ in range(n)]
-        role = self.roles.role
-        return [[j for j in range(n)
-                 if j != i and (self.steered or (role(i).takes_handoffs and role(j).hands_off))]
-                for i in range(n)]
 
     def close(self) -> None:
         self._close()
