@@ -8513,6 +8513,15 @@ def test_the_plain_generate_imports_at_most_12_modules_and_runs_code_in_at_most_
     assert not features & {m.removeprefix("nanopd.") for m in imported}
 
 
+def test_the_core_names_no_feature():
+    """engine.py, scheduler.py and runner.py name no feature: a reader who skips a feature's
+    file (speculate.py, lanes.py, handoff.py, beams.py) misses that feature only."""
+    words = ["speculat", "draft", "beam", "handoff", "parked", "prefill_only", "sm_split", "SplitEngine"]
+    for name in ("engine", "scheduler", "runner"):
+        text = (HERE / "nanopd" / f"{name}.py").read_text().lower()
+        assert not [w for w in words if w.lower() in text], name
+
+
 def test_no_function_is_longer_than_60_lines_outside_triton_kernels():
     long = []
     for path in MODULES:

@@ -9,6 +9,9 @@
                    H200 (REGIMES_RUN below)
   split_gpu.png    one H200's SMs split for each entry of the menu, with what each lane
                    measured (SPLIT_RUN below: bench.py split's table)
+  core.png         the plain engine's three classes and the features plugged into them:
+                   each feature's subclasses and the core methods they change, read from
+                   the classes themselves (config.FEATURES, handoff.py)
 
     python bench.py figures      writes them into docs/figures/ (--out: elsewhere)
 
@@ -16,6 +19,7 @@ Both languages' pages show the same PNGs; labels are in English.
 """
 
 import argparse
+import inspect
 import json
 from pathlib import Path
 
@@ -25,8 +29,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after the backend is chosen
 from matplotlib.patches import FancyArrowPatch, Rectangle
 
+from nanopd import handoff, lanes, speculate
+from nanopd.engine import Engine
 from nanopd.kv_cache import BlockManager
 from nanopd.request import Request, RequestMetrics, SamplingParams, Sequence
+from nanopd.runner import ModelRunner
 from nanopd.scheduler import Scheduler
 
 ROOT = Path(__file__).resolve().parent.parent   # the repository: the results read, the docs written
@@ -292,7 +299,64 @@ def draw_split_gpu(out: Path, run: Path = SPLIT_RUN) -> Path:
     return save(fig, out, "split_gpu.png")
 
 
-DRAW = [draw_kv_fork, draw_step_batch, draw_handoff, draw_regimes, draw_split_gpu]
+# ----------------------------------------------------------------------------- the core and its features
+
+
+CORE = [Engine, Scheduler, ModelRunner]   # the plain engine's classes, left to right
+# each feature: its file, what it does, its classes (each extends the core class of its column)
+PLUGGED = [("speculate.py", "speculative decoding",
+            [speculate.SpecEngine, speculate.SpecScheduler, speculate.SpecRunner]),
+           ("lanes.py", "a split worker's two lanes", [lanes.SplitEngine, None, lanes.SplitRunner]),
+           ("handoff.py", "the KV handoff (every worker's)",
+            [handoff.HandoffEngine, handoff.HandoffSeats, None])]
+
+
+def changed(feature: type, core: type) -> list[str]:
+    """The methods of core that feature's class defines again: where it plugs in."""
+    return sorted(name for name, value in vars(feature).items()
+                  if inspect.isfunction(value) and name in vars(core) and not name.startswith("__"))
+
+
+def draw_box(ax, x: float, y: float, w: float, h: float, title: str, names: list[str], color: str,
+             per_line: int = 2) -> None:
+    """A class as a box: its title, then names per_line to a line."""
+    ax.add_patch(Rectangle((x, y), w, h, facecolor=color, edgecolor="black", linewidth=0.8))
+    ax.text(x + 0.1, y + h - 0.12, title, fontsize=9, fontweight="bold", va="top")
+    lines = [", ".join(names[i:i + per_line]) for i in range(0, len(names), per_line)]
+    ax.text(x + 0.1, y + h - 0.45, "\n".join(lines), fontsize=7.5, va="top", family="monospace")
+
+
+def draw_core(out: Path) -> Path:
+    """The core's three classes in a row, under the LLM front and beam search; each feature a
+    row below, its classes under the core classes they extend, with the methods they change."""
+    fig, ax = plt.subplots(figsize=(13, 7.5), layout="constrained")
+    w, gap, h, pitch, core_h = 4.5, 0.3, 1.3, 1.55, 2.0
+    xs = [i * (w + gap) for i in range(len(CORE))]
+    top = 0.4 + pitch * len(PLUGGED)
+    draw_box(ax, 0, top + core_h + 0.25, xs[-1] + w, 0.8,
+             "llm.py: LLM and its Driver (generate, chat, the server's streams)",
+             ["beams.py: beam search on top, every live beam a plain one-token request a step"], "#EEEEEE")
+    for x, cls in zip(xs, CORE):
+        hooks = sorted({name for _, _, classes in PLUGGED for c in classes
+                        if c is not None and issubclass(c, cls) for name in changed(c, cls)})
+        title = f"{cls.__module__.split('.')[-1]}.py: {cls.__name__}"
+        draw_box(ax, x, top, w, core_h, title, hooks, "#C9D7EE")
+    for row, (file, what, classes) in enumerate(PLUGGED):
+        y = top - pitch * (row + 1)
+        ax.text(-0.15, y + h / 2, f"{file}\n{what}", fontsize=8.5, ha="right", va="center")
+        for x, cls, core in zip(xs, classes, CORE):
+            if cls is not None:
+                draw_box(ax, x, y, w, h, f"{cls.__name__} ({core.__name__}'s subclass)", changed(cls, core),
+                         "#F3D9C4")
+    ax.set_xlim(-2.7, xs[-1] + w + 0.1)
+    ax.set_ylim(top - pitch * len(PLUGGED) - 0.1, top + core_h + 1.1)
+    ax.axis("off")
+    ax.set_title("The plain engine (blue: the methods features change) knows no feature; each feature's "
+                 "classes (below) subclass the column's core class, changing the methods listed", fontsize=10)
+    return save(fig, out, "core.png")
+
+
+DRAW = [draw_kv_fork, draw_step_batch, draw_handoff, draw_regimes, draw_split_gpu, draw_core]
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
