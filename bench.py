@@ -400,7 +400,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="seats per worker, every policy (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per step (default: 8192 on GPUs, 256 on CPUs)")
+                   help="the most tokens a step carries, decodes and prompt chunks together (default: "
+                   "8192 on GPUs, 256 on CPUs)")
     p.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="speculative decoding, K ngram drafts a step (docs/speculative.md); 0: none "
                    "(default)")
@@ -505,8 +506,9 @@ def make_run(args: argparse.Namespace) -> Run:
         rates = [0.0]
     else:
         rates = [default(args.rate, 8.0 if gpu else 4.0)]
-    budget = default(args.max_num_batched_tokens, 8192 if gpu else 256)
-    run = Run(mode=args.mode, policies=["server"] if args.url else run_names(args.policy, devices, budget),
+    max_num_batched_tokens = default(args.max_num_batched_tokens, 8192 if gpu else 256)
+    names = ["server"] if args.url else run_names(args.policy, devices, max_num_batched_tokens)
+    run = Run(mode=args.mode, policies=names,
               workloads=args.workload, rates=rates,
               duration=default(args.duration, 60.0 if gpu else 15.0),
               count=default(args.num_requests, 512 if gpu else 64),
@@ -515,7 +517,7 @@ def make_run(args: argparse.Namespace) -> Run:
               ttft_slo=default(args.ttft_slo, 2.0 if gpu else 0.5),
               tpot_slo=default(args.tpot_slo, 0.1 if gpu else 0.05),
               engine={"max_num_seqs": args.max_num_seqs, "max_model_len": 4096,
-                      "max_num_batched_tokens": budget,
+                      "max_num_batched_tokens": max_num_batched_tokens,
                       **({"speculative_config": {"method": "ngram",
                                                  "num_speculative_tokens": args.speculative}}
                          if args.speculative != 0 else {})},
@@ -593,8 +595,8 @@ def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
     result, the router's calibration, the regimes it went through, the configurations
     its workers held (adaptive) and the steps they timed."""
     from nanopd import LLM
-    policy, budget = run_config(name)
-    engine = {**run.engine, **({"max_num_batched_tokens": budget} if budget else {})}
+    policy, tokens = run_config(name)   # tokens: the run's max_num_batched_tokens, None: run.engine's
+    engine = {**run.engine, **({"max_num_batched_tokens": tokens} if tokens else {})}
     begun = time.perf_counter()
     try:
         llm = LLM(run.model, policy=policy, devices=run.devices,

@@ -1356,18 +1356,18 @@ def test_clone_is_a_deep_copy():
 
 
 @ENGINE
-@pytest.mark.parametrize("budget", [7, 16, 64])
-def test_chunked_prefill_matches_hf(hf, monkeypatch, budget):
+@pytest.mark.parametrize("max_num_batched_tokens", [7, 16, 64])
+def test_chunked_prefill_matches_hf(hf, monkeypatch, max_num_batched_tokens):
     """Prompts split into chunks under a small token budget still give HF's greedy tokens."""
-    llm = make_llm(hf.path, max_num_batched_tokens=budget)
-    step_tokens, run = [], llm.engine.runner.run
+    llm = make_llm(hf.path, max_num_batched_tokens=max_num_batched_tokens)
+    per_step, run = [], llm.engine.runner.run
 
     def counting_run(batch, *args):
-        step_tokens.append(sum(batch.num_new))
+        per_step.append(sum(batch.num_new))
         return run(batch, *args)
     monkeypatch.setattr(llm.engine.runner, "run", counting_run)
     assert tokens(generate(llm, PROMPTS, max_tokens=12)) == [hf.greedy(p, 12) for p in PROMPTS]
-    assert max(step_tokens) == budget
+    assert max(per_step) == max_num_batched_tokens
     assert all_blocks_free(llm)
 
 
@@ -4974,7 +4974,7 @@ def brute_forecast(model: StepModel, config: "controller.Config", snap: "control
                    slo: tuple[float, float] | None) -> tuple[float, float | None]:
     """The forecast's rules, run per request and per step: (the sum of the time each request
     spends in the system to the end of the last step plus what it still needs, the SLO share)."""
-    H, b, split = controller.HORIZON_MS, config.budget, config.sm_split
+    H, b, split = controller.HORIZON_MS, config.token_budget, config.sm_split
     key = None if split is None else f"{split[0]}/{split[1]}"
     ms_of = functools.partial(brute_step_ms, model)
     reqs = [record(-p.waited_ms, p.tokens_left, p.output, p.admitted, p.length or p.tokens_left)
@@ -5030,7 +5030,7 @@ def brute_forecast(model: StepModel, config: "controller.Config", snap: "control
         while now < H:
             join(now)
             batch = decoding()
-            tokens, done = chunk(min(b, snap.step_tokens) - len(batch))   # decodes count in the budget
+            tokens, done = chunk(min(b, snap.max_num_batched_tokens) - len(batch))   # decodes count in it
             if not batch and not tokens:
                 if joined[0] == len(arrivals):
                     break
@@ -5077,7 +5077,7 @@ def brute_forecast(model: StepModel, config: "controller.Config", snap: "control
 
 def brute_tail(model, config, snap, slo, reqs, now, in_chunk, t_p, key):
     """What each request left at the end still needs (controller.py:finish's rules), per request."""
-    b, ms_of = config.budget, functools.partial(brute_step_ms, model)
+    b, ms_of = config.token_budget, functools.partial(brute_step_ms, model)
     ttft, tpot = (slo[0] * 1e3, slo[1] * 1e3) if slo else (math.inf, math.inf)
     dec = [r for r in reqs if r["phase"] == "decode"]
     queue = [r for r in reqs if r["phase"] == "prompt"]
@@ -5085,13 +5085,13 @@ def brute_tail(model, config, snap, slo, reqs, now, in_chunk, t_p, key):
     ctx, nd = sum(r["ctx"] for r in dec), len(dec)
     if key is None:
         decode_ms = ms_of(("whole", None), nd, ctx, 0)
-        chunk_ms = ms_of(("whole", None), nd, ctx, min(q_all, min(b, snap.step_tokens) - nd))
+        chunk_ms = ms_of(("whole", None), nd, ctx, min(q_all, min(b, snap.max_num_batched_tokens) - nd))
     else:
         lane = ("decode", key) if q_all or in_chunk is not None else ("whole", None)
         decode_ms = ms_of(lane, nd, ctx, 0)
         chunk_ms = ms_of(("prefill", key), 0, 0, min(b, q_all)) if q_all else 0.0
     total, met, q = 0.0, 0, 0
-    room = max(1, min(b, snap.step_tokens) - (nd if key is None else 0))   # a step's prompt tokens
+    room = max(1, min(b, snap.max_num_batched_tokens) - (nd if key is None else 0))   # a step's prompt tokens
     for r in reqs:
         total += min(r["end"] if r["end"] is not None else now, now) - max(r["arr"], 0.0)
         ok_first = r["ttft"] is None or r["ttft"] <= ttft
@@ -5133,7 +5133,7 @@ def brute_keeps_up(model: StepModel, config: "controller.Config",
     chunks of the budget at a0 + a1 L + a2 L^2 ms each."""
     if config.sm_split is None:
         return True
-    chunk = min(config.budget, snap.step_tokens)
+    chunk = min(config.token_budget, snap.max_num_batched_tokens)
     lane = model.p.splits[controller.split_key(config.sm_split)]   # a controller's model: no level of its own
     a0, a1, a2 = lane.alpha0, lane.alpha, lane.alpha2
     return snap.rate * snap.mean_prompt * (a0 + a1 * chunk + a2 * chunk * chunk) / chunk < controller.MAX_LOAD
@@ -5195,7 +5195,7 @@ def test_the_forecast_agrees_with_a_simulation_per_request_and_step(seed):
     model = StepModel(CTL_PARAMS)
     for _ in range(8):
         snap, slo = random_snapshot(rng), random_slo(rng)
-        for config in controller.menu(snap.step_tokens, snap.seats, [(84, 48)]):
+        for config in controller.menu(snap.max_num_batched_tokens, snap.seats, [(84, 48)]):
             f = controller.forecast(model, config, snap, slo)
             latency, met = brute_forecast(model, config, snap, slo)
             assert f.latency_ms == pytest.approx(latency, rel=1e-9), config
@@ -5241,10 +5241,10 @@ def test_the_controller_chooses_the_brute_force_argmin_and_keeps_steps_under_the
     rng = random.Random(100 + seed)
     for _ in range(6):
         snap, slo = random_snapshot(rng), random_slo(rng)
-        ctl = controller.Controller(CTL_PARAMS, snap.step_tokens, [(84, 48)], slo, margin=0.0,
+        ctl = controller.Controller(CTL_PARAMS, snap.max_num_batched_tokens, [(84, 48)], slo, margin=0.0,
                                     budget_margin=0.0)
         chosen = ctl.choose(snap)
-        options = [c for c in controller.menu(snap.step_tokens, snap.seats, [(84, 48)])
+        options = [c for c in controller.menu(snap.max_num_batched_tokens, snap.seats, [(84, 48)])
                    if brute_keeps_up(ctl.model, c, snap)]
         full = {c: controller.full_step_ms(ctl.model, c, snap) for c in options}
         if slo is not None and any(ms <= slo[1] * 1e3 for ms in full.values()):
@@ -5373,7 +5373,8 @@ def test_the_adaptive_workers_controller_cuts_its_budget_when_long_prompts_come_
     assert [o.outputs[0].token_ids for o in outs] == [hf.greedy(p, 400) for p in short] + \
         [hf.greedy(p, 100) for p in long]
     changes = cluster.config_log
-    assert changes and changes[0].worker == 0 and changes[0].budget == 512 and changes[0].sm_split is None
+    assert changes and changes[0].worker == 0 and changes[0].token_budget == 512
+    assert changes[0].sm_split is None
     assert all(c.time_s >= 0 for c in changes)
 
 
@@ -5453,7 +5454,8 @@ def test_the_configurations_a_worker_held_are_its_log_read_at_every_instant(seed
     for i in range(instants):
         at = start + (i + 0.5) * (end - start) / instants
         mine = [c for c in log if c.worker == 1 and start < c.time_s <= at]
-        seen[(mine[-1].sm_split, mine[-1].budget) if mine else (routed_split, routed_budget)] += 1 / instants
+        held = (mine[-1].sm_split, mine[-1].token_budget) if mine else (routed_split, routed_budget)
+        seen[held] += 1 / instants
     assert {k for k, v in got.items() if v > 1e-3} == {k for k, v in seen.items() if v > 1e-3}
     assert all(got[k] == pytest.approx(seen[k], abs=2e-3) for k in seen)
 
@@ -8049,7 +8051,7 @@ def test_simulate_serves_through_the_schedulers_steps_what_the_forecasts_rules_g
     specs = [Spec(0.0, [rng.randrange(1 << 20) for _ in range(rng.randint(20, 700))], rng.randint(1, 40))
              for _ in range(24)]
     times = StepTimes(model.coefficients(WHOLE)[0], H200_LIKE.batch_thresh)
-    served, held = serve(specs, times, seats=8, step_tokens=1024, budget=budget)
+    served, held = serve(specs, times, seats=8, max_num_batched_tokens=1024, token_budget=budget)
     assert list(held) == [budget]
     assert sorted(s.output_len for s in served) == sorted(s.max_tokens for s in specs)
     snap = controller.Snapshot(0.0, [controller.Prompt(len(s.prompt_ids), 0.0, s.max_tokens) for s in specs],
@@ -8085,9 +8087,10 @@ def test_simulate_serves_a_schedule_of_one_budget_as_that_budget_held_fixed():
                   rng.randint(1, 40)) for _ in range(24)]
     times = StepTimes(model.coefficients(WHOLE)[0], H200_LIKE.batch_thresh)
     for budget in (64, 256):
-        fixed = serve(specs, times, seats=8, step_tokens=1024, budget=budget)
-        assert serve(specs, times, seats=8, step_tokens=1024, schedule=lambda clock, b=budget: b) == fixed
-    _, held = serve(specs, times, seats=8, step_tokens=1024,
+        fixed = serve(specs, times, seats=8, max_num_batched_tokens=1024, token_budget=budget)
+        assert serve(specs, times, seats=8, max_num_batched_tokens=1024,
+                     schedule=lambda clock, b=budget: b) == fixed
+    _, held = serve(specs, times, seats=8, max_num_batched_tokens=1024,
                     schedule=lambda clock: 64 if clock < 0.05 else 256)
     assert set(held) == {64, 256}
 

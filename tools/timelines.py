@@ -1,5 +1,5 @@
 """What a run's cluster did inside, read off its central scheduler for bench.py's
-results.json: each worker's configuration, its SM split and step budget, as its controller
+results.json: each worker's configuration, its SM split and token budget, as its controller
 changed it (config_timeline), every step the workers timed (timed_steps), and the planner's
 regime and each worker's role (regime_timeline); then how long each configuration held
 (held_shares) and the lines under the table that say so (print_timelines). Times count in
@@ -19,7 +19,7 @@ def config_timeline(cluster, log: list, held: dict, start: float, seconds: float
     for c in sorted(log, key=lambda c: c.time_s):
         t = c.time_s + origin
         row = {"time": max(0.0, t), "worker": c.worker,
-               "sm_split": None if c.sm_split is None else list(c.sm_split), "budget": c.budget}
+               "sm_split": None if c.sm_split is None else list(c.sm_split), "budget": c.token_budget}
         if t <= 0:
             first[c.worker] = row
         elif t <= seconds:
@@ -50,9 +50,9 @@ def regime_timeline(planner, start: float, seconds: float) -> dict:
     return {"seconds": seconds, "changes": changes}
 
 
-def config_text(sm_split: list[int] | None, budget: int) -> str:
-    """A configuration as the notes name it: its SM split (or the whole GPU) and step budget."""
-    return f"{'whole GPU' if sm_split is None else f'{sm_split[0]}/{sm_split[1]} SMs'} @{budget}"
+def config_text(sm_split: list[int] | None, token_budget: int) -> str:
+    """A configuration as the notes name it: its SM split (or the whole GPU) and token budget."""
+    return f"{'whole GPU' if sm_split is None else f'{sm_split[0]}/{sm_split[1]} SMs'} @{token_budget}"
 
 
 def held_shares(timeline: dict) -> dict[int, dict[str, float]]:
