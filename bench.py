@@ -606,7 +606,7 @@ def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
         raise SystemExit(f"error: {e}") from None
     rows, results, timelines, configs, steps = [], [], [], [], []
     with llm:
-        held = {"budget": llm.cluster.cfg.max_num_batched_tokens, "sm_split": llm.cluster.cfg.sm_split}
+        held = {"token_budget": llm.cluster.cfg.max_num_batched_tokens, "sm_split": llm.cluster.cfg.sm_split}
         vocab = llm.cluster.vocab_size
         router = llm.cluster.router
         profiled = asdict(router.cost.p) if router is not None else None   # before the refits
@@ -640,7 +640,7 @@ def run_server(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
     """run_policy's twin against the server at run.url, as its client (serve_over_http):
     the same warm-up, then every workload at every rate; nothing of the server's inside
     (no calibration, regimes, configurations or steps)."""
-    rows, results, held = [], [], {"budget": None, "sm_split": None}
+    rows, results, held = [], [], {"token_budget": None, "sm_split": None}
     client.check_server(run.url, run.api_key, run.model)
     asyncio.run(serve_over_http(run, "warm-up", 0.0, warm_up(run, HTTP_VOCAB), "server warm-up"))
     for workload in run.workloads:

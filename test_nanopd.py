@@ -7903,7 +7903,7 @@ def test_bench_all_on_one_device_runs_the_frontier_and_marks_the_best_fixed(tmp_
     assert all(r["error"] is None for r in results["requests"])
     for r in results["summary"]:   # the budget each ran at, and only the split worker split
         assert (r["sm_split"] is not None) == (r["policy"] == "disaggregated@256")
-        assert r["policy"] == "adaptive" or r["policy"].endswith(f"@{r['budget']}")
+        assert r["policy"] == "adaptive" or r["policy"].endswith(f"@{r['token_budget']}")
     table = [line.split(" | ") for line in run.stdout.decode().splitlines() if line.startswith("| ")]
     def p50(name: str, workload: str) -> float:   # the run's row: every request; a phase's: its own
         mine = sorted(q["e2e"] for q in results["requests"] if q["policy"] == name
@@ -8201,7 +8201,8 @@ def test_bench_plots_the_configurations_over_time_from_a_synthetic_log(tmp_path)
     start, a worker's last change before it is what it held at 0, and one that never
     changed holds the engine's own; only the steps timed within the run are kept; each
     worker's shares of the run add to 1 and are the spans counted here; the figure's
-    legends name exactly the splits and budgets held, and it is written."""
+    legends name exactly the splits and budgets held, and it is written; a timeline recorded
+    before the rename (its changes' "budget", not "token_budget") reads the same."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -8216,23 +8217,28 @@ def test_bench_plots_the_configurations_over_time_from_a_synthetic_log(tmp_path)
              (12.5, 0, step(1, 10, 0, 5.0))]   # before the run, in it, after it
     cluster = type("Cluster", (), {"devices": ["cpu", "cpu"], "started": 100.0, "step_log": steps})()
     tl = {"policy": "adaptive", "workload": "sharegpt", "rate": 4.0,   # the run started 2 s into the cluster
-          **timelines.config_timeline(cluster, log, {"budget": 8192, "sm_split": None}, 102.0, 10.0)}
+          **timelines.config_timeline(cluster, log, {"token_budget": 8192, "sm_split": None}, 102.0, 10.0)}
     assert timelines.timed_steps(cluster, 102.0, 10.0) == [[0.5, 1, 4, 400, 512, 21.0, [84, 48]]]
-    assert [(c["time"], c["worker"], c["sm_split"], c["budget"]) for c in tl["changes"]] == [
+    assert [(c["time"], c["worker"], c["sm_split"], c["token_budget"]) for c in tl["changes"]] == [
         (0.0, 0, None, 512), (0.0, 1, None, 8192), (1.0, 0, [84, 48], 512), (4.0, 0, None, 2048)]
     assert timelines.held_shares(tl) == {0: {"whole GPU @2048": pytest.approx(0.6),
                                              "84/48 SMs @512": pytest.approx(0.3),
                                              "whole GPU @512": pytest.approx(0.1)},
                                          1: {"whole GPU @8192": 1.0}}
+    # a results.json recorded before ConfigChange.budget became token_budget names it "budget"
+    old = {**tl, "changes": [{"budget" if k == "token_budget" else k: v for k, v in c.items()}
+                             for c in tl["changes"]]}
+    assert "token_budget" not in old["changes"][0] and timelines.held_shares(old) == timelines.held_shares(tl)
     results = [bench.Result("adaptive", "sharegpt", 4.0, 16, 8, 0.1, 0.01, 0.5, [0], phase="sharegpt",
                             arrival=0.25 * i) for i in range(40)]
-    fig = plots.plot_configs(plt, [tl], results)
-    legends = [{t.get_text() for t in lg.get_texts()} for ax in fig.axes for lg in
-               [a for a in ax.get_children() if isinstance(a, matplotlib.legend.Legend)]]
-    assert {"whole GPU", "84/48"} in legends and {"512", "2048", "8192"} in legends
-    fig.savefig(tmp_path / "configs.png")
-    plt.close(fig)
-    assert (tmp_path / "configs.png").stat().st_size > 1000
+    for name, timeline in (("configs", tl), ("old", old)):
+        fig = plots.plot_configs(plt, [timeline], results)
+        legends = [{t.get_text() for t in lg.get_texts()} for ax in fig.axes for lg in
+                   [a for a in ax.get_children() if isinstance(a, matplotlib.legend.Legend)]]
+        assert {"whole GPU", "84/48"} in legends and {"512", "2048", "8192"} in legends
+        fig.savefig(tmp_path / f"{name}.png")
+        plt.close(fig)
+        assert (tmp_path / f"{name}.png").stat().st_size > 1000
 
 
 # ======= tools/: bench.py's sub-commands, the micro-benchmarks and the figures

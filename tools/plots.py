@@ -6,11 +6,12 @@ by the run's caption.
 """
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from tools.figures import draw_arrivals
 from tools.frontier import rate_text, run_config
-from tools.timelines import config_spans
+from tools.timelines import config_spans, token_budget_of
 
 
 def plot(out: Path, caption: str, rows: list[dict], results: list, goodput: dict, timelines: list[dict],
@@ -251,17 +252,17 @@ def draw_config_bands(plt, ax, tl: dict) -> None:
     """config_timeline's changes as a band per worker (plot_configs), with their legends."""
     workers = sorted({c["worker"] for c in tl["changes"]})
     splits = sorted({tuple(c["sm_split"]) for c in tl["changes"] if c["sm_split"]}, key=lambda s: s[1])
-    budgets = sorted({c["budget"] for c in tl["changes"]})
+    budgets = sorted({token_budget_of(c) for c in tl["changes"]})
     spans = config_spans(tl)
     for w in workers:
         y = len(workers) - 1 - workers.index(w)   # worker 0 on top
         mine = [(c, end) for c, end in spans if c["worker"] == w]
-        for (t0, t1, split), base in ((s, y + 0.02) for s in held_runs(mine, "sm_split")):
+        for (t0, t1, split), base in ((s, y + 0.02) for s in held_runs(mine, lambda c: c["sm_split"])):
             color = WHOLE_GPU if split is None else \
                 SPLIT_COLORS[splits.index(tuple(split)) % len(SPLIT_COLORS)]
             label_span(ax, t0, t1, base, color, "whole GPU" if split is None else f"{split[0]}/{split[1]}",
                        "white", tl["seconds"])
-        for t0, t1, token_budget in held_runs(mine, "budget"):
+        for t0, t1, token_budget in held_runs(mine, token_budget_of):
             label_span(ax, t0, t1, y - 0.45, budget_color(plt, token_budget), str(token_budget),
                        "white" if token_budget >= 2048 else "black", tl["seconds"])
     ax.set_yticks([t for y in range(len(workers))[::-1] for t in (y + 0.235, y - 0.235)],
@@ -278,14 +279,15 @@ def draw_config_bands(plt, ax, tl: dict) -> None:
               loc="lower left", bbox_to_anchor=(1.16, 0.0), ncol=1 + (len(budgets) > 3))
 
 
-def held_runs(spans: list[tuple[dict, float]], key: str) -> list[tuple[float, float, object]]:
-    """A worker's config_spans as (start, end, value of key), a span per run of one value."""
+def held_runs(spans: list[tuple[dict, float]], value: Callable[[dict], object]
+              ) -> list[tuple[float, float, object]]:
+    """A worker's config_spans as (start, end, value(change)), a span per run of one value."""
     runs = []
     for c, end in spans:
-        if runs and runs[-1][2] == c[key]:
-            runs[-1] = (runs[-1][0], end, c[key])
+        if runs and runs[-1][2] == value(c):
+            runs[-1] = (runs[-1][0], end, value(c))
         else:
-            runs.append((c["time"], end, c[key]))
+            runs.append((c["time"], end, value(c)))
     return runs
 
 
