@@ -400,7 +400,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="seats per worker, every policy (default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per step (default: 8192 on GPUs, 256 on CPUs)")
+                   help="the most tokens a step carries, decodes and prompt chunks together (default: "
+                   "8192 on GPUs, 256 on CPUs)")
     p.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="speculative decoding, K ngram drafts a step (docs/speculative.md); 0: none "
                    "(default)")
@@ -505,8 +506,9 @@ def make_run(args: argparse.Namespace) -> Run:
         rates = [0.0]
     else:
         rates = [default(args.rate, 8.0 if gpu else 4.0)]
-    budget = default(args.max_num_batched_tokens, 8192 if gpu else 256)
-    run = Run(mode=args.mode, policies=["server"] if args.url else run_names(args.policy, devices, budget),
+    max_num_batched_tokens = default(args.max_num_batched_tokens, 8192 if gpu else 256)
+    names = ["server"] if args.url else run_names(args.policy, devices, max_num_batched_tokens)
+    run = Run(mode=args.mode, policies=names,
               workloads=args.workload, rates=rates,
               duration=default(args.duration, 60.0 if gpu else 15.0),
               count=default(args.num_requests, 512 if gpu else 64),
@@ -515,7 +517,7 @@ def make_run(args: argparse.Namespace) -> Run:
               ttft_slo=default(args.ttft_slo, 2.0 if gpu else 0.5),
               tpot_slo=default(args.tpot_slo, 0.1 if gpu else 0.05),
               engine={"max_num_seqs": args.max_num_seqs, "max_model_len": 4096,
-                      "max_num_batched_tokens": budget,
+                      "max_num_batched_tokens": max_num_batched_tokens,
                       **({"speculative_config": {"method": "ngram",
                                                  "num_speculative_tokens": args.speculative}}
                          if args.speculative != 0 else {})},
@@ -593,8 +595,8 @@ def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
     result, the router's calibration, the regimes it went through, the configurations
     its workers held (adaptive) and the steps they timed."""
     from nanopd import LLM
-    policy, budget = run_config(name)
-    engine = {**run.engine, **({"max_num_batched_tokens": budget} if budget else {})}
+    policy, tokens = run_config(name)   # tokens: the run's max_num_batched_tokens, None: run.engine's
+    engine = {**run.engine, **({"max_num_batched_tokens": tokens} if tokens else {})}
     begun = time.perf_counter()
     try:
         llm = LLM(run.model, policy=policy, devices=run.devices,
@@ -604,7 +606,7 @@ def run_policy(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
         raise SystemExit(f"error: {e}") from None
     rows, results, timelines, configs, steps = [], [], [], [], []
     with llm:
-        held = {"budget": llm.cluster.cfg.max_num_batched_tokens, "sm_split": llm.cluster.cfg.sm_split}
+        held = {"token_budget": llm.cluster.cfg.max_num_batched_tokens, "sm_split": llm.cluster.cfg.sm_split}
         vocab = llm.cluster.vocab_size
         router = llm.cluster.router
         profiled = asdict(router.cost.p) if router is not None else None   # before the refits
@@ -638,7 +640,7 @@ def run_server(run: Run, name: str) -> tuple[list[dict], list[Result], dict, lis
     """run_policy's twin against the server at run.url, as its client (serve_over_http):
     the same warm-up, then every workload at every rate; nothing of the server's inside
     (no calibration, regimes, configurations or steps)."""
-    rows, results, held = [], [], {"budget": None, "sm_split": None}
+    rows, results, held = [], [], {"token_budget": None, "sm_split": None}
     client.check_server(run.url, run.api_key, run.model)
     asyncio.run(serve_over_http(run, "warm-up", 0.0, warm_up(run, HTTP_VOCAB), "server warm-up"))
     for workload in run.workloads:

@@ -1356,18 +1356,18 @@ def test_clone_is_a_deep_copy():
 
 
 @ENGINE
-@pytest.mark.parametrize("budget", [7, 16, 64])
-def test_chunked_prefill_matches_hf(hf, monkeypatch, budget):
+@pytest.mark.parametrize("max_num_batched_tokens", [7, 16, 64])
+def test_chunked_prefill_matches_hf(hf, monkeypatch, max_num_batched_tokens):
     """Prompts split into chunks under a small token budget still give HF's greedy tokens."""
-    llm = make_llm(hf.path, max_num_batched_tokens=budget)
-    step_tokens, run = [], llm.engine.runner.run
+    llm = make_llm(hf.path, max_num_batched_tokens=max_num_batched_tokens)
+    per_step, run = [], llm.engine.runner.run
 
     def counting_run(batch, *args):
-        step_tokens.append(sum(batch.num_new))
+        per_step.append(sum(batch.num_new))
         return run(batch, *args)
     monkeypatch.setattr(llm.engine.runner, "run", counting_run)
     assert tokens(generate(llm, PROMPTS, max_tokens=12)) == [hf.greedy(p, 12) for p in PROMPTS]
-    assert max(step_tokens) == budget
+    assert max(per_step) == max_num_batched_tokens
     assert all_blocks_free(llm)
 
 
@@ -4974,7 +4974,7 @@ def brute_forecast(model: StepModel, config: "controller.Config", snap: "control
                    slo: tuple[float, float] | None) -> tuple[float, float | None]:
     """The forecast's rules, run per request and per step: (the sum of the time each request
     spends in the system to the end of the last step plus what it still needs, the SLO share)."""
-    H, b, split = controller.HORIZON_MS, config.budget, config.sm_split
+    H, b, split = controller.HORIZON_MS, config.token_budget, config.sm_split
     key = None if split is None else f"{split[0]}/{split[1]}"
     ms_of = functools.partial(brute_step_ms, model)
     reqs = [record(-p.waited_ms, p.tokens_left, p.output, p.admitted, p.length or p.tokens_left)
@@ -5030,7 +5030,7 @@ def brute_forecast(model: StepModel, config: "controller.Config", snap: "control
         while now < H:
             join(now)
             batch = decoding()
-            tokens, done = chunk(min(b, snap.step_tokens) - len(batch))   # decodes count in the budget
+            tokens, done = chunk(min(b, snap.max_num_batched_tokens) - len(batch))   # decodes count in it
             if not batch and not tokens:
                 if joined[0] == len(arrivals):
                     break
@@ -5077,7 +5077,7 @@ def brute_forecast(model: StepModel, config: "controller.Config", snap: "control
 
 def brute_tail(model, config, snap, slo, reqs, now, in_chunk, t_p, key):
     """What each request left at the end still needs (controller.py:finish's rules), per request."""
-    b, ms_of = config.budget, functools.partial(brute_step_ms, model)
+    b, ms_of = config.token_budget, functools.partial(brute_step_ms, model)
     ttft, tpot = (slo[0] * 1e3, slo[1] * 1e3) if slo else (math.inf, math.inf)
     dec = [r for r in reqs if r["phase"] == "decode"]
     queue = [r for r in reqs if r["phase"] == "prompt"]
@@ -5085,13 +5085,13 @@ def brute_tail(model, config, snap, slo, reqs, now, in_chunk, t_p, key):
     ctx, nd = sum(r["ctx"] for r in dec), len(dec)
     if key is None:
         decode_ms = ms_of(("whole", None), nd, ctx, 0)
-        chunk_ms = ms_of(("whole", None), nd, ctx, min(q_all, min(b, snap.step_tokens) - nd))
+        chunk_ms = ms_of(("whole", None), nd, ctx, min(q_all, min(b, snap.max_num_batched_tokens) - nd))
     else:
         lane = ("decode", key) if q_all or in_chunk is not None else ("whole", None)
         decode_ms = ms_of(lane, nd, ctx, 0)
         chunk_ms = ms_of(("prefill", key), 0, 0, min(b, q_all)) if q_all else 0.0
     total, met, q = 0.0, 0, 0
-    room = max(1, min(b, snap.step_tokens) - (nd if key is None else 0))   # a step's prompt tokens
+    room = max(1, min(b, snap.max_num_batched_tokens) - (nd if key is None else 0))   # a step's prompt tokens
     for r in reqs:
         total += min(r["end"] if r["end"] is not None else now, now) - max(r["arr"], 0.0)
         ok_first = r["ttft"] is None or r["ttft"] <= ttft
@@ -5133,7 +5133,7 @@ def brute_keeps_up(model: StepModel, config: "controller.Config",
     chunks of the budget at a0 + a1 L + a2 L^2 ms each."""
     if config.sm_split is None:
         return True
-    chunk = min(config.budget, snap.step_tokens)
+    chunk = min(config.token_budget, snap.max_num_batched_tokens)
     lane = model.p.splits[controller.split_key(config.sm_split)]   # a controller's model: no level of its own
     a0, a1, a2 = lane.alpha0, lane.alpha, lane.alpha2
     return snap.rate * snap.mean_prompt * (a0 + a1 * chunk + a2 * chunk * chunk) / chunk < controller.MAX_LOAD
@@ -5195,7 +5195,7 @@ def test_the_forecast_agrees_with_a_simulation_per_request_and_step(seed):
     model = StepModel(CTL_PARAMS)
     for _ in range(8):
         snap, slo = random_snapshot(rng), random_slo(rng)
-        for config in controller.menu(snap.step_tokens, snap.seats, [(84, 48)]):
+        for config in controller.menu(snap.max_num_batched_tokens, snap.seats, [(84, 48)]):
             f = controller.forecast(model, config, snap, slo)
             latency, met = brute_forecast(model, config, snap, slo)
             assert f.latency_ms == pytest.approx(latency, rel=1e-9), config
@@ -5241,10 +5241,10 @@ def test_the_controller_chooses_the_brute_force_argmin_and_keeps_steps_under_the
     rng = random.Random(100 + seed)
     for _ in range(6):
         snap, slo = random_snapshot(rng), random_slo(rng)
-        ctl = controller.Controller(CTL_PARAMS, snap.step_tokens, [(84, 48)], slo, margin=0.0,
+        ctl = controller.Controller(CTL_PARAMS, snap.max_num_batched_tokens, [(84, 48)], slo, margin=0.0,
                                     budget_margin=0.0)
         chosen = ctl.choose(snap)
-        options = [c for c in controller.menu(snap.step_tokens, snap.seats, [(84, 48)])
+        options = [c for c in controller.menu(snap.max_num_batched_tokens, snap.seats, [(84, 48)])
                    if brute_keeps_up(ctl.model, c, snap)]
         full = {c: controller.full_step_ms(ctl.model, c, snap) for c in options}
         if slo is not None and any(ms <= slo[1] * 1e3 for ms in full.values()):
@@ -5373,7 +5373,8 @@ def test_the_adaptive_workers_controller_cuts_its_budget_when_long_prompts_come_
     assert [o.outputs[0].token_ids for o in outs] == [hf.greedy(p, 400) for p in short] + \
         [hf.greedy(p, 100) for p in long]
     changes = cluster.config_log
-    assert changes and changes[0].worker == 0 and changes[0].budget == 512 and changes[0].sm_split is None
+    assert changes and changes[0].worker == 0 and changes[0].token_budget == 512
+    assert changes[0].sm_split is None
     assert all(c.time_s >= 0 for c in changes)
 
 
@@ -5453,7 +5454,8 @@ def test_the_configurations_a_worker_held_are_its_log_read_at_every_instant(seed
     for i in range(instants):
         at = start + (i + 0.5) * (end - start) / instants
         mine = [c for c in log if c.worker == 1 and start < c.time_s <= at]
-        seen[(mine[-1].sm_split, mine[-1].budget) if mine else (routed_split, routed_budget)] += 1 / instants
+        held = (mine[-1].sm_split, mine[-1].token_budget) if mine else (routed_split, routed_budget)
+        seen[held] += 1 / instants
     assert {k for k, v in got.items() if v > 1e-3} == {k for k, v in seen.items() if v > 1e-3}
     assert all(got[k] == pytest.approx(seen[k], abs=2e-3) for k in seen)
 
@@ -7901,7 +7903,7 @@ def test_bench_all_on_one_device_runs_the_frontier_and_marks_the_best_fixed(tmp_
     assert all(r["error"] is None for r in results["requests"])
     for r in results["summary"]:   # the budget each ran at, and only the split worker split
         assert (r["sm_split"] is not None) == (r["policy"] == "disaggregated@256")
-        assert r["policy"] == "adaptive" or r["policy"].endswith(f"@{r['budget']}")
+        assert r["policy"] == "adaptive" or r["policy"].endswith(f"@{r['token_budget']}")
     table = [line.split(" | ") for line in run.stdout.decode().splitlines() if line.startswith("| ")]
     def p50(name: str, workload: str) -> float:   # the run's row: every request; a phase's: its own
         mine = sorted(q["e2e"] for q in results["requests"] if q["policy"] == name
@@ -8049,7 +8051,7 @@ def test_simulate_serves_through_the_schedulers_steps_what_the_forecasts_rules_g
     specs = [Spec(0.0, [rng.randrange(1 << 20) for _ in range(rng.randint(20, 700))], rng.randint(1, 40))
              for _ in range(24)]
     times = StepTimes(model.coefficients(WHOLE)[0], H200_LIKE.batch_thresh)
-    served, held = serve(specs, times, seats=8, step_tokens=1024, budget=budget)
+    served, held = serve(specs, times, seats=8, max_num_batched_tokens=1024, token_budget=budget)
     assert list(held) == [budget]
     assert sorted(s.output_len for s in served) == sorted(s.max_tokens for s in specs)
     snap = controller.Snapshot(0.0, [controller.Prompt(len(s.prompt_ids), 0.0, s.max_tokens) for s in specs],
@@ -8085,9 +8087,10 @@ def test_simulate_serves_a_schedule_of_one_budget_as_that_budget_held_fixed():
                   rng.randint(1, 40)) for _ in range(24)]
     times = StepTimes(model.coefficients(WHOLE)[0], H200_LIKE.batch_thresh)
     for budget in (64, 256):
-        fixed = serve(specs, times, seats=8, step_tokens=1024, budget=budget)
-        assert serve(specs, times, seats=8, step_tokens=1024, schedule=lambda clock, b=budget: b) == fixed
-    _, held = serve(specs, times, seats=8, step_tokens=1024,
+        fixed = serve(specs, times, seats=8, max_num_batched_tokens=1024, token_budget=budget)
+        assert serve(specs, times, seats=8, max_num_batched_tokens=1024,
+                     schedule=lambda clock, b=budget: b) == fixed
+    _, held = serve(specs, times, seats=8, max_num_batched_tokens=1024,
                     schedule=lambda clock: 64 if clock < 0.05 else 256)
     assert set(held) == {64, 256}
 
@@ -8198,7 +8201,8 @@ def test_bench_plots_the_configurations_over_time_from_a_synthetic_log(tmp_path)
     start, a worker's last change before it is what it held at 0, and one that never
     changed holds the engine's own; only the steps timed within the run are kept; each
     worker's shares of the run add to 1 and are the spans counted here; the figure's
-    legends name exactly the splits and budgets held, and it is written."""
+    legends name exactly the splits and budgets held, and it is written; a timeline recorded
+    before the rename (its changes' "budget", not "token_budget") reads the same."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -8213,23 +8217,28 @@ def test_bench_plots_the_configurations_over_time_from_a_synthetic_log(tmp_path)
              (12.5, 0, step(1, 10, 0, 5.0))]   # before the run, in it, after it
     cluster = type("Cluster", (), {"devices": ["cpu", "cpu"], "started": 100.0, "step_log": steps})()
     tl = {"policy": "adaptive", "workload": "sharegpt", "rate": 4.0,   # the run started 2 s into the cluster
-          **timelines.config_timeline(cluster, log, {"budget": 8192, "sm_split": None}, 102.0, 10.0)}
+          **timelines.config_timeline(cluster, log, {"token_budget": 8192, "sm_split": None}, 102.0, 10.0)}
     assert timelines.timed_steps(cluster, 102.0, 10.0) == [[0.5, 1, 4, 400, 512, 21.0, [84, 48]]]
-    assert [(c["time"], c["worker"], c["sm_split"], c["budget"]) for c in tl["changes"]] == [
+    assert [(c["time"], c["worker"], c["sm_split"], c["token_budget"]) for c in tl["changes"]] == [
         (0.0, 0, None, 512), (0.0, 1, None, 8192), (1.0, 0, [84, 48], 512), (4.0, 0, None, 2048)]
     assert timelines.held_shares(tl) == {0: {"whole GPU @2048": pytest.approx(0.6),
                                              "84/48 SMs @512": pytest.approx(0.3),
                                              "whole GPU @512": pytest.approx(0.1)},
                                          1: {"whole GPU @8192": 1.0}}
+    # a results.json recorded before ConfigChange.budget became token_budget names it "budget"
+    old = {**tl, "changes": [{"budget" if k == "token_budget" else k: v for k, v in c.items()}
+                             for c in tl["changes"]]}
+    assert "token_budget" not in old["changes"][0] and timelines.held_shares(old) == timelines.held_shares(tl)
     results = [bench.Result("adaptive", "sharegpt", 4.0, 16, 8, 0.1, 0.01, 0.5, [0], phase="sharegpt",
                             arrival=0.25 * i) for i in range(40)]
-    fig = plots.plot_configs(plt, [tl], results)
-    legends = [{t.get_text() for t in lg.get_texts()} for ax in fig.axes for lg in
-               [a for a in ax.get_children() if isinstance(a, matplotlib.legend.Legend)]]
-    assert {"whole GPU", "84/48"} in legends and {"512", "2048", "8192"} in legends
-    fig.savefig(tmp_path / "configs.png")
-    plt.close(fig)
-    assert (tmp_path / "configs.png").stat().st_size > 1000
+    for name, timeline in (("configs", tl), ("old", old)):
+        fig = plots.plot_configs(plt, [timeline], results)
+        legends = [{t.get_text() for t in lg.get_texts()} for ax in fig.axes for lg in
+                   [a for a in ax.get_children() if isinstance(a, matplotlib.legend.Legend)]]
+        assert {"whole GPU", "84/48"} in legends and {"512", "2048", "8192"} in legends
+        fig.savefig(tmp_path / f"{name}.png")
+        plt.close(fig)
+        assert (tmp_path / f"{name}.png").stat().st_size > 1000
 
 
 # ======= tools/: bench.py's sub-commands, the micro-benchmarks and the figures

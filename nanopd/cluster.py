@@ -101,7 +101,7 @@ class ConfigChange:
     time_s: float
     worker: int
     sm_split: tuple[int, int] | None
-    budget: int
+    token_budget: int
 
 
 @dataclass(frozen=True)
@@ -264,11 +264,11 @@ def configs_held(log: collections.deque[ConfigChange], w: int, start: float, end
             break
         if c.worker == w and c.time_s <= end:
             changes.append(c)
-    held = [(start, routed.sm_split, routed.token_budget)] + [(c.time_s, c.sm_split, c.budget)
+    held = [(start, routed.sm_split, routed.token_budget)] + [(c.time_s, c.sm_split, c.token_budget)
                                                               for c in reversed(changes)]
     span = max(end - start, 1e-9)
-    return [((until - at) / span, split, budget)
-            for (at, split, budget), until in zip(held, [h[0] for h in held[1:]] + [end])]
+    return [((until - at) / span, split, token_budget)
+            for (at, split, token_budget), until in zip(held, [h[0] for h in held[1:]] + [end])]
 
 
 def worker_config(cfg: EngineConfig, steered: bool, device: str, role: str) -> EngineConfig:

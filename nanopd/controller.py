@@ -53,7 +53,7 @@ ERROR_STEPS = 100          # the errors are running means over about this many s
 @dataclass(frozen=True)
 class Config:
     sm_split: tuple[int, int] | None
-    budget: int
+    token_budget: int          # tokens per step, decodes and prompt chunks together
 
 
 # ----------------------------------------------------------------------------- what the worker sees
@@ -122,7 +122,7 @@ class Snapshot:
     prompts: list[Prompt]
     decodes: list[Decode]
     seats: int                 # max_num_seqs
-    step_tokens: int           # max_num_batched_tokens: decodes and prompt tokens of one step together
+    max_num_batched_tokens: int   # the engine's: decodes and prompt tokens of one step together, at most
     rate: float = 0.0          # arrivals per ms
     mean_prompt: float = 0.0
     mean_output: float = 1.0
@@ -216,11 +216,11 @@ class Sim:
         self.area += present * (now - self.now)
         self.now, self.ctx, self.counter = now, ctx, self.counter + steps
 
-    def take(self, budget: int, decodes: int) -> tuple[int, list[list]]:
-        """A chunk of the step's budget less its decodes (capped by the step's tokens),
-        first come first served, admitting prompts while seats are free; (its tokens, the
-        prompts it completes)."""
-        room, tokens, done = min(budget, self.snap.step_tokens) - decodes, 0, []
+    def take(self, token_budget: int, decodes: int) -> tuple[int, list[list]]:
+        """A chunk of the step's token budget less its decodes (capped by
+        max_num_batched_tokens), first come first served, admitting prompts while seats are
+        free; (its tokens, the prompts it completes)."""
+        room, tokens, done = min(token_budget, self.snap.max_num_batched_tokens) - decodes, 0, []
         for p in self.queue:
             if room <= 0:
                 break
@@ -281,10 +281,10 @@ def forecast(model: StepModel, config: Config, snap: Snapshot,
 
 def lane_load(model: StepModel, config: Config, snap: Snapshot) -> float:
     """A split's prefill lane: the recent arrivals' prompt tokens per ms over those its
-    chunks of budget tokens prefill per ms. A split's lane has the SMs it has; at 1 or more
+    chunks of its token budget prefill per ms. A split's lane has the SMs it has; at 1 or more
     its queue grows for as long as the arrivals last, past any horizon (the whole GPU's
     room for prompts grows instead as its decodes end)."""
-    chunk = max(1, min(config.budget, snap.step_tokens))
+    chunk = max(1, min(config.token_budget, snap.max_num_batched_tokens))
     ms = model.timer(("prefill", split_key(config.sm_split)))(0, 0, chunk)
     return snap.rate * snap.mean_prompt * ms / chunk
 
@@ -294,7 +294,7 @@ def run_whole(model: StepModel, config: Config, sim: Sim) -> tuple[float, float]
     step's ms at the end, and a step's with a chunk of what is still queued)."""
     ms_of = model.timer(WHOLE)
     while sim.now < HORIZON_MS:
-        tokens, done = sim.take(config.budget, len(sim.heap))
+        tokens, done = sim.take(config.token_budget, len(sim.heap))
         if not tokens:   # decodes alone until an arrival or a decode's end changes the step
             sim.decode_steps(ms_of, sim.next_arrival())
             if sim.now >= HORIZON_MS:
@@ -310,7 +310,8 @@ def run_whole(model: StepModel, config: Config, sim: Sim) -> tuple[float, float]
         if decodes:
             sim.decode_step(ms, decodes)
         sim.first_tokens(done, in_flight=False)
-    queued = min(sum(p[0] for p in sim.queue), min(config.budget, sim.snap.step_tokens) - len(sim.heap))
+    room = min(config.token_budget, sim.snap.max_num_batched_tokens) - len(sim.heap)
+    queued = min(sum(p[0] for p in sim.queue), room)
     decodes = len(sim.heap)
     return ms_of(decodes, sim.ctx, 0), ms_of(decodes, sim.ctx, queued)
 
@@ -329,7 +330,7 @@ def run_split(model: StepModel, config: Config, sim: Sim) -> tuple[float, float,
             sim.advance(t_p)
             if chunk is not None:
                 sim.first_tokens(chunk, in_flight=step is not None)
-            tokens, chunk = sim.take(config.budget, 0)
+            tokens, chunk = sim.take(config.token_budget, 0)
             if tokens:
                 t_p = sim.now + (lane_p if sim.heap or step else whole)(0, 0, tokens)
             else:   # nothing to prefill until a prompt arrives or a decode step frees a seat
@@ -348,7 +349,7 @@ def run_split(model: StepModel, config: Config, sim: Sim) -> tuple[float, float,
             step, t_d = (ms, len(sim.heap)), sim.now + ms
         if chunk is None:
             t_p = sim.now
-    queued = min(config.budget, sum(p[0] for p in sim.queue))
+    queued = min(config.token_budget, sum(p[0] for p in sim.queue))
     lane = lane_d if queued or chunk is not None else whole
     return (lane(len(sim.heap), sim.ctx, 0), lane_p(0, 0, queued) if queued else 0.0,
             [(p, t_p) for p in chunk or []])
@@ -370,7 +371,7 @@ def finish(sim: Sim, config: Config, decode_ms: float, chunk_ms: float,
     tpot_s."""
     slo, tail, met, q = sim.slo, 0.0, sim.met, 0
     beside = len(sim.heap) if config.sm_split is None else 0   # on the whole GPU decodes share a step
-    room = max(1, min(config.budget, sim.snap.step_tokens) - beside)
+    room = max(1, min(config.token_budget, sim.snap.max_num_batched_tokens) - beside)
     ttft, tpot = (slo[0] * 1e3, slo[1] * 1e3) if slo else (math.inf, math.inf)
     for p, done_at in pending:   # a chunk in flight completes them
         tail += done_at - sim.now + (p[2] - 1) * decode_ms
@@ -403,7 +404,7 @@ def full_step_ms(model: StepModel, config: Config, snap: Snapshot) -> float:
     decodes, context = len(snap.decodes), sum(d.context for d in snap.decodes)
     if config.sm_split is None:
         queued = sum(p.tokens_left for p in snap.prompts)
-        prompt = max(0, min(queued, min(config.budget, snap.step_tokens) - decodes))
+        prompt = max(0, min(queued, min(config.token_budget, snap.max_num_batched_tokens) - decodes))
         return model.predict(WHOLE, decodes, context, prompt)
     return model.predict(("decode", split_key(config.sm_split)), decodes, context, 0)
 
@@ -417,11 +418,12 @@ def places(config: Config) -> set[Place]:
     return {WHOLE, ("decode", key), ("prefill", key)}
 
 
-def menu(step_tokens: int, seats: int, splits: list[tuple[int, int]]) -> list[Config]:
-    """The whole GPU at every budget of BUDGETS from twice the seats (capped at the step's
-    tokens, which are one too), and each split at the step's tokens."""
-    budgets = sorted({min(b, step_tokens) for b in BUDGETS if b >= 2 * seats} | {step_tokens})
-    return [Config(None, b) for b in budgets] + [Config(s, step_tokens) for s in splits]
+def menu(max_num_batched_tokens: int, seats: int, splits: list[tuple[int, int]]) -> list[Config]:
+    """The whole GPU at every token budget of BUDGETS from twice the seats (capped at
+    max_num_batched_tokens, which is one too), and each split at max_num_batched_tokens."""
+    budgets = sorted({min(b, max_num_batched_tokens) for b in BUDGETS if b >= 2 * seats}
+                     | {max_num_batched_tokens})
+    return [Config(None, b) for b in budgets] + [Config(s, max_num_batched_tokens) for s in splits]
 
 
 class Controller:
@@ -439,16 +441,16 @@ class Controller:
     target are weighed, while any does. splits: the engine's split menu that the profile
     measured (a split's lanes are forecast from their models)."""
 
-    def __init__(self, params: HardwareParams, step_tokens: int, splits: list[tuple[int, int]] = (),
-                 slo: tuple[float, float] | None = None, margin: float = MARGIN,
-                 budget_margin: float = BUDGET_MARGIN):
+    def __init__(self, params: HardwareParams, max_num_batched_tokens: int,
+                 splits: list[tuple[int, int]] = (), slo: tuple[float, float] | None = None,
+                 margin: float = MARGIN, budget_margin: float = BUDGET_MARGIN):
         self.model = StepModel(params)   # the router's: it learns the steps, this controller reads them
         self.error, self.observed = 0.0, 0   # the model's running mean relative error, over the steps timed
         self.errors: dict[Place, tuple[float, int]] = {}   # ... per place: (mean error, steps)
         self.slo, self.margin, self.budget_margin = slo, margin, budget_margin
         self.splits = [tuple(s) for s in splits]
-        self.step_tokens = step_tokens
-        self.default = Config(None, min(max(BUDGETS), step_tokens))
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.default = Config(None, min(max(BUDGETS), max_num_batched_tokens))
         self.current, self.split_since = self.default, -math.inf
 
     def configure(self, params: HardwareParams, slo: tuple[float, float] | None) -> None:
@@ -482,7 +484,7 @@ class Controller:
         behind the arrivals: lane_load), within the TPOT target where any is, and the current
         split alone while it is younger than MIN_DWELL_S."""
         splits = [s for s in self.splits if split_key(s) in self.model.p.splits]
-        options = [c for c in menu(self.step_tokens, snap.seats, splits)
+        options = [c for c in menu(self.max_num_batched_tokens, snap.seats, splits)
                    if c.sm_split is None or lane_load(self.model, c, snap) < MAX_LOAD]
         if snap.time_s - self.split_since < MIN_DWELL_S:
             options = [c for c in options if c.sm_split == self.current.sm_split] or options

@@ -326,10 +326,10 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="default: 8192 on GPUs, 256 on CPUs")
     args = p.parse_args()
-    budget = args.max_num_batched_tokens or (8192 if torch.cuda.is_available() else 256)
+    max_num_batched_tokens = args.max_num_batched_tokens or (8192 if torch.cuda.is_available() else 256)
     # The adaptive policy's wiring (every worker reads every other's cache), no router yet.
     cluster = CentralScheduler(EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs,
-                                            max_num_batched_tokens=budget),
+                                            max_num_batched_tokens=max_num_batched_tokens),
                                ClusterConfig("adaptive", args.devices or default_devices()))
     try:
         print_profile(profile_cluster(cluster, use_cache=not args.no_cache))

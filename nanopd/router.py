@@ -242,8 +242,8 @@ class Router:
         the time (the load otherwise as routed)."""
         if o.prefill_worker == o.decode_worker:
             held = o.ran_under or [(1.0, o.load_prefill.sm_split, o.load_prefill.token_budget)]
-            loads = [(share, dataclasses.replace(o.load_prefill, sm_split=split, token_budget=budget))
-                     for share, split, budget in held]
+            loads = [(share, dataclasses.replace(o.load_prefill, sm_split=split, token_budget=token_budget))
+                     for share, split, token_budget in held]
             return sum(share * self.cost_at(w).collocated_ms(o.prompt_len, o.output_len, w)
                        for share, w in loads)
         return self.cost.disaggregated_ms(o.prompt_len, o.output_len, o.load_prefill, o.load_decode,

@@ -407,13 +407,12 @@ class ModelRunner:
 
     def _capture_all_graphs(self) -> None:
         """Decode graphs at batch sizes 1, 2, 4, 8, then every 16 up to 256 and every 64
-        beyond; piece graphs at PIECE_TOKENS, capped at the token budget. The model body
+        beyond; piece graphs at PIECE_TOKENS, capped at max_num_batched_tokens. The model body
         only: logits are computed afterwards, for the rows needed."""
         max_bs = self.cfg.max_num_seqs
         sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(320, max_bs + 64, 64))
         sizes = [b for b in sizes if b < max_bs] + [max_bs]
-        budget = self.cfg.max_num_batched_tokens
-        pieces = sorted({min(t, budget) for t in PIECE_TOKENS})
+        pieces = sorted({min(t, self.cfg.max_num_batched_tokens) for t in PIECE_TOKENS})
         m, dev, n = self.model, self.device, max(sizes + pieces)
         self.static = {   # the graphs' inputs and the tensors passed between pieces
             "ids": torch.zeros(n, dtype=torch.long, device=dev),

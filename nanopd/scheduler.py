@@ -131,9 +131,9 @@ class Scheduler:
         """The tokens seq would compute this step: those before its next token."""
         return seq.num_pending
 
-    def _scheduled(self, seq: Sequence, n: int, batch: Batch, budget: int) -> int:
-        """seq was given n of its tokens, budget tokens are left: the tokens of the step that
-        more work for it took (none here)."""
+    def _scheduled(self, seq: Sequence, n: int, batch: Batch, left: int) -> int:
+        """seq was given n of its tokens, the step has room for left more: the tokens of the
+        step that more work for it took (none here)."""
         return 0
 
     def _shed(self, seq: Sequence) -> int:

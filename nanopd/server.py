@@ -428,8 +428,8 @@ class Metrics:
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of ended requests", registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", registry=r)
         self.success = Counter("vllm:request_success", "Requests ended", ["finished_reason"], registry=r)
-        self.budget = Gauge("nanopd:worker_token_budget", "A worker's tokens per step (adaptive)", ["worker"],
-                            registry=r)
+        self.token_budget = Gauge("nanopd:worker_token_budget", "A worker's tokens per step (adaptive)",
+                                  ["worker"], registry=r)
         self.decode_sms = Gauge("nanopd:worker_decode_sms", "A worker's decode SMs, 0: the whole GPU",
                                 ["worker"], registry=r)
         self.role = Gauge("nanopd:worker_role", "1 for each worker's role (the planner's regime)",
@@ -461,7 +461,7 @@ class Metrics:
         for w, role in roles.items():
             self.role.labels(worker=str(w), role=role).set(1)
         for w, c in configured.items():
-            self.budget.labels(worker=str(w)).set(c.token_budget)
+            self.token_budget.labels(worker=str(w)).set(c.token_budget)
             self.decode_sms.labels(worker=str(w)).set(0 if c.sm_split is None else c.sm_split[1])
         return generate_latest(self.registry)
 

@@ -504,13 +504,13 @@ class SpecScheduler(Scheduler):
     def _wanted(self, seq: Sequence) -> int:
         return seq.num_pending + len(seq.drafts)
 
-    def _scheduled(self, seq: Sequence, n: int, batch: Batch, budget: int) -> int:
+    def _scheduled(self, seq: Sequence, n: int, batch: Batch, left: int) -> int:
         """seq's drafts that the n tokens hold go ahead of it in the batch; then its branches."""
         if seq.drafts:
             del seq.drafts[max(0, n - seq.num_pending):]
             if seq.drafts:
                 batch.ahead[seq] = seq.drafts
-        return self._schedule_branches(seq, n, batch, budget) if seq.branches else 0
+        return self._schedule_branches(seq, n, batch, left) if seq.branches else 0
 
     def _shed(self, seq: Sequence) -> int:
         """Drafts are worth no preemption: they go first."""
@@ -556,14 +556,14 @@ class SpecScheduler(Scheduler):
                           drafts=drafts, trunk=trunk)
         trunk.branches.append(branch)
 
-    def _schedule_branches(self, trunk: Sequence, n: int, batch: Batch, budget: int) -> int:
+    def _schedule_branches(self, trunk: Sequence, n: int, batch: Batch, left: int) -> int:
         """trunk's branches, scheduled with it (n tokens), each checking no more drafts than
-        trunk does (its draws share trunk's noise at each depth: Speculator), while the budget
-        and free blocks hold: a branch is worth no preemption. The others are dropped; the
-        tokens taken."""
+        trunk does (its draws share trunk's noise at each depth: Speculator), while the step's
+        room (left tokens) and free blocks hold: a branch is worth no preemption. The others
+        are dropped; the tokens taken."""
         kept, used = [], 0
         for branch in trunk.branches:
-            m = min(1 + len(branch.drafts), n, budget - used)
+            m = min(1 + len(branch.drafts), n, left - used)
             if m < 2:
                 continue
             copies = self.reserve_slots(branch, branch.num_computed + m)

@@ -101,12 +101,12 @@ def measure_engine(engine, lengths: list[int], batches: list[int], chunks: list[
     """Raw timings on an idle engine, each step paced as the engine runs them (paced_step_ms):
     prefill per length, decode step per batch size (at
     context and, for kv_batches, at long_context), and a decode batch of gamma_batch alone
-    and with each chunk of prefill. Sizes beyond the engine's token budget or seat limit
+    and with each chunk of prefill. Sizes beyond the engine's max_num_batched_tokens or seat limit
     are left out (it sized its memory for those)."""
-    budget, seats = engine.cfg.max_num_batched_tokens, engine.cfg.max_num_seqs
-    lengths = [n for n in lengths if n <= budget] or [budget // 2, budget]
+    most, seats = engine.cfg.max_num_batched_tokens, engine.cfg.max_num_seqs   # a step's tokens, at most
+    lengths = [n for n in lengths if n <= most] or [most // 2, most]
     batches = [b for b in batches if b <= seats] or [1, seats]
-    chunks = [c for c in chunks if gamma_batch + c <= budget] or [max(1, (budget - gamma_batch) // 2)]
+    chunks = [c for c in chunks if gamma_batch + c <= most] or [max(1, (most - gamma_batch) // 2)]
 
     def timed(make) -> float:
         batch = make()

@@ -238,8 +238,8 @@ class Worker:
                 self._set_split(msg.sm_split)
             case Control() if self.controller is None:
                 splits = list(self.engine.runner.splits) if isinstance(self.engine, SplitEngine) else []
-                budget = self.engine.cfg.max_num_batched_tokens
-                self.controller = Controller(msg.params, budget, splits, msg.slo)
+                self.controller = Controller(msg.params, self.engine.cfg.max_num_batched_tokens, splits,
+                                             msg.slo)
             case Control():
                 self.controller.configure(msg.params, msg.slo)
             case SendKV():
@@ -270,7 +270,7 @@ class Worker:
         sched = self.engine.scheduler
         if arrived:   # a burst stays one until the controller has seen it
             waiting = sum(seq.num_pending for seq in sched.waiting)
-            self.burst |= waiting > max(2 * self.waiting_seen, c.current.budget - len(sched.running))
+            self.burst |= waiting > max(2 * self.waiting_seen, c.current.token_budget - len(sched.running))
         if now - self.controlled_at < (REACT_S if self.burst else CONTROL_INTERVAL_S):
             return
         snap = snapshot(self.engine.scheduler, self.recent, now)
@@ -280,9 +280,9 @@ class Worker:
             return
         config: Config = c.choose(snap)
         if config != before:
-            self.engine.set_token_budget(config.budget)
+            self.engine.set_token_budget(config.token_budget)
             self._set_split(config.sm_split)
-            self.reports.append(Configured(config.sm_split, config.budget, c.error))
+            self.reports.append(Configured(config.sm_split, config.token_budget, c.error))
 
     def _request_failed(self, msg, error: Exception) -> None:
         """Handling msg raised: the request it is about ends here, with the error (an

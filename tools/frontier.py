@@ -23,22 +23,23 @@ ONE_DEVICE_ALL = (("collocated", 512), ("collocated", 2048), ("collocated", None
 FIXED_ORDER = ("collocated", "disaggregated")   # the table's order of the fixed configurations
 
 
-def run_names(policy: str, devices: list[str] | None, budget: int) -> list[str]:
+def run_names(policy: str, devices: list[str] | None, max_num_batched_tokens: int) -> list[str]:
     """The runs --policy asks for, by name (run_config reads a name back): the fixed
-    configurations by policy then budget, adaptive last."""
+    configurations by policy then max_num_batched_tokens (the default one's), adaptive last."""
     if policy != "all":
         return [policy]
     if devices is None or len(devices) > 1:   # several workers (or joined ones): the three policies
         return ["collocated", "disaggregated", "adaptive"]
-    configs = {(p, b or budget) for p, b in ONE_DEVICE_ALL}
+    configs = {(p, b or max_num_batched_tokens) for p, b in ONE_DEVICE_ALL}
     fixed = sorted((c for c in configs if c[0] in FIXED_ORDER), key=lambda c: (FIXED_ORDER.index(c[0]), c[1]))
     return [f"{p}@{b}" for p, b in fixed] + ["adaptive"]
 
 
 def run_config(name: str) -> tuple[str, int | None]:
-    """A run's policy and its step budget (None: --max-num-batched-tokens) from its name."""
-    policy, _, budget = name.partition("@")
-    return policy, int(budget) if budget else None
+    """A run's policy and its max_num_batched_tokens (None: --max-num-batched-tokens's) from
+    its name."""
+    policy, _, tokens = name.partition("@")
+    return policy, int(tokens) if tokens else None
 
 
 def frontier(rows: list[dict], slo: bool) -> list[dict]:

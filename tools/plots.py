@@ -6,11 +6,12 @@ by the run's caption.
 """
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from tools.figures import draw_arrivals
 from tools.frontier import rate_text, run_config
-from tools.timelines import config_spans
+from tools.timelines import config_spans, token_budget_of
 
 
 def plot(out: Path, caption: str, rows: list[dict], results: list, goodput: dict, timelines: list[dict],
@@ -49,7 +50,7 @@ POLICY_MARKERS = {"collocated": ("o", 10), "disaggregated": ("s", 7), "adaptive"
 LINE_STYLES = ["-", "--", ":", "-."]
 
 
-# A policy's runs at budgets below its largest (one device's `--policy all`,
+# A policy's runs at a max_num_batched_tokens below its largest (one device's `--policy all`,
 # tools/frontier.py:ONE_DEVICE_ALL):
 # a colour of their own each, and a line thinner by this per step down, drawn after it.
 VARIANT_COLORS = ["C4", "C9", "C5", "C6", "C8"]
@@ -58,13 +59,14 @@ VARIANT_THINNER = 0.35
 
 def run_looks(names: list[str]) -> dict[str, tuple[str, float]]:
     """Each run's colour and line width (by its name): its policy's, or for a run below its
-    policy's largest budget, a colour of VARIANT_COLORS and a thinner line."""
-    def budget(name: str) -> float:
+    policy's largest max_num_batched_tokens, a colour of VARIANT_COLORS and a thinner line."""
+    def max_num_batched_tokens(name: str) -> float:
         return run_config(name)[1] or math.inf
     looks, variants = {}, 0
     for name in names:
         policy = run_config(name)[0]
-        below = sum(run_config(m)[0] == policy and budget(m) > budget(name) for m in names)
+        below = sum(run_config(m)[0] == policy and max_num_batched_tokens(m) > max_num_batched_tokens(name)
+                    for m in names)
         color = VARIANT_COLORS[variants % len(VARIANT_COLORS)] if below else POLICY_COLORS[policy]
         variants += below > 0
         looks[name] = (color, POLICY_WIDTHS[policy] - VARIANT_THINNER * below)
@@ -210,9 +212,9 @@ SPLIT_COLORS = ["#1F3F73", "#2F5A9E", "#4C72B0", "#7C9CD0", "#A9C0E6"]   # by de
 BUDGET_MENU = (256, 512, 1024, 2048, 4096, 8192)   # the controllers' budgets, the colour scale's ends
 
 
-def budget_color(plt, budget: int):
+def budget_color(plt, token_budget: int):
     """A token budget's colour: light for small budgets, dark for large, on a log scale."""
-    k = math.log2(max(budget, 1) / BUDGET_MENU[0]) / math.log2(BUDGET_MENU[-1] / BUDGET_MENU[0])
+    k = math.log2(max(token_budget, 1) / BUDGET_MENU[0]) / math.log2(BUDGET_MENU[-1] / BUDGET_MENU[0])
     return plt.get_cmap("YlOrBr")(0.2 + 0.7 * min(1.0, max(0.0, k)))
 
 
@@ -250,19 +252,19 @@ def draw_config_bands(plt, ax, tl: dict) -> None:
     """config_timeline's changes as a band per worker (plot_configs), with their legends."""
     workers = sorted({c["worker"] for c in tl["changes"]})
     splits = sorted({tuple(c["sm_split"]) for c in tl["changes"] if c["sm_split"]}, key=lambda s: s[1])
-    budgets = sorted({c["budget"] for c in tl["changes"]})
+    budgets = sorted({token_budget_of(c) for c in tl["changes"]})
     spans = config_spans(tl)
     for w in workers:
         y = len(workers) - 1 - workers.index(w)   # worker 0 on top
         mine = [(c, end) for c, end in spans if c["worker"] == w]
-        for (t0, t1, split), base in ((s, y + 0.02) for s in held_runs(mine, "sm_split")):
+        for (t0, t1, split), base in ((s, y + 0.02) for s in held_runs(mine, lambda c: c["sm_split"])):
             color = WHOLE_GPU if split is None else \
                 SPLIT_COLORS[splits.index(tuple(split)) % len(SPLIT_COLORS)]
             label_span(ax, t0, t1, base, color, "whole GPU" if split is None else f"{split[0]}/{split[1]}",
                        "white", tl["seconds"])
-        for t0, t1, budget in held_runs(mine, "budget"):
-            label_span(ax, t0, t1, y - 0.45, budget_color(plt, budget), str(budget),
-                       "white" if budget >= 2048 else "black", tl["seconds"])
+        for t0, t1, token_budget in held_runs(mine, token_budget_of):
+            label_span(ax, t0, t1, y - 0.45, budget_color(plt, token_budget), str(token_budget),
+                       "white" if token_budget >= 2048 else "black", tl["seconds"])
     ax.set_yticks([t for y in range(len(workers))[::-1] for t in (y + 0.235, y - 0.235)],
                   [t for w in workers for t in (f"worker {w} SMs", f"worker {w} budget")], fontsize=8)
     ax.set_ylim(-0.55, len(workers) - 0.45)
@@ -277,14 +279,15 @@ def draw_config_bands(plt, ax, tl: dict) -> None:
               loc="lower left", bbox_to_anchor=(1.16, 0.0), ncol=1 + (len(budgets) > 3))
 
 
-def held_runs(spans: list[tuple[dict, float]], key: str) -> list[tuple[float, float, object]]:
-    """A worker's config_spans as (start, end, value of key), a span per run of one value."""
+def held_runs(spans: list[tuple[dict, float]], value: Callable[[dict], object]
+              ) -> list[tuple[float, float, object]]:
+    """A worker's config_spans as (start, end, value(change)), a span per run of one value."""
     runs = []
     for c, end in spans:
-        if runs and runs[-1][2] == c[key]:
-            runs[-1] = (runs[-1][0], end, c[key])
+        if runs and runs[-1][2] == value(c):
+            runs[-1] = (runs[-1][0], end, value(c))
         else:
-            runs.append((c["time"], end, c[key]))
+            runs.append((c["time"], end, value(c)))
     return runs
 
 

@@ -76,10 +76,11 @@ class Served:
     output_len: int
 
 
-def make_scheduler(specs: list, seats: int, step_tokens: int) -> Scheduler:
+def make_scheduler(specs: list, seats: int, max_num_batched_tokens: int) -> Scheduler:
     """A scheduler with blocks enough for every seat to hold the longest request."""
     longest = max(len(s.prompt_ids) + s.max_tokens for s in specs)
-    return Scheduler(BlockManager(seats * cdiv(longest, BLOCK_SIZE) + 64, BLOCK_SIZE), seats, step_tokens)
+    return Scheduler(BlockManager(seats * cdiv(longest, BLOCK_SIZE) + 64, BLOCK_SIZE), seats,
+                     max_num_batched_tokens)
 
 
 @dataclass
@@ -99,7 +100,7 @@ class Adaptive:
     def choose(self, sched: Scheduler, recent: Recent, clock: float) -> None:
         if clock - self.chosen_at >= CONTROL_INTERVAL_S:
             self.chosen_at = clock
-            sched.token_budget = self.controller.choose(snapshot(sched, recent, clock)).budget
+            sched.token_budget = self.controller.choose(snapshot(sched, recent, clock)).token_budget
 
     def timed(self, shape: StepShape, ms: float, clock: float) -> None:
         self.controller.timed(shape.decodes, shape.context_tokens, shape.prefill_tokens, ms)
@@ -110,15 +111,15 @@ class Adaptive:
             self.controller.configure(refit, self.controller.slo)
 
 
-def serve(specs: list, times: StepTimes, seats: int, step_tokens: int, budget: int | None = None,
-          controller: Controller | None = None,
+def serve(specs: list, times: StepTimes, seats: int, max_num_batched_tokens: int,
+          token_budget: int | None = None, controller: Controller | None = None,
           schedule: Callable[[float], int] | None = None) -> tuple[list[Served], Counter]:
     """specs (bench.py's Spec: arrival s, prompt ids, max_tokens) served to their end, one
-    step at a time: at the fixed budget, at the controller's choice of the moment, or at
-    schedule(clock s) set before every step (phase_oracle's); with the steps run at each
-    budget."""
-    sched = make_scheduler(specs, seats, step_tokens)
-    sched.token_budget = budget
+    step at a time: at the fixed token budget, at the controller's choice of the moment, or
+    at schedule(clock s) set before every step (phase_oracle's); with the steps run at each
+    token budget."""
+    sched = make_scheduler(specs, seats, max_num_batched_tokens)
+    sched.token_budget = token_budget
     arrivals, recent, served = deque(sorted(specs, key=lambda s: s.arrival)), Recent(), []
     clock, first, ids, held = 0.0, {}, itertools.count(), Counter()
     adaptive = None if controller is None else Adaptive(controller)
@@ -181,24 +182,24 @@ def summary(served: list[Served], slo: tuple[float, float] | None = None) -> dic
     return out
 
 
-def menu_budgets(seats: int, step_tokens: int) -> list[int]:
-    """The whole GPU's budgets of the controller's menu (controller.py:menu, no splits)."""
-    return [c.budget for c in menu(step_tokens, seats, [])]
+def menu_budgets(seats: int, max_num_batched_tokens: int) -> list[int]:
+    """The whole GPU's token budgets of the controller's menu (controller.py:menu, no splits)."""
+    return [c.token_budget for c in menu(max_num_batched_tokens, seats, [])]
 
 
-def compare(specs: list, times: StepTimes, profiled: HardwareParams, seats: int, step_tokens: int,
+def compare(specs: list, times: StepTimes, profiled: HardwareParams, seats: int, max_num_batched_tokens: int,
             slo: tuple[float, float] | None = None) -> tuple[dict[str, dict[str, float]], Counter]:
     """Every fixed budget of the controller's menu, then the controller (under the SLO, if
     one: its objective then): their summaries, and the steps the controller ran at each budget."""
-    out = {f"budget {b}": summary(serve(specs, times, seats, step_tokens, budget=b)[0], slo)
-           for b in menu_budgets(seats, step_tokens)}
-    controller = Controller(profiled, step_tokens, slo=slo)
-    served, held = serve(specs, times, seats, step_tokens, controller=controller)
+    out = {f"budget {b}": summary(serve(specs, times, seats, max_num_batched_tokens, token_budget=b)[0], slo)
+           for b in menu_budgets(seats, max_num_batched_tokens)}
+    controller = Controller(profiled, max_num_batched_tokens, slo=slo)
+    served, held = serve(specs, times, seats, max_num_batched_tokens, controller=controller)
     out["controller"] = summary(served, slo)
     return out, held
 
 
-def phase_oracle(specs: list, times: StepTimes, seats: int, step_tokens: int, phases: int,
+def phase_oracle(specs: list, times: StepTimes, seats: int, max_num_batched_tokens: int, phases: int,
                  phase_s: float, rows: dict[str, dict[str, float]]
                  ) -> tuple[tuple[int, ...], dict[str, float]]:
     """What a budget chosen per phase gains on a phased load, knowing the phases to come
@@ -207,14 +208,14 @@ def phase_oracle(specs: list, times: StepTimes, seats: int, step_tokens: int, ph
     summary. An assignment of one budget to every phase is that budget held fixed: its
     summary is compare's (rows), not served again."""
     results = {}
-    for budgets in itertools.product(menu_budgets(seats, step_tokens), repeat=phases):
+    for budgets in itertools.product(menu_budgets(seats, max_num_batched_tokens), repeat=phases):
         if len(set(budgets)) == 1:
             results[budgets] = rows[f"budget {budgets[0]}"]
             continue
 
         def schedule(clock: float, budgets: tuple[int, ...] = budgets) -> int:
             return budgets[int(clock // phase_s) % phases]
-        results[budgets] = summary(serve(specs, times, seats, step_tokens, schedule=schedule)[0])
+        results[budgets] = summary(serve(specs, times, seats, max_num_batched_tokens, schedule=schedule)[0])
     best = min(results, key=lambda b: results[b]["e2e_p50"])
     return best, results[best]
 

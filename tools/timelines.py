@@ -1,5 +1,5 @@
 """What a run's cluster did inside, read off its central scheduler for bench.py's
-results.json: each worker's configuration, its SM split and step budget, as its controller
+results.json: each worker's configuration, its SM split and token budget, as its controller
 changed it (config_timeline), every step the workers timed (timed_steps), and the planner's
 regime and each worker's role (regime_timeline); then how long each configuration held
 (held_shares) and the lines under the table that say so (print_timelines). Times count in
@@ -13,13 +13,13 @@ def config_timeline(cluster, log: list, held: dict, start: float, seconds: float
     change during it. The log's times (cluster.py:ConfigChange) count from the cluster's
     start (cluster.started, on perf_counter's clock)."""
     origin = cluster.started - start
-    first = {w: {"time": 0.0, "worker": w, "sm_split": held["sm_split"], "budget": held["budget"]}
+    first = {w: {"time": 0.0, "worker": w, "sm_split": held["sm_split"], "token_budget": held["token_budget"]}
              for w in range(len(cluster.devices))}
     changes = []
     for c in sorted(log, key=lambda c: c.time_s):
         t = c.time_s + origin
         row = {"time": max(0.0, t), "worker": c.worker,
-               "sm_split": None if c.sm_split is None else list(c.sm_split), "budget": c.budget}
+               "sm_split": None if c.sm_split is None else list(c.sm_split), "token_budget": c.token_budget}
         if t <= 0:
             first[c.worker] = row
         elif t <= seconds:
@@ -50,9 +50,15 @@ def regime_timeline(planner, start: float, seconds: float) -> dict:
     return {"seconds": seconds, "changes": changes}
 
 
-def config_text(sm_split: list[int] | None, budget: int) -> str:
-    """A configuration as the notes name it: its SM split (or the whole GPU) and step budget."""
-    return f"{'whole GPU' if sm_split is None else f'{sm_split[0]}/{sm_split[1]} SMs'} @{budget}"
+def token_budget_of(change: dict) -> int:
+    """A change's token budget (config_timeline's), also in a results.json recorded before
+    ConfigChange.budget became ConfigChange.token_budget, whose changes call it "budget"."""
+    return change["token_budget"] if "token_budget" in change else change["budget"]
+
+
+def config_text(sm_split: list[int] | None, token_budget: int) -> str:
+    """A configuration as the notes name it: its SM split (or the whole GPU) and token budget."""
+    return f"{'whole GPU' if sm_split is None else f'{sm_split[0]}/{sm_split[1]} SMs'} @{token_budget}"
 
 
 def held_shares(timeline: dict) -> dict[int, dict[str, float]]:
@@ -61,7 +67,7 @@ def held_shares(timeline: dict) -> dict[int, dict[str, float]]:
     shares: dict[int, dict[str, float]] = {}
     for c, end in config_spans(timeline):
         mine = shares.setdefault(c["worker"], {})
-        text = config_text(c["sm_split"], c["budget"])
+        text = config_text(c["sm_split"], token_budget_of(c))
         mine[text] = mine.get(text, 0.0) + (end - c["time"]) / max(timeline["seconds"], 1e-9)
     return {w: dict(sorted(s.items(), key=lambda kv: -kv[1])) for w, s in sorted(shares.items())}
 
