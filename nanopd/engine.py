@@ -177,8 +177,9 @@ WARM_UP = [SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0, logpro
 
 class Engine:
     features: tuple[str, ...] = ()   # the config's features this engine serves (EngineConfig.features)
-    scheduler_class = Scheduler      # a feature's engine may bring its own scheduler and runner
-    runner_class = ModelRunner
+    scheduler_class = Scheduler      # a feature's engine may bring its own scheduler, runner
+    runner_class = ModelRunner       # and sequences
+    sequence_class = Sequence
 
     def __init__(self, cfg: EngineConfig):
         missing = [f for f in cfg.features() if f not in self.features]
@@ -290,7 +291,7 @@ class Engine:
         return req.request_id
 
     def _add_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
-        seq = Sequence(req, index, token_ids, len(req.prompt_token_ids), arrival=req.arrival,
+        seq = self.sequence_class(req, index, token_ids, len(req.prompt_token_ids), arrival=req.arrival,
                        generator=seeded_generator(req.params, index, self.model.device))
         req.seqs.append(seq)
         self.scheduler.add(seq)
@@ -299,7 +300,7 @@ class Engine:
     def fork(self, seq: Sequence, index: int, generator: torch.Generator | None = None) -> Sequence:
         """A running child sharing every block of seq (copy-on-write); its own generator
         (seeded seed + index) unless given one."""
-        child = Sequence(seq.request, index, list(seq.token_ids), seq.num_prompt_tokens,
+        child = self.sequence_class(seq.request, index, list(seq.token_ids), seq.num_prompt_tokens,
                          num_computed=seq.num_computed, cumulative_logprob=seq.cumulative_logprob,
                          logprobs=list(seq.logprobs),
                          generator=generator or seeded_generator(seq.request.params, index,

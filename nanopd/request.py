@@ -454,14 +454,6 @@ class Sequence:
     # is a placeholder (PENDING) on the host, and the next step reads it on the device
     # from row `pending_row` of that step's sampled tokens.
     pending_row: int | None = None
-    # speculative decoding: guesses of the tokens after the last
-    drafts: list[int] = field(default_factory=list)
-    draft_misses: int = 0               # ... drafting steps in a row that kept none (speculate.drafts_at)
-    # ... more candidates, each on a branch: a sequence forked for one step, sharing this
-    # one's blocks (copy-on-write), in no queue and no request (Scheduler.branch).
-    branches: list["Sequence"] = field(default_factory=list)
-    trunk: "Sequence | None" = None     # a branch's: the sequence it was forked from
-    draft_computed: int = 0             # draft_model: leading tokens whose K/V the draft's cache holds
 
     @property
     def num_pending(self) -> int:

@@ -497,6 +497,18 @@ def later_rounds(out: StepOutput) -> list[list[list[int]]]:
 # ----------------------------------------------------------------------------- the scheduler's side
 
 
+@dataclass(eq=False)
+class DraftingSequence(Sequence):
+    """A SpecEngine's sequence: the Sequence, and what speculation keeps of it."""
+    drafts: list[int] = field(default_factory=list)   # guesses of the tokens after the last
+    draft_misses: int = 0               # drafting steps in a row that kept none (drafts_at)
+    # more candidates, each on a branch: a sequence forked for one step, sharing this one's
+    # blocks (copy-on-write), in no queue and no request (SpecScheduler.branch)
+    branches: list["DraftingSequence"] = field(default_factory=list)
+    trunk: "DraftingSequence | None" = None   # a branch's: the sequence it was forked from
+    draft_computed: int = 0             # draft_model: leading tokens whose K/V the draft's cache holds
+
+
 class SpecScheduler(Scheduler):
     """The Scheduler, with a drafted decode's drafts scheduled after its last token (Batch.ahead,
     as many as the budget holds) and its branches right after it."""
@@ -550,7 +562,7 @@ class SpecScheduler(Scheduler):
     def branch(self, trunk: Sequence, drafts: list[int]) -> None:
         """Check drafts on a branch of trunk: a sequence sharing every block of it
         (copy-on-write), in no queue, scheduled right after trunk, gone after the step."""
-        branch = Sequence(trunk.request, trunk.index, list(trunk.token_ids), trunk.num_prompt_tokens,
+        branch = DraftingSequence(trunk.request, trunk.index, list(trunk.token_ids), trunk.num_prompt_tokens,
                           arrival=trunk.arrival, status=Status.RUNNING,
                           block_table=self.bm.fork(trunk.block_table), num_computed=trunk.num_computed,
                           drafts=drafts, trunk=trunk)
@@ -705,6 +717,7 @@ class SpecEngine(Engine):
     features = ("speculative_config",)
     scheduler_class = SpecScheduler
     runner_class = SpecRunner
+    sequence_class = DraftingSequence
 
     def _plug_in(self) -> None:
         # (a function of the EOS ids, not a method: a speculator holding the engine would make

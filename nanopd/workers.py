@@ -95,14 +95,15 @@ GROUP_TIMEOUT_S = 600.0     # the workers' process group: joining it, and its op
 # ----------------------------------------------------------------------------- the worker loop
 
 
-def imported_sequence(m: Import, block_table: list[int], device: torch.device) -> Sequence:
-    """The decoding sequence of a request prefilled elsewhere, its prompt's KV copied into
-    block_table and its first token m.token_ids[-1], its random stream where the prefill
-    worker left it."""
+def imported_sequence(m: Import, block_table: list[int], device: torch.device, cls: type[Sequence] = Sequence
+                      ) -> Sequence:
+    """The decoding sequence of a request prefilled elsewhere (of the engine's class, cls),
+    its prompt's KV copied into block_table and its first token m.token_ids[-1], its random
+    stream where the prefill worker left it."""
     req = Request(m.request_id, None, m.token_ids[:m.num_prompt_tokens], m.params,
                   RequestMetrics(time.perf_counter()), num_streamed=1,   # the first token was streamed there
                   prompt_logprobs=None if m.prompt_logprobs is None else list(m.prompt_logprobs))
-    seq = Sequence(req, 0, list(m.token_ids), m.num_prompt_tokens, block_table=block_table,
+    seq = cls(req, 0, list(m.token_ids), m.num_prompt_tokens, block_table=block_table,
                    num_computed=m.num_prompt_tokens, cumulative_logprob=m.cumulative_logprob,
                    logprobs=list(m.logprobs), generator=seeded_generator(m.params, 0, device))
     if m.generator_state is not None:
@@ -374,7 +375,8 @@ class Worker:
         """The copy is done: the request decodes here (or, if that raises, fails as a pull)."""
         m = t.msg
         try:
-            self.engine.add_imported(imported_sequence(m, t.block_table, self.engine.model.device))
+            self.engine.add_imported(imported_sequence(m, t.block_table, self.engine.model.device,
+                                                       self.engine.sequence_class))
         except Exception as e:  # noqa: BLE001 (this request fails, alone)
             self.engine.scheduler.cancel_import(t.block_table)
             self.reports.append(PullFailed(m.request_id, m.src, f"{type(e).__name__}: {e}"))
