@@ -8506,6 +8506,8 @@ LLM("tiny").generate(["Hi"], use_tqdm=False)
 sys.settrace(None)
 print(sorted(m for m in sys.modules if m.startswith("nanopd")))
 print(sorted(ran))
+lines = {name: sum(1 for _ in open(os.path.join("nanopd", name))) for name in ran}
+print(sum(lines.values()), lines)   # what the issue's 4,000-line target counts
 """
 
 
@@ -8516,7 +8518,7 @@ def test_the_plain_generate_imports_at_most_12_modules_and_runs_code_in_at_most_
     run = subprocess.run([sys.executable, "-c", PLAIN_PATH], check=False, capture_output=True, text=True,
                          cwd=HERE, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    imported, ran = (ast.literal_eval(line) for line in run.stdout.strip().splitlines()[-2:])
+    imported, ran = (ast.literal_eval(line) for line in run.stdout.strip().splitlines()[-3:-1])
     assert len(imported) <= 12 and len(ran) <= 10, (imported, ran)
     features = {"speculate", "lanes", "beams", "cluster", "workers", "server", "profiler", "router"}
     assert not features & {m.removeprefix("nanopd.") for m in imported}
