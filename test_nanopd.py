@@ -3037,9 +3037,9 @@ def test_green_context_lanes_run_on_disjoint_sms():
         lanes = smsplit.make_lanes(dev, split)
         assert lanes.prefill is not None and lanes.split == split
         with torch.cuda.stream(lanes.prefill):
-            p = kernels.sm_ids(16 * smsplit.num_sms(dev), dev)
+            p = smsplit.sm_ids(16 * smsplit.num_sms(dev), dev)
         with torch.cuda.stream(lanes.decode):
-            d = kernels.sm_ids(16 * smsplit.num_sms(dev), dev)
+            d = smsplit.sm_ids(16 * smsplit.num_sms(dev), dev)
         torch.cuda.synchronize()
         P, D = set(p.tolist()), set(d.tolist())
         assert (len(P), len(D), len(P & D)) == (split.prefill_sms, split.decode_sms, 0)

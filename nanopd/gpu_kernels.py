@@ -814,28 +814,3 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 def silu_mul_torch(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, -1)
     return torch.nn.functional.silu(gate) * up
-
-
-# ----------------------------------------------------------------------------- SM ids (the split's proof)
-
-
-@triton.jit
-def _sm_ids_kernel(out_ptr, SPIN: tl.constexpr):
-    """Each program writes the id of the SM it ran on (PTX %smid), after spinning a little,
-    so that the programs spread over every SM their stream may use."""
-    pid = tl.program_id(0)
-    zero = tl.zeros([1], dtype=tl.int32)
-    for _ in range(SPIN):
-        zero = tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, $1;", "=r,r", [zero],
-                                         dtype=tl.int32, is_pure=False, pack=1)
-    smid = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [zero], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-    tl.store(out_ptr + pid + tl.arange(0, 1), smid)
-
-
-def sm_ids(programs: int, device: torch.device, spin: int = 64) -> torch.Tensor:
-    """[programs] int32: the SM each of `programs` programs ran on, launched on the current
-    stream (a GPU only: it reads a hardware register, so it has no torch twin)."""
-    out = torch.full((programs,), -1, dtype=torch.int32, device=device)
-    _sm_ids_kernel[(programs,)](out, SPIN=spin)
-    return out

@@ -12,7 +12,8 @@ and the remainder; a green context on each, and a stream on each, make two strea
 kernels run only on their own SMs. (Two separate splits, as torch's GreenContext.create
 makes them, may overlap.) Counts round up to the device's granularity (8 SMs on an H200).
 A CUDA graph keeps the SMs of the stream it was captured on, so the split worker's runner
-captures one set of decode graphs per partition (lanes.py:SplitRunner).
+captures one set of decode graphs per partition (lanes.py:SplitRunner). sm_ids (a kernel
+that writes the SM each program ran on) proves the partition disjoint.
 
 Where this is missing (a CPU, a GPU or driver without green contexts, no `cuda.bindings`),
 no partition exists and the two lanes run one after the other on one stream, through the
@@ -25,6 +26,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import triton
+import triton.language as tl
 
 
 class Split(NamedTuple):
@@ -133,3 +136,28 @@ def _warn_if_lazy(cu) -> None:
                       "decode step that loads one waits for the prompt chunk beside it: build the engine "
                       "before anything uses CUDA, or set CUDA_MODULE_LOADING=EAGER "
                       "(smsplit.load_kernels_at_start)", stacklevel=3)
+
+
+# ----------------------------------------------------------------------------- SM ids (the split's proof)
+
+
+@triton.jit
+def _sm_ids_kernel(out_ptr, SPIN: tl.constexpr):
+    """Each program writes the id of the SM it ran on (PTX %smid), after spinning a little,
+    so that the programs spread over every SM their stream may use."""
+    pid = tl.program_id(0)
+    zero = tl.zeros([1], dtype=tl.int32)
+    for _ in range(SPIN):
+        zero = tl.inline_asm_elementwise("nanosleep.u32 100; mov.u32 $0, $1;", "=r,r", [zero],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+    smid = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [zero], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+    tl.store(out_ptr + pid + tl.arange(0, 1), smid)
+
+
+def sm_ids(programs: int, device: torch.device, spin: int = 64) -> torch.Tensor:
+    """[programs] int32: the SM each of `programs` programs ran on, launched on the current
+    stream (a GPU only: it reads a hardware register, so it has no torch twin)."""
+    out = torch.full((programs,), -1, dtype=torch.int32, device=device)
+    _sm_ids_kernel[(programs,)](out, SPIN=spin)
+    return out

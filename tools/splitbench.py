@@ -29,11 +29,10 @@ import time
 
 import torch
 
-from nanopd import gpu_kernels as kernels
 from nanopd.config import EngineConfig
 from nanopd.lanes import SplitEngine
 from nanopd.request import SamplingParams
-from nanopd.smsplit import Split, default_menu, load_kernels_at_start, num_sms
+from nanopd.smsplit import Split, default_menu, load_kernels_at_start, num_sms, sm_ids
 from nanopd.timing import (
     BusyLane,
     decode_beside_prefill_ms,
@@ -200,13 +199,13 @@ def sm_proof(eng: SplitEngine) -> list[dict]:
     programs = 16 * num_sms(dev)
     for split, (prefill, decode) in eng.runner.splits.items():
         with prefill.running():
-            p = kernels.sm_ids(programs, dev)
+            p = sm_ids(programs, dev)
         with decode.running():
-            d = kernels.sm_ids(programs, dev)
+            d = sm_ids(programs, dev)
         graph = torch.cuda.CUDAGraph()
         decode.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.graph(graph, stream=decode.stream):
-            g = kernels.sm_ids(programs, dev)
+            g = sm_ids(programs, dev)
         graph.replay()   # on the current stream: the whole GPU's
         torch.cuda.synchronize()
         P, D, G = set(p.tolist()), set(d.tolist()), set(g.tolist())
