@@ -165,7 +165,7 @@ class BlockManager:
         return copies
 
     def truncate(self, block_table: list[int], num_tokens: int) -> None:
-        """Give back the table's blocks past its first num_tokens slots (rejected drafts')."""
+        """Give back the table's blocks past its first num_tokens slots (tokens given up)."""
         keep = cdiv(num_tokens, self.block_size)
         for block_id in reversed(block_table[keep:]):
             self._release(block_id)

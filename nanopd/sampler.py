@@ -42,7 +42,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     from softmax(logits / T) restricted by min_p, then top-k and top-p, through the
     exponential race argmax(p / E), E ~ Exp(1): seeded rows draw E from their own generator,
     so their tokens do not depend on the other rows. same_noise (row, src): row reuses src's
-    E, so rows of the same logits sample the same token (speculative branches). upload puts
+    E, so rows of the same logits sample the same token (candidates checked side by side). upload puts
     host lists on the logits' device (ModelRunner.upload, which never waits for the device)."""
     upload = upload or (lambda data, dtype: torch.tensor(data, dtype=dtype, device=logits.device))
     greedy = logits.argmax(-1)
@@ -233,13 +233,13 @@ class TokenCounts:
                  params: list[SamplingParams], prev_tokens: torch.Tensor | None, upload: Upload,
                  before: list[list[int]] = ()) -> torch.Tensor:
         """Apply the penalties of params[i] to row draws[i] of logits [D, vocab] (float32, in
-        place), from the statistics of seqs[i] and the tokens before[i] (a speculative check's
-        drafts ahead of it, not yet the sequence's), all in one launch; the rows used [P]."""
+        place), from the statistics of seqs[i] and the tokens before[i] (tokens ahead of the
+        sequence's own, Batch.ahead, not yet the sequence's), all in one launch; the rows used [P]."""
         rows = upload(self.rows(seqs, prev_tokens, upload), torch.int64)
         knobs = upload([[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in params],
                        torch.float32)
         counts, in_prompt, at = self.counts, self.in_prompt, rows
-        if any(before):   # each draw its own copy of its row, with its drafts counted
+        if any(before):   # each draw its own copy of its row, with the tokens ahead counted
             counts, in_prompt = self.counts[rows], self.in_prompt[rows]
             at = torch.arange(len(rows), device=rows.device)
             pairs = upload([[i, t] for i, tokens in enumerate(before) for t in tokens],
@@ -253,15 +253,6 @@ class TokenCounts:
         """The step sampled tokens[i] for the sequence of row rows[i]."""
         self.counts.index_put_((rows, tokens.long()), torch.ones_like(rows, dtype=torch.int32),
                                accumulate=True)
-
-    @torch.inference_mode()   # the table is an inference tensor (built inside a step)
-    def count_kept(self, kept: list[tuple[Sequence, list[int]]], upload: Upload) -> None:
-        """Each seq kept these tokens of a speculative step (whose draws were not counted):
-        all of a step's in one launch."""
-        pairs = [(self.row_of[seq], t) for seq, tokens in kept if seq in self.row_of for t in tokens]
-        if pairs:
-            rows, tokens = upload(pairs, torch.int64).unbind(1)
-            self.count(rows, tokens)
 
     def forget(self, seq: Sequence) -> None:
         row = self.row_of.pop(seq, None)

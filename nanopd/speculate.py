@@ -74,7 +74,7 @@ from nanopd.kv_cache import OutOfBlocks, allocate_kv_cache, kv_bytes_per_block
 from nanopd.model import AttentionMetadata, CausalLM, load_model
 from nanopd.request import Sequence, Status
 from nanopd.runner import Lane, ModelRunner, StepOutput
-from nanopd.sampler import Draw, sample
+from nanopd.sampler import Draw, TokenCounts, sample
 from nanopd.scheduler import Batch, Scheduler
 
 
@@ -487,6 +487,16 @@ class Speculator:
         return kept, draws
 
 
+@torch.inference_mode()   # the counts' table is an inference tensor (built inside a step)
+def count_kept(counts: TokenCounts, kept: list[tuple[Sequence, list[int]]], upload: Callable) -> None:
+    """Each penalized seq kept these tokens of a drafting step (whose draws were not counted):
+    into its token counts, all of a step's in one launch."""
+    pairs = [(counts.row_of[seq], t) for seq, tokens in kept if seq in counts.row_of for t in tokens]
+    if pairs:
+        rows, tokens = upload(pairs, torch.int64).unbind(1)
+        counts.count(rows, tokens)
+
+
 def later_rounds(out: StepOutput) -> list[list[list[int]]]:
     """Wait for a step's copies: per sequence (batch row), each later round's drafts then its
     sampled tokens (SpecRunner.later_rounds sent them home in out.more); [] without later rounds."""
@@ -771,7 +781,7 @@ class SpecEngine(Engine):
                 continue
             rounds = later[step.batch.seqs.index(seq)] if later else ()
             self._take_drafted(seq, index, d, checked, token, extra + k, logprobs, counted, rounds)
-        self.runner.token_counts.count_kept(counted, self.runner.upload)
+        count_kept(self.runner.token_counts, counted, self.runner.upload)
 
     def _take_drafted(self, seq: Sequence, index: int, drafted: Drafted, checked: list[int], token: int,
                       draw: int, logprobs: dict, counted: list[tuple[Sequence, list[int]]],
