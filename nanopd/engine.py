@@ -84,6 +84,7 @@ def record_logprobs(seq: Sequence, token: int, token_logprob: float, rank: int,
                                       seq.request.params.logprobs))
     seq.cumulative_logprob += token_logprob
 
+
 def record_prompt_logprobs(step: "LaunchedStep") -> None:
     """Each prompt token the step scored: its entry, as an output token's, appended to its
     request's prompt_logprobs (steps finish in launch order: the entries in prompt order)."""
@@ -292,7 +293,7 @@ class Engine:
 
     def _add_seq(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
         seq = self.sequence_class(req, index, token_ids, len(req.prompt_token_ids), arrival=req.arrival,
-                       generator=seeded_generator(req.params, index, self.model.device))
+                                  generator=seeded_generator(req.params, index, self.model.device))
         req.seqs.append(seq)
         self.scheduler.add(seq)
         return seq
@@ -300,11 +301,10 @@ class Engine:
     def fork(self, seq: Sequence, index: int, generator: torch.Generator | None = None) -> Sequence:
         """A running child sharing every block of seq (copy-on-write); its own generator
         (seeded seed + index) unless given one."""
+        generator = generator or seeded_generator(seq.request.params, index, self.model.device)
         child = self.sequence_class(seq.request, index, list(seq.token_ids), seq.num_prompt_tokens,
-                         num_computed=seq.num_computed, cumulative_logprob=seq.cumulative_logprob,
-                         logprobs=list(seq.logprobs),
-                         generator=generator or seeded_generator(seq.request.params, index,
-                                                                 self.model.device))
+                                    num_computed=seq.num_computed, cumulative_logprob=seq.cumulative_logprob,
+                                    logprobs=list(seq.logprobs), generator=generator)
         self.scheduler.fork(seq, child)
         seq.request.seqs.append(child)
         return child
@@ -323,8 +323,8 @@ class Engine:
         """Schedule and launch a batch, then finish the step launched before it, whose
         sampled tokens were copied to the host meanwhile: the host's bookkeeping overlaps
         the device's work instead of leaving it idle. Returns the ids of the requests that
-        finished. A step that raises ends the
-        requests it carried with that error; the engine goes on serving the others."""
+        finished. A step that raises ends the requests it carried with that error; the
+        engine goes on serving the others."""
         self._before_schedule()
         batch = self.scheduler.schedule()
         self._after_schedule(batch)
@@ -374,11 +374,11 @@ class Engine:
         return step
 
     def _plan_draws(self, batch: Batch, done: list[int]) -> tuple[list[tuple[int, int]], list[Draw]]:
-        """The tokens to sample after the sequences batch.seqs[done]: per
-        draw (row, j) and its Draw. n > 1: a prompt's only sequence is forked once its first
-        token is sampled, and each child j draws its own first token from the same logits,
-        with its own generator. This runs for every sequence of every step: a request that
-        adjusts no logits (Request.adjusts) costs one plain Draw. A sequence with tokens ahead
+        """The tokens to sample after the sequences batch.seqs[done]: per draw (row, j) and
+        its Draw. n > 1: a prompt's only sequence is forked once its first token is sampled,
+        and each child j draws its own first token from the same logits, with its own
+        generator. This runs for every sequence of every step: a request that adjusts no
+        logits (Request.adjusts) costs one plain Draw. A sequence with tokens ahead
         (Batch.ahead) draws after the last of them, counting them as its own."""
         plan, draws = [], []
         for i in done:
@@ -454,13 +454,8 @@ class Engine:
         self._end(seq, free=free)
 
     def _add_text(self, seq: Sequence, index: int) -> str:
-        """Detokenize seq's output up to its token at index; the text that token added. The
-        detokenizer starts at the first check (after an import or a fork, from the tokens
-        the sequence came with)."""
-        if seq.detokenizer is None:
-            seq.detokenizer = Detokenizer(self.tokenizer, seq.token_ids[seq.num_prompt_tokens:index],
-                                          seq.request.params.skip_special_tokens)
-        return seq.detokenizer.add(seq.token_ids[index])
+        """Detokenize seq's output up to its token at index; the text that token added."""
+        return detokenized(seq, index, self.tokenizer).add(seq.token_ids[index])
 
     # -- requests that end early: aborted, failed, or unable to run
 
@@ -566,17 +561,21 @@ class Engine:
                              finished=req.finished, error=req.error, prompt_logprobs=prompt_logprobs)
 
 
-def text_so_far(seq: Sequence, known: int, tokenizer) -> str:
-    """The text of seq's first known output tokens (cut where a stop string ended it).
-    Stop strings keep it already (their check decodes each token as it comes,
-    _add_text): it is decoded once."""
+def detokenized(seq: Sequence, upto: int, tokenizer) -> Detokenizer:
+    """seq's detokenizer, made at first use (after an import or a fork, from the tokens the
+    sequence came with) and fed its tokens before position upto: one a sequence, so its text
+    is decoded once, for stop strings (Engine._add_text) and streams (text_so_far) alike."""
     if seq.detokenizer is None:
-        skip = seq.request.params.skip_special_tokens
-        seq.detokenizer = Detokenizer(tokenizer, skip_special_tokens=skip)
+        seq.detokenizer = Detokenizer(tokenizer, skip_special_tokens=seq.request.params.skip_special_tokens)
     detok, start = seq.detokenizer, seq.num_prompt_tokens
-    for token in seq.token_ids[start + len(detok.ids):start + known]:
+    for token in seq.token_ids[start + len(detok.ids):upto]:
         detok.add(token)
-    return detok.text[:seq.text_end]
+    return detok
+
+
+def text_so_far(seq: Sequence, known: int, tokenizer) -> str:
+    """The text of seq's first known output tokens (cut where a stop string ended it)."""
+    return detokenized(seq, seq.num_prompt_tokens + known, tokenizer).text[:seq.text_end]
 
 
 def completion_text(seq: Sequence, tokenizer) -> str:

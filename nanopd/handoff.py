@@ -56,7 +56,7 @@ class HandoffSeats(Scheduler):
         request.arrival_order). None while none is free, or while a prompt or a queued
         import that arrived earlier waits for a seat: seats go first come, first served.
         A queued import that gets its seat leaves the queue."""
-        if len(self.running) + self.importing >= self.max_num_seqs:
+        if self._seats_held() >= self.max_num_seqs:
             return None
         if self.waiting and self.waiting[0].arrival < order:   # a prompt that came first goes first
             return None

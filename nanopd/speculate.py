@@ -497,7 +497,7 @@ def count_kept(counts: TokenCounts, kept: list[tuple[Sequence, list[int]]], uplo
         counts.count(rows, tokens)
 
 
-def later_rounds(out: StepOutput) -> list[list[list[int]]]:
+def later_rounds_of(out: StepOutput) -> list[list[list[int]]]:
     """Wait for a step's copies: per sequence (batch row), each later round's drafts then its
     sampled tokens (SpecRunner.later_rounds sent them home in out.more); [] without later rounds."""
     out.wait()
@@ -772,7 +772,7 @@ class SpecEngine(Engine):
         drafted, extra = step.extra, step.num_extra
         if drafted is None:
             return super()._take_tokens(step, tokens, logprobs)
-        checked, later = tokens[:extra], later_rounds(step.output)   # later: per batch row (Rounds)
+        checked, later = tokens[:extra], later_rounds_of(step.output)   # later: per batch row (Rounds)
         counted: list[tuple[Sequence, list[int]]] = []   # penalized drafted sequences: what they kept
         for k, ((seq, index), token) in enumerate(zip(step.targets, tokens[extra:])):
             d = drafted.get(seq)
